@@ -1,0 +1,120 @@
+"""Deadlines, limits and NIXL options of a connector, in one frozen record."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, Literal
+
+import attrs
+
+NixlSyncMode = Literal["rw", "strict"]
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _positive(_instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not (_is_number(value) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{attribute.name} must be a finite number > 0, got {value!r}")
+
+
+def _at_least_one(_instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
+
+
+def _non_negative(_instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not (_is_number(value) and math.isfinite(value) and value >= 0):
+        raise ValueError(f"{attribute.name} must be a finite number >= 0, got {value!r}")
+
+
+def _non_negative_int(_instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{attribute.name} must be an int >= 0, got {value!r}")
+
+
+def _freeze_backend_params(
+    params: Mapping[str, Mapping[str, str]],
+) -> Mapping[str, Mapping[str, str]]:
+    return MappingProxyType(
+        {
+            str(name): MappingProxyType({str(k): str(v) for k, v in opts.items()})
+            for name, opts in params.items()
+        }
+    )
+
+
+@attrs.frozen(kw_only=True)
+class ConnectorConfig:
+    """Every deadline, limit and NIXL option of a connector.
+
+    All durations are in seconds. The defaults suit one host or a fast
+    network; a deployment across hosts may want a longer ``handshake_timeout``.
+
+    Attributes:
+        handshake_timeout: how long fetching a remote engine's metadata over the
+            side channel may take, including the wait for a free fetch slot.
+            Every pull waiting on that engine fails with
+            :class:`~trio_pd.HandshakeError` when it passes. Default 5.0 (as vLLM).
+        transfer_timeout: how long one pull's NIXL transfer may take once posted.
+            Past it the pull raises :class:`~trio_pd.TransferError`. Default 30.0.
+        abort_timeout: how long the producer holds exposed blocks for their
+            consumers; after it the exposure resolves
+            :attr:`~trio_pd.Released.EXPIRED` and the blocks may be reused.
+            Default 120.0.
+        close_timeout: bound on the cleanup work at shutdown (waiting for
+            in-flight transfers to stop before their handles are released).
+            Default 5.0.
+        max_concurrent_fetches: how many metadata fetches (network round trips)
+            may be in flight at once, for different engines. ``1`` serialises
+            them as vLLM does. NIXL calls are always serialised. Default 8.
+        max_message_bytes: the largest side-channel message accepted, in either
+            direction; larger ones are dropped by ZeroMQ. Default 1 MiB.
+        poll_interval: sleep between polls of in-flight transfers once the spin
+            budget is used up. trio rounds sleeps up to about 1 ms. Default 0.001.
+        poll_spin: after a transfer is posted or completes, the poller checks
+            again with bare checkpoints (no sleep) for this long, so small
+            transfers complete with sub-millisecond latency. Default 0.0002.
+        notification_poll_interval: how often the producer collects consumer
+            notifications while exposures are pending. Default 0.002.
+        idle_notification_poll_interval: the same while nothing is pending (late
+            notifications are then only logged). Default 0.05.
+        resolved_history: how many resolved exposures are remembered so that
+            :meth:`~trio_pd.Connector.wait_released` called after the fact still
+            sees the outcome. Default 4096.
+        compatibility_key: a string that must be equal on producer and consumer
+            (for example the model name and revision). It goes into the
+            compatibility hash. Default ``""``.
+        nixl_backends: NIXL backends to create. Default ``("UCX",)``.
+        nixl_backend_params: per-backend init parameters passed to NIXL's
+            ``create_backend``, e.g. ``{"UCX": {"ucx_error_handling_mode": "peer"}}``.
+        nixl_sync_mode: the NIXL agent's thread-sync mode. The handshake thread
+            and the trio thread call the same agent, so ``"none"`` is not offered:
+            ``"rw"`` (reader/writer lock, the default) or ``"strict"`` (one lock).
+        nixl_num_threads: worker threads for multi-threaded backends (0 = backend
+            default).
+    """
+
+    handshake_timeout: float = attrs.field(default=5.0, validator=_positive)
+    transfer_timeout: float = attrs.field(default=30.0, validator=_positive)
+    abort_timeout: float = attrs.field(default=120.0, validator=_positive)
+    close_timeout: float = attrs.field(default=5.0, validator=_positive)
+    max_concurrent_fetches: int = attrs.field(default=8, validator=_at_least_one)
+    max_message_bytes: int = attrs.field(default=1 << 20, validator=_at_least_one)
+    poll_interval: float = attrs.field(default=0.001, validator=_positive)
+    poll_spin: float = attrs.field(default=0.0002, validator=_non_negative)
+    notification_poll_interval: float = attrs.field(default=0.002, validator=_positive)
+    idle_notification_poll_interval: float = attrs.field(default=0.05, validator=_positive)
+    resolved_history: int = attrs.field(default=4096, validator=_at_least_one)
+    compatibility_key: str = ""
+    nixl_backends: tuple[str, ...] = attrs.field(default=("UCX",), converter=tuple)
+    nixl_backend_params: Mapping[str, Mapping[str, str]] = attrs.field(
+        factory=dict, converter=_freeze_backend_params, eq=False
+    )
+    nixl_sync_mode: NixlSyncMode = attrs.field(
+        default="rw", validator=attrs.validators.in_(("rw", "strict"))
+    )
+    nixl_num_threads: int = attrs.field(default=0, validator=_non_negative_int)

@@ -1,0 +1,722 @@
+"""The connector: one engine's side channel, handshakes, pulls and exposures.
+
+This module is the trio shell that ties the I/O-free pieces (``_protocol``,
+``_engines``, ``_exposures``, ``_layout``) to ZeroMQ (``_zmq``) and NIXL
+(``_nixl``). The task tree, all owned by the nursery of :func:`open_connector`::
+
+    open_connector nursery
+    |-- listener             ROUTER socket: answers metadata requests
+    |-- handshake task       the only task that changes NIXL's remote agents
+    |-- notification task    producer: counts notifications, expires exposures
+    `-- fetch tasks          one per handshake attempt, at most
+                             ``max_concurrent_fetches`` on the network at once
+
+Pulls run in the caller's task; each waits on its engine's handshake attempt
+(a :class:`trio.Event` with the outcome stored beside it), then runs its
+transfer in a NIXL worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+import attrs
+import numpy as np
+import trio
+import zmq
+from trio_util import AsyncValue
+
+from . import _protocol as protocol
+from ._config import ConnectorConfig
+from ._engines import HANDSHAKE_STARTING, EngineEvent, EngineRecord, EngineState
+from ._errors import HandshakeError, IncompatibleEngineError, ProtocolError, TransferError
+from ._exposures import ExposureTable, Notice, Released
+from ._groups import unwrapped_errors
+from ._layout import KVLayout, as_block_ids, layout_of_tensors
+from ._nixl import EngineClosing, NixlCallError, NixlEngine, RemoteAgent, TransferTimeout
+from ._records import ConnectorStatistics, PullResult, RemoteBlocks
+from ._zmq import TrioZmqSocket
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger("trio_pd")
+
+
+@attrs.define(eq=False)
+class _Attempt:
+    """One handshake attempt: waiters wait on ``done``, then read the outcome."""
+
+    done: trio.Event = attrs.field(factory=trio.Event)
+    remote: RemoteAgent | None = None
+    error: HandshakeError | None = None
+
+
+@attrs.define(eq=False)
+class _Engine:
+    record: EngineRecord
+    attempt: _Attempt = attrs.field(factory=_Attempt)
+
+
+@attrs.define
+class _Counters:
+    handshakes_started: int = 0
+    handshakes_succeeded: int = 0
+    handshakes_failed: int = 0
+    pulls_succeeded: int = 0
+    pulls_failed: int = 0
+    bytes_pulled: int = 0
+    notifications_ignored: int = 0
+    listener_requests: int = 0
+    listener_rejects: int = 0
+
+
+class Connector:
+    """One engine's end of P/D KV transfer: producer, consumer, or both.
+
+    Create it with :func:`open_connector`, which owns its tasks and resources.
+    A prefill engine calls :meth:`expose` and :meth:`wait_released`; a decode
+    engine calls :meth:`pull`. All methods are safe to call from many tasks.
+    After the connector closes, every method raises
+    :class:`trio.ClosedResourceError`.
+    """
+
+    def __init__(
+        self,
+        engine_id: str,
+        layout: KVLayout,
+        nixl: NixlEngine,
+        zmq_context: zmq.Context[zmq.Socket[bytes]],
+        config: ConnectorConfig,
+        incarnation: str,
+    ) -> None:
+        self._engine_id = engine_id
+        self._layout = layout
+        self._nixl = nixl
+        self._zmq = zmq_context
+        self._config = config
+        self._incarnation = incarnation
+        self._address: tuple[str, int] | None = None
+        self._closed = False
+        self._nursery: trio.Nursery | None = None
+        self._compat_hash = protocol.compatibility_hash(config.compatibility_key)
+        self._engines: dict[str, _Engine] = {}
+        self._fetch_limiter = trio.CapacityLimiter(config.max_concurrent_fetches)
+        self._loads_send, self._loads_receive = trio.open_memory_channel[_Engine](math.inf)
+        self._exposures = ExposureTable(history=config.resolved_history)
+        self._release_events: dict[str, trio.Event] = {}
+        self._exposure_added = trio.Event()
+        self._pulls_in_flight = AsyncValue(0)
+        self._counters = _Counters()
+        self._encoded_reply = b""
+
+    # ---- public ---------------------------------------------------------
+
+    @property
+    def engine_id(self) -> str:
+        """This engine's id."""
+        return self._engine_id
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The side channel's ``(host, port)`` as bound (the real port if 0 was asked)."""
+        assert self._address is not None, "connector not started"
+        return self._address
+
+    @property
+    def layout(self) -> KVLayout:
+        """The local KV cache's layout."""
+        return self._layout
+
+    def expose(self, request_id: str, block_ids: Sequence[int], consumers: int = 1) -> RemoteBlocks:
+        """Hold ``block_ids`` for ``consumers`` decode engines to read (producer side).
+
+        The blocks must already hold the request's KV data and must not be
+        reused until :meth:`wait_released` says so. The returned record goes to
+        the decoder (via :meth:`RemoteBlocks.to_kv_transfer_params` through a
+        P/D proxy). The exposure resolves :attr:`Released.READ` when
+        ``consumers`` distinct decode engines have read and notified, or
+        :attr:`Released.EXPIRED` after ``config.abort_timeout``.
+
+        Raises:
+            ValueError: ``request_id`` is already pending; block ids out of
+                range, repeated or not ints; ``consumers < 1``.
+            trio.ClosedResourceError: the connector is closed.
+        """
+        self._check_open()
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        ids = as_block_ids(
+            block_ids, self._layout.num_blocks, f"block ids of request {request_id!r}"
+        )
+        deadline = trio.current_time() + self._config.abort_timeout
+        self._exposures.expose(request_id, ids, consumers, deadline)
+        self._release_events[request_id] = trio.Event()
+        self._exposure_added.set()
+        host, port = self.address
+        return RemoteBlocks(self._engine_id, host, port, ids.tolist(), request_id)
+
+    async def wait_released(self, request_id: str) -> Released:
+        """Wait until the exposure of ``request_id`` resolves; return how.
+
+        Returns at once if it already resolved (outcomes are remembered for
+        the last ``config.resolved_history`` exposures).
+
+        Raises:
+            KeyError: ``request_id`` was never exposed (or long forgotten).
+            trio.ClosedResourceError: the connector closed first.
+        """
+        self._check_open()
+        outcome = self._exposures.outcome(request_id)
+        if outcome is not None:
+            await trio.lowlevel.checkpoint()
+            return outcome
+        await self._release_events[request_id].wait()
+        self._check_open()
+        outcome = self._exposures.outcome(request_id)
+        assert outcome is not None
+        return outcome
+
+    async def pull(
+        self, request_id: str, local_block_ids: Sequence[int], remote: RemoteBlocks
+    ) -> PullResult:
+        """Copy ``remote``'s blocks into ``local_block_ids`` (consumer side).
+
+        The k-th remote block lands in the k-th local block, in every region.
+        The first pull for an engine starts its handshake; concurrent pulls for
+        that engine share it; pulls for ready engines never wait for another
+        engine's handshake. When this returns, the data is in place and the
+        producer has been notified. An empty ``local_block_ids`` only notifies
+        the producer (a full prefix-cache hit).
+
+        Cancellation: if the calling task is cancelled, the transfer is
+        aborted (or, if NIXL cannot abort it, waited for) before
+        :class:`trio.Cancelled` propagates, so nothing writes into the local
+        blocks afterwards. The handshake itself goes on for other waiters.
+
+        Raises:
+            ValueError: before anything is sent: local and remote lengths
+                differ; a block id is out of range, repeated or not an int.
+                Remote ids are checked against the remote's size once the
+                handshake is done, still before any transfer.
+            HandshakeError: the handshake failed (the same error for every
+                pull that waited on it); :class:`IncompatibleEngineError` if the
+                engines cannot be paired.
+            TransferError: NIXL reported an error, or the transfer did not
+                finish within ``config.transfer_timeout``; it names the local
+                block ids that hold undefined data.
+            trio.ClosedResourceError: the connector is (or got) closed.
+        """
+        self._check_open()
+        started = trio.current_time()
+        what = f"request {request_id!r}"
+        local_ids = as_block_ids(
+            local_block_ids, self._layout.num_blocks, f"local block ids of {what}"
+        )
+        if local_ids.size and local_ids.size != len(remote.block_ids):
+            raise ValueError(
+                f"{what}: {local_ids.size} local block ids for "
+                f"{len(remote.block_ids)} remote block ids"
+            )
+        engine = self._engine_for(remote)
+        remote_agent = await self._wait_ready(engine)
+        handshake_wait = trio.current_time() - started
+        notification = protocol.encode_notification(remote.request_id)
+        if local_ids.size == 0:
+            await self._notify_only(request_id, remote_agent, notification)
+            return PullResult(request_id, remote.engine_id, 0, handshake_wait, handshake_wait)
+        remote_ids = as_block_ids(
+            remote.block_ids,
+            remote_agent.layout.num_blocks,
+            f"remote block ids of {what} (engine {remote.engine_id!r})",
+        )
+        nbytes = int(local_ids.size) * self._layout.bytes_per_block_id
+        await self._read(
+            request_id,
+            local_ids,
+            remote_agent,
+            self._layout.descriptor_indices(local_ids),
+            remote_agent.layout.descriptor_indices(remote_ids),
+            notification,
+        )
+        self._counters.pulls_succeeded += 1
+        self._counters.bytes_pulled += nbytes
+        return PullResult(
+            request_id,
+            remote.engine_id,
+            nbytes,
+            trio.current_time() - started,
+            handshake_wait,
+        )
+
+    def statistics(self) -> ConnectorStatistics:
+        """A snapshot of this connector's counters."""
+        c = self._counters
+        ready = sum(1 for e in self._engines.values() if e.record.state is EngineState.READY)
+        return ConnectorStatistics(
+            handshakes_started=c.handshakes_started,
+            handshakes_succeeded=c.handshakes_succeeded,
+            handshakes_failed=c.handshakes_failed,
+            engines_ready=ready,
+            pulls_succeeded=c.pulls_succeeded,
+            pulls_failed=c.pulls_failed,
+            pulls_in_flight=self._pulls_in_flight.value,
+            bytes_pulled=c.bytes_pulled,
+            exposures_pending=self._exposures.pending,
+            exposures_released=self._exposures.released,
+            exposures_expired=self._exposures.expired,
+            notifications_ignored=c.notifications_ignored,
+            listener_requests=c.listener_requests,
+            listener_rejects=c.listener_rejects,
+        )
+
+    def engine_state(self, engine_id: str) -> EngineState:
+        """Where the handshake with ``engine_id`` stands (``UNKNOWN`` if never seen)."""
+        engine = self._engines.get(engine_id)
+        return EngineState.UNKNOWN if engine is None else engine.record.state
+
+    # ---- consumer: handshakes -------------------------------------------
+
+    def _engine_for(self, remote: RemoteBlocks) -> _Engine:
+        """The engine record for ``remote``, starting a handshake if it needs one."""
+        engine = self._engines.get(remote.engine_id)
+        if engine is None:
+            record = EngineRecord(remote.engine_id, remote.host, remote.port)
+            engine = self._engines[remote.engine_id] = _Engine(record)
+        record = engine.record
+        if record.state in HANDSHAKE_STARTING:
+            record.host, record.port = remote.host, remote.port
+            record.apply(EngineEvent.PULL_REQUESTED)
+            engine.attempt = _Attempt()
+            self._counters.handshakes_started += 1
+            logger.info(
+                "engine %s: handshake %d started (%s:%d)",
+                record.engine_id,
+                record.attempts,
+                record.host,
+                record.port,
+            )
+            assert self._nursery is not None
+            self._nursery.start_soon(self._fetch_metadata, engine)
+        elif (record.host, record.port) != (remote.host, remote.port):
+            logger.warning(
+                "engine %s is known at %s:%d; ignoring the address %s:%d of request %r",
+                record.engine_id,
+                record.host,
+                record.port,
+                remote.host,
+                remote.port,
+                remote.request_id,
+            )
+        return engine
+
+    async def _wait_ready(self, engine: _Engine) -> RemoteAgent:
+        attempt = engine.attempt
+        await attempt.done.wait()
+        self._check_open()
+        if attempt.remote is not None:
+            return attempt.remote
+        if attempt.error is not None:
+            error = attempt.error
+            raise type(error)(error.engine_id, error.reason) from error.__cause__
+        raise trio.ClosedResourceError("connector closed during the handshake")
+
+    async def _fetch_metadata(self, engine: _Engine) -> None:
+        """Fetch and check ``engine``'s metadata, then queue it for the handshake task."""
+        record = engine.record
+        eid, timeout = record.engine_id, self._config.handshake_timeout
+        try:
+            try:
+                with trio.fail_after(timeout):
+                    async with self._fetch_limiter:
+                        data = await self._request_metadata(record.host, record.port, eid)
+            except trio.TooSlowError:
+                raise HandshakeError(
+                    eid,
+                    f"no valid reply from {record.host}:{record.port} within {timeout:g} s "
+                    f"(peer down, not answering, or its reply exceeded "
+                    f"{self._config.max_message_bytes} bytes)",
+                ) from None
+            except zmq.ZMQError as exc:
+                raise HandshakeError(
+                    eid, f"side channel to {record.host}:{record.port}: {exc}"
+                ) from exc
+            metadata = protocol.decode_reply(
+                data,
+                expected_engine_id=eid,
+                local_hash=self._compat_hash,
+                max_bytes=self._config.max_message_bytes,
+            )
+            layout = self._remote_layout(eid, metadata)
+        except HandshakeError as exc:
+            self._handshake_failed(engine, exc)
+            return
+        record.metadata_received(metadata, layout)
+        self._loads_send.send_nowait(engine)
+
+    def _remote_layout(self, engine_id: str, metadata: protocol.EngineMetadata) -> KVLayout:
+        try:
+            layout = metadata.layout()
+        except ProtocolError as exc:
+            raise HandshakeError(engine_id, str(exc)) from None
+        mismatch = self._layout.mismatch(layout)
+        if mismatch is not None:
+            raise IncompatibleEngineError(engine_id, mismatch)
+        return layout
+
+    async def _request_metadata(self, host: str, port: int, engine_id: str) -> bytes:
+        """One request/reply over a fresh DEALER socket (closed on every exit)."""
+        socket = TrioZmqSocket(self._zmq.socket(zmq.DEALER))
+        async with socket:
+            raw = socket.zmq_socket
+            raw.setsockopt(zmq.LINGER, 0)
+            raw.setsockopt(zmq.MAXMSGSIZE, self._config.max_message_bytes)
+            if ":" in host:
+                raw.setsockopt(zmq.IPV6, 1)
+            raw.connect(_endpoint(host, port))
+            request = protocol.encode_request(engine_id, self._engine_id)
+            await socket.send_multipart([b"", request])
+            frames = await socket.receive_multipart()
+            if len(frames) != 2 or frames[0] != b"":
+                raise HandshakeError(
+                    engine_id, f"malformed reply: {len(frames)} frames, expected 2"
+                )
+            return frames[1]
+
+    async def _run_handshakes(self) -> None:
+        """The handshake task: every NIXL remote-agent mutation, one engine at a time."""
+        async for engine in self._loads_receive:
+            record = engine.record
+            assert record.metadata is not None
+            assert record.layout is not None
+            started = time.perf_counter()
+            try:
+                remote = await self._nixl.load_remote(
+                    record.engine_id,
+                    record.metadata.agent_name,
+                    record.metadata.agent_metadata,
+                    record.layout,
+                )
+            except NixlCallError as exc:
+                error = HandshakeError(record.engine_id, f"loading the remote agent: {exc}")
+                error.__cause__ = exc
+                self._handshake_failed(engine, error)
+                continue
+            record.apply(EngineEvent.LOADED)
+            engine.attempt.remote = remote
+            engine.attempt.done.set()
+            self._counters.handshakes_succeeded += 1
+            logger.info(
+                "engine %s: ready (agent %s, %d regions x %d blocks, loaded in %.1f ms)",
+                record.engine_id,
+                remote.agent_name,
+                remote.layout.num_regions,
+                remote.layout.num_blocks,
+                (time.perf_counter() - started) * 1e3,
+            )
+
+    def _handshake_failed(self, engine: _Engine, error: HandshakeError) -> None:
+        engine.record.failed(error)
+        engine.attempt.error = error
+        engine.attempt.done.set()
+        self._counters.handshakes_failed += 1
+        logger.warning("%s", error)
+
+    # ---- consumer: transfers --------------------------------------------
+
+    async def _read(
+        self,
+        request_id: str,
+        local_ids: np.ndarray,
+        remote_agent: RemoteAgent,
+        local_indices: np.ndarray,
+        remote_indices: np.ndarray,
+        notification: bytes,
+    ) -> None:
+        timeout = self._config.transfer_timeout
+        self._pulls_in_flight.value += 1
+        try:
+            await self._nixl.read(
+                remote_agent,
+                local_indices,
+                remote_indices,
+                notification,
+                time.monotonic() + timeout,
+            )
+        except NixlCallError as exc:
+            self._counters.pulls_failed += 1
+            raise TransferError(request_id, local_ids.tolist(), str(exc)) from exc
+        except TransferTimeout:
+            self._counters.pulls_failed += 1
+            raise TransferError(
+                request_id, local_ids.tolist(), f"not complete within {timeout:g} s"
+            ) from None
+        except EngineClosing:
+            raise trio.ClosedResourceError(
+                f"connector closed while request {request_id!r} was in flight"
+            ) from None
+        finally:
+            self._pulls_in_flight.value -= 1
+
+    async def _notify_only(
+        self, request_id: str, remote_agent: RemoteAgent, notification: bytes
+    ) -> None:
+        self._pulls_in_flight.value += 1
+        try:
+            await self._nixl.notify(remote_agent, notification)
+        except NixlCallError as exc:
+            self._counters.pulls_failed += 1
+            raise TransferError(request_id, (), str(exc)) from exc
+        except EngineClosing:
+            raise trio.ClosedResourceError("connector closed") from None
+        finally:
+            self._pulls_in_flight.value -= 1
+        self._counters.pulls_succeeded += 1
+
+    # ---- producer: side channel and notifications -----------------------
+
+    async def _serve_listener(
+        self,
+        host: str,
+        port: int,
+        *,
+        task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Bind the ROUTER socket, report the address, answer requests until cancelled.
+
+        Every request gets a reply: the metadata, or an error reply saying why
+        (counted in ``listener_rejects``). Messages without a request envelope
+        are dropped and counted. Sends never block: ROUTER drops replies to
+        peers that are gone.
+        """
+        socket = TrioZmqSocket(self._zmq.socket(zmq.ROUTER))
+        async with socket:
+            raw = socket.zmq_socket
+            raw.setsockopt(zmq.LINGER, 0)
+            raw.setsockopt(zmq.MAXMSGSIZE, self._config.max_message_bytes)
+            if ":" in host:
+                raw.setsockopt(zmq.IPV6, 1)
+            try:
+                raw.bind(_endpoint(host, port or "*"))
+            except zmq.ZMQError as exc:
+                raise OSError(
+                    exc.errno, f"cannot bind the side channel to {host}:{port}: {exc}"
+                ) from exc
+            endpoint = raw.getsockopt_string(zmq.LAST_ENDPOINT)
+            bound_port = int(endpoint.rsplit(":", 1)[1])
+            task_status.started((host, bound_port))
+            while True:
+                frames = await socket.receive_multipart()
+                if len(frames) != 3 or frames[1] != b"":
+                    self._counters.listener_rejects += 1
+                    logger.debug("listener: dropped a message of %d frames", len(frames))
+                    continue
+                reply, reject = protocol.serve_request(
+                    frames[2],
+                    engine_id=self._engine_id,
+                    encoded_reply=self._encoded_reply,
+                    max_bytes=self._config.max_message_bytes,
+                )
+                if reject is None:
+                    self._counters.listener_requests += 1
+                else:
+                    self._counters.listener_rejects += 1
+                    logger.debug("listener: rejected a request: %s", reject)
+                await socket.send_multipart([frames[0], b"", reply])
+
+    async def _collect_notifications(self) -> None:
+        """Count consumer notifications and expire overdue exposures, until cancelled."""
+        config = self._config
+        while True:
+            if self._exposures.pending:
+                await trio.sleep(config.notification_poll_interval)
+            else:
+                self._exposure_added = trio.Event()
+                with trio.move_on_after(config.idle_notification_poll_interval):
+                    await self._exposure_added.wait()
+            try:
+                batches = await self._nixl.notifications()
+            except NixlCallError as exc:
+                logger.error("engine %s: %s", self._engine_id, exc)
+                batches = {}
+            for consumer, messages in batches.items():
+                for message in messages:
+                    self._count_notification(consumer, message)
+            for exposure in self._exposures.expire(trio.current_time()):
+                logger.warning(
+                    "engine %s: request %r expired after %g s with %d of %d consumers read",
+                    self._engine_id,
+                    exposure.request_id,
+                    config.abort_timeout,
+                    len(exposure.readers),
+                    exposure.consumers,
+                )
+                self._release_events.pop(exposure.request_id).set()
+
+    def _count_notification(self, consumer: str, message: bytes) -> None:
+        request_id = protocol.decode_notification(message)
+        if request_id is None:
+            self._counters.notifications_ignored += 1
+            logger.warning(
+                "engine %s: ignored a foreign notification from %s: %r",
+                self._engine_id,
+                consumer,
+                message[:64],
+            )
+            return
+        notice = self._exposures.notify(request_id, consumer)
+        if notice is Notice.RELEASED:
+            self._release_events.pop(request_id).set()
+        elif notice is not Notice.COUNTED:
+            self._counters.notifications_ignored += 1
+            logger.warning(
+                "engine %s: %s notification for request %r from %s (it may have expired)",
+                self._engine_id,
+                notice.value,
+                request_id,
+                consumer,
+            )
+
+    # ---- life cycle -----------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError(f"connector {self._engine_id!r} is closed")
+
+    def _begin_close(self) -> None:
+        """Refuse new calls and wake every waiter; in-flight transfers abort."""
+        if self._closed:
+            return
+        self._closed = True
+        self._nixl.begin_close()
+        for event in self._release_events.values():
+            event.set()
+        for engine in self._engines.values():
+            engine.record.apply(EngineEvent.CONNECTOR_CLOSED)
+            engine.attempt.done.set()
+        self._loads_send.close()
+
+    async def _release(self) -> None:
+        """Wait (bounded) for in-flight pulls, then release NIXL and ZeroMQ resources.
+
+        Called once, shielded, when the nursery has exited: no task of ours
+        uses NIXL or ZeroMQ any more, only pulls in callers' tasks may.
+        """
+        try:
+            with trio.move_on_after(self._config.close_timeout) as scope:
+                await self._pulls_in_flight.wait_value(lambda n: n == 0)
+            if scope.cancelled_caught:
+                logger.error(
+                    "connector %s: %d pulls still in flight after %g s; NIXL resources leaked",
+                    self._engine_id,
+                    self._pulls_in_flight.value,
+                    self._config.close_timeout,
+                )
+            else:
+                await trio.to_thread.run_sync(self._nixl.close)
+        finally:
+            self._zmq.destroy(linger=0)
+
+
+def _endpoint(host: str, port: int | str) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+@asynccontextmanager
+async def open_connector(
+    engine_id: str,
+    kv_caches: Sequence[torch.Tensor],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    config: ConnectorConfig | None = None,
+) -> AsyncIterator[Connector]:
+    """Open a connector for one engine and run its tasks for the block's duration.
+
+    Registers ``kv_caches`` with a new NIXL agent, binds the side channel on
+    ``host:port`` (``port=0`` picks a free port; see :attr:`Connector.address`)
+    and starts the listener, the handshake task and the notification task in an
+    internal nursery. Returns once the listener is bound, so
+    :meth:`Connector.expose` hands out a working address at once.
+
+    Args:
+        engine_id: this engine's id, unique among the engines that talk to each other.
+        kv_caches: one tensor per region (e.g. per layer, K and V separately);
+            dimension 0 indexes blocks; all the same number of blocks, dtype and
+            device; contiguous. They stay registered until the block exits.
+        host, port: side-channel bind address, also advertised in
+            :class:`RemoteBlocks`.
+        config: deadlines, limits and NIXL options.
+
+    Resource handling:
+        On every exit -- normal, an exception in the block, or cancellation from
+        outside -- the block's end stops the tasks, wakes every waiter with
+        :class:`trio.ClosedResourceError`, aborts in-flight transfers (waiting
+        at most ``config.close_timeout`` for pulls in other tasks to let go),
+        then releases transfer handles, remote agents, descriptor lists, the
+        memory registration, the NIXL agent and the ZeroMQ sockets and context.
+
+    Error handling:
+        An exception in the block propagates as itself. A failure of the
+        connector's own tasks (a bug, or the bind failing) propagates as
+        itself, not wrapped in an :class:`ExceptionGroup`; only when several
+        unrelated exceptions happen at once is the group raised.
+
+    Raises:
+        ValueError: invalid ``engine_id`` or ``kv_caches``.
+        OSError: the side channel cannot bind ``host:port``.
+    """
+    if not isinstance(engine_id, str) or not engine_id:
+        raise ValueError(f"engine_id must be a non-empty string, got {engine_id!r}")
+    config = ConnectorConfig() if config is None else config
+    layout = layout_of_tensors(kv_caches)
+    incarnation = secrets.token_hex(8)
+    nixl = await NixlEngine.create(f"{engine_id}#{incarnation}", kv_caches, layout, config)
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    connector = Connector(engine_id, layout, nixl, context, config, incarnation)
+    try:
+        async with unwrapped_errors(), trio.open_nursery() as nursery:
+            connector._nursery = nursery
+            connector._address = await nursery.start(connector._serve_listener, host, port)
+            connector._encoded_reply = protocol.encode_message(
+                protocol.metadata_reply(
+                    protocol.EngineMetadata(
+                        engine_id=engine_id,
+                        incarnation=incarnation,
+                        agent_name=nixl.agent_name,
+                        agent_metadata=nixl.agent_metadata(),
+                        num_blocks=layout.num_blocks,
+                        base_addrs=list(layout.base_addrs),
+                        block_lens=list(layout.block_lens),
+                        device_id=layout.device_id,
+                        mem_type=layout.mem_type,
+                        dtype=layout.dtype,
+                    ),
+                    connector._compat_hash,
+                )
+            )
+            nursery.start_soon(connector._run_handshakes)
+            nursery.start_soon(connector._collect_notifications)
+            logger.info(
+                "engine %s: connector open on %s:%d (%d regions x %d blocks)",
+                engine_id,
+                *connector._address,
+                layout.num_regions,
+                layout.num_blocks,
+            )
+            try:
+                yield connector
+            finally:
+                connector._begin_close()
+                nursery.cancel_scope.cancel()
+    finally:
+        connector._begin_close()
+        # close_timeout bounds the wait for pulls; NIXL's own releases take ms.
+        with trio.move_on_after(2 * config.close_timeout, shield=True):
+            await connector._release()

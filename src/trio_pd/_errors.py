@@ -1,0 +1,78 @@
+"""The exceptions trio_pd raises.
+
+Every error names what it is about (the engine or the request) and why, so a
+log line or a failed request can be traced without a debugger.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class TrioPdError(Exception):
+    """Base class of every error trio_pd raises on purpose."""
+
+
+class HandshakeError(TrioPdError):
+    """The handshake with a remote prefill engine failed.
+
+    Raised by :meth:`~trio_pd.Connector.pull` in every request that waited on
+    that engine. The handshake's own failure is chained as ``__cause__`` when
+    there is one.
+
+    Attributes:
+        engine_id: the remote engine the handshake was for.
+        reason: a one-line description of what went wrong.
+    """
+
+    def __init__(self, engine_id: str, reason: str) -> None:
+        super().__init__(f"handshake with engine {engine_id!r} failed: {reason}")
+        self.engine_id = engine_id
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[type[HandshakeError], tuple[str, str]]:
+        return (type(self), (self.engine_id, self.reason))
+
+
+class IncompatibleEngineError(HandshakeError):
+    """The remote engine answered, but cannot be paired with this one.
+
+    The reply came from the wrong engine, speaks another protocol version, has
+    another compatibility hash, or lays its KV cache out differently (number of
+    regions, bytes per block, dtype). ``reason`` names the mismatch.
+    """
+
+
+class TransferError(TrioPdError):
+    """A pull's NIXL transfer failed, timed out or could not be posted.
+
+    The local blocks named in ``failed_block_ids`` hold undefined data: the
+    caller should recompute or fail the request.
+
+    Attributes:
+        request_id: the pulling request's id.
+        failed_block_ids: the local block ids that did not receive their data.
+        reason: a one-line description of what went wrong.
+    """
+
+    def __init__(self, request_id: str, failed_block_ids: Sequence[int], reason: str) -> None:
+        ids = tuple(int(b) for b in failed_block_ids)
+        super().__init__(
+            f"transfer for request {request_id!r} failed ({len(ids)} local blocks): {reason}"
+        )
+        self.request_id = request_id
+        self.failed_block_ids = ids
+        self.reason = reason
+
+    def __reduce__(
+        self,
+    ) -> tuple[type[TransferError], tuple[str, tuple[int, ...], str]]:
+        return (type(self), (self.request_id, self.failed_block_ids, self.reason))
+
+
+class ProtocolError(TrioPdError):
+    """A side-channel message could not be decoded or broke the protocol.
+
+    Internal to the wire layer: the connector turns it into a
+    :class:`HandshakeError` (consumer side) or a counted reject (listener side).
+    """

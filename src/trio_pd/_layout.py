@@ -1,0 +1,190 @@
+"""KV-cache layout and descriptor math (no I/O).
+
+A *region* is one registered KV tensor (a layer's K, say); dimension 0 of every
+region indexes blocks, and all regions have the same number of blocks. Block
+``b`` of region ``r`` is the byte range ``base[r] + b * block_len[r]`` of length
+``block_len[r]``. NIXL descriptor lists hold one descriptor per (region, block),
+region-major: descriptor index ``r * num_blocks + b``. A pull of blocks
+``src`` into blocks ``dst`` pairs local index ``r * n_local + dst[k]`` with remote
+index ``r * n_remote + src[k]`` for every region ``r``: the same order on both
+sides, so the k-th local descriptor receives the k-th remote one.
+
+Everything here is vectorised with numpy: no per-block Python loops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:
+    import torch
+
+BlockIds = npt.NDArray[np.int64]
+"""A validated one-dimensional array of block ids."""
+
+_INDEX_LIMIT = np.iinfo(np.int32).max
+
+
+def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(int(v) for v in values)
+
+
+@attrs.frozen
+class KVLayout:
+    """Where a KV cache lies in memory, as NIXL needs to know it.
+
+    Attributes:
+        base_addrs: start address of each region.
+        block_lens: bytes per block of each region.
+        num_blocks: blocks per region (the same for all regions).
+        device_id: NIXL device id (0 for host memory).
+        mem_type: NIXL memory type, ``"DRAM"`` or ``"VRAM"``.
+        dtype: element type of the regions, e.g. ``"torch.bfloat16"``.
+    """
+
+    base_addrs: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    block_lens: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    num_blocks: int
+    device_id: int = 0
+    mem_type: str = "DRAM"
+    dtype: str = "torch.uint8"
+
+    def __attrs_post_init__(self) -> None:
+        if not self.base_addrs:
+            raise ValueError("a KV layout needs at least one region")
+        if len(self.base_addrs) != len(self.block_lens):
+            raise ValueError(
+                f"{len(self.base_addrs)} base addresses but {len(self.block_lens)} block lengths"
+            )
+        if self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if min(self.block_lens) < 1:
+            raise ValueError(f"block lengths must be >= 1, got {self.block_lens}")
+        if min(self.base_addrs) < 0:
+            raise ValueError("base addresses must be >= 0")
+        if self.num_regions * self.num_blocks > _INDEX_LIMIT:
+            raise ValueError(
+                f"{self.num_regions} regions x {self.num_blocks} blocks exceed NIXL's index range"
+            )
+
+    @property
+    def num_regions(self) -> int:
+        return len(self.base_addrs)
+
+    @property
+    def bytes_per_block_id(self) -> int:
+        """Bytes moved per block id (one block in every region)."""
+        return sum(self.block_lens)
+
+    def descriptors(self) -> npt.NDArray[np.int64]:
+        """All ``num_regions * num_blocks`` descriptors as an ``N x 3`` array.
+
+        Rows are ``(address, length, device_id)``, region-major, the format
+        NIXL's ``prep_xfer_dlist`` takes.
+        """
+        bases = np.asarray(self.base_addrs, dtype=np.int64)
+        lens = np.asarray(self.block_lens, dtype=np.int64)
+        blocks = np.arange(self.num_blocks, dtype=np.int64)
+        out = np.empty((self.num_regions, self.num_blocks, 3), dtype=np.int64)
+        out[:, :, 0] = bases[:, None] + blocks[None, :] * lens[:, None]
+        out[:, :, 1] = lens[:, None]
+        out[:, :, 2] = self.device_id
+        return out.reshape(-1, 3)
+
+    def descriptor_indices(self, block_ids: BlockIds) -> npt.NDArray[np.int32]:
+        """Descriptor indices of ``block_ids`` in every region, region-major.
+
+        ``block_ids`` must already be validated (see :func:`as_block_ids`).
+        """
+        regions = np.arange(self.num_regions, dtype=np.int64)[:, None] * self.num_blocks
+        return (regions + block_ids[None, :]).reshape(-1).astype(np.int32)
+
+    def mismatch(self, remote: KVLayout) -> str | None:
+        """Why blocks of ``remote`` cannot be copied into this layout, or ``None``.
+
+        Regions pair up by position, so their count and per-block byte sizes
+        must be equal; ``num_blocks`` may differ. The dtype must be equal too.
+        """
+        if remote.num_regions != self.num_regions:
+            return f"remote has {remote.num_regions} KV regions, local has {self.num_regions}"
+        if remote.block_lens != self.block_lens:
+            pairs = zip(self.block_lens, remote.block_lens, strict=True)
+            diff = next(i for i, (a, b) in enumerate(pairs) if a != b)
+            return (
+                f"region {diff}: remote blocks are {remote.block_lens[diff]} bytes, "
+                f"local blocks are {self.block_lens[diff]} bytes"
+            )
+        if remote.dtype != self.dtype:
+            return f"remote dtype {remote.dtype}, local dtype {self.dtype}"
+        return None
+
+
+def as_block_ids(values: Sequence[int] | npt.ArrayLike, num_blocks: int, what: str) -> BlockIds:
+    """Validate block ids and return them as an int64 array.
+
+    Raises:
+        ValueError: ``values`` is not a flat sequence of integers, has an id
+            outside ``[0, num_blocks)``, or repeats an id. The message starts
+            with ``what`` (e.g. ``"local block ids of request 'r1'"``).
+    """
+    arr: npt.NDArray[Any] = np.asarray(values)
+    if arr.size == 0:
+        return np.empty(0, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"{what}: expected a flat sequence of ints, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"{what}: expected ints, got {arr.dtype}")
+    ids = arr.astype(np.int64, copy=False)
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= num_blocks:
+        bad = int(ids[(ids < 0) | (ids >= num_blocks)][0])
+        raise ValueError(f"{what}: block id {bad} is outside [0, {num_blocks})")
+    if np.unique(ids).size != ids.size:
+        raise ValueError(f"{what}: block ids repeat")
+    return ids
+
+
+def layout_of_tensors(kv_caches: Sequence[torch.Tensor]) -> KVLayout:
+    """Describe ``kv_caches`` (one region each) as a :class:`KVLayout`.
+
+    Raises:
+        ValueError: no tensors, a non-contiguous or zero-dimensional tensor,
+            different numbers of blocks, devices or dtypes across regions.
+    """
+    if len(kv_caches) == 0:
+        raise ValueError("kv_caches is empty: give at least one region")
+    first = kv_caches[0]
+    num_blocks = int(first.shape[0]) if first.dim() > 0 else 0
+    bases: list[int] = []
+    lens: list[int] = []
+    for i, t in enumerate(kv_caches):
+        if t.dim() == 0 or int(t.shape[0]) != num_blocks:
+            raise ValueError(
+                f"kv_caches[{i}] has shape {tuple(t.shape)}; every region needs "
+                f"dimension 0 = num_blocks = {num_blocks}"
+            )
+        if not t.is_contiguous():
+            raise ValueError(f"kv_caches[{i}] is not contiguous")
+        if t.device != first.device or t.dtype != first.dtype:
+            raise ValueError(
+                f"kv_caches[{i}] is {t.dtype} on {t.device}; "
+                f"kv_caches[0] is {first.dtype} on {first.device}"
+            )
+        bases.append(int(t.data_ptr()))
+        lens.append(int(t[0].numel() * t.element_size()) if num_blocks else 0)
+    if num_blocks < 1:
+        raise ValueError("kv_caches have no blocks (dimension 0 is empty)")
+    is_cuda = first.device.type == "cuda"
+    return KVLayout(
+        base_addrs=bases,
+        block_lens=lens,
+        num_blocks=num_blocks,
+        device_id=int(first.device.index or 0) if is_cuda else 0,
+        mem_type="VRAM" if is_cuda else "DRAM",
+        dtype=str(first.dtype),
+    )

@@ -1,0 +1,407 @@
+"""The NIXL agent, wrapped for trio (thin I/O shell).
+
+NIXL calls can block for milliseconds to seconds (a ``transfer()`` of a large
+READ does much of the copy before it returns; ``check_xfer_state`` can take
+4 ms), so none of them runs on the trio thread. Three dedicated
+:class:`trio.CapacityLimiter` s route them to worker threads:
+
+* ``handshake`` (1 thread): every mutation of the agent's view of remote
+  engines -- ``add_remote_agent``, building and preparing remote descriptor
+  lists -- one engine at a time;
+* ``transfers`` (a few threads): one pull each, from posting the READ to its
+  completion, then releasing its handle;
+* ``notifications`` (1 thread): the producer's notification polls.
+
+The agent is created with an explicit thread-sync mode (reader/writer lock by
+default) because these threads call it concurrently.
+
+Ownership: a :class:`NixlEngine` owns the agent, its memory registration, the
+local descriptor list, every :class:`RemoteAgent` it loaded, and every transfer
+handle it creates. :meth:`NixlEngine.close` releases all of them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import trio
+
+from ._config import ConnectorConfig
+from ._layout import KVLayout
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger("trio_pd.nixl")
+
+TRANSFER_THREADS = 4
+"""Worker threads for pulls: enough to overlap posting with completion."""
+
+
+class NixlCallError(Exception):
+    """A NIXL call raised; the message names the call and NIXL's error."""
+
+
+class TransferTimeout(Exception):
+    """A transfer did not complete before its deadline."""
+
+
+class EngineClosing(Exception):
+    """The connector closed while a transfer was in flight."""
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+@attrs.define(eq=False)
+class RemoteAgent:
+    """A remote engine loaded into the local agent: its name and prepared descriptors."""
+
+    engine_id: str
+    agent_name: str
+    layout: KVLayout
+    dlist: Any  # nixl_prepped_dlist_handle
+
+
+class NixlEngine:
+    """Owns one NIXL agent and everything registered with or prepared on it.
+
+    Create with :meth:`create`; :meth:`close` must be called exactly once, when
+    no call is in flight (the connector guarantees this).
+    """
+
+    def __init__(
+        self,
+        agent: Any,
+        registration: Any,
+        local_dlist: Any,
+        layout: KVLayout,
+        config: ConnectorConfig,
+    ) -> None:
+        self.agent_name: str = agent.name
+        self.layout = layout
+        self._agent = agent
+        self._registration = registration
+        self._local_dlist = local_dlist
+        self._config = config
+        self._remotes: dict[str, RemoteAgent] = {}
+        self._closing = threading.Event()
+        self._stuck_handles: list[Any] = []
+        self.handshake_limiter = trio.CapacityLimiter(1)
+        self.transfer_limiter = trio.CapacityLimiter(TRANSFER_THREADS)
+        self.notification_limiter = trio.CapacityLimiter(1)
+
+    # ---- life cycle -----------------------------------------------------
+
+    @classmethod
+    async def create(
+        cls,
+        agent_name: str,
+        kv_caches: Sequence[torch.Tensor],
+        layout: KVLayout,
+        config: ConnectorConfig,
+    ) -> NixlEngine:
+        """Create the agent, register ``kv_caches`` and prepare the local list.
+
+        Runs in a worker thread (agent creation starts UCX: 0.02-1.6 s).
+        On failure everything already created is released.
+
+        Raises:
+            NixlCallError: NIXL could not create, register or prepare.
+        """
+        parts = await trio.to_thread.run_sync(
+            _create_blocking, agent_name, kv_caches, layout, config
+        )
+        return cls(*parts, layout, config)
+
+    def begin_close(self) -> None:
+        """Tell in-flight transfers to abort; they notice within a poll."""
+        self._closing.set()
+
+    def close(self) -> None:
+        """Release remote agents, descriptor lists, handles and memory. Idempotent."""
+        self._closing.set()
+        agent = self._agent
+        if agent is None:
+            return
+        errors: list[str] = []
+
+        def attempt(what: str, fn: Callable[[], object]) -> None:
+            try:
+                fn()
+            except Exception as exc:  # best effort: release the rest regardless
+                errors.append(f"{what}: {_describe(exc)}")
+
+        for remote in list(self._remotes.values()):
+            attempt(f"unload {remote.engine_id}", functools.partial(self._unload_blocking, remote))
+        for handle in self._stuck_handles:
+            attempt("release stuck transfer", handle.release)
+        self._stuck_handles.clear()
+        attempt("release local descriptor list", self._local_dlist.release)
+        attempt("deregister memory", lambda: agent.deregister_memory(self._registration))
+        self._local_dlist = self._registration = self._agent = None
+        if errors:
+            logger.warning("agent %s closed with errors: %s", self.agent_name, "; ".join(errors))
+
+    # ---- handshake side (called only by the handshake task) -------------
+
+    async def load_remote(
+        self, engine_id: str, agent_name: str, agent_metadata: bytes, layout: KVLayout
+    ) -> RemoteAgent:
+        """Load a remote agent and prepare its descriptor list (handshake thread).
+
+        Raises:
+            NixlCallError: NIXL rejected the metadata or the descriptors; nothing
+                of this engine stays loaded.
+        """
+        return await trio.to_thread.run_sync(
+            self._load_blocking,
+            engine_id,
+            agent_name,
+            agent_metadata,
+            layout,
+            limiter=self.handshake_limiter,
+        )
+
+    async def unload_remote(self, remote: RemoteAgent) -> None:
+        """Release a remote's descriptor list and remove its agent (handshake thread)."""
+        if self._remotes.get(remote.engine_id) is remote:
+            del self._remotes[remote.engine_id]
+        await trio.to_thread.run_sync(self._unload_blocking, remote, limiter=self.handshake_limiter)
+
+    def _load_blocking(
+        self, engine_id: str, agent_name: str, agent_metadata: bytes, layout: KVLayout
+    ) -> RemoteAgent:
+        agent = self._live_agent()
+        try:
+            loaded = agent.add_remote_agent(agent_metadata)
+        except Exception as exc:
+            raise NixlCallError(f"add_remote_agent: {_describe(exc)}") from exc
+        loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        try:
+            if loaded_name != agent_name:
+                raise NixlCallError(
+                    f"metadata names agent {loaded_name!r}, reply said {agent_name!r}"
+                )
+            try:
+                dlist = agent.prep_xfer_dlist(loaded_name, layout.descriptors(), layout.mem_type)
+            except Exception as exc:
+                raise NixlCallError(f"prep_xfer_dlist: {_describe(exc)}") from exc
+        except BaseException:
+            try:
+                agent.remove_remote_agent(loaded_name)
+            except Exception:
+                logger.exception("could not remove half-loaded agent %s", loaded_name)
+            raise
+        remote = RemoteAgent(engine_id, loaded_name, layout, dlist)
+        self._remotes[engine_id] = remote  # from here on, close() releases it
+        return remote
+
+    def _unload_blocking(self, remote: RemoteAgent) -> None:
+        agent = self._live_agent()
+        try:
+            remote.dlist.release()
+        finally:
+            agent.remove_remote_agent(remote.agent_name)
+            self._remotes.pop(remote.engine_id, None)
+
+    # ---- data plane -----------------------------------------------------
+
+    async def read(
+        self,
+        remote: RemoteAgent,
+        local_indices: npt.NDArray[np.int32],
+        remote_indices: npt.NDArray[np.int32],
+        notification: bytes,
+        deadline: float,
+    ) -> None:
+        """READ the remote descriptors into the local ones, with a notification.
+
+        Runs in a transfer thread, from posting to completion. The handle is
+        always released before this returns or raises: on cancellation or
+        timeout the transfer is aborted (or, if NIXL cannot abort it, waited
+        for, up to ``close_timeout``), so no transfer writes into local blocks
+        after the caller regains control.
+
+        Args:
+            deadline: :func:`time.monotonic` value after which the transfer is
+                abandoned with :class:`TransferTimeout`.
+
+        Raises:
+            NixlCallError: NIXL reported ERR or raised.
+            TransferTimeout: ``deadline`` passed.
+            EngineClosing: the connector began closing.
+            trio.Cancelled: the calling task was cancelled.
+        """
+        await trio.to_thread.run_sync(
+            self._read_blocking,
+            remote,
+            local_indices,
+            remote_indices,
+            notification,
+            deadline,
+            limiter=self.transfer_limiter,
+        )
+
+    def _read_blocking(
+        self,
+        remote: RemoteAgent,
+        local_indices: npt.NDArray[np.int32],
+        remote_indices: npt.NDArray[np.int32],
+        notification: bytes,
+        deadline: float,
+    ) -> None:
+        agent = self._live_agent()
+        if self._closing.is_set():
+            raise EngineClosing
+        try:
+            handle = agent.make_prepped_xfer(
+                "READ",
+                self._local_dlist,
+                local_indices,
+                remote.dlist,
+                remote_indices,
+                notification,
+            )
+        except Exception as exc:
+            raise NixlCallError(f"make_prepped_xfer: {_describe(exc)}") from exc
+        status = "PROC"
+        try:
+            try:
+                status = agent.transfer(handle)
+                spin_until = time.monotonic() + self._config.poll_spin
+                while status == "PROC":
+                    trio.from_thread.check_cancelled()
+                    if self._closing.is_set():
+                        raise EngineClosing
+                    now = time.monotonic()
+                    if now >= deadline:
+                        raise TransferTimeout
+                    if now >= spin_until:
+                        time.sleep(self._config.poll_interval)
+                    status = agent.check_xfer_state(handle)
+            except (TransferTimeout, EngineClosing, trio.Cancelled):
+                raise
+            except Exception as exc:
+                raise NixlCallError(f"transfer: {_describe(exc)}") from exc
+            if status != "DONE":
+                raise NixlCallError(f"transfer state {status}")
+        finally:
+            self._release_handle(handle, finished=status != "PROC")
+
+    def _release_handle(self, handle: Any, *, finished: bool) -> None:
+        """Release a transfer handle; abort it first if it may still run."""
+        try:
+            handle.release()
+            return
+        except Exception as exc:
+            if finished:
+                logger.warning("releasing a finished transfer handle failed: %s", _describe(exc))
+                return
+        # NIXL could not abort it: wait (bounded) for the transfer to stop.
+        agent = self._live_agent()
+        give_up = time.monotonic() + self._config.close_timeout
+        while time.monotonic() < give_up:
+            try:
+                if agent.check_xfer_state(handle) != "PROC":
+                    break
+            except Exception:
+                break
+            time.sleep(self._config.poll_interval)
+        try:
+            handle.release()
+        except Exception as exc:
+            logger.error(
+                "transfer handle could not be aborted or released (%s); kept until close",
+                _describe(exc),
+            )
+            self._stuck_handles.append(handle)
+
+    async def notify(self, remote: RemoteAgent, message: bytes) -> None:
+        """Send a notification without a transfer (a notify-only pull).
+
+        Raises:
+            NixlCallError: NIXL could not send it.
+        """
+        await trio.to_thread.run_sync(
+            self._notify_blocking, remote, message, limiter=self.transfer_limiter
+        )
+
+    def _notify_blocking(self, remote: RemoteAgent, message: bytes) -> None:
+        try:
+            self._live_agent().send_notif(remote.agent_name, message)
+        except Exception as exc:
+            raise NixlCallError(f"send_notif: {_describe(exc)}") from exc
+
+    async def notifications(self) -> dict[str, list[bytes]]:
+        """Collect new notifications, by sending agent name.
+
+        Raises:
+            NixlCallError: NIXL raised.
+        """
+        return await trio.to_thread.run_sync(
+            self._notifications_blocking, limiter=self.notification_limiter
+        )
+
+    def _notifications_blocking(self) -> dict[str, list[bytes]]:
+        try:
+            notifs: dict[str, list[bytes]] = self._live_agent().get_new_notifs()
+        except Exception as exc:
+            raise NixlCallError(f"get_new_notifs: {_describe(exc)}") from exc
+        return notifs
+
+    def agent_metadata(self) -> bytes:
+        data: bytes = self._live_agent().get_agent_metadata()
+        return data
+
+    def _live_agent(self) -> Any:
+        agent = self._agent
+        if agent is None:
+            raise EngineClosing
+        return agent
+
+
+def _create_blocking(
+    agent_name: str,
+    kv_caches: Sequence[torch.Tensor],
+    layout: KVLayout,
+    config: ConnectorConfig,
+) -> tuple[Any, Any, Any]:
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+    sync = {
+        "rw": nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
+        "strict": nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+    }[config.nixl_sync_mode]
+    try:
+        agent = nixl_agent(agent_name, nixl_agent_config(backends=[], sync_mode=sync))
+        for backend in config.nixl_backends:
+            params = dict(config.nixl_backend_params.get(backend, {}))
+            if config.nixl_num_threads and "num_threads" not in params:
+                params["num_threads"] = str(config.nixl_num_threads)
+            agent.create_backend(backend, params)
+    except Exception as exc:
+        raise NixlCallError(f"creating agent {agent_name!r}: {_describe(exc)}") from exc
+    registration = None
+    try:
+        registration = agent.register_memory(list(kv_caches))
+        local_dlist = agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", layout.descriptors(), layout.mem_type
+        )
+    except Exception as exc:
+        if registration is not None:
+            try:
+                agent.deregister_memory(registration)
+            except Exception:
+                logger.exception("deregistering after a failed open")
+        raise NixlCallError(f"registering KV caches: {_describe(exc)}") from exc
+    return agent, registration, local_dlist

@@ -1,0 +1,337 @@
+"""A prefill engine in its own process, driven over pipes (demo and tests).
+
+The child (``python -m trio_pd._prefill_worker SPEC``) opens a real connector
+on its own KV cache and serves JSON-line commands on stdin, one reply line per
+command on stdout (logs go to stderr)::
+
+    {"id": 1, "op": "expose", "request_id": "r1", "block_ids": [3, 7],
+     "seed": 42, "consumers": 1}  -> {"id": 1, "kv_transfer_params": {...}}
+    {"id": 2, "op": "wait_released", "request_id": "r1"}
+                                   -> {"id": 2, "outcome": "read"}
+    {"id": 3, "op": "statistics"}  -> {"id": 3, "statistics": {...}}
+
+``expose`` first fills the blocks with the contents ``seed`` stands for (see
+``_payload``), so the consumer can verify what it pulled. A failed command
+replies ``{"id": N, "error": "...", "type": "ValueError"}``. End of input
+closes the connector and exits 0.
+
+The parent side is :func:`open_prefill_worker`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import trio
+
+from ._config import ConnectorConfig
+from ._connector import Connector, open_connector
+from ._exposures import Released
+from ._groups import unwrapped_errors
+from ._payload import fill_blocks
+from ._records import RemoteBlocks
+
+_STARTUP_TIMEOUT = 60.0
+_EXIT_TIMEOUT = 10.0
+
+
+class WorkerError(Exception):
+    """A command failed in the worker, or the worker died."""
+
+
+@attrs.frozen
+class WorkerSpec:
+    """What the child process builds: its engine id and KV cache shape.
+
+    ``regions`` tensors of shape ``(blocks, *block_shape)`` and ``dtype``.
+    """
+
+    engine_id: str
+    regions: int = 4
+    blocks: int = 64
+    block_shape: tuple[int, ...] = attrs.field(default=(16, 128), converter=tuple)
+    dtype: str = "float16"
+    host: str = "127.0.0.1"
+    port: int = 0
+    config: Mapping[str, Any] = attrs.field(factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(attrs.asdict(self))
+
+
+def config_overrides(config: ConnectorConfig) -> dict[str, Any]:
+    """``config`` as JSON-able keyword arguments of :class:`ConnectorConfig`."""
+    out: dict[str, Any] = {}
+    for field in attrs.fields(ConnectorConfig):
+        value = getattr(config, field.name)
+        if field.name == "nixl_backend_params":
+            value = {k: dict(v) for k, v in value.items()}
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[field.name] = value
+    return out
+
+
+# ---- child side -----------------------------------------------------------
+
+
+async def _child_main(spec: WorkerSpec, protocol_fd: int) -> None:
+    import torch
+
+    dtype = getattr(torch, spec.dtype)
+    kv_caches = [
+        torch.zeros((spec.blocks, *spec.block_shape), dtype=dtype) for _ in range(spec.regions)
+    ]
+    config = ConnectorConfig(**spec.config)
+    stdin = trio.lowlevel.FdStream(os.dup(0))
+    stdout = trio.lowlevel.FdStream(protocol_fd)
+    write_lock = trio.Lock()
+
+    async def reply(message: dict[str, Any]) -> None:
+        async with write_lock:
+            await stdout.send_all(json.dumps(message).encode() + b"\n")
+
+    async def handle(conn: Connector, command: dict[str, Any]) -> None:
+        cid = command.get("id")
+        try:
+            result = await _run_command(conn, kv_caches, command)
+        except Exception as exc:
+            await reply({"id": cid, "error": str(exc), "type": type(exc).__name__})
+        else:
+            await reply({"id": cid, **result})
+
+    async with (
+        stdin,
+        stdout,
+        open_connector(
+            spec.engine_id, kv_caches, host=spec.host, port=spec.port, config=config
+        ) as conn,
+    ):
+        host, port = conn.address
+        await reply({"id": 0, "ready": True, "host": host, "port": port, "pid": os.getpid()})
+        async with trio.open_nursery() as nursery:
+            async for line in _lines(stdin):
+                nursery.start_soon(handle, conn, json.loads(line))
+            nursery.cancel_scope.cancel()
+
+
+async def _run_command(
+    conn: Connector, kv_caches: Sequence[Any], command: dict[str, Any]
+) -> dict[str, Any]:
+    op = command.get("op")
+    if op == "expose":
+        fill_blocks(kv_caches, command["block_ids"], int(command["seed"]))
+        remote = conn.expose(
+            command["request_id"], command["block_ids"], int(command.get("consumers", 1))
+        )
+        return {"kv_transfer_params": remote.to_kv_transfer_params()}
+    if op == "wait_released":
+        outcome = await conn.wait_released(command["request_id"])
+        return {"outcome": outcome.value}
+    if op == "statistics":
+        return {"statistics": attrs.asdict(conn.statistics())}
+    raise ValueError(f"unknown op {op!r}")
+
+
+async def _lines(stream: trio.abc.ReceiveStream) -> AsyncIterator[bytes]:
+    buffer = b""
+    async for chunk in stream:
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            if line.strip():
+                yield line
+
+
+def main() -> None:
+    # Replies own the real stdout; anything else printing (NIXL's C++ logs,
+    # say) goes to stderr instead.
+    protocol_fd = os.dup(1)
+    os.dup2(2, 1)
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    spec = WorkerSpec(**json.loads(sys.argv[1]))
+    trio.run(_child_main, spec, protocol_fd)
+
+
+# ---- parent side ----------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class _Pending:
+    done: trio.Event = attrs.field(factory=trio.Event)
+    reply: dict[str, Any] | None = None
+
+
+class PrefillWorker:
+    """The parent's handle on a prefill worker process (see :func:`open_prefill_worker`)."""
+
+    def __init__(self, spec: WorkerSpec, process: trio.Process) -> None:
+        self.spec = spec
+        self.process = process
+        self.host = ""
+        self.port = 0
+        self._next_id = 1
+        self._pending: dict[int, _Pending] = {}
+        self._dead: str | None = None
+        self._send_lock = trio.Lock()
+
+    @property
+    def engine_id(self) -> str:
+        return self.spec.engine_id
+
+    async def expose(
+        self, request_id: str, block_ids: Sequence[int], seed: int, consumers: int = 1
+    ) -> RemoteBlocks:
+        """Fill ``block_ids`` from ``seed`` in the worker and expose them."""
+        reply = await self._call(
+            op="expose",
+            request_id=request_id,
+            block_ids=[int(b) for b in block_ids],
+            seed=seed,
+            consumers=consumers,
+        )
+        return RemoteBlocks.from_kv_transfer_params(reply["kv_transfer_params"])
+
+    async def wait_released(self, request_id: str) -> Released:
+        reply = await self._call(op="wait_released", request_id=request_id)
+        return Released(reply["outcome"])
+
+    async def statistics(self) -> dict[str, int]:
+        reply = await self._call(op="statistics")
+        stats: dict[str, int] = reply["statistics"]
+        return stats
+
+    def kill(self) -> None:
+        """SIGKILL the worker (fault injection)."""
+        self.process.send_signal(signal.SIGKILL)
+
+    async def _call(self, **command: Any) -> dict[str, Any]:
+        if self._dead is not None:
+            raise WorkerError(f"worker {self.engine_id!r} is gone: {self._dead}")
+        cid, self._next_id = self._next_id, self._next_id + 1
+        pending = self._pending[cid] = _Pending()
+        assert self.process.stdin is not None
+        async with self._send_lock:
+            await self.process.stdin.send_all(json.dumps({"id": cid, **command}).encode() + b"\n")
+        try:
+            await pending.done.wait()
+        finally:
+            self._pending.pop(cid, None)
+        reply = pending.reply
+        if reply is None:
+            raise WorkerError(f"worker {self.engine_id!r} is gone: {self._dead}")
+        if "error" in reply:
+            if reply.get("type") == "ValueError":
+                raise ValueError(reply["error"])
+            raise WorkerError(f"worker {self.engine_id!r}: {reply['type']}: {reply['error']}")
+        return reply
+
+    async def _read_replies(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        assert self.process.stdout is not None
+        started = False
+        try:
+            async for line in _lines(self.process.stdout):
+                reply = json.loads(line)
+                if reply.get("ready") and not started:
+                    self.host, self.port = reply["host"], int(reply["port"])
+                    started = True
+                    task_status.started()
+                    continue
+                pending = self._pending.get(reply.get("id"))
+                if pending is not None:
+                    pending.reply = reply
+                    pending.done.set()
+        finally:
+            self._dead = "its output ended (exited or killed)"
+            for pending in self._pending.values():
+                pending.done.set()
+        if not started:
+            raise WorkerError(f"worker {self.engine_id!r} exited before it was ready")
+
+
+@asynccontextmanager
+async def open_prefill_worker(
+    spec: WorkerSpec, *, config: ConnectorConfig | None = None
+) -> AsyncIterator[PrefillWorker]:
+    """Start a prefill worker process and wait until its connector listens.
+
+    On exit the worker's stdin is closed (it closes its connector and exits);
+    if it has not exited within 10 s it is killed. The process is always
+    reaped.
+
+    Raises:
+        WorkerError: the worker exited or did not become ready within 60 s.
+    """
+    if config is not None:
+        spec = attrs.evolve(spec, config=config_overrides(config))
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "trio_pd._prefill_worker", spec.to_json()],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    worker = PrefillWorker(spec, process)
+    try:
+        async with unwrapped_errors(), trio.open_nursery() as nursery:
+            with trio.fail_after(_STARTUP_TIMEOUT):
+                await nursery.start(worker._read_replies)
+            try:
+                yield worker
+            finally:
+                assert process.stdin is not None
+                with trio.CancelScope(shield=True):
+                    await process.stdin.aclose()
+                    with trio.move_on_after(_EXIT_TIMEOUT):
+                        await process.wait()
+                nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            if process.returncode is None:
+                process.kill()
+            await process.wait()
+            for stream in (process.stdin, process.stdout):
+                if stream is not None:
+                    await stream.aclose()
+
+
+if __name__ == "__main__":
+    main()
+
+
+@asynccontextmanager
+async def open_prefill_workers(
+    specs: Sequence[WorkerSpec], *, config: ConnectorConfig | None = None
+) -> AsyncIterator[list[PrefillWorker]]:
+    """Start several prefill workers in parallel; stop them all on exit.
+
+    Each worker lives in its own task of an internal nursery, so they start
+    (and stop) concurrently. Yields the workers in the order of ``specs``.
+    """
+    workers: list[PrefillWorker | None] = [None] * len(specs)
+    stop = trio.Event()
+
+    async def run_one(index: int, *, task_status: trio.TaskStatus[None]) -> None:
+        async with open_prefill_worker(specs[index], config=config) as worker:
+            workers[index] = worker
+            task_status.started()
+            await stop.wait()
+
+    async with unwrapped_errors(), trio.open_nursery() as nursery:
+        async with trio.open_nursery() as starting:
+            for index in range(len(specs)):
+                starting.start_soon(nursery.start, run_one, index)
+        try:
+            yield [w for w in workers if w is not None]
+        finally:
+            stop.set()

@@ -1,0 +1,275 @@
+"""The side-channel wire protocol (no I/O).
+
+One request/reply exchange per handshake, msgpack-encoded with msgspec, over a
+ZeroMQ ROUTER socket on the producer (REQ-style envelope: an empty delimiter
+frame, then one payload frame). Nothing is ever unpickled.
+
+Consumer -> producer::
+
+    MetadataRequest {type: "metadata_request", protocol_version, engine_id,
+                     consumer_engine_id}
+
+Producer -> consumer, one of::
+
+    MetadataReply {type: "metadata_reply", protocol_version, compatibility_hash,
+                   engine_metadata: bytes}      # msgpack EngineMetadata
+    ErrorReply    {type: "error", protocol_version, code, reason}
+
+A reply is decoded in three steps, each a clear error if it fails: the
+envelope's ``type`` and ``protocol_version`` (tolerant, so another version is
+reported as such); the full envelope with the compatibility hash compared; only
+then the inner :class:`EngineMetadata`, whose engine id must be the one asked for.
+
+Transfer notifications (consumer -> producer, through NIXL) are
+``b"trio_pd:1:" + request_id`` in UTF-8 and are compared exactly, never by
+substring.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Final, Literal
+
+import msgspec
+
+from ._errors import HandshakeError, IncompatibleEngineError, ProtocolError
+from ._layout import KVLayout
+
+PROTOCOL_VERSION: Final = 1
+"""Bumped on any incompatible change to the messages below."""
+
+NOTIFICATION_PREFIX: Final = b"trio_pd:1:"
+
+ErrorCode = Literal["bad_request", "unsupported_version", "wrong_engine"]
+
+
+class MetadataRequest(msgspec.Struct, tag="metadata_request", tag_field="type", frozen=True):
+    """Ask a producer for its handshake metadata."""
+
+    protocol_version: int
+    engine_id: str
+    """The engine the consumer expects to reach."""
+    consumer_engine_id: str
+
+
+class MetadataReply(msgspec.Struct, tag="metadata_reply", tag_field="type", frozen=True):
+    """The producer's answer: an envelope checked before the payload is decoded."""
+
+    protocol_version: int
+    compatibility_hash: str
+    engine_metadata: bytes
+
+
+class ErrorReply(msgspec.Struct, tag="error", tag_field="type", frozen=True):
+    """The producer could not serve a request; ``code`` says why."""
+
+    protocol_version: int
+    code: ErrorCode
+    reason: str
+
+
+class EngineMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a consumer needs to read a producer's KV blocks."""
+
+    engine_id: str
+    incarnation: str
+    """Random per connector start: a restarted engine has a new one."""
+    agent_name: str
+    agent_metadata: bytes
+    """NIXL's serialized agent metadata (``get_agent_metadata``)."""
+    num_blocks: int
+    base_addrs: list[int]
+    block_lens: list[int]
+    device_id: int
+    mem_type: str
+    dtype: str
+
+    def layout(self) -> KVLayout:
+        """The producer's KV layout.
+
+        Raises:
+            ProtocolError: the fields describe no valid layout.
+        """
+        try:
+            return KVLayout(
+                base_addrs=self.base_addrs,
+                block_lens=self.block_lens,
+                num_blocks=self.num_blocks,
+                device_id=self.device_id,
+                mem_type=self.mem_type,
+                dtype=self.dtype,
+            )
+        except ValueError as exc:
+            raise ProtocolError(f"invalid KV layout in metadata: {exc}") from None
+
+
+class _Envelope(msgspec.Struct):
+    """The two fields every version of every message keeps."""
+
+    type: str
+    protocol_version: int
+
+
+_UNDECODABLE = (msgspec.DecodeError, RecursionError)
+"""What decoding hostile bytes can raise: a deeply nested message recurses."""
+
+_encoder = msgspec.msgpack.Encoder()
+_envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
+_request_decoder = msgspec.msgpack.Decoder(MetadataRequest)
+_reply_decoder = msgspec.msgpack.Decoder(MetadataReply | ErrorReply)
+_metadata_decoder = msgspec.msgpack.Decoder(EngineMetadata)
+
+
+def compatibility_hash(compatibility_key: str) -> str:
+    """SHA-256 over the protocol version and the user's compatibility key.
+
+    Layout facts (regions, block sizes, dtype) are not hashed: they are checked
+    one by one after decoding, so a mismatch can be named.
+    """
+    text = f"trio_pd\0{PROTOCOL_VERSION}\0{compatibility_key}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _check_size(data: bytes, max_bytes: int, what: str) -> None:
+    if len(data) > max_bytes:
+        raise ProtocolError(f"{what} is {len(data)} bytes, over the {max_bytes}-byte limit")
+
+
+def _envelope(data: bytes, what: str) -> _Envelope:
+    try:
+        return _envelope_decoder.decode(data)
+    except _UNDECODABLE as exc:
+        raise ProtocolError(f"undecodable {what}: {exc}") from None
+
+
+def encode_request(engine_id: str, consumer_engine_id: str) -> bytes:
+    return _encoder.encode(
+        MetadataRequest(
+            protocol_version=PROTOCOL_VERSION,
+            engine_id=engine_id,
+            consumer_engine_id=consumer_engine_id,
+        )
+    )
+
+
+def decode_request(data: bytes, max_bytes: int) -> MetadataRequest | ErrorReply:
+    """Decode a request; a request this engine cannot serve becomes the reply to send.
+
+    Returns:
+        the request, or the :class:`ErrorReply` for a request of another
+        protocol version.
+
+    Raises:
+        ProtocolError: oversized or undecodable input (no reply is owed).
+    """
+    _check_size(data, max_bytes, "request")
+    envelope = _envelope(data, "request")
+    if envelope.protocol_version != PROTOCOL_VERSION:
+        return error_reply(
+            "unsupported_version",
+            f"protocol version {envelope.protocol_version} requested, "
+            f"this engine speaks {PROTOCOL_VERSION}",
+        )
+    try:
+        return _request_decoder.decode(data)
+    except _UNDECODABLE as exc:
+        raise ProtocolError(f"invalid request: {exc}") from None
+
+
+def error_reply(code: ErrorCode, reason: str) -> ErrorReply:
+    return ErrorReply(protocol_version=PROTOCOL_VERSION, code=code, reason=reason)
+
+
+def encode_message(message: MetadataReply | ErrorReply) -> bytes:
+    return _encoder.encode(message)
+
+
+def metadata_reply(metadata: EngineMetadata, compat_hash: str) -> MetadataReply:
+    return MetadataReply(
+        protocol_version=PROTOCOL_VERSION,
+        compatibility_hash=compat_hash,
+        engine_metadata=_encoder.encode(metadata),
+    )
+
+
+def decode_reply(
+    data: bytes, *, expected_engine_id: str, local_hash: str, max_bytes: int
+) -> EngineMetadata:
+    """Decode and check a producer's reply.
+
+    Raises:
+        IncompatibleEngineError: another protocol version, another
+            compatibility hash, or metadata of another engine.
+        HandshakeError: the producer answered with an error, or the reply is
+            oversized or undecodable.
+    """
+    eid = expected_engine_id
+    try:
+        _check_size(data, max_bytes, "reply")
+        envelope = _envelope(data, "reply")
+    except ProtocolError as exc:
+        raise HandshakeError(eid, str(exc)) from None
+    if envelope.protocol_version != PROTOCOL_VERSION:
+        raise IncompatibleEngineError(
+            eid,
+            f"remote speaks protocol version {envelope.protocol_version}, "
+            f"local speaks {PROTOCOL_VERSION}",
+        )
+    try:
+        reply = _reply_decoder.decode(data)
+    except _UNDECODABLE as exc:
+        raise HandshakeError(eid, f"invalid reply: {exc}") from None
+    if isinstance(reply, ErrorReply):
+        cls = HandshakeError if reply.code == "bad_request" else IncompatibleEngineError
+        raise cls(eid, f"remote refused ({reply.code}): {reply.reason}")
+    if reply.compatibility_hash != local_hash:
+        raise IncompatibleEngineError(
+            eid,
+            f"compatibility hash mismatch (remote {reply.compatibility_hash[:12]}, "
+            f"local {local_hash[:12]}): different compatibility_key or trio_pd protocol",
+        )
+    try:
+        metadata = _metadata_decoder.decode(reply.engine_metadata)
+    except _UNDECODABLE as exc:
+        raise HandshakeError(eid, f"invalid engine metadata: {exc}") from None
+    if metadata.engine_id != eid:
+        raise IncompatibleEngineError(
+            eid, f"reply is from engine {metadata.engine_id!r}, not {eid!r}"
+        )
+    return metadata
+
+
+def encode_notification(request_id: str) -> bytes:
+    return NOTIFICATION_PREFIX + request_id.encode()
+
+
+def decode_notification(message: bytes) -> str | None:
+    """The request id a notification names, or ``None`` if it is not ours."""
+    if not message.startswith(NOTIFICATION_PREFIX):
+        return None
+    try:
+        return message[len(NOTIFICATION_PREFIX) :].decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def serve_request(
+    data: bytes, *, engine_id: str, encoded_reply: bytes, max_bytes: int
+) -> tuple[bytes, str | None]:
+    """The listener's whole decision for one request payload.
+
+    Returns:
+        ``(reply, reject_reason)``: the bytes to send back, and ``None`` for a
+        served request or a one-line reason for a rejected one.
+    """
+    try:
+        request = decode_request(data, max_bytes)
+    except ProtocolError as exc:
+        reason = str(exc)
+        return encode_message(error_reply("bad_request", reason)), reason
+    if isinstance(request, ErrorReply):
+        return encode_message(request), request.reason
+    if request.engine_id != engine_id:
+        reason = f"this is engine {engine_id!r}, not {request.engine_id!r}"
+        return encode_message(error_reply("wrong_engine", reason)), reason
+    return encoded_reply, None

@@ -1,0 +1,122 @@
+"""The small immutable records the public API hands out."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+
+def _block_tuple(values: Any) -> tuple[int, ...]:
+    return tuple(int(v) for v in values)
+
+
+@attrs.frozen
+class RemoteBlocks:
+    """Where a consumer finds a request's blocks: the producer's answer to
+    :meth:`~trio_pd.Connector.expose`, passed by the P/D proxy to the decoder.
+
+    Attributes:
+        engine_id: the producer engine.
+        host, port: the producer's side-channel address.
+        block_ids: the producer's block ids, in the order they are read.
+        request_id: the producer's request id (named in the notification).
+    """
+
+    engine_id: str
+    host: str
+    port: int
+    block_ids: tuple[int, ...] = attrs.field(converter=_block_tuple)
+    request_id: str
+
+    def to_kv_transfer_params(self) -> dict[str, Any]:
+        """vLLM's ``kv_transfer_params`` keys, so a P/D proxy can pass them through."""
+        return {
+            "remote_engine_id": self.engine_id,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "remote_block_ids": list(self.block_ids),
+            "remote_request_id": self.request_id,
+        }
+
+    @classmethod
+    def from_kv_transfer_params(cls, params: Mapping[str, Any]) -> RemoteBlocks:
+        """Inverse of :meth:`to_kv_transfer_params`; extra keys are ignored.
+
+        Raises:
+            ValueError: a key is missing or has the wrong type.
+        """
+        try:
+            engine_id = params["remote_engine_id"]
+            host = params["remote_host"]
+            port = params["remote_port"]
+            block_ids = params["remote_block_ids"]
+            request_id = params["remote_request_id"]
+        except KeyError as exc:
+            raise ValueError(f"kv_transfer_params lacks {exc.args[0]!r}") from None
+        if not isinstance(engine_id, str) or not isinstance(host, str):
+            raise ValueError("remote_engine_id and remote_host must be strings")
+        if not isinstance(request_id, str):
+            raise ValueError("remote_request_id must be a string")
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            raise ValueError(f"remote_port must be a TCP port, got {port!r}")
+        if not isinstance(block_ids, list | tuple) or not all(
+            isinstance(b, int) and not isinstance(b, bool) for b in block_ids
+        ):
+            raise ValueError("remote_block_ids must be a list of ints")
+        return cls(engine_id, host, port, block_ids, request_id)
+
+
+@attrs.frozen
+class PullResult:
+    """What one :meth:`~trio_pd.Connector.pull` did.
+
+    Attributes:
+        request_id: the pulling request.
+        engine_id: the producer it pulled from.
+        bytes: bytes copied into local blocks (0 for a notify-only pull).
+        seconds: wall time of the whole pull, handshake wait included.
+        handshake_wait: the part of ``seconds`` spent waiting for the handshake.
+    """
+
+    request_id: str
+    engine_id: str
+    bytes: int
+    seconds: float
+    handshake_wait: float
+
+
+@attrs.frozen
+class ConnectorStatistics:
+    """A snapshot of a connector's counters (see :meth:`~trio_pd.Connector.statistics`).
+
+    Attributes:
+        handshakes_started, handshakes_succeeded, handshakes_failed: handshake
+            attempts, consumer side.
+        engines_ready: remote engines ready for pulls now.
+        pulls_succeeded, pulls_failed: finished pulls (cancelled ones count as
+            neither).
+        pulls_in_flight: pulls posted and not finished.
+        bytes_pulled: bytes copied by successful pulls.
+        exposures_pending, exposures_released, exposures_expired: producer side.
+        notifications_ignored: late, duplicate or unknown notifications.
+        listener_requests, listener_rejects: side-channel requests answered with
+            metadata, and requests rejected (malformed, wrong engine, other
+            protocol version).
+    """
+
+    handshakes_started: int
+    handshakes_succeeded: int
+    handshakes_failed: int
+    engines_ready: int
+    pulls_succeeded: int
+    pulls_failed: int
+    pulls_in_flight: int
+    bytes_pulled: int
+    exposures_pending: int
+    exposures_released: int
+    exposures_expired: int
+    notifications_ignored: int
+    listener_requests: int
+    listener_rejects: int

@@ -1,0 +1,111 @@
+"""A trio adapter for ZeroMQ sockets (thin I/O shell).
+
+libzmq exposes one file descriptor per socket that is *edge-triggered*: it
+becomes readable when the socket's ``EVENTS`` may have changed, and any zmq call
+on the socket may consume that edge. So every operation is tried with
+``NOBLOCK`` first; on ``zmq.Again`` the socket's ``EVENTS`` is checked, and only
+if the wanted event is still absent do we wait for the descriptor, then check
+again. Waiting only after ``EVENTS`` said "not ready" is what makes the edge
+impossible to miss.
+
+A :class:`TrioZmqSocket` belongs to one task at a time (zmq sockets are not
+thread-safe, and one fd cannot be awaited twice): concurrent use raises
+:class:`trio.BusyResourceError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import cast
+
+import trio
+import zmq
+
+
+class TrioZmqSocket:
+    """Owns one :class:`zmq.Socket`; :meth:`aclose` (or :meth:`close`) releases it.
+
+    Operations after close raise :class:`trio.ClosedResourceError`. Closing
+    while another task waits on the socket wakes that task with
+    :class:`trio.ClosedResourceError`.
+    """
+
+    def __init__(self, socket: zmq.Socket[bytes]) -> None:
+        self._socket = socket
+        self._fd = cast(int, socket.getsockopt(zmq.FD))
+        self._closed = False
+        self._busy = False
+
+    @property
+    def zmq_socket(self) -> zmq.Socket[bytes]:
+        """The wrapped socket, for options and binding; do not send or receive on it."""
+        return self._socket
+
+    @contextmanager
+    def _exclusive(self, what: str) -> Iterator[None]:
+        if self._busy:
+            raise trio.BusyResourceError(f"another task is using this zmq socket ({what})")
+        self._busy = True
+        try:
+            yield
+        finally:
+            self._busy = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError("zmq socket is closed")
+
+    async def _wait_for(self, event: int) -> None:
+        while True:
+            self._check_open()
+            if cast(int, self._socket.getsockopt(zmq.EVENTS)) & event:
+                return
+            await trio.lowlevel.wait_readable(self._fd)
+
+    async def send_multipart(self, frames: Sequence[bytes]) -> None:
+        """Send one multipart message, waiting while the socket cannot take it."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        with self._exclusive("send"):
+            while True:
+                self._check_open()
+                try:
+                    self._socket.send_multipart(frames, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    await self._wait_for(zmq.POLLOUT)
+                else:
+                    break
+        await trio.lowlevel.cancel_shielded_checkpoint()
+
+    async def receive_multipart(self) -> list[bytes]:
+        """Receive one multipart message, waiting until one arrives."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        with self._exclusive("receive"):
+            while True:
+                self._check_open()
+                try:
+                    frames = self._socket.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    await self._wait_for(zmq.POLLIN)
+                else:
+                    break
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return frames
+
+    def close(self) -> None:
+        """Close now, discarding unsent messages (linger 0). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        trio.lowlevel.notify_closing(self._fd)
+        self._socket.close(linger=0)
+
+    async def aclose(self) -> None:
+        self.close()
+        await trio.lowlevel.checkpoint()
+
+    async def __aenter__(self) -> TrioZmqSocket:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()

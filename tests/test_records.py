@@ -1,0 +1,212 @@
+"""Public records (RemoteBlocks) and ConnectorConfig validation (no I/O)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+import pytest
+
+from trio_pd._config import ConnectorConfig
+from trio_pd._records import RemoteBlocks
+
+BLOCKS = RemoteBlocks(
+    engine_id="prefill-0", host="10.0.0.7", port=5600, block_ids=[4, 2, 9], request_id="cmpl-1"
+)
+PARAMS: dict[str, Any] = {
+    "remote_engine_id": "prefill-0",
+    "remote_host": "10.0.0.7",
+    "remote_port": 5600,
+    "remote_block_ids": [4, 2, 9],
+    "remote_request_id": "cmpl-1",
+}
+
+
+# --- RemoteBlocks --------------------------------------------------------------
+
+
+def test_remote_blocks_converts_block_ids_to_an_int_tuple() -> None:
+    assert BLOCKS.block_ids == (4, 2, 9)
+
+
+def test_kv_transfer_params_use_vllm_key_names() -> None:
+    assert BLOCKS.to_kv_transfer_params() == PARAMS
+
+
+def test_kv_transfer_params_round_trip() -> None:
+    assert RemoteBlocks.from_kv_transfer_params(BLOCKS.to_kv_transfer_params()) == BLOCKS
+
+
+def test_kv_transfer_params_extra_keys_are_ignored() -> None:
+    params = {**PARAMS, "do_remote_decode": True, "remote_tp_size": 2}
+    assert RemoteBlocks.from_kv_transfer_params(params) == BLOCKS
+
+
+def test_kv_transfer_params_accept_empty_and_tuple_block_ids() -> None:
+    assert RemoteBlocks.from_kv_transfer_params({**PARAMS, "remote_block_ids": []}).block_ids == ()
+    tup = RemoteBlocks.from_kv_transfer_params({**PARAMS, "remote_block_ids": (1, 2)})
+    assert tup.block_ids == (1, 2)
+
+
+@pytest.mark.parametrize("key", sorted(PARAMS))
+def test_kv_transfer_params_missing_key_is_named(key: str) -> None:
+    params = {k: v for k, v in PARAMS.items() if k != key}
+    with pytest.raises(ValueError, match=f"lacks '{key}'"):
+        RemoteBlocks.from_kv_transfer_params(params)
+
+
+@pytest.mark.parametrize("port", [0, -1, 65536, True, False, 5600.0, "5600", None])
+def test_kv_transfer_params_bad_port_is_rejected(port: object) -> None:
+    with pytest.raises(ValueError, match="remote_port must be a TCP port"):
+        RemoteBlocks.from_kv_transfer_params({**PARAMS, "remote_port": port})
+
+
+@pytest.mark.parametrize("port", [1, 65535])
+def test_kv_transfer_params_port_range_is_inclusive(port: int) -> None:
+    assert RemoteBlocks.from_kv_transfer_params({**PARAMS, "remote_port": port}).port == port
+
+
+@pytest.mark.parametrize("ids", [[1, 2.0], [1, "2"], [True], [1, None], "12"])
+def test_kv_transfer_params_non_int_block_ids_are_rejected(ids: object) -> None:
+    with pytest.raises(ValueError, match="remote_block_ids must be a list of ints"):
+        RemoteBlocks.from_kv_transfer_params({**PARAMS, "remote_block_ids": ids})
+
+
+@pytest.mark.parametrize("ids", [7, None])
+def test_kv_transfer_params_non_list_block_ids_are_rejected(ids: object) -> None:
+    with pytest.raises(ValueError, match="remote_block_ids"):
+        RemoteBlocks.from_kv_transfer_params({**PARAMS, "remote_block_ids": ids})
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("remote_engine_id", 7),
+        ("remote_host", None),
+        ("remote_host", b"10.0.0.7"),
+        ("remote_request_id", 1),
+    ],
+)
+def test_kv_transfer_params_non_string_ids_are_rejected(key: str, value: object) -> None:
+    with pytest.raises(ValueError, match=r"must be (strings|a string)"):
+        RemoteBlocks.from_kv_transfer_params({**PARAMS, key: value})
+
+
+def test_remote_blocks_is_frozen() -> None:
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        BLOCKS.port = 1  # type: ignore[misc]
+
+
+# --- ConnectorConfig -----------------------------------------------------------
+
+
+def test_config_defaults() -> None:
+    c = ConnectorConfig()
+    assert (c.handshake_timeout, c.transfer_timeout, c.abort_timeout, c.close_timeout) == (
+        5.0,
+        30.0,
+        120.0,
+        5.0,
+    )
+    assert (c.max_concurrent_fetches, c.max_message_bytes, c.resolved_history) == (
+        8,
+        1 << 20,
+        4096,
+    )
+    assert (c.poll_interval, c.poll_spin) == (0.001, 0.0002)
+    assert (c.notification_poll_interval, c.idle_notification_poll_interval) == (0.002, 0.05)
+    assert c.compatibility_key == ""
+    assert c.nixl_backends == ("UCX",)
+    assert dict(c.nixl_backend_params) == {}
+    assert (c.nixl_sync_mode, c.nixl_num_threads) == ("rw", 0)
+
+
+def test_config_accepts_valid_values() -> None:
+    c = ConnectorConfig(
+        handshake_timeout=1,
+        poll_spin=0,
+        max_concurrent_fetches=1,
+        nixl_backends=["UCX", "GDS"],
+        nixl_sync_mode="strict",
+        nixl_num_threads=4,
+    )
+    assert (c.handshake_timeout, c.poll_spin, c.max_concurrent_fetches) == (1, 0, 1)
+    assert c.nixl_backends == ("UCX", "GDS")
+    assert (c.nixl_sync_mode, c.nixl_num_threads) == ("strict", 4)
+
+
+def test_config_is_keyword_only_and_frozen() -> None:
+    with pytest.raises(TypeError):
+        ConnectorConfig(5.0)  # type: ignore[misc]
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        ConnectorConfig().handshake_timeout = 1.0  # type: ignore[misc]
+
+
+POSITIVE = [
+    "handshake_timeout",
+    "transfer_timeout",
+    "abort_timeout",
+    "close_timeout",
+    "poll_interval",
+    "notification_poll_interval",
+    "idle_notification_poll_interval",
+]
+
+
+@pytest.mark.parametrize("name", POSITIVE)
+@pytest.mark.parametrize("value", [0, 0.0, -1.0, math.nan, math.inf, -math.inf, "5", None])
+def test_config_timeouts_must_be_finite_and_positive(name: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"{name} must be a finite number > 0"):
+        ConnectorConfig(**{name: value})
+
+
+@pytest.mark.parametrize("value", [-0.001, math.nan, math.inf, "0"])
+def test_config_poll_spin_must_be_finite_and_non_negative(value: object) -> None:
+    with pytest.raises(ValueError, match="poll_spin must be a finite number >= 0"):
+        ConnectorConfig(poll_spin=value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "name", ["max_concurrent_fetches", "max_message_bytes", "resolved_history"]
+)
+@pytest.mark.parametrize("value", [0, -1, True, False, 2.0, "8", None])
+def test_config_counts_must_be_ints_of_at_least_one(name: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
+        ConnectorConfig(**{name: value})
+
+
+@pytest.mark.parametrize("mode", ["none", "RW", "", None])
+def test_config_rejects_other_nixl_sync_modes(mode: object) -> None:
+    with pytest.raises(ValueError, match="nixl_sync_mode"):
+        ConnectorConfig(nixl_sync_mode=mode)  # type: ignore[arg-type]
+
+
+def test_config_rejects_negative_nixl_num_threads() -> None:
+    with pytest.raises(ValueError, match="nixl_num_threads"):
+        ConnectorConfig(nixl_num_threads=-1)
+
+
+def test_config_backend_params_are_frozen_copies_of_strings() -> None:
+    source = {"UCX": {"ucx_error_handling_mode": "peer", "num_workers": 4}}
+    c = ConnectorConfig(nixl_backend_params=source)
+    assert c.nixl_backend_params == {"UCX": {"ucx_error_handling_mode": "peer", "num_workers": "4"}}
+    source["UCX"]["num_workers"] = 8
+    source["GDS"] = {}
+    assert c.nixl_backend_params["UCX"]["num_workers"] == "4"
+    assert "GDS" not in c.nixl_backend_params
+    with pytest.raises(TypeError):
+        c.nixl_backend_params["GDS"] = {}  # type: ignore[index]
+    with pytest.raises(TypeError):
+        c.nixl_backend_params["UCX"]["num_workers"] = "1"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("value", [True, 1.5])
+def test_config_nixl_num_threads_rejects_bools_and_floats(value: object) -> None:
+    with pytest.raises(ValueError, match="nixl_num_threads"):
+        ConnectorConfig(nixl_num_threads=value)  # type: ignore[arg-type]
+
+
+def test_config_nixl_num_threads_rejects_strings() -> None:
+    with pytest.raises(ValueError, match="nixl_num_threads"):
+        ConnectorConfig(nixl_num_threads="2")  # type: ignore[arg-type]
