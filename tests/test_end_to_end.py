@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import trio
@@ -46,16 +47,18 @@ async def test_kv_transfer_params_pass_through_a_proxy_unchanged() -> None:
             local = kv_cache(regions=4, blocks=8)
             async with trio_pd.open_connector("decode-proxy", local) as decoder:
                 remote = await worker.expose("req-p", [60, 2], seed=7)
-                params = remote.to_kv_transfer_params()
                 # what a P/D proxy does: JSON through HTTP, untouched
+                params = json.loads(json.dumps(remote.to_kv_transfer_params()))
                 assert set(params) == {
                     "remote_engine_id",
                     "remote_host",
                     "remote_port",
                     "remote_block_ids",
                     "remote_request_id",
+                    "remote_incarnation",  # trio_pd's addition: restart detection
                 }
                 again = trio_pd.RemoteBlocks.from_kv_transfer_params(dict(params, extra=1))
+                assert again == remote
                 await decoder.pull("dec-p", [5, 3], again)
                 assert mismatched_blocks(local, [5, 3], 7) == []
 

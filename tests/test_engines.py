@@ -1,27 +1,31 @@
-"""The remote-engine state machine: its table and the record that follows it (no I/O)."""
+"""The remote-engine state machine: its table, the record that follows it, and backoff (no I/O)."""
 
 from __future__ import annotations
 
 import itertools
+import random
 
+import attrs
 import pytest
 
 from trio_pd._engines import (
-    HANDSHAKE_STARTING,
     TRANSITIONS,
+    Backoff,
     EngineEvent,
     EngineRecord,
     EngineState,
     InvalidTransition,
+    PullAction,
 )
 from trio_pd._errors import HandshakeError
+from trio_pd._layout import KVLayout
 from trio_pd._protocol import EngineMetadata
 
 S, E = EngineState, EngineEvent
 
 METADATA = EngineMetadata(
     engine_id="prefill-0",
-    incarnation="1",
+    incarnation="incarnation-1",
     agent_name="agent",
     agent_metadata=b"md",
     num_blocks=4,
@@ -31,29 +35,44 @@ METADATA = EngineMetadata(
     mem_type="DRAM",
     dtype="torch.uint8",
 )
-LAYOUT = METADATA.layout()
+LAYOUT = KVLayout(base_addrs=[0], block_lens=[16], num_blocks=4)
 
 NOT_IN_TABLE = [
     pair for pair in itertools.product(EngineState, EngineEvent) if pair not in TRANSITIONS
 ]
 
+# Backoff with no jitter: delays are exactly min(maximum, initial * 2**(n-1)).
+EXACT = Backoff(initial=1.0, maximum=30.0, jitter=0.0)
 
-def record(state: EngineState = S.UNKNOWN) -> EngineRecord:
-    return EngineRecord(engine_id="prefill-0", host="127.0.0.1", port=5555, state=state)
+
+def record(state: EngineState = S.UNKNOWN, **fields: object) -> EngineRecord:
+    return EngineRecord(
+        engine_id="prefill-0",
+        host="127.0.0.1",
+        port=5555,
+        state=state,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def error(reason: str = "boom") -> HandshakeError:
+    return HandshakeError("prefill-0", reason)
+
+
+def snapshot(rec: EngineRecord) -> dict[str, object]:
+    return attrs.asdict(rec, recurse=False)
+
+
+# --- the table -------------------------------------------------------------------------
 
 
 def test_new_record_is_unknown_with_nothing_known() -> None:
     rec = EngineRecord(engine_id="e", host="h", port=1)
-    assert (rec.state, rec.error, rec.metadata, rec.layout, rec.attempts) == (
-        S.UNKNOWN,
-        None,
-        None,
-        None,
-        0,
-    )
+    assert (rec.state, rec.error, rec.metadata, rec.layout) == (S.UNKNOWN, None, None, None)
+    assert (rec.attempts, rec.failures, rec.retry_at) == (0, 0, 0.0)
 
 
-@pytest.mark.parametrize(("pair", "target"), sorted(TRANSITIONS.items(), key=str))
+@pytest.mark.parametrize(("pair", "target"), sorted(TRANSITIONS.items(), key=str), ids=str)
 def test_every_transition_in_the_table_applies(
     pair: tuple[EngineState, EngineEvent], target: EngineState
 ) -> None:
@@ -65,85 +84,272 @@ def test_every_transition_in_the_table_applies(
 
 def test_the_table_leaves_some_pairs_out() -> None:
     # Guards the next test against an empty parametrization.
-    assert (S.READY, E.PULL_REQUESTED) in NOT_IN_TABLE
+    assert (S.READY, E.PULL) in NOT_IN_TABLE
     assert (S.CLOSED, E.CONNECTOR_CLOSED) in NOT_IN_TABLE
+    assert (S.BACKOFF, E.PULL) in NOT_IN_TABLE
 
 
 @pytest.mark.parametrize(("state", "event"), NOT_IN_TABLE, ids=str)
 def test_every_pair_not_in_the_table_is_an_invalid_transition(
     state: EngineState, event: EngineEvent
 ) -> None:
-    rec = record(state)
-    rec.attempts = 3
+    rec = record(state, attempts=3, failures=2, retry_at=7.5, error=error())
+    before = snapshot(rec)
     with pytest.raises(InvalidTransition) as info:
         rec.apply(event)
     message = str(info.value)
     assert "'prefill-0'" in message
     assert repr(event.value) in message
     assert repr(state.value) in message
-    assert (rec.state, rec.attempts) == (state, 3)
+    assert snapshot(rec) == before
 
 
-def test_handshake_starts_from_unknown_or_failed_only() -> None:
-    assert frozenset({S.UNKNOWN, S.FAILED}) == HANDSHAKE_STARTING
-
-
-@pytest.mark.parametrize("state", [s for s in EngineState if s is not S.CLOSED])
+@pytest.mark.parametrize("state", [s for s in EngineState if s is not S.CLOSED], ids=str)
 def test_connector_closed_is_reachable_from_every_open_state(state: EngineState) -> None:
-    assert TRANSITIONS[state, E.CONNECTOR_CLOSED] is S.CLOSED
+    rec = record(state)
+    assert rec.apply(E.CONNECTOR_CLOSED) is S.CLOSED
 
 
 def test_closed_is_terminal() -> None:
     assert not any(state is S.CLOSED for state, _event in TRANSITIONS)
 
 
-def test_attempts_count_pull_requested_transitions() -> None:
-    rec = record()
-    rec.apply(E.PULL_REQUESTED)
-    assert rec.attempts == 1
-    rec.apply(E.FAILED)
-    assert rec.attempts == 1
-    rec.apply(E.PULL_REQUESTED)
-    rec.apply(E.METADATA_RECEIVED)
-    rec.apply(E.LOADED)
-    rec.apply(E.CONNECTOR_CLOSED)
+def test_failed_state_no_longer_exists() -> None:
+    assert "FAILED" not in EngineState.__members__
+    assert {"BACKOFF", "STALE"} <= set(EngineState.__members__)
+
+
+@pytest.mark.parametrize(
+    ("state", "event"),
+    [
+        (S.UNKNOWN, E.PULL),
+        (S.STALE, E.PULL),
+        (S.BACKOFF, E.PULL_AFTER_BACKOFF),
+    ],
+    ids=str,
+)
+def test_entering_fetching_counts_an_attempt(state: EngineState, event: EngineEvent) -> None:
+    rec = record(state, attempts=4)
+    rec.apply(event)
+    assert rec.attempts == 5
+
+
+@pytest.mark.parametrize(
+    ("pair", "target"),
+    [(pair, target) for pair, target in TRANSITIONS.items() if target is not S.FETCHING],
+    ids=str,
+)
+def test_other_transitions_do_not_count_an_attempt(
+    pair: tuple[EngineState, EngineEvent], target: EngineState
+) -> None:
+    state, event = pair
+    rec = record(state, attempts=4)
+    rec.apply(event)
+    assert rec.attempts == 4
+
+
+# --- on_pull ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("state", [S.UNKNOWN, S.STALE], ids=str)
+def test_pull_from_unknown_or_stale_starts_a_handshake(state: EngineState) -> None:
+    rec = record(state, attempts=1)
+    assert rec.on_pull(now=10.0) is PullAction.START
+    assert rec.state is S.FETCHING
     assert rec.attempts == 2
 
 
-def test_a_new_attempt_clears_the_last_error() -> None:
-    rec = record(S.FETCHING)
-    rec.failed(HandshakeError("prefill-0", "boom"))
+@pytest.mark.parametrize("state", [S.FETCHING, S.LOADING, S.READY], ids=str)
+def test_pull_while_an_attempt_is_in_progress_or_done_waits(state: EngineState) -> None:
+    rec = record(state, attempts=1)
+    before = snapshot(rec)
+    assert rec.on_pull(now=10.0) is PullAction.WAIT
+    assert snapshot(rec) == before
+
+
+def test_pull_before_retry_at_fails_fast_and_stays_in_backoff() -> None:
+    rec = record(S.BACKOFF, attempts=1, failures=1, retry_at=10.0, error=error())
+    assert rec.on_pull(now=9.999) is PullAction.FAIL_FAST
+    assert rec.state is S.BACKOFF
+    assert (rec.attempts, rec.failures, rec.retry_at) == (1, 1, 10.0)
     assert rec.error is not None
-    rec.apply(E.PULL_REQUESTED)
-    assert rec.error is None
 
 
-def test_metadata_received_stores_metadata_and_layout() -> None:
+@pytest.mark.parametrize("now", [10.0, 10.001, 100.0])
+def test_pull_at_or_after_retry_at_starts_a_new_attempt(now: float) -> None:
+    rec = record(S.BACKOFF, attempts=1, failures=1, retry_at=10.0, error=error())
+    assert rec.on_pull(now=now) is PullAction.START
+    assert rec.state is S.FETCHING
+    assert rec.attempts == 2
+
+
+def test_repeated_pulls_during_backoff_keep_failing_fast_until_retry_at() -> None:
+    rec = record(S.FETCHING, attempts=1)
+    delay = rec.failed(error(), now=0.0, backoff=EXACT, rng=random.Random(0))
+    assert delay == 1.0
+    actions = [rec.on_pull(now=t) for t in (0.0, 0.5, 0.99)]
+    assert actions == [PullAction.FAIL_FAST] * 3
+    assert rec.on_pull(now=1.0) is PullAction.START
+    assert rec.on_pull(now=1.0) is PullAction.WAIT
+    assert rec.attempts == 2
+
+
+# --- metadata_received, loaded, failed -------------------------------------------------
+
+
+def test_incarnation_is_none_before_metadata() -> None:
+    rec = record(S.FETCHING)
+    assert rec.incarnation is None
+
+
+def test_metadata_received_stores_metadata_layout_and_incarnation() -> None:
     rec = record(S.FETCHING)
     rec.metadata_received(METADATA, LAYOUT)
     assert (rec.state, rec.metadata, rec.layout) == (S.LOADING, METADATA, LAYOUT)
+    assert rec.incarnation == "incarnation-1"
 
 
 def test_metadata_received_in_the_wrong_state_stores_nothing() -> None:
     rec = record(S.UNKNOWN)
     with pytest.raises(InvalidTransition):
         rec.metadata_received(METADATA, LAYOUT)
-    assert (rec.metadata, rec.layout) == (None, None)
+    assert (rec.state, rec.metadata, rec.layout) == (S.UNKNOWN, None, None)
 
 
-def test_failed_stores_the_error_and_clears_metadata() -> None:
-    rec = record(S.FETCHING)
-    rec.metadata_received(METADATA, LAYOUT)
-    error = HandshakeError("prefill-0", "NIXL said no")
-    rec.failed(error)
-    assert rec.state is S.FAILED
-    assert rec.error is error
-    assert (rec.metadata, rec.layout) == (None, None)
+@pytest.mark.parametrize("state", [S.FETCHING, S.LOADING], ids=str)
+def test_failed_stores_the_error_clears_metadata_and_schedules_a_retry(
+    state: EngineState,
+) -> None:
+    rec = record(state, metadata=METADATA, layout=LAYOUT, failures=2)
+    err = error("NIXL said no")
+    delay = rec.failed(err, now=100.0, backoff=Backoff(), rng=random.Random(1))
+    assert rec.state is S.BACKOFF
+    assert rec.error is err
+    assert (rec.metadata, rec.layout, rec.incarnation) == (None, None, None)
+    assert rec.failures == 3
+    assert rec.retry_at == 100.0 + delay
+    # The third consecutive failure waits about 4 s (initial 1 s, doubled twice).
+    assert 4.0 * (1 - 0.2) <= delay <= 4.0
+
+
+def test_failed_returns_the_backoff_delay_for_the_failure_count() -> None:
+    rng_a, rng_b = random.Random(5), random.Random(5)
+    backoff = Backoff(initial=0.5, maximum=10.0, jitter=0.3)
+    rec = record(S.FETCHING, failures=3)
+    delay = rec.failed(error(), now=0.0, backoff=backoff, rng=rng_a)
+    assert delay == backoff.delay(4, rng_b)
 
 
 def test_failed_in_the_wrong_state_keeps_the_record() -> None:
-    rec = record(S.READY)
-    rec.metadata, rec.layout = METADATA, LAYOUT
+    rec = record(S.READY, metadata=METADATA, layout=LAYOUT)
+    before = snapshot(rec)
     with pytest.raises(InvalidTransition):
-        rec.failed(HandshakeError("prefill-0", "late"))
-    assert (rec.state, rec.error, rec.metadata) == (S.READY, None, METADATA)
+        rec.failed(error("late"), now=1.0, backoff=EXACT, rng=random.Random(0))
+    assert snapshot(rec) == before
+
+
+def test_consecutive_failures_double_the_delay() -> None:
+    rec = record()
+    delays = []
+    now = 0.0
+    for _ in range(4):
+        assert rec.on_pull(now) is PullAction.START
+        delays.append(rec.failed(error(), now=now, backoff=EXACT, rng=random.Random(0)))
+        now = rec.retry_at
+    assert delays == [1.0, 2.0, 4.0, 8.0]
+    assert (rec.failures, rec.attempts) == (4, 4)
+
+
+def test_loaded_makes_the_engine_ready_and_resets_failures_and_error() -> None:
+    rec = record(S.LOADING, failures=3, error=error(), metadata=METADATA, layout=LAYOUT)
+    rec.loaded()
+    assert rec.state is S.READY
+    assert (rec.failures, rec.error) == (0, None)
+    assert (rec.metadata, rec.layout) == (METADATA, LAYOUT)
+
+
+def test_after_success_the_next_failure_starts_backoff_afresh() -> None:
+    rec = record()
+    rec.on_pull(0.0)
+    rec.failed(error(), now=0.0, backoff=EXACT, rng=random.Random(0))
+    rec.on_pull(rec.retry_at)
+    rec.failed(error(), now=1.0, backoff=EXACT, rng=random.Random(0))
+    assert rec.failures == 2
+    rec.on_pull(rec.retry_at)
+    rec.metadata_received(METADATA, LAYOUT)
+    rec.loaded()
+    rec.apply(E.PEER_DISCONNECTED)
+    assert rec.on_pull(10.0) is PullAction.START
+    assert rec.failed(error(), now=10.0, backoff=EXACT, rng=random.Random(0)) == 1.0
+    assert rec.failures == 1
+
+
+def test_loaded_in_the_wrong_state_keeps_failures_and_error() -> None:
+    err = error()
+    rec = record(S.BACKOFF, failures=2, error=err, retry_at=5.0)
+    with pytest.raises(InvalidTransition):
+        rec.loaded()
+    assert (rec.state, rec.failures, rec.error) == (S.BACKOFF, 2, err)
+
+
+@pytest.mark.parametrize("event", [E.PEER_RESTARTED, E.PEER_DISCONNECTED], ids=str)
+def test_a_ready_engine_whose_peer_goes_away_becomes_stale_then_restarts(
+    event: EngineEvent,
+) -> None:
+    rec = record(S.READY, attempts=1, metadata=METADATA, layout=LAYOUT)
+    rec.apply(event)
+    assert rec.state is S.STALE
+    assert rec.on_pull(0.0) is PullAction.START
+    assert (rec.state, rec.attempts) == (S.FETCHING, 2)
+
+
+# --- Backoff ---------------------------------------------------------------------------
+
+
+def test_backoff_defaults() -> None:
+    assert Backoff() == Backoff(initial=1.0, maximum=30.0, jitter=0.2)
+
+
+def test_backoff_without_jitter_is_deterministic_doubling_capped_at_maximum() -> None:
+    backoff = Backoff(initial=0.25, maximum=3.0, jitter=0.0)
+    rng = random.Random(0)
+    delays = [backoff.delay(n, rng) for n in range(1, 8)]
+    assert delays == [0.25, 0.5, 1.0, 2.0, 3.0, 3.0, 3.0]
+
+
+def test_backoff_without_jitter_ignores_the_random_source() -> None:
+    backoff = Backoff(initial=1.0, maximum=30.0, jitter=0.0)
+    assert [backoff.delay(3, random.Random(seed)) for seed in range(5)] == [4.0] * 5
+
+
+@pytest.mark.parametrize("failures", range(1, 10))
+def test_jittered_delay_lies_between_base_times_one_minus_jitter_and_base(
+    failures: int,
+) -> None:
+    backoff = Backoff(initial=1.0, maximum=30.0, jitter=0.2)
+    base = min(30.0, 2.0 ** (failures - 1))
+    rng = random.Random(failures)
+    delays = [backoff.delay(failures, rng) for _ in range(200)]
+    assert all(base * 0.8 <= d <= base for d in delays)
+    # Jitter actually spreads the delays.
+    assert max(delays) - min(delays) > base * 0.1
+
+
+def test_jittered_delay_is_reproducible_from_the_seed() -> None:
+    backoff = Backoff()
+    a = [backoff.delay(n, random.Random(42)) for n in range(1, 6)]
+    b = [backoff.delay(n, random.Random(42)) for n in range(1, 6)]
+    assert a == b
+
+
+def test_jittered_delay_follows_the_formula() -> None:
+    backoff = Backoff(initial=2.0, maximum=5.0, jitter=0.5)
+    draw = random.Random(7).random()
+    assert backoff.delay(2, random.Random(7)) == pytest.approx(4.0 * (1 - 0.5 * draw))
+    assert backoff.delay(3, random.Random(7)) == pytest.approx(5.0 * (1 - 0.5 * draw))
+
+
+def test_jittered_delay_never_exceeds_the_maximum() -> None:
+    backoff = Backoff(initial=1.0, maximum=30.0, jitter=0.2)
+    rng = random.Random(3)
+    assert all(backoff.delay(n, rng) <= 30.0 for n in range(1, 100))

@@ -72,11 +72,38 @@ async def test_unreachable_engine_fails_every_waiter_within_the_deadline() -> No
                 assert "mute-engine" in str(error)
             stats = consumer.statistics()
             assert stats.handshakes_started == stats.handshakes_failed == 1
-            assert consumer.engine_state("mute-engine") is trio_pd.EngineState.FAILED
-            # the next pull tries again
+            assert consumer.engine_state("mute-engine") is trio_pd.EngineState.BACKOFF
+    for listener in listeners:
+        await listener.aclose()
+
+
+async def test_a_failed_engine_is_in_backoff_then_retried() -> None:
+    listeners, port = await _silent_port()
+    config = trio_pd.ConnectorConfig(
+        handshake_timeout=0.3, backoff_initial=0.5, backoff_max=1.0, backoff_jitter=0.0
+    )
+    remote = trio_pd.RemoteBlocks("mute-engine", "127.0.0.1", port, [0], "r")
+    with trio.fail_after(10):
+        async with trio_pd.open_connector("d", kv_cache(blocks=4), config=config) as consumer:
+            with pytest.raises(trio_pd.HandshakeError) as first:
+                await consumer.pull("one", [0], remote)
+            failed_at = trio.current_time()
+            # During the backoff: the same error at once, no new handshake.
+            with pytest.raises(trio_pd.HandshakeError) as fast:
+                await consumer.pull("two", [0], remote)
+            assert trio.current_time() - failed_at < 0.5
+            assert fast.value.reason == first.value.reason
+            stats = consumer.statistics()
+            assert stats.handshakes_started == 1
+            assert stats.pulls_rejected_in_backoff == 1
+            assert stats.handshake_failures_by_cause == {"timeout": 1}
+            # After it: the next pull retries (and fails again, backing off longer).
+            await trio.sleep_until(failed_at + 0.5)
             with pytest.raises(trio_pd.HandshakeError):
-                await consumer.pull("again", [0], remote)
+                await consumer.pull("three", [0], remote)
             assert consumer.statistics().handshakes_started == 2
+            record = consumer._engines["mute-engine"].record
+            assert record.retry_at - trio.current_time() == pytest.approx(1.0, abs=0.1)
     for listener in listeners:
         await listener.aclose()
 

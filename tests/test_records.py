@@ -30,8 +30,20 @@ def test_remote_blocks_converts_block_ids_to_an_int_tuple() -> None:
     assert BLOCKS.block_ids == (4, 2, 9)
 
 
-def test_kv_transfer_params_use_vllm_key_names() -> None:
-    assert BLOCKS.to_kv_transfer_params() == PARAMS
+def test_kv_transfer_params_use_vllm_key_names_plus_the_incarnation() -> None:
+    assert BLOCKS.to_kv_transfer_params() == {**PARAMS, "remote_incarnation": ""}
+
+
+def test_kv_transfer_params_carry_the_incarnation() -> None:
+    blocks = RemoteBlocks("prefill-0", "10.0.0.7", 5600, [1], "cmpl-1", "ab12")
+    params = blocks.to_kv_transfer_params()
+    assert params["remote_incarnation"] == "ab12"
+    assert RemoteBlocks.from_kv_transfer_params(params) == blocks
+
+
+def test_kv_transfer_params_non_string_incarnation_is_rejected() -> None:
+    with pytest.raises(ValueError, match="remote_incarnation must be a string"):
+        RemoteBlocks.from_kv_transfer_params({**PARAMS, "remote_incarnation": 7})
 
 
 def test_kv_transfer_params_round_trip() -> None:

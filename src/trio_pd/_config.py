@@ -9,6 +9,9 @@ from typing import Any, Literal
 
 import attrs
 
+from ._auth import CurveAuth
+from ._engines import Backoff
+
 NixlSyncMode = Literal["rw", "strict"]
 
 
@@ -34,6 +37,11 @@ def _non_negative(_instance: object, attribute: attrs.Attribute[Any], value: flo
 def _non_negative_int(_instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{attribute.name} must be an int >= 0, got {value!r}")
+
+
+def _fraction(_instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not (_is_number(value) and 0 <= value <= 1):
+        raise ValueError(f"{attribute.name} must be a number in [0, 1], got {value!r}")
 
 
 def _freeze_backend_params(
@@ -85,6 +93,14 @@ class ConnectorConfig:
         resolved_history: how many resolved exposures are remembered so that
             :meth:`~trio_pd.Connector.wait_released` called after the fact still
             sees the outcome. Default 4096.
+        backoff_initial, backoff_max, backoff_jitter: after a failed handshake
+            the engine is in backoff: pulls fail fast with the same error until
+            the delay passes, then the next pull retries. The n-th consecutive
+            failure waits ``min(backoff_max, backoff_initial * 2**(n-1))``,
+            shortened by a random fraction up to ``backoff_jitter``. Defaults
+            1.0, 30.0, 0.2.
+        auth: CURVE authentication of the side channel (see
+            :class:`~trio_pd.CurveAuth`); ``None`` (default) for none.
         compatibility_key: a string that must be equal on producer and consumer
             (for example the model name and revision). It goes into the
             compatibility hash. Default ``""``.
@@ -109,6 +125,10 @@ class ConnectorConfig:
     notification_poll_interval: float = attrs.field(default=0.002, validator=_positive)
     idle_notification_poll_interval: float = attrs.field(default=0.05, validator=_positive)
     resolved_history: int = attrs.field(default=4096, validator=_at_least_one)
+    backoff_initial: float = attrs.field(default=1.0, validator=_positive)
+    backoff_max: float = attrs.field(default=30.0, validator=_positive)
+    backoff_jitter: float = attrs.field(default=0.2, validator=_fraction)
+    auth: CurveAuth | None = None
     compatibility_key: str = ""
     nixl_backends: tuple[str, ...] = attrs.field(default=("UCX",), converter=tuple)
     nixl_backend_params: Mapping[str, Mapping[str, str]] = attrs.field(
@@ -118,3 +138,7 @@ class ConnectorConfig:
         default="rw", validator=attrs.validators.in_(("rw", "strict"))
     )
     nixl_num_threads: int = attrs.field(default=0, validator=_non_negative_int)
+
+    @property
+    def backoff(self) -> Backoff:
+        return Backoff(self.backoff_initial, self.backoff_max, self.backoff_jitter)

@@ -5,8 +5,10 @@ This module is the trio shell that ties the I/O-free pieces (``_protocol``,
 (``_nixl``). The task tree, all owned by the nursery of :func:`open_connector`::
 
     open_connector nursery
+    |-- ZAP handler          with CURVE auth only: admits allowed consumers
     |-- listener             ROUTER socket: answers metadata requests
     |-- handshake task       the only task that changes NIXL's remote agents
+    |                        (loads new engines, unloads stale ones)
     |-- notification task    producer: counts notifications, expires exposures
     `-- fetch tasks          one per handshake attempt, at most
                              ``max_concurrent_fetches`` on the network at once
@@ -20,10 +22,13 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import secrets
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import attrs
@@ -33,10 +38,12 @@ import zmq
 from trio_util import AsyncValue
 
 from . import _protocol as protocol
+from ._auth import serve_zap
 from ._config import ConnectorConfig
-from ._engines import HANDSHAKE_STARTING, EngineEvent, EngineRecord, EngineState
+from ._engines import EngineEvent, EngineRecord, EngineState, PullAction
 from ._errors import HandshakeError, IncompatibleEngineError, ProtocolError, TransferError
 from ._exposures import ExposureTable, Notice, Released
+from ._fetch import ConnectionLog, CurveClient, FetchRefused, fetch_reply
 from ._groups import unwrapped_errors
 from ._layout import KVLayout, as_block_ids, layout_of_tensors
 from ._nixl import EngineClosing, NixlCallError, NixlEngine, RemoteAgent, TransferTimeout
@@ -68,13 +75,17 @@ class _Engine:
 class _Counters:
     handshakes_started: int = 0
     handshakes_succeeded: int = 0
-    handshakes_failed: int = 0
+    handshake_failures: Counter[str] = attrs.field(factory=Counter)
     pulls_succeeded: int = 0
     pulls_failed: int = 0
+    pulls_rejected_in_backoff: int = 0
+    restarts_detected: int = 0
+    peers_disconnected: int = 0
     bytes_pulled: int = 0
     notifications_ignored: int = 0
     listener_requests: int = 0
     listener_rejects: int = 0
+    listener_auth_failures: int = 0
 
 
 class Connector:
@@ -108,7 +119,10 @@ class Connector:
         self._compat_hash = protocol.compatibility_hash(config.compatibility_key)
         self._engines: dict[str, _Engine] = {}
         self._fetch_limiter = trio.CapacityLimiter(config.max_concurrent_fetches)
-        self._loads_send, self._loads_receive = trio.open_memory_channel[_Engine](math.inf)
+        self._jobs_send, self._jobs_receive = trio.open_memory_channel[_Engine | RemoteAgent](
+            math.inf
+        )
+        self._rng = random.Random()
         self._exposures = ExposureTable(history=config.resolved_history)
         self._release_events: dict[str, trio.Event] = {}
         self._exposure_added = trio.Event()
@@ -160,7 +174,9 @@ class Connector:
         self._release_events[request_id] = trio.Event()
         self._exposure_added.set()
         host, port = self.address
-        return RemoteBlocks(self._engine_id, host, port, ids.tolist(), request_id)
+        return RemoteBlocks(
+            self._engine_id, host, port, ids.tolist(), request_id, self._incarnation
+        )
 
     async def wait_released(self, request_id: str) -> Released:
         """Wait until the exposure of ``request_id`` resolves; return how.
@@ -195,6 +211,11 @@ class Connector:
         producer has been notified. An empty ``local_block_ids`` only notifies
         the producer (a full prefix-cache hit).
 
+        If ``remote.incarnation`` names another incarnation than the one this
+        connector knows, the engine restarted: its old agent is retired and a
+        fresh handshake runs first. Blocks exposed by an incarnation that is no
+        longer running are never read (:class:`TransferError`).
+
         Cancellation: if the calling task is cancelled, the transfer is
         aborted (or, if NIXL cannot abort it, waited for) before
         :class:`trio.Cancelled` propagates, so nothing writes into the local
@@ -206,10 +227,12 @@ class Connector:
                 Remote ids are checked against the remote's size once the
                 handshake is done, still before any transfer.
             HandshakeError: the handshake failed (the same error for every
-                pull that waited on it); :class:`IncompatibleEngineError` if the
-                engines cannot be paired.
-            TransferError: NIXL reported an error, or the transfer did not
-                finish within ``config.transfer_timeout``; it names the local
+                pull that waited on it), or the engine is in backoff after a
+                failed handshake (the same error again, at once);
+                :class:`IncompatibleEngineError` if the engines cannot be paired.
+            TransferError: NIXL reported an error, the transfer did not finish
+                within ``config.transfer_timeout``, or the blocks belong to an
+                incarnation of the engine that is gone; it names the local
                 block ids that hold undefined data.
             trio.ClosedResourceError: the connector is (or got) closed.
         """
@@ -227,24 +250,31 @@ class Connector:
         engine = self._engine_for(remote)
         remote_agent = await self._wait_ready(engine)
         handshake_wait = trio.current_time() - started
+        if remote.incarnation and remote.incarnation != remote_agent.incarnation:
+            self._counters.pulls_failed += 1
+            raise TransferError(
+                request_id,
+                local_ids.tolist(),
+                f"the blocks were exposed by incarnation {remote.incarnation} of engine "
+                f"{remote.engine_id!r}, which now runs {remote_agent.incarnation}: "
+                "it restarted and the blocks are gone",
+            )
         notification = protocol.encode_notification(remote.request_id)
         if local_ids.size == 0:
-            await self._notify_only(request_id, remote_agent, notification)
+            await self._transfer(request_id, local_ids, remote_agent, None, notification)
+            self._counters.pulls_succeeded += 1
             return PullResult(request_id, remote.engine_id, 0, handshake_wait, handshake_wait)
         remote_ids = as_block_ids(
             remote.block_ids,
             remote_agent.layout.num_blocks,
             f"remote block ids of {what} (engine {remote.engine_id!r})",
         )
-        nbytes = int(local_ids.size) * self._layout.bytes_per_block_id
-        await self._read(
-            request_id,
-            local_ids,
-            remote_agent,
+        indices = (
             self._layout.descriptor_indices(local_ids),
             remote_agent.layout.descriptor_indices(remote_ids),
-            notification,
         )
+        await self._transfer(request_id, local_ids, remote_agent, indices, notification)
+        nbytes = int(local_ids.size) * self._layout.bytes_per_block_id
         self._counters.pulls_succeeded += 1
         self._counters.bytes_pulled += nbytes
         return PullResult(
@@ -262,11 +292,15 @@ class Connector:
         return ConnectorStatistics(
             handshakes_started=c.handshakes_started,
             handshakes_succeeded=c.handshakes_succeeded,
-            handshakes_failed=c.handshakes_failed,
+            handshakes_failed=c.handshake_failures.total(),
+            handshake_failures_by_cause=MappingProxyType(dict(c.handshake_failures)),
             engines_ready=ready,
             pulls_succeeded=c.pulls_succeeded,
             pulls_failed=c.pulls_failed,
             pulls_in_flight=self._pulls_in_flight.value,
+            pulls_rejected_in_backoff=c.pulls_rejected_in_backoff,
+            restarts_detected=c.restarts_detected,
+            peers_disconnected=c.peers_disconnected,
             bytes_pulled=c.bytes_pulled,
             exposures_pending=self._exposures.pending,
             exposures_released=self._exposures.released,
@@ -274,6 +308,7 @@ class Connector:
             notifications_ignored=c.notifications_ignored,
             listener_requests=c.listener_requests,
             listener_rejects=c.listener_rejects,
+            listener_auth_failures=c.listener_auth_failures,
         )
 
     def engine_state(self, engine_id: str) -> EngineState:
@@ -284,15 +319,49 @@ class Connector:
     # ---- consumer: handshakes -------------------------------------------
 
     def _engine_for(self, remote: RemoteBlocks) -> _Engine:
-        """The engine record for ``remote``, starting a handshake if it needs one."""
+        """The engine ``remote`` names, with a handshake started if it needs one.
+
+        Raises:
+            HandshakeError: the engine is in backoff (its last error, again).
+        """
         engine = self._engines.get(remote.engine_id)
         if engine is None:
             record = EngineRecord(remote.engine_id, remote.host, remote.port)
             engine = self._engines[remote.engine_id] = _Engine(record)
         record = engine.record
-        if record.state in HANDSHAKE_STARTING:
+        if (
+            record.state is EngineState.READY
+            and remote.incarnation
+            and remote.incarnation != record.incarnation
+        ):
+            self._counters.restarts_detected += 1
+            logger.warning(
+                "engine %s restarted (incarnation %s -> %s, seen in request %r): "
+                "removing its old agent and handshaking again",
+                record.engine_id,
+                record.incarnation,
+                remote.incarnation,
+                remote.request_id,
+            )
+            self._retire(engine, EngineEvent.PEER_RESTARTED)
+        if record.state in (EngineState.UNKNOWN, EngineState.STALE, EngineState.BACKOFF):
             record.host, record.port = remote.host, remote.port
-            record.apply(EngineEvent.PULL_REQUESTED)
+        elif (record.host, record.port) != (remote.host, remote.port):
+            logger.warning(
+                "engine %s is known at %s:%d; ignoring the address %s:%d of request %r",
+                record.engine_id,
+                record.host,
+                record.port,
+                remote.host,
+                remote.port,
+                remote.request_id,
+            )
+        action = record.on_pull(trio.current_time())
+        if action is PullAction.FAIL_FAST:
+            self._counters.pulls_rejected_in_backoff += 1
+            assert record.error is not None
+            raise _copy(record.error)
+        if action is PullAction.START:
             engine.attempt = _Attempt()
             self._counters.handshakes_started += 1
             logger.info(
@@ -304,17 +373,17 @@ class Connector:
             )
             assert self._nursery is not None
             self._nursery.start_soon(self._fetch_metadata, engine)
-        elif (record.host, record.port) != (remote.host, remote.port):
-            logger.warning(
-                "engine %s is known at %s:%d; ignoring the address %s:%d of request %r",
-                record.engine_id,
-                record.host,
-                record.port,
-                remote.host,
-                remote.port,
-                remote.request_id,
-            )
         return engine
+
+    def _retire(self, engine: _Engine, event: EngineEvent) -> None:
+        """Mark ``engine`` stale and retire its agent (unloaded once unused)."""
+        engine.record.apply(event)
+        remote = engine.attempt.remote
+        engine.attempt = _Attempt()
+        if remote is not None and not remote.retired:
+            remote.retired = True
+            if remote.users == 0:
+                self._jobs_send.send_nowait(remote)
 
     async def _wait_ready(self, engine: _Engine) -> RemoteAgent:
         attempt = engine.attempt
@@ -323,42 +392,67 @@ class Connector:
         if attempt.remote is not None:
             return attempt.remote
         if attempt.error is not None:
-            error = attempt.error
-            raise type(error)(error.engine_id, error.reason) from error.__cause__
+            raise _copy(attempt.error)
         raise trio.ClosedResourceError("connector closed during the handshake")
 
     async def _fetch_metadata(self, engine: _Engine) -> None:
         """Fetch and check ``engine``'s metadata, then queue it for the handshake task."""
         record = engine.record
         eid, timeout = record.engine_id, self._config.handshake_timeout
+        log = ConnectionLog(self._config.max_message_bytes)
+        where = f"{record.host}:{record.port}"
         try:
             try:
                 with trio.fail_after(timeout):
                     async with self._fetch_limiter:
-                        data = await self._request_metadata(record.host, record.port, eid)
+                        data = await fetch_reply(
+                            self._zmq,
+                            _endpoint(record.host, record.port),
+                            protocol.encode_request(eid, self._engine_id),
+                            log,
+                            ipv6=":" in record.host,
+                            curve=self._curve_client(eid),
+                        )
             except trio.TooSlowError:
-                raise HandshakeError(
-                    eid,
-                    f"no valid reply from {record.host}:{record.port} within {timeout:g} s "
-                    f"(peer down, not answering, or its reply exceeded "
-                    f"{self._config.max_message_bytes} bytes)",
+                raise _Failure(
+                    "timeout",
+                    HandshakeError(
+                        eid, f"no reply from {where} within {timeout:g} s: {log.diagnosis()}"
+                    ),
                 ) from None
-            except zmq.ZMQError as exc:
-                raise HandshakeError(
-                    eid, f"side channel to {record.host}:{record.port}: {exc}"
-                ) from exc
-            metadata = protocol.decode_reply(
-                data,
-                expected_engine_id=eid,
-                local_hash=self._compat_hash,
-                max_bytes=self._config.max_message_bytes,
-            )
-            layout = self._remote_layout(eid, metadata)
-        except HandshakeError as exc:
-            self._handshake_failed(engine, exc)
+            except FetchRefused as exc:
+                raise _Failure("refused", HandshakeError(eid, f"{where}: {exc}")) from None
+            except (ValueError, zmq.ZMQError) as exc:
+                raise _Failure("protocol", HandshakeError(eid, f"{where}: {exc}")) from None
+            try:
+                metadata = protocol.decode_reply(
+                    data,
+                    expected_engine_id=eid,
+                    local_hash=self._compat_hash,
+                    max_bytes=self._config.max_message_bytes,
+                )
+                layout = self._remote_layout(eid, metadata)
+            except IncompatibleEngineError as exc:
+                raise _Failure("incompatible", exc) from None
+            except HandshakeError as exc:
+                raise _Failure("protocol", exc) from None
+        except _Failure as failure:
+            self._handshake_failed(engine, failure.cause, failure.error)
             return
         record.metadata_received(metadata, layout)
-        self._loads_send.send_nowait(engine)
+        self._jobs_send.send_nowait(engine)
+
+    def _curve_client(self, engine_id: str) -> CurveClient | None:
+        auth = self._config.auth
+        if auth is None:
+            return None
+        server_key = auth.producer_key(engine_id)
+        if server_key is None:
+            raise _Failure(
+                "refused",
+                HandshakeError(engine_id, "no CURVE public key configured for this producer"),
+            )
+        return CurveClient(auth.public_key.encode(), auth.secret_key.encode(), server_key.encode())
 
     def _remote_layout(self, engine_id: str, metadata: protocol.EngineMetadata) -> KVLayout:
         try:
@@ -370,87 +464,92 @@ class Connector:
             raise IncompatibleEngineError(engine_id, mismatch)
         return layout
 
-    async def _request_metadata(self, host: str, port: int, engine_id: str) -> bytes:
-        """One request/reply over a fresh DEALER socket (closed on every exit)."""
-        socket = TrioZmqSocket(self._zmq.socket(zmq.DEALER))
-        async with socket:
-            raw = socket.zmq_socket
-            raw.setsockopt(zmq.LINGER, 0)
-            raw.setsockopt(zmq.MAXMSGSIZE, self._config.max_message_bytes)
-            if ":" in host:
-                raw.setsockopt(zmq.IPV6, 1)
-            raw.connect(_endpoint(host, port))
-            request = protocol.encode_request(engine_id, self._engine_id)
-            await socket.send_multipart([b"", request])
-            frames = await socket.receive_multipart()
-            if len(frames) != 2 or frames[0] != b"":
-                raise HandshakeError(
-                    engine_id, f"malformed reply: {len(frames)} frames, expected 2"
-                )
-            return frames[1]
-
     async def _run_handshakes(self) -> None:
-        """The handshake task: every NIXL remote-agent mutation, one engine at a time."""
-        async for engine in self._loads_receive:
-            record = engine.record
-            assert record.metadata is not None
-            assert record.layout is not None
-            started = time.perf_counter()
-            try:
-                remote = await self._nixl.load_remote(
-                    record.engine_id,
-                    record.metadata.agent_name,
-                    record.metadata.agent_metadata,
-                    record.layout,
-                )
-            except NixlCallError as exc:
-                error = HandshakeError(record.engine_id, f"loading the remote agent: {exc}")
-                error.__cause__ = exc
-                self._handshake_failed(engine, error)
-                continue
-            record.apply(EngineEvent.LOADED)
-            engine.attempt.remote = remote
-            engine.attempt.done.set()
-            self._counters.handshakes_succeeded += 1
-            logger.info(
-                "engine %s: ready (agent %s, %d regions x %d blocks, loaded in %.1f ms)",
-                record.engine_id,
-                remote.agent_name,
-                remote.layout.num_regions,
-                remote.layout.num_blocks,
-                (time.perf_counter() - started) * 1e3,
-            )
+        """The handshake task: every NIXL remote-agent mutation, one at a time.
 
-    def _handshake_failed(self, engine: _Engine, error: HandshakeError) -> None:
-        engine.record.failed(error)
+        Jobs are engines whose metadata arrived (load them) and retired remote
+        agents nobody uses any more (unload them), in the order they came.
+        """
+        async for job in self._jobs_receive:
+            if isinstance(job, RemoteAgent):
+                await self._unload(job)
+            else:
+                await self._load(job)
+
+    async def _load(self, engine: _Engine) -> None:
+        record = engine.record
+        metadata, layout = record.metadata, record.layout
+        assert metadata is not None
+        assert layout is not None
+        started = time.perf_counter()
+        try:
+            remote = await self._nixl.load_remote(
+                record.engine_id,
+                metadata.incarnation,
+                metadata.agent_name,
+                metadata.agent_metadata,
+                layout,
+            )
+        except NixlCallError as exc:
+            error = HandshakeError(record.engine_id, f"loading the remote agent: {exc}")
+            error.__cause__ = exc
+            self._handshake_failed(engine, "nixl", error)
+            return
+        record.loaded()
+        engine.attempt.remote = remote
+        engine.attempt.done.set()
+        self._counters.handshakes_succeeded += 1
+        logger.info(
+            "engine %s: ready (agent %s, %d regions x %d blocks, loaded in %.1f ms)",
+            record.engine_id,
+            remote.agent_name,
+            remote.layout.num_regions,
+            remote.layout.num_blocks,
+            (time.perf_counter() - started) * 1e3,
+        )
+
+    async def _unload(self, remote: RemoteAgent) -> None:
+        try:
+            await self._nixl.unload_remote(remote)
+        except Exception as exc:  # the agent is dead anyway; keep serving others
+            logger.warning(
+                "engine %s: removing agent %s failed: %s", remote.engine_id, remote.agent_name, exc
+            )
+        else:
+            logger.info("engine %s: removed stale agent %s", remote.engine_id, remote.agent_name)
+
+    def _handshake_failed(self, engine: _Engine, cause: str, error: HandshakeError) -> None:
+        delay = engine.record.failed(error, trio.current_time(), self._config.backoff, self._rng)
         engine.attempt.error = error
         engine.attempt.done.set()
-        self._counters.handshakes_failed += 1
-        logger.warning("%s", error)
+        self._counters.handshake_failures[cause] += 1
+        logger.warning("%s (next attempt allowed in %.2f s)", error, delay)
 
     # ---- consumer: transfers --------------------------------------------
 
-    async def _read(
+    async def _transfer(
         self,
         request_id: str,
         local_ids: np.ndarray,
         remote_agent: RemoteAgent,
-        local_indices: np.ndarray,
-        remote_indices: np.ndarray,
+        indices: tuple[np.ndarray, np.ndarray] | None,
         notification: bytes,
     ) -> None:
+        """READ ``indices`` (local, remote) with ``notification``; only notify if ``None``."""
         timeout = self._config.transfer_timeout
         self._pulls_in_flight.value += 1
+        remote_agent.users += 1
         try:
-            await self._nixl.read(
-                remote_agent,
-                local_indices,
-                remote_indices,
-                notification,
-                time.monotonic() + timeout,
-            )
+            if indices is None:
+                await self._nixl.notify(remote_agent, notification)
+            else:
+                await self._nixl.read(
+                    remote_agent, *indices, notification, time.monotonic() + timeout
+                )
         except NixlCallError as exc:
             self._counters.pulls_failed += 1
+            if exc.peer_lost:
+                self._peer_lost(remote_agent, request_id)
             raise TransferError(request_id, local_ids.tolist(), str(exc)) from exc
         except TransferTimeout:
             self._counters.pulls_failed += 1
@@ -463,21 +562,22 @@ class Connector:
             ) from None
         finally:
             self._pulls_in_flight.value -= 1
+            remote_agent.users -= 1
+            if remote_agent.retired and remote_agent.users == 0 and not self._closed:
+                self._jobs_send.send_nowait(remote_agent)
 
-    async def _notify_only(
-        self, request_id: str, remote_agent: RemoteAgent, notification: bytes
-    ) -> None:
-        self._pulls_in_flight.value += 1
-        try:
-            await self._nixl.notify(remote_agent, notification)
-        except NixlCallError as exc:
-            self._counters.pulls_failed += 1
-            raise TransferError(request_id, (), str(exc)) from exc
-        except EngineClosing:
-            raise trio.ClosedResourceError("connector closed") from None
-        finally:
-            self._pulls_in_flight.value -= 1
-        self._counters.pulls_succeeded += 1
+    def _peer_lost(self, remote_agent: RemoteAgent, request_id: str) -> None:
+        engine = self._engines.get(remote_agent.engine_id)
+        if engine is None or engine.attempt.remote is not remote_agent:
+            return  # already retired
+        self._counters.peers_disconnected += 1
+        logger.warning(
+            "engine %s: peer lost during request %r; its agent will be removed and the "
+            "next pull handshakes again",
+            remote_agent.engine_id,
+            request_id,
+        )
+        self._retire(engine, EngineEvent.PEER_DISCONNECTED)
 
     # ---- producer: side channel and notifications -----------------------
 
@@ -492,8 +592,10 @@ class Connector:
 
         Every request gets a reply: the metadata, or an error reply saying why
         (counted in ``listener_rejects``). Messages without a request envelope
-        are dropped and counted. Sends never block: ROUTER drops replies to
-        peers that are gone.
+        are dropped and counted. Messages over ``max_message_bytes`` never
+        reach us: ZeroMQ closes that connection. With CURVE auth, consumers
+        the ZAP handler refuses never reach us either. Sends never block:
+        ROUTER drops replies to peers that are gone.
         """
         socket = TrioZmqSocket(self._zmq.socket(zmq.ROUTER))
         async with socket:
@@ -502,6 +604,8 @@ class Connector:
             raw.setsockopt(zmq.MAXMSGSIZE, self._config.max_message_bytes)
             if ":" in host:
                 raw.setsockopt(zmq.IPV6, 1)
+            if self._config.auth is not None:
+                self._config.auth.configure_server(raw)
             try:
                 raw.bind(_endpoint(host, port or "*"))
             except zmq.ZMQError as exc:
@@ -529,6 +633,10 @@ class Connector:
                     self._counters.listener_rejects += 1
                     logger.debug("listener: rejected a request: %s", reject)
                 await socket.send_multipart([frames[0], b"", reply])
+
+    def _auth_refused(self, reason: str) -> None:
+        self._counters.listener_auth_failures += 1
+        logger.warning("engine %s: side channel refused a consumer: %s", self._engine_id, reason)
 
     async def _collect_notifications(self) -> None:
         """Count consumer notifications and expire overdue exposures, until cancelled."""
@@ -600,7 +708,7 @@ class Connector:
         for engine in self._engines.values():
             engine.record.apply(EngineEvent.CONNECTOR_CLOSED)
             engine.attempt.done.set()
-        self._loads_send.close()
+        self._jobs_send.close()
 
     async def _release(self) -> None:
         """Wait (bounded) for in-flight pulls, then release NIXL and ZeroMQ resources.
@@ -622,6 +730,21 @@ class Connector:
                 await trio.to_thread.run_sync(self._nixl.close)
         finally:
             self._zmq.destroy(linger=0)
+
+
+class _Failure(Exception):
+    """A failed handshake attempt and its cause, for the statistics."""
+
+    def __init__(self, cause: str, error: HandshakeError) -> None:
+        self.cause = cause
+        self.error = error
+
+
+def _copy(error: HandshakeError) -> HandshakeError:
+    """A fresh exception equal to ``error`` (one object per raise keeps tracebacks apart)."""
+    fresh = type(error)(error.engine_id, error.reason)
+    fresh.__cause__ = error.__cause__
+    return fresh
 
 
 def _endpoint(host: str, port: int | str) -> str:
@@ -683,6 +806,10 @@ async def open_connector(
     try:
         async with unwrapped_errors(), trio.open_nursery() as nursery:
             connector._nursery = nursery
+            if config.auth is not None:
+                await nursery.start(
+                    serve_zap, context, config.auth.allowed_consumers, connector._auth_refused
+                )
             connector._address = await nursery.start(connector._serve_listener, host, port)
             connector._encoded_reply = protocol.encode_message(
                 protocol.metadata_reply(

@@ -3,12 +3,13 @@
 Every rule is in :data:`TRANSITIONS`; the docs draw the state diagram from
 that table, so picture and code cannot drift. The trio shell in
 ``_connector.py`` pairs each record with a :class:`trio.Event` per handshake
-attempt; this module knows nothing of trio.
+attempt; this module knows nothing of trio and takes the time as an argument.
 """
 
 from __future__ import annotations
 
 import enum
+import random
 from typing import Final
 
 import attrs
@@ -22,15 +23,19 @@ class EngineState(enum.Enum):
     """Where a remote engine's handshake stands."""
 
     UNKNOWN = "unknown"
-    """Never seen (or forgotten); the first pull starts a handshake."""
+    """Never seen; the first pull starts a handshake."""
     FETCHING = "fetching"
     """Waiting for a fetch slot or for the metadata reply."""
     LOADING = "loading"
     """Metadata received; queued for, or in, the handshake task (NIXL calls)."""
     READY = "ready"
     """Remote agent loaded and descriptor list prepared: pulls go straight through."""
-    FAILED = "failed"
-    """The last handshake failed; the next pull starts a new one."""
+    BACKOFF = "backoff"
+    """The last handshake failed; pulls fail fast with its error until the
+    backoff elapses, and the first pull after that retries."""
+    STALE = "stale"
+    """The engine restarted or its connection died; its old agent is being
+    removed, and the next pull starts a fresh handshake."""
     CLOSED = "closed"
     """The connector closed; the engine's NIXL state is released."""
 
@@ -38,34 +43,65 @@ class EngineState(enum.Enum):
 class EngineEvent(enum.Enum):
     """What can happen to a remote engine."""
 
-    PULL_REQUESTED = "pull requested"
+    PULL = "pull"
+    PULL_DURING_BACKOFF = "pull during backoff"
+    PULL_AFTER_BACKOFF = "pull after backoff"
     METADATA_RECEIVED = "metadata received"
     LOADED = "loaded"
     FAILED = "failed"
+    PEER_RESTARTED = "peer restarted"
+    PEER_DISCONNECTED = "peer disconnected"
     CONNECTOR_CLOSED = "connector closed"
 
 
 S, E = EngineState, EngineEvent
 
 TRANSITIONS: Final[dict[tuple[EngineState, EngineEvent], EngineState]] = {
-    (S.UNKNOWN, E.PULL_REQUESTED): S.FETCHING,
-    (S.FAILED, E.PULL_REQUESTED): S.FETCHING,
+    (S.UNKNOWN, E.PULL): S.FETCHING,
+    (S.STALE, E.PULL): S.FETCHING,
+    (S.BACKOFF, E.PULL_AFTER_BACKOFF): S.FETCHING,
+    (S.BACKOFF, E.PULL_DURING_BACKOFF): S.BACKOFF,
     (S.FETCHING, E.METADATA_RECEIVED): S.LOADING,
-    (S.FETCHING, E.FAILED): S.FAILED,
+    (S.FETCHING, E.FAILED): S.BACKOFF,
     (S.LOADING, E.LOADED): S.READY,
-    (S.LOADING, E.FAILED): S.FAILED,
+    (S.LOADING, E.FAILED): S.BACKOFF,
+    (S.READY, E.PEER_RESTARTED): S.STALE,
+    (S.READY, E.PEER_DISCONNECTED): S.STALE,
     **{(state, E.CONNECTOR_CLOSED): S.CLOSED for state in EngineState if state is not S.CLOSED},
 }
 """Every allowed (state, event) -> next state. Anything else is a bug."""
 
-HANDSHAKE_STARTING: Final = frozenset(
-    state for (state, event) in TRANSITIONS if event is E.PULL_REQUESTED
-)
-"""States in which a pull starts a new handshake."""
-
 
 class InvalidTransition(RuntimeError):
     """A transition not in :data:`TRANSITIONS` was attempted: a trio_pd bug."""
+
+
+class PullAction(enum.Enum):
+    """What a pull must do, given the engine's state (see :meth:`EngineRecord.on_pull`)."""
+
+    START = "start"
+    """A new handshake attempt began: start fetching, then wait for it."""
+    WAIT = "wait"
+    """An attempt is in progress (or done): wait for its outcome."""
+    FAIL_FAST = "fail fast"
+    """In backoff: raise the last error now."""
+
+
+@attrs.frozen
+class Backoff:
+    """Exponential, jittered, capped delays between handshake attempts.
+
+    The n-th consecutive failure waits ``min(maximum, initial * 2**(n-1))``
+    scaled by a random factor in ``[1 - jitter, 1]``.
+    """
+
+    initial: float = 1.0
+    maximum: float = 30.0
+    jitter: float = 0.2
+
+    def delay(self, failures: int, rng: random.Random) -> float:
+        base = min(self.maximum, self.initial * 2.0 ** max(0, failures - 1))
+        return base * (1.0 - self.jitter * rng.random())
 
 
 @attrs.define
@@ -76,9 +112,11 @@ class EngineRecord:
         engine_id: the remote engine's id.
         host, port: its side-channel address.
         state: see :class:`EngineState`.
-        error: the last handshake's error while ``FAILED``.
-        metadata: the engine's metadata once received.
+        error: the last handshake's error (kept through ``BACKOFF``).
+        metadata, layout: the current incarnation's metadata once received.
         attempts: handshakes started for this engine.
+        failures: consecutive failed handshakes (reset by success).
+        retry_at: while ``BACKOFF``, when the next attempt is allowed.
     """
 
     engine_id: str
@@ -89,6 +127,13 @@ class EngineRecord:
     metadata: EngineMetadata | None = None
     layout: KVLayout | None = None
     attempts: int = 0
+    failures: int = 0
+    retry_at: float = 0.0
+
+    @property
+    def incarnation(self) -> str | None:
+        """The incarnation of the loaded metadata (``None`` before the first)."""
+        return None if self.metadata is None else self.metadata.incarnation
 
     def apply(self, event: EngineEvent) -> EngineState:
         """Move to the state :data:`TRANSITIONS` gives; raise if none."""
@@ -100,17 +145,41 @@ class EngineRecord:
             ) from None
         if new is EngineState.FETCHING:
             self.attempts += 1
-            self.error = None
         self.state = new
         return new
+
+    def on_pull(self, now: float) -> PullAction:
+        """Account for a pull at time ``now`` and say what it must do."""
+        if self.state in (EngineState.UNKNOWN, EngineState.STALE):
+            self.apply(EngineEvent.PULL)
+            return PullAction.START
+        if self.state is EngineState.BACKOFF:
+            if now < self.retry_at:
+                self.apply(EngineEvent.PULL_DURING_BACKOFF)
+                return PullAction.FAIL_FAST
+            self.apply(EngineEvent.PULL_AFTER_BACKOFF)
+            return PullAction.START
+        return PullAction.WAIT
 
     def metadata_received(self, metadata: EngineMetadata, layout: KVLayout) -> None:
         self.apply(EngineEvent.METADATA_RECEIVED)
         self.metadata = metadata
         self.layout = layout
 
-    def failed(self, error: HandshakeError) -> None:
+    def loaded(self) -> None:
+        self.apply(EngineEvent.LOADED)
+        self.failures = 0
+        self.error = None
+
+    def failed(
+        self, error: HandshakeError, now: float, backoff: Backoff, rng: random.Random
+    ) -> float:
+        """Enter ``BACKOFF`` after ``error``; return the delay before a retry."""
         self.apply(EngineEvent.FAILED)
         self.error = error
         self.metadata = None
         self.layout = None
+        self.failures += 1
+        delay = backoff.delay(self.failures, rng)
+        self.retry_at = now + delay
+        return delay

@@ -47,7 +47,16 @@ TRANSFER_THREADS = 4
 
 
 class NixlCallError(Exception):
-    """A NIXL call raised; the message names the call and NIXL's error."""
+    """A NIXL call failed; the message names the call and NIXL's error.
+
+    Attributes:
+        peer_lost: NIXL said the remote agent disconnected (the peer died or
+            restarted): its metadata is stale.
+    """
+
+    def __init__(self, message: str, *, peer_lost: bool = False) -> None:
+        super().__init__(message)
+        self.peer_lost = peer_lost
 
 
 class TransferTimeout(Exception):
@@ -58,18 +67,31 @@ class EngineClosing(Exception):
     """The connector closed while a transfer was in flight."""
 
 
+def _is_peer_lost(exc: BaseException) -> bool:
+    """NIXL raises ``nixlRemoteDisconnectError`` when the remote agent is gone."""
+    return type(exc).__name__ == "nixlRemoteDisconnectError"
+
+
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 @attrs.define(eq=False)
 class RemoteAgent:
-    """A remote engine loaded into the local agent: its name and prepared descriptors."""
+    """A remote engine loaded into the local agent: its name and prepared descriptors.
+
+    Attributes:
+        users: pulls using it right now; it is unloaded only at zero.
+        retired: replaced or dead; unload it once ``users`` drops to zero.
+    """
 
     engine_id: str
+    incarnation: str
     agent_name: str
     layout: KVLayout
     dlist: Any  # nixl_prepped_dlist_handle
+    users: int = 0
+    retired: bool = False
 
 
 class NixlEngine:
@@ -155,7 +177,12 @@ class NixlEngine:
     # ---- handshake side (called only by the handshake task) -------------
 
     async def load_remote(
-        self, engine_id: str, agent_name: str, agent_metadata: bytes, layout: KVLayout
+        self,
+        engine_id: str,
+        incarnation: str,
+        agent_name: str,
+        agent_metadata: bytes,
+        layout: KVLayout,
     ) -> RemoteAgent:
         """Load a remote agent and prepare its descriptor list (handshake thread).
 
@@ -166,6 +193,7 @@ class NixlEngine:
         return await trio.to_thread.run_sync(
             self._load_blocking,
             engine_id,
+            incarnation,
             agent_name,
             agent_metadata,
             layout,
@@ -174,14 +202,21 @@ class NixlEngine:
 
     async def unload_remote(self, remote: RemoteAgent) -> None:
         """Release a remote's descriptor list and remove its agent (handshake thread)."""
-        if self._remotes.get(remote.engine_id) is remote:
-            del self._remotes[remote.engine_id]
         await trio.to_thread.run_sync(self._unload_blocking, remote, limiter=self.handshake_limiter)
 
     def _load_blocking(
-        self, engine_id: str, agent_name: str, agent_metadata: bytes, layout: KVLayout
+        self,
+        engine_id: str,
+        incarnation: str,
+        agent_name: str,
+        agent_metadata: bytes,
+        layout: KVLayout,
     ) -> RemoteAgent:
         agent = self._live_agent()
+        if agent_name in self._remotes:
+            raise NixlCallError(
+                f"agent {agent_name!r} is still loaded (in use by earlier pulls); retry later"
+            )
         try:
             loaded = agent.add_remote_agent(agent_metadata)
         except Exception as exc:
@@ -202,17 +237,18 @@ class NixlEngine:
             except Exception:
                 logger.exception("could not remove half-loaded agent %s", loaded_name)
             raise
-        remote = RemoteAgent(engine_id, loaded_name, layout, dlist)
-        self._remotes[engine_id] = remote  # from here on, close() releases it
+        remote = RemoteAgent(engine_id, incarnation, loaded_name, layout, dlist)
+        self._remotes[loaded_name] = remote  # from here on, close() releases it
         return remote
 
     def _unload_blocking(self, remote: RemoteAgent) -> None:
         agent = self._live_agent()
+        if self._remotes.pop(remote.agent_name, None) is None:
+            return  # already unloaded
         try:
             remote.dlist.release()
         finally:
             agent.remove_remote_agent(remote.agent_name)
-            self._remotes.pop(remote.engine_id, None)
 
     # ---- data plane -----------------------------------------------------
 
@@ -273,7 +309,9 @@ class NixlEngine:
                 notification,
             )
         except Exception as exc:
-            raise NixlCallError(f"make_prepped_xfer: {_describe(exc)}") from exc
+            raise NixlCallError(
+                f"make_prepped_xfer: {_describe(exc)}", peer_lost=_is_peer_lost(exc)
+            ) from exc
         status = "PROC"
         try:
             try:
@@ -292,7 +330,9 @@ class NixlEngine:
             except (TransferTimeout, EngineClosing, trio.Cancelled):
                 raise
             except Exception as exc:
-                raise NixlCallError(f"transfer: {_describe(exc)}") from exc
+                raise NixlCallError(
+                    f"transfer: {_describe(exc)}", peer_lost=_is_peer_lost(exc)
+                ) from exc
             if status != "DONE":
                 raise NixlCallError(f"transfer state {status}")
         finally:
@@ -340,7 +380,9 @@ class NixlEngine:
         try:
             self._live_agent().send_notif(remote.agent_name, message)
         except Exception as exc:
-            raise NixlCallError(f"send_notif: {_describe(exc)}") from exc
+            raise NixlCallError(
+                f"send_notif: {_describe(exc)}", peer_lost=_is_peer_lost(exc)
+            ) from exc
 
     async def notifications(self) -> dict[str, list[bytes]]:
         """Collect new notifications, by sending agent name.

@@ -32,6 +32,7 @@ from typing import Any
 import attrs
 import trio
 
+from ._auth import CurveAuth
 from ._config import ConnectorConfig
 from ._connector import Connector, open_connector
 from ._exposures import Released
@@ -67,17 +68,29 @@ class WorkerSpec:
         return json.dumps(attrs.asdict(self))
 
 
+def _jsonable(value: object) -> object:
+    if isinstance(value, Mapping):
+        return dict(value)
+    if isinstance(value, frozenset | set | tuple):
+        return sorted(value) if isinstance(value, frozenset | set) else list(value)
+    if isinstance(value, CurveAuth):
+        return attrs.asdict(value, recurse=False)
+    raise TypeError(f"{type(value).__name__} is not JSON-able")
+
+
 def config_overrides(config: ConnectorConfig) -> dict[str, Any]:
     """``config`` as JSON-able keyword arguments of :class:`ConnectorConfig`."""
-    out: dict[str, Any] = {}
-    for field in attrs.fields(ConnectorConfig):
-        value = getattr(config, field.name)
-        if field.name == "nixl_backend_params":
-            value = {k: dict(v) for k, v in value.items()}
-        elif isinstance(value, tuple):
-            value = list(value)
-        out[field.name] = value
-    return out
+    loaded: dict[str, Any] = json.loads(
+        json.dumps(attrs.asdict(config, recurse=False), default=_jsonable)
+    )
+    return loaded
+
+
+def _config_from_overrides(overrides: Mapping[str, Any]) -> ConnectorConfig:
+    values = dict(overrides)
+    if values.get("auth") is not None:
+        values["auth"] = CurveAuth(**values["auth"])
+    return ConnectorConfig(**values)
 
 
 # ---- child side -----------------------------------------------------------
@@ -90,14 +103,14 @@ async def _child_main(spec: WorkerSpec, protocol_fd: int) -> None:
     kv_caches = [
         torch.zeros((spec.blocks, *spec.block_shape), dtype=dtype) for _ in range(spec.regions)
     ]
-    config = ConnectorConfig(**spec.config)
+    config = _config_from_overrides(spec.config)
     stdin = trio.lowlevel.FdStream(os.dup(0))
     stdout = trio.lowlevel.FdStream(protocol_fd)
     write_lock = trio.Lock()
 
     async def reply(message: dict[str, Any]) -> None:
         async with write_lock:
-            await stdout.send_all(json.dumps(message).encode() + b"\n")
+            await stdout.send_all(json.dumps(message, default=_jsonable).encode() + b"\n")
 
     async def handle(conn: Connector, command: dict[str, Any]) -> None:
         cid = command.get("id")

@@ -22,6 +22,11 @@ class RemoteBlocks:
         host, port: the producer's side-channel address.
         block_ids: the producer's block ids, in the order they are read.
         request_id: the producer's request id (named in the notification).
+        incarnation: the producer connector's incarnation (random per start).
+            A consumer that finds the engine running another incarnation knows
+            it restarted: it re-handshakes, and refuses to read blocks that
+            belonged to the old one. Empty when unknown (e.g. parameters from a
+            producer that is not trio_pd); then no such check is possible.
     """
 
     engine_id: str
@@ -29,20 +34,26 @@ class RemoteBlocks:
     port: int
     block_ids: tuple[int, ...] = attrs.field(converter=_block_tuple)
     request_id: str
+    incarnation: str = ""
 
     def to_kv_transfer_params(self) -> dict[str, Any]:
-        """vLLM's ``kv_transfer_params`` keys, so a P/D proxy can pass them through."""
+        """vLLM's ``kv_transfer_params`` keys, so a P/D proxy can pass them through.
+
+        trio_pd adds ``remote_incarnation``; proxies pass unknown keys along.
+        """
         return {
             "remote_engine_id": self.engine_id,
             "remote_host": self.host,
             "remote_port": self.port,
             "remote_block_ids": list(self.block_ids),
             "remote_request_id": self.request_id,
+            "remote_incarnation": self.incarnation,
         }
 
     @classmethod
     def from_kv_transfer_params(cls, params: Mapping[str, Any]) -> RemoteBlocks:
-        """Inverse of :meth:`to_kv_transfer_params`; extra keys are ignored.
+        """Inverse of :meth:`to_kv_transfer_params`; extra keys are ignored,
+        ``remote_incarnation`` is optional.
 
         Raises:
             ValueError: a key is missing or has the wrong type.
@@ -59,13 +70,16 @@ class RemoteBlocks:
             raise ValueError("remote_engine_id and remote_host must be strings")
         if not isinstance(request_id, str):
             raise ValueError("remote_request_id must be a string")
+        incarnation = params.get("remote_incarnation", "")
+        if not isinstance(incarnation, str):
+            raise ValueError("remote_incarnation must be a string")
         if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
             raise ValueError(f"remote_port must be a TCP port, got {port!r}")
         if not isinstance(block_ids, list | tuple) or not all(
             isinstance(b, int) and not isinstance(b, bool) for b in block_ids
         ):
             raise ValueError("remote_block_ids must be a list of ints")
-        return cls(engine_id, host, port, block_ids, request_id)
+        return cls(engine_id, host, port, block_ids, request_id, incarnation)
 
 
 @attrs.frozen
@@ -94,6 +108,13 @@ class ConnectorStatistics:
     Attributes:
         handshakes_started, handshakes_succeeded, handshakes_failed: handshake
             attempts, consumer side.
+        handshake_failures_by_cause: failed handshakes by cause: ``timeout``,
+            ``refused`` (authentication), ``protocol`` (bad reply),
+            ``incompatible``, ``nixl`` (loading the remote agent).
+        pulls_rejected_in_backoff: pulls that failed fast because their
+            engine was in backoff after a failed handshake.
+        restarts_detected: engines found running a new incarnation.
+        peers_disconnected: engines whose transfers reported a lost peer.
         engines_ready: remote engines ready for pulls now.
         pulls_succeeded, pulls_failed: finished pulls (cancelled ones count as
             neither).
@@ -104,15 +125,20 @@ class ConnectorStatistics:
         listener_requests, listener_rejects: side-channel requests answered with
             metadata, and requests rejected (malformed, wrong engine, other
             protocol version).
+        listener_auth_failures: consumers refused by CURVE authentication.
     """
 
     handshakes_started: int
     handshakes_succeeded: int
     handshakes_failed: int
+    handshake_failures_by_cause: Mapping[str, int]
     engines_ready: int
     pulls_succeeded: int
     pulls_failed: int
     pulls_in_flight: int
+    pulls_rejected_in_backoff: int
+    restarts_detected: int
+    peers_disconnected: int
     bytes_pulled: int
     exposures_pending: int
     exposures_released: int
@@ -120,3 +146,4 @@ class ConnectorStatistics:
     notifications_ignored: int
     listener_requests: int
     listener_rejects: int
+    listener_auth_failures: int

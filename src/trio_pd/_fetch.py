@@ -1,0 +1,194 @@
+"""Consumer side of the side channel: fetch one engine's metadata reply.
+
+A fetch is one request/reply over a fresh DEALER socket, watched by a ZeroMQ
+socket monitor so that a failure can be *named*: connection refused, a peer
+that accepts and never answers, a peer that drops the connection before
+replying (for instance because its reply exceeds our size limit), a CURVE
+authentication failure. :class:`ConnectionLog` (no I/O) turns the monitor's
+events into that diagnosis; :func:`fetch_reply` is the trio shell.
+
+The caller owns the deadline (``trio.fail_after``); on timeout it asks the log
+what happened. Rounds end early only for causes that waiting cannot fix
+(authentication or security-mechanism failures); a dropped connection starts
+a new round with a fresh socket, so a producer that restarts within the
+deadline is still reached.
+"""
+
+from __future__ import annotations
+
+import attrs
+import trio
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from ._groups import unwrapped_errors
+from ._zmq import TrioZmqSocket
+
+RETRY_DELAY = 0.1
+"""Pause between rounds after the peer dropped the connection."""
+
+_MONITORED = (
+    zmq.EVENT_CONNECTED
+    | zmq.EVENT_CONNECT_RETRIED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+
+
+class FetchRefused(Exception):
+    """The peer refused us in a way that retrying cannot fix; ``str`` says why."""
+
+
+@attrs.define
+class ConnectionLog:
+    """What the monitor saw during one fetch, across its rounds (no I/O).
+
+    Attributes:
+        max_reply_bytes: our reply size limit, named in the diagnosis of drops.
+    """
+
+    max_reply_bytes: int
+    refused: int = 0
+    tcp_connected: int = 0
+    connected: int = 0
+    dropped: int = 0
+    fatal: str | None = None
+    in_session: bool = False
+
+    def record(self, event: int, value: int) -> None:
+        """Account for one monitor event."""
+        if event == zmq.EVENT_CONNECT_RETRIED:
+            self.refused += 1
+        elif event == zmq.EVENT_CONNECTED:
+            self.tcp_connected += 1
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.connected += 1
+            self.in_session = True
+        elif event == zmq.EVENT_DISCONNECTED and self.in_session:
+            self.dropped += 1
+            self.in_session = False
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            self.fatal = (
+                f"the producer rejected our CURVE key (ZAP status {value}): "
+                "this consumer is not in its allowlist"
+            )
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+                self.fatal = (
+                    "security mechanism mismatch: one side uses CURVE authentication, "
+                    "the other does not"
+                )
+            else:
+                self.fatal = f"ZeroMQ handshake failed (protocol error {value:#x})"
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            self.fatal = "ZeroMQ handshake failed (wrong CURVE server key?)"
+
+    def ends_round(self, event: int) -> bool:
+        """Whether the current round is over (the reply will not come on this socket)."""
+        return self.fatal is not None or (event == zmq.EVENT_DISCONNECTED and self.connected > 0)
+
+    def diagnosis(self) -> str:
+        """The likeliest cause of a missing reply, in words."""
+        if self.fatal is not None:
+            return self.fatal
+        if self.dropped:
+            return (
+                f"the peer closed the connection {self.dropped} time(s) before replying "
+                f"(is its reply over our {self.max_reply_bytes}-byte limit?)"
+            )
+        if self.connected:
+            return "connected, but the peer never replied"
+        if self.tcp_connected:
+            return (
+                "the TCP connection was accepted, but the ZeroMQ handshake never "
+                "completed (is that port a trio_pd side channel?)"
+            )
+        if self.refused:
+            return f"connection refused ({self.refused} attempts)"
+        return "could not connect"
+
+
+@attrs.frozen
+class CurveClient:
+    """CURVE keys for one fetch: ours, and the producer's public key (z85)."""
+
+    public_key: bytes
+    secret_key: bytes
+    server_key: bytes
+
+
+async def fetch_reply(
+    context: zmq.Context[zmq.Socket[bytes]],
+    endpoint: str,
+    request: bytes,
+    log: ConnectionLog,
+    *,
+    ipv6: bool = False,
+    curve: CurveClient | None = None,
+) -> bytes:
+    """Send ``request`` to ``endpoint`` and return the reply payload.
+
+    Runs rounds (fresh socket each) until a reply arrives; the caller bounds
+    it with a deadline. Every socket is closed on every exit.
+
+    Raises:
+        FetchRefused: authentication or mechanism failure (``log.fatal``).
+        ValueError: a malformed reply envelope (not ``[b"", payload]``).
+        zmq.ZMQError: the endpoint is invalid.
+    """
+    while True:
+        reply = await _one_round(context, endpoint, request, log, ipv6, curve)
+        if reply is not None:
+            return reply
+        if log.fatal is not None:
+            raise FetchRefused(log.fatal)
+        await trio.sleep(RETRY_DELAY)
+
+
+async def _one_round(
+    context: zmq.Context[zmq.Socket[bytes]],
+    endpoint: str,
+    request: bytes,
+    log: ConnectionLog,
+    ipv6: bool,
+    curve: CurveClient | None,
+) -> bytes | None:
+    raw = context.socket(zmq.DEALER)
+    dealer = TrioZmqSocket(raw)
+    async with dealer:
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.setsockopt(zmq.MAXMSGSIZE, log.max_reply_bytes)
+        if ipv6:
+            raw.setsockopt(zmq.IPV6, 1)
+        if curve is not None:
+            raw.curve_publickey = curve.public_key
+            raw.curve_secretkey = curve.secret_key
+            raw.curve_serverkey = curve.server_key
+        monitor = TrioZmqSocket(raw.get_monitor_socket(_MONITORED))
+        async with monitor:
+            try:
+                raw.connect(endpoint)
+                result: list[bytes] = []
+                async with unwrapped_errors(), trio.open_nursery() as nursery:
+
+                    async def watch() -> None:
+                        while True:
+                            event = parse_monitor_message(await monitor.receive_multipart())
+                            log.record(event["event"], event["value"])
+                            if log.ends_round(event["event"]):
+                                nursery.cancel_scope.cancel()
+                                return
+
+                    nursery.start_soon(watch)
+                    await dealer.send_multipart([b"", request])
+                    frames = await dealer.receive_multipart()
+                    if len(frames) != 2 or frames[0] != b"":
+                        raise ValueError(f"malformed reply: {len(frames)} frames, expected 2")
+                    result.append(frames[1])
+                    nursery.cancel_scope.cancel()
+                return result[0] if result else None
+            finally:
+                raw.disable_monitor()

@@ -1,0 +1,207 @@
+"""The side channel under attack and against broken peers (real ZeroMQ sockets)."""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+import pytest
+import trio
+import zmq
+
+import trio_pd
+from trio_pd import _protocol as protocol
+from trio_pd._zmq import TrioZmqSocket
+
+from .conftest import FAST, kv_cache
+
+
+async def _request(
+    context: zmq.Context[zmq.Socket[bytes]], port: int, frames: list[bytes], wait: float = 2.0
+) -> list[bytes] | None:
+    """Send raw ``frames`` from a fresh DEALER; the reply, or None if none came."""
+    socket = TrioZmqSocket(context.socket(zmq.DEALER))
+    async with socket:
+        socket.zmq_socket.setsockopt(zmq.LINGER, 0)
+        socket.zmq_socket.connect(f"tcp://127.0.0.1:{port}")
+        await socket.send_multipart(frames)
+        with trio.move_on_after(wait):
+            return await socket.receive_multipart()
+    return None
+
+
+def _error_code(reply: list[bytes] | None) -> str:
+    assert reply is not None
+    assert reply[0] == b""
+    decoded = msgspec.msgpack.decode(reply[1])
+    assert decoded["type"] == "error"
+    return str(decoded["code"])
+
+
+async def test_listener_survives_hostile_input_and_keeps_serving() -> None:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        with trio.fail_after(60):
+            async with (
+                trio_pd.open_connector("p", kv_cache(blocks=8), config=FAST) as producer,
+                trio_pd.open_connector("d", kv_cache(blocks=8), config=FAST) as consumer,
+            ):
+                port = producer.address[1]
+                garbage = _error_code(await _request(context, port, [b"", os.urandom(64)]))
+                assert garbage == "bad_request"
+                unknown = msgspec.msgpack.encode({"type": "nope", "protocol_version": 1})
+                assert _error_code(await _request(context, port, [b"", unknown])) == "bad_request"
+                future = msgspec.msgpack.encode({"type": "metadata_request", "protocol_version": 9})
+                code = _error_code(await _request(context, port, [b"", future]))
+                assert code == "unsupported_version"
+                wrong = protocol.encode_request("not-p", "d")
+                assert _error_code(await _request(context, port, [b"", wrong])) == "wrong_engine"
+                # Wrong frame counts get no reply (there is no envelope to answer).
+                assert await _request(context, port, [b"lonely"], wait=0.3) is None
+                assert await _request(context, port, [b"", b"a", b"b"], wait=0.3) is None
+                # Oversized: ZeroMQ drops the connection before we see the message.
+                big = b"x" * (FAST.max_message_bytes + 1)
+                assert await _request(context, port, [b"", big], wait=0.3) is None
+                assert producer.statistics().listener_rejects == 6
+                # Not ZeroMQ at all (libzmq may parse it as legacy ZMTP 1.0
+                # framing and hand us junk messages: rejected too).
+                stream = await trio.open_tcp_stream("127.0.0.1", port)
+                await stream.send_all(os.urandom(4096))
+                await stream.aclose()
+
+                # A burst: 2000 valid requests from 8 peers, all answered.
+                request = protocol.encode_request("p", "burst")
+                answered = 0
+
+                async def burst() -> None:
+                    nonlocal answered
+                    socket = TrioZmqSocket(context.socket(zmq.DEALER))
+                    async with socket:
+                        socket.zmq_socket.setsockopt(zmq.LINGER, 0)
+                        socket.zmq_socket.connect(f"tcp://127.0.0.1:{port}")
+                        for _ in range(250):
+                            await socket.send_multipart([b"", request])
+                        for _ in range(250):
+                            reply = await socket.receive_multipart()
+                            assert msgspec.msgpack.decode(reply[1])["type"] == "metadata_reply"
+                            answered += 1
+
+                async with trio.open_nursery() as nursery:
+                    for _ in range(8):
+                        nursery.start_soon(burst)
+                assert answered == 2000
+
+                # Still serving real consumers.
+                await consumer.pull("after", [0], producer.expose("r", [1]))
+                stats = producer.statistics()
+                assert stats.listener_rejects >= 6
+                assert stats.listener_requests == 2001
+    finally:
+        context.destroy(linger=0)
+
+
+async def _serve_replies(
+    context: zmq.Context[zmq.Socket[bytes]],
+    reply: bytes | None,
+    *,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Answer every request with ``reply`` (``None``: never answer), until cancelled."""
+    socket = TrioZmqSocket(context.socket(zmq.ROUTER))
+    async with socket:
+        socket.zmq_socket.setsockopt(zmq.LINGER, 0)
+        port = socket.zmq_socket.bind_to_random_port("tcp://127.0.0.1")
+        task_status.started(port)
+        while True:
+            frames = await socket.receive_multipart()
+            if reply is not None:
+                await socket.send_multipart([frames[0], b"", reply])
+
+
+def _metadata_reply(engine_id: str = "fake", version: int = protocol.PROTOCOL_VERSION) -> bytes:
+    metadata = protocol.EngineMetadata(
+        engine_id=engine_id,
+        incarnation="0",
+        agent_name=f"{engine_id}#0",
+        agent_metadata=b"not really",
+        num_blocks=8,
+        base_addrs=[4096] * 4,
+        block_lens=[4096] * 4,
+        device_id=0,
+        mem_type="DRAM",
+        dtype="torch.float16",
+    )
+    reply = protocol.metadata_reply(metadata, protocol.compatibility_hash(""))
+    if version != protocol.PROTOCOL_VERSION:
+        reply = protocol.MetadataReply(version, reply.compatibility_hash, reply.engine_metadata)
+    return protocol.encode_message(reply)
+
+
+@pytest.mark.parametrize(
+    ("reply", "error", "match", "cause"),
+    [
+        (None, trio_pd.HandshakeError, "connected, but the peer never replied", "timeout"),
+        (b"\xc1garbage", trio_pd.HandshakeError, "undecodable reply", "protocol"),
+        (
+            b"x" * (2 << 20),
+            trio_pd.HandshakeError,
+            r"closed the connection \d+ time\(s\) before replying .*1048576-byte limit",
+            "timeout",
+        ),
+        (_metadata_reply(version=7), trio_pd.IncompatibleEngineError, "version 7", "incompatible"),
+        (
+            _metadata_reply("impostor"),
+            trio_pd.IncompatibleEngineError,
+            "reply is from engine 'impostor'",
+            "incompatible",
+        ),
+    ],
+    ids=["silent", "garbage", "oversized", "other-version", "wrong-engine"],
+)
+async def test_broken_peers_fail_the_handshake_clearly_within_the_deadline(
+    reply: bytes | None, error: type[Exception], match: str, cause: str
+) -> None:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    config = trio_pd.ConnectorConfig(handshake_timeout=1.0)
+    try:
+        with trio.fail_after(30):
+            async with (
+                trio.open_nursery() as nursery,
+                trio_pd.open_connector("p", kv_cache(blocks=8), config=FAST) as producer,
+                trio_pd.open_connector("d", kv_cache(blocks=8), config=config) as consumer,
+            ):
+                port = await nursery.start(_serve_replies, context, reply)
+                remote = trio_pd.RemoteBlocks("fake", "127.0.0.1", port, [0], "r")
+                started = trio.current_time()
+
+                good_done = trio.Event()
+
+                async def pull_from_a_good_engine_meanwhile() -> None:
+                    await consumer.pull("good", [1], producer.expose("g", [2]))
+                    good_done.set()
+
+                nursery.start_soon(pull_from_a_good_engine_meanwhile)
+                with pytest.raises(error, match=match) as info:
+                    await consumer.pull("bad", [0], remote)
+                assert trio.current_time() - started < 1.0 + 0.5
+                assert info.value.engine_id == "fake"  # type: ignore[attr-defined]
+                stats = consumer.statistics()
+                assert stats.handshake_failures_by_cause == {cause: 1}
+                await good_done.wait()
+                nursery.cancel_scope.cancel()
+            assert consumer.statistics().pulls_succeeded == 1
+    finally:
+        context.destroy(linger=0)
+
+
+async def test_a_closed_port_is_named_as_refused() -> None:
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    for listener in listeners:
+        await listener.aclose()
+    config = trio_pd.ConnectorConfig(handshake_timeout=0.5)
+    with trio.fail_after(10):
+        async with trio_pd.open_connector("d", kv_cache(blocks=4), config=config) as consumer:
+            remote = trio_pd.RemoteBlocks("gone", "127.0.0.1", port, [0], "r")
+            with pytest.raises(trio_pd.HandshakeError, match=r"connection refused \(\d+ attempts"):
+                await consumer.pull("r", [0], remote)
