@@ -15,7 +15,7 @@ nox.options.sessions = ["tests", "lint", "typecheck"]
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"
-STARTABLE = "_serve_listener,_read_replies,run_one,serve_delay_relay"
+STARTABLE = "_serve_listener,_read_replies,run_one,serve_delay_relay,serve_zap,_serve_replies"
 
 
 def install_project(session: nox.Session, *extras: str) -> None:

@@ -7,9 +7,11 @@ loopback and real prefill processes; nothing here fakes them.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
+import trio
 
 import trio_pd
 
@@ -52,3 +54,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
                 "(set TRIO_PD_ALLOW_SKIPS=1 to allow)",
                 red=True,
             )
+
+
+async def wait_until(condition: Callable[[], object], interval: float = 0.001) -> None:
+    """Poll ``condition`` (state owned by another task or process) until true.
+
+    Bound the wait with ``trio.fail_after`` / ``move_on_after`` around it.
+    """
+    while not condition():  # noqa: ASYNC110 -- nothing to wait on: foreign state
+        await trio.sleep(interval)

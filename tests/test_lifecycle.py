@@ -95,8 +95,8 @@ async def test_waiters_are_woken_with_closed_resource_error_when_the_connector_c
             trio_pd.open_connector("c", kv_cache(blocks=4), config=config) as conn,
         ):
             conn.expose("held", [1])
-            nursery.start_soon(wait_and_record, conn.pull, "r", [0], remote)
-            nursery.start_soon(wait_and_record, conn.wait_released, "held")
+            nursery.start_soon(wait_and_record, conn.pull, "r", [0], remote)  # noqa: ASYNC111
+            nursery.start_soon(wait_and_record, conn.wait_released, "held")  # noqa: ASYNC111
             await trio.sleep(0.2)
             assert conn.engine_state("mute") is trio_pd.EngineState.FETCHING
         assert len(errors) == 2

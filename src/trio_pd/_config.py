@@ -81,6 +81,10 @@ class ConnectorConfig:
             them as vLLM does. NIXL calls are always serialised. Default 8.
         max_message_bytes: the largest side-channel message accepted, in either
             direction; larger ones are dropped by ZeroMQ. Default 1 MiB.
+        max_descriptors_per_transfer: a pull with more descriptors (blocks x
+            regions) runs as several NIXL transfers in sequence; cancellation
+            and shutdown take effect between them. Default 8192 (128 MiB of
+            16 KiB blocks).
         poll_interval: sleep between polls of in-flight transfers once the spin
             budget is used up. trio rounds sleeps up to about 1 ms. Default 0.001.
         poll_spin: after a transfer is posted or completes, the poller checks
@@ -120,6 +124,7 @@ class ConnectorConfig:
     close_timeout: float = attrs.field(default=5.0, validator=_positive)
     max_concurrent_fetches: int = attrs.field(default=8, validator=_at_least_one)
     max_message_bytes: int = attrs.field(default=1 << 20, validator=_at_least_one)
+    max_descriptors_per_transfer: int = attrs.field(default=8192, validator=_at_least_one)
     poll_interval: float = attrs.field(default=0.001, validator=_positive)
     poll_spin: float = attrs.field(default=0.0002, validator=_non_negative)
     notification_poll_interval: float = attrs.field(default=0.002, validator=_positive)

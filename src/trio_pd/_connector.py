@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import attrs
 import numpy as np
@@ -247,18 +247,14 @@ class Connector:
                 f"{what}: {local_ids.size} local block ids for "
                 f"{len(remote.block_ids)} remote block ids"
             )
+        known = self._engines.get(remote.engine_id)
+        if known is not None and remote.incarnation in known.record.retired_incarnations:
+            self._gone_incarnation(request_id, local_ids, remote, known.record.incarnation)
         engine = self._engine_for(remote)
         remote_agent = await self._wait_ready(engine)
         handshake_wait = trio.current_time() - started
         if remote.incarnation and remote.incarnation != remote_agent.incarnation:
-            self._counters.pulls_failed += 1
-            raise TransferError(
-                request_id,
-                local_ids.tolist(),
-                f"the blocks were exposed by incarnation {remote.incarnation} of engine "
-                f"{remote.engine_id!r}, which now runs {remote_agent.incarnation}: "
-                "it restarted and the blocks are gone",
-            )
+            self._gone_incarnation(request_id, local_ids, remote, remote_agent.incarnation)
         notification = protocol.encode_notification(remote.request_id)
         if local_ids.size == 0:
             await self._transfer(request_id, local_ids, remote_agent, None, notification)
@@ -283,6 +279,22 @@ class Connector:
             nbytes,
             trio.current_time() - started,
             handshake_wait,
+        )
+
+    def _gone_incarnation(
+        self,
+        request_id: str,
+        local_ids: np.ndarray,
+        remote: RemoteBlocks,
+        current: str | None,
+    ) -> NoReturn:
+        self._counters.pulls_failed += 1
+        raise TransferError(
+            request_id,
+            local_ids.tolist(),
+            f"the blocks were exposed by incarnation {remote.incarnation} of engine "
+            f"{remote.engine_id!r}, which now runs {current}: "
+            "it restarted and the blocks are gone",
         )
 
     def statistics(self) -> ConnectorStatistics:
@@ -377,7 +389,7 @@ class Connector:
 
     def _retire(self, engine: _Engine, event: EngineEvent) -> None:
         """Mark ``engine`` stale and retire its agent (unloaded once unused)."""
-        engine.record.apply(event)
+        engine.record.went_stale(event)
         remote = engine.attempt.remote
         engine.attempt = _Attempt()
         if remote is not None and not remote.retired:

@@ -117,6 +117,8 @@ class EngineRecord:
         attempts: handshakes started for this engine.
         failures: consecutive failed handshakes (reset by success).
         retry_at: while ``BACKOFF``, when the next attempt is allowed.
+        retired_incarnations: incarnations seen and replaced (the engine
+            restarted since): their blocks are gone for good.
     """
 
     engine_id: str
@@ -129,6 +131,7 @@ class EngineRecord:
     attempts: int = 0
     failures: int = 0
     retry_at: float = 0.0
+    retired_incarnations: set[str] = attrs.field(factory=set)
 
     @property
     def incarnation(self) -> str | None:
@@ -160,6 +163,12 @@ class EngineRecord:
             self.apply(EngineEvent.PULL_AFTER_BACKOFF)
             return PullAction.START
         return PullAction.WAIT
+
+    def went_stale(self, event: EngineEvent) -> None:
+        """``PEER_RESTARTED`` or ``PEER_DISCONNECTED``: the loaded incarnation is over."""
+        self.apply(event)
+        if self.metadata is not None:
+            self.retired_incarnations.add(self.metadata.incarnation)
 
     def metadata_received(self, metadata: EngineMetadata, layout: KVLayout) -> None:
         self.apply(EngineEvent.METADATA_RECEIVED)

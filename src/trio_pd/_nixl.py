@@ -26,8 +26,9 @@ import functools
 import logging
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import numpy as np
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger("trio_pd.nixl")
+
+_T = TypeVar("_T")
 
 TRANSFER_THREADS = 4
 """Worker threads for pulls: enough to overlap posting with completion."""
@@ -65,6 +68,21 @@ class TransferTimeout(Exception):
 
 class EngineClosing(Exception):
     """The connector closed while a transfer was in flight."""
+
+
+def _drop_locals(exc: BaseException) -> None:
+    """Clear the locals of the finished worker frames in ``exc``'s tracebacks.
+
+    Those frames hold NIXL handles, and every handle holds the agent: an error
+    kept by a caller would otherwise keep the agent (and its sockets) alive
+    after the connector closed.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        current = current.__cause__ or current.__context__
 
 
 def _is_peer_lost(exc: BaseException) -> bool:
@@ -140,9 +158,13 @@ class NixlEngine:
         Raises:
             NixlCallError: NIXL could not create, register or prepare.
         """
-        parts = await trio.to_thread.run_sync(
-            _create_blocking, agent_name, kv_caches, layout, config
-        )
+        try:
+            parts = await trio.to_thread.run_sync(
+                _create_blocking, agent_name, kv_caches, layout, config
+            )
+        except NixlCallError as exc:
+            _drop_locals(exc)
+            raise
         return cls(*parts, layout, config)
 
     def begin_close(self) -> None:
@@ -170,6 +192,10 @@ class NixlEngine:
         self._stuck_handles.clear()
         attempt("release local descriptor list", self._local_dlist.release)
         attempt("deregister memory", lambda: agent.deregister_memory(self._registration))
+        # Handle wrappers keep the agent alive: drop every reference to them.
+        for remote in self._remotes.values():
+            remote.dlist = None
+        self._remotes.clear()
         self._local_dlist = self._registration = self._agent = None
         if errors:
             logger.warning("agent %s closed with errors: %s", self.agent_name, "; ".join(errors))
@@ -190,19 +216,19 @@ class NixlEngine:
             NixlCallError: NIXL rejected the metadata or the descriptors; nothing
                 of this engine stays loaded.
         """
-        return await trio.to_thread.run_sync(
+        return await self._in_thread(
+            self.handshake_limiter,
             self._load_blocking,
             engine_id,
             incarnation,
             agent_name,
             agent_metadata,
             layout,
-            limiter=self.handshake_limiter,
         )
 
     async def unload_remote(self, remote: RemoteAgent) -> None:
         """Release a remote's descriptor list and remove its agent (handshake thread)."""
-        await trio.to_thread.run_sync(self._unload_blocking, remote, limiter=self.handshake_limiter)
+        await self._in_thread(self.handshake_limiter, self._unload_blocking, remote)
 
     def _load_blocking(
         self,
@@ -248,6 +274,7 @@ class NixlEngine:
         try:
             remote.dlist.release()
         finally:
+            remote.dlist = None
             agent.remove_remote_agent(remote.agent_name)
 
     # ---- data plane -----------------------------------------------------
@@ -278,14 +305,14 @@ class NixlEngine:
             EngineClosing: the connector began closing.
             trio.Cancelled: the calling task was cancelled.
         """
-        await trio.to_thread.run_sync(
+        await self._in_thread(
+            self.transfer_limiter,
             self._read_blocking,
             remote,
             local_indices,
             remote_indices,
             notification,
             deadline,
-            limiter=self.transfer_limiter,
         )
 
     def _read_blocking(
@@ -296,9 +323,37 @@ class NixlEngine:
         notification: bytes,
         deadline: float,
     ) -> None:
+        # Large pulls go as a sequence of transfers of at most
+        # max_descriptors_per_transfer descriptors (NIXL's transfer() does much
+        # of the copy before it returns); cancellation and closing are noticed
+        # between them. Only the last one carries the notification, so the
+        # producer hears of the pull once all of it is done.
+        step = self._config.max_descriptors_per_transfer
+        count = len(local_indices)
+        for start in range(0, count, step):
+            stop = min(count, start + step)
+            self._transfer_blocking(
+                remote,
+                local_indices[start:stop],
+                remote_indices[start:stop],
+                notification if stop == count else b"",
+                deadline,
+            )
+
+    def _transfer_blocking(
+        self,
+        remote: RemoteAgent,
+        local_indices: npt.NDArray[np.int32],
+        remote_indices: npt.NDArray[np.int32],
+        notification: bytes,
+        deadline: float,
+    ) -> None:
         agent = self._live_agent()
+        trio.from_thread.check_cancelled()
         if self._closing.is_set():
             raise EngineClosing
+        if time.monotonic() >= deadline:
+            raise TransferTimeout
         try:
             handle = agent.make_prepped_xfer(
                 "READ",
@@ -339,30 +394,35 @@ class NixlEngine:
             self._release_handle(handle, finished=status != "PROC")
 
     def _release_handle(self, handle: Any, *, finished: bool) -> None:
-        """Release a transfer handle; abort it first if it may still run."""
-        try:
-            handle.release()
-            return
-        except Exception as exc:
-            if finished:
-                logger.warning("releasing a finished transfer handle failed: %s", _describe(exc))
-                return
-        # NIXL could not abort it: wait (bounded) for the transfer to stop.
+        """Release a transfer handle, first letting an unfinished one stop.
+
+        NIXL's release of a running transfer "tries to abort" it, but UCX may
+        still be writing into the local blocks after that returns (measured:
+        bytes kept arriving). So an unfinished transfer is polled until it
+        ends (DONE or ERR), at most ``close_timeout``; only a transfer still
+        running then is released while running (aborted) -- and logged.
+        """
         agent = self._live_agent()
-        give_up = time.monotonic() + self._config.close_timeout
-        while time.monotonic() < give_up:
-            try:
-                if agent.check_xfer_state(handle) != "PROC":
+        if not finished:
+            give_up = time.monotonic() + self._config.close_timeout
+            while True:
+                try:
+                    if agent.check_xfer_state(handle) != "PROC":
+                        break
+                except Exception:
                     break
-            except Exception:
-                break
-            time.sleep(self._config.poll_interval)
+                if time.monotonic() >= give_up:
+                    logger.error(
+                        "a cancelled transfer still runs after %g s; aborting it",
+                        self._config.close_timeout,
+                    )
+                    break
+                time.sleep(self._config.poll_interval)
         try:
             handle.release()
         except Exception as exc:
             logger.error(
-                "transfer handle could not be aborted or released (%s); kept until close",
-                _describe(exc),
+                "transfer handle could not be released (%s); kept until close", _describe(exc)
             )
             self._stuck_handles.append(handle)
 
@@ -372,9 +432,7 @@ class NixlEngine:
         Raises:
             NixlCallError: NIXL could not send it.
         """
-        await trio.to_thread.run_sync(
-            self._notify_blocking, remote, message, limiter=self.transfer_limiter
-        )
+        await self._in_thread(self.transfer_limiter, self._notify_blocking, remote, message)
 
     def _notify_blocking(self, remote: RemoteAgent, message: bytes) -> None:
         try:
@@ -390,9 +448,7 @@ class NixlEngine:
         Raises:
             NixlCallError: NIXL raised.
         """
-        return await trio.to_thread.run_sync(
-            self._notifications_blocking, limiter=self.notification_limiter
-        )
+        return await self._in_thread(self.notification_limiter, self._notifications_blocking)
 
     def _notifications_blocking(self) -> dict[str, list[bytes]]:
         try:
@@ -400,6 +456,21 @@ class NixlEngine:
         except Exception as exc:
             raise NixlCallError(f"get_new_notifs: {_describe(exc)}") from exc
         return notifs
+
+    async def _in_thread(
+        self, limiter: trio.CapacityLimiter, fn: Callable[..., _T], *args: Any
+    ) -> _T:
+        """Run ``fn(*args)`` in a worker thread behind ``limiter``.
+
+        Not abandoned on cancellation: the call always finishes (NIXL calls
+        cannot be interrupted), and cancellation reaches it through
+        ``trio.from_thread.check_cancelled`` where it polls.
+        """
+        try:
+            return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
+        except (NixlCallError, TransferTimeout, EngineClosing) as exc:
+            _drop_locals(exc)
+            raise
 
     def agent_metadata(self) -> bytes:
         data: bytes = self._live_agent().get_agent_metadata()
