@@ -13,7 +13,7 @@ import trio_pd
 from trio_pd._payload import mismatched_blocks
 from trio_pd._prefill_worker import WorkerSpec, open_prefill_worker
 
-from .conftest import FAST, kv_cache, open_fds, wait_until
+from .conftest import FAST, kv_cache, live_threads, open_fds, wait_until
 
 SMALL = {"regions": 2, "blocks": 32, "block_shape": (8, 64), "dtype": "float16"}
 # 8 regions x 2048 blocks x 16 KiB = 256 MiB: a pull that takes a while
@@ -159,7 +159,7 @@ async def test_closing_with_a_transfer_in_flight_is_bounded_and_leaks_nothing() 
         async with open_prefill_worker(WorkerSpec("prefill-s", **LARGE)) as worker:
             async with trio_pd.open_connector("warm-up", kv_cache(blocks=4), config=FAST):
                 pass
-            fds = open_fds()
+            fds, threads = open_fds(), live_threads()
             outcome: list[BaseException | int] = []
 
             async def pull_outside(
@@ -181,6 +181,7 @@ async def test_closing_with_a_transfer_in_flight_is_bounded_and_leaks_nothing() 
                 await wait_until(lambda: decoder.statistics().pulls_in_flight)
             assert len(outcome) == 1  # aborted (ClosedResourceError) or, if it won the race, done
             assert open_fds() == fds
+            assert live_threads() == threads
 
 
 async def test_exposures_expire_and_late_notifications_are_ignored(
@@ -207,3 +208,23 @@ async def test_exposures_expire_and_late_notifications_are_ignored(
             assert stats.notifications_ignored == 1
             # re-exposing a resolved id is allowed
             producer.expose("slowpoke", [1])
+
+
+async def test_a_transfer_over_its_deadline_fails_with_the_blocks_named() -> None:
+    # 16384 descriptors in transfers of 1024 take far longer than 50 ms.
+    config = trio_pd.ConnectorConfig(transfer_timeout=0.05, max_descriptors_per_transfer=1024)
+    with trio.fail_after(120):
+        local = _large_kv()
+        async with (
+            open_prefill_worker(WorkerSpec("prefill-t", **LARGE)) as worker,
+            trio_pd.open_connector("decode", local, config=config) as decoder,
+        ):
+            remote = await worker.expose("big", list(range(2048)), seed=4)
+            with pytest.raises(trio_pd.TransferError, match=r"not complete within 0\.05 s") as info:
+                await decoder.pull("big", list(range(2048)), remote)
+            assert info.value.failed_block_ids == tuple(range(2048))
+            stats = decoder.statistics()
+            assert (stats.pulls_failed, stats.pulls_in_flight) == (1, 0)
+            # a timeout says nothing about the peer: the engine stays ready
+            assert decoder.engine_state("prefill-t") is trio_pd.EngineState.READY
+            await decoder.pull("small", [3], await worker.expose("s", [3], seed=3))

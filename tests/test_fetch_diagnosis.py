@@ -118,7 +118,7 @@ def test_other_protocol_errors_are_fatal_and_give_the_code_in_hex() -> None:
 def test_handshake_failure_without_detail_suggests_a_wrong_server_key() -> None:
     log = log_of(NO_DETAIL)
     assert log.fatal is not None
-    assert "wrong CURVE server key" in log.diagnosis()
+    assert "wrong producer key" in log.diagnosis()
     assert log.ends_round(NO_DETAIL)
 
 

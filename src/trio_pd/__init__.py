@@ -4,6 +4,7 @@ The public API; the implementation lives in private modules named after what
 they do (``_connector``, ``_protocol``, ``_engines``, ...).
 """
 
+from ._auth import CurveAuth, generate_keypair
 from ._config import ConnectorConfig
 from ._connector import Connector, open_connector
 from ._engines import EngineState
@@ -23,6 +24,7 @@ __all__ = [
     "Connector",
     "ConnectorConfig",
     "ConnectorStatistics",
+    "CurveAuth",
     "EngineState",
     "HandshakeError",
     "IncompatibleEngineError",
@@ -32,5 +34,6 @@ __all__ = [
     "RemoteBlocks",
     "TransferError",
     "TrioPdError",
+    "generate_keypair",
     "open_connector",
 ]

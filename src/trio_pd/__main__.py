@@ -1,5 +1,7 @@
 """``trio-pd`` / ``python -m trio_pd``: the command line.
 
+``trio-pd keygen`` prints a new CURVE key pair for side-channel authentication.
+
 ``trio-pd demo`` runs a small real P/D deployment on this machine: prefill
 engines in their own processes, a decode engine in this one, and a driver that
 plays the P/D proxy. Every pulled byte is verified; the exit status is
@@ -20,6 +22,7 @@ from typing import Any
 import attrs
 import trio
 
+from ._auth import generate_keypair
 from ._connector import open_connector
 from ._payload import mismatched_blocks
 from ._prefill_worker import PrefillWorker, WorkerSpec, open_prefill_workers
@@ -135,11 +138,19 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-prompt-blocks", type=int, default=32)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", action="store_true", help="print the summary as JSON")
+    commands.add_parser(
+        "keygen",
+        help="print a new CURVE key pair (JSON) for ConnectorConfig(auth=CurveAuth(...))",
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
+    if args.command == "keygen":
+        public, secret = generate_keypair()
+        print(json.dumps({"public_key": public, "secret_key": secret}))
+        return
     # NIXL logs every agent creation at INFO on stdout; keep the summary readable
     # (prefill workers inherit this).
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")

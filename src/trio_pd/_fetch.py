@@ -84,7 +84,10 @@ class ConnectionLog:
             else:
                 self.fatal = f"ZeroMQ handshake failed (protocol error {value:#x})"
         elif event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-            self.fatal = "ZeroMQ handshake failed (wrong CURVE server key?)"
+            self.fatal = (
+                "the ZeroMQ security handshake failed: the CURVE keys or mechanisms do "
+                "not match (wrong producer key, or only one side uses CURVE)"
+            )
 
     def ends_round(self, event: int) -> bool:
         """Whether the current round is over (the reply will not come on this socket)."""
