@@ -1,4 +1,4 @@
-"""Sessions: ``tests`` (the CI gate), ``lint``, ``typecheck``, ``demo``.
+"""Sessions: ``tests`` (the CI gate), ``lint``, ``typecheck``, ``demo``, ``docs``.
 
 torch is installed first, pinned to the CPU build that these machines keep
 on local disk (about 35 s instead of a multi-GB CUDA download); on a GPU host
@@ -7,6 +7,8 @@ the same code runs with CUDA tensors.
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import nox
@@ -15,7 +17,18 @@ nox.options.sessions = ["tests", "lint", "typecheck"]
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"
-STARTABLE = "_serve_listener,_read_replies,run_one,serve_delay_relay,serve_zap,_serve_replies"
+# startable functions (task_status=...), for flake8-async's ASYNC113/114
+STARTABLE = ",".join(
+    [
+        "_serve_listener",
+        "_read_replies",
+        "run_one",
+        "run_engine",
+        "serve_delay_relay",
+        "serve_zap",
+        "_serve_replies",
+    ]
+)
 
 
 def install_project(session: nox.Session, *extras: str) -> None:
@@ -24,9 +37,19 @@ def install_project(session: nox.Session, *extras: str) -> None:
     session.install("-e", target)
 
 
+def install_graphviz(session: nox.Session) -> None:
+    """Graphviz's ``dot`` draws the docs' diagrams; install it (Debian) if missing."""
+    if shutil.which("dot") is not None:
+        return
+    sudo = ["sudo"] if os.geteuid() != 0 and shutil.which("sudo") else []
+    session.run(*sudo, "apt-get", "update", external=True)
+    session.run(*sudo, "apt-get", "install", "-y", "graphviz", external=True)
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """The test suite: real NIXL agents, real ZeroMQ sockets, real processes."""
+    install_graphviz(session)  # tests/test_docs.py builds the docs
     install_project(session, "test")
     session.run("pytest", *session.posargs, env={"NIXL_LOG_LEVEL": "WARN"})
 
@@ -35,9 +58,10 @@ def tests(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """ruff (lint + format) and flake8-async."""
     session.install("ruff>=0.8", "flake8-async>=24.9")
-    session.run("ruff", "check", "src", "tests", "noxfile.py")
-    session.run("ruff", "format", "--check", "src", "tests", "noxfile.py")
-    files = sorted(str(p) for top in ("src", "tests") for p in Path(top).rglob("*.py"))
+    session.run("ruff", "check", "src", "tests", "benchmarks", "noxfile.py")
+    session.run("ruff", "format", "--check", "src", "tests", "benchmarks", "noxfile.py")
+    tops = ("src", "tests", "benchmarks")
+    files = sorted(str(p) for top in tops for p in Path(top).rglob("*.py"))
     session.run("flake8-async", f"--startable-in-context-manager={STARTABLE}", *files)
 
 
@@ -50,7 +74,42 @@ def typecheck(session: nox.Session) -> None:
 
 
 @nox.session
+def bench(session: nox.Session) -> None:
+    """The benchmark suite; rewrites docs/performance.md and docs/performance.json."""
+    install_project(session)
+    session.run(
+        "python",
+        "benchmarks/pd_bench.py",
+        "--json",
+        "docs/performance.json",
+        "--markdown",
+        "docs/performance.md",
+        *session.posargs,
+        env={"NIXL_LOG_LEVEL": "WARN", "PYTHONPATH": "benchmarks"},
+    )
+
+
+@nox.session
 def demo(session: nox.Session) -> None:
     """The main job: a small verified P/D deployment (``trio-pd demo``)."""
     install_project(session)
     session.run("trio-pd", "demo", *session.posargs)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The documentation as HTML in docs/_build/html; every warning is an error."""
+    install_graphviz(session)
+    install_project(session, "docs")
+    session.run(
+        "sphinx-build",
+        "-W",
+        "--keep-going",
+        "-n",
+        "-b",
+        "html",
+        "docs",
+        "docs/_build/html",
+        *session.posargs,
+        env={"NIXL_LOG_LEVEL": "WARN"},
+    )

@@ -67,7 +67,8 @@ class CurveAuth:
     """This engine's CURVE key pair and whom it trusts.
 
     Attributes:
-        public_key, secret_key: this engine's key pair (Z85).
+        public_key: this engine's public key (Z85).
+        secret_key: this engine's secret key (Z85).
         allowed_consumers: producer side: public keys of the consumers that
             may fetch this engine's metadata. Empty: nobody may.
         producer_keys: consumer side: the public key of each producer, by

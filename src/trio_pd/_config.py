@@ -85,11 +85,12 @@ class ConnectorConfig:
             regions) runs as several NIXL transfers in sequence; cancellation
             and shutdown take effect between them. Default 8192 (128 MiB of
             16 KiB blocks).
-        poll_interval: sleep between polls of in-flight transfers once the spin
-            budget is used up. trio rounds sleeps up to about 1 ms. Default 0.001.
-        poll_spin: after a transfer is posted or completes, the poller checks
-            again with bare checkpoints (no sleep) for this long, so small
-            transfers complete with sub-millisecond latency. Default 0.0002.
+        poll_interval: how long a transfer thread sleeps between checks of a
+            running transfer, once ``poll_spin`` is used up. Sleeping lets
+            UCX's own progress thread run (on a small machine, spinning delays
+            the completion it waits for). Default 0.0001.
+        poll_spin: how long a transfer thread checks a just-posted transfer
+            without sleeping. Default 0.0001.
         notification_poll_interval: how often the producer collects consumer
             notifications while exposures are pending. Default 0.002.
         idle_notification_poll_interval: the same while nothing is pending (late
@@ -97,12 +98,14 @@ class ConnectorConfig:
         resolved_history: how many resolved exposures are remembered so that
             :meth:`~trio_pd.Connector.wait_released` called after the fact still
             sees the outcome. Default 4096.
-        backoff_initial, backoff_max, backoff_jitter: after a failed handshake
-            the engine is in backoff: pulls fail fast with the same error until
-            the delay passes, then the next pull retries. The n-th consecutive
-            failure waits ``min(backoff_max, backoff_initial * 2**(n-1))``,
-            shortened by a random fraction up to ``backoff_jitter``. Defaults
-            1.0, 30.0, 0.2.
+        backoff_initial: after a failed handshake the engine is in backoff:
+            pulls fail fast with the same error until the delay passes, then
+            the next pull retries. The n-th consecutive failure waits
+            ``min(backoff_max, backoff_initial * 2**(n-1))``, shortened by a
+            random fraction up to ``backoff_jitter``. Default 1.0.
+        backoff_max: the longest backoff delay. Default 30.0.
+        backoff_jitter: the largest random fraction a backoff delay is
+            shortened by, so that consumers do not retry in step. Default 0.2.
         auth: CURVE authentication of the side channel (see
             :class:`~trio_pd.CurveAuth`); ``None`` (default) for none.
         compatibility_key: a string that must be equal on producer and consumer
@@ -116,6 +119,14 @@ class ConnectorConfig:
             ``"rw"`` (reader/writer lock, the default) or ``"strict"`` (one lock).
         nixl_num_threads: worker threads for multi-threaded backends (0 = backend
             default).
+        inline_handshakes: comparison mode for benchmarks, never for service:
+            every pull holds one connector-wide lock while it waits for its
+            engine's handshake, so a handshake blocks all pulls, as vLLM's did
+            on its hot path before PR #19836. Default False.
+        nixl_on_event_loop: comparison mode for benchmarks, never for service:
+            NIXL calls run on the trio thread instead of worker threads, as a
+            naive integration would (the loop stalls for their duration).
+            Default False.
     """
 
     handshake_timeout: float = attrs.field(default=5.0, validator=_positive)
@@ -125,8 +136,8 @@ class ConnectorConfig:
     max_concurrent_fetches: int = attrs.field(default=8, validator=_at_least_one)
     max_message_bytes: int = attrs.field(default=1 << 20, validator=_at_least_one)
     max_descriptors_per_transfer: int = attrs.field(default=8192, validator=_at_least_one)
-    poll_interval: float = attrs.field(default=0.001, validator=_positive)
-    poll_spin: float = attrs.field(default=0.0002, validator=_non_negative)
+    poll_interval: float = attrs.field(default=0.0001, validator=_positive)
+    poll_spin: float = attrs.field(default=0.0001, validator=_non_negative)
     notification_poll_interval: float = attrs.field(default=0.002, validator=_positive)
     idle_notification_poll_interval: float = attrs.field(default=0.05, validator=_positive)
     resolved_history: int = attrs.field(default=4096, validator=_at_least_one)
@@ -143,6 +154,8 @@ class ConnectorConfig:
         default="rw", validator=attrs.validators.in_(("rw", "strict"))
     )
     nixl_num_threads: int = attrs.field(default=0, validator=_non_negative_int)
+    inline_handshakes: bool = False
+    nixl_on_event_loop: bool = False
 
     @property
     def backoff(self) -> Backoff:

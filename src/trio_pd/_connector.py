@@ -123,6 +123,7 @@ class Connector:
             math.inf
         )
         self._rng = random.Random()
+        self._inline_lock = trio.Lock()
         self._exposures = ExposureTable(history=config.resolved_history)
         self._release_events: dict[str, trio.Event] = {}
         self._exposure_added = trio.Event()
@@ -250,8 +251,11 @@ class Connector:
         known = self._engines.get(remote.engine_id)
         if known is not None and remote.incarnation in known.record.retired_incarnations:
             self._gone_incarnation(request_id, local_ids, remote, known.record.incarnation)
-        engine = self._engine_for(remote)
-        remote_agent = await self._wait_ready(engine)
+        if self._config.inline_handshakes:  # comparison mode: pre-#19836 behaviour
+            async with self._inline_lock:
+                remote_agent = await self._wait_ready(self._engine_for(remote))
+        else:
+            remote_agent = await self._wait_ready(self._engine_for(remote))
         handshake_wait = trio.current_time() - started
         if remote.incarnation and remote.incarnation != remote_agent.incarnation:
             self._gone_incarnation(request_id, local_ids, remote, remote_agent.incarnation)

@@ -29,7 +29,7 @@ class EngineState(enum.Enum):
     LOADING = "loading"
     """Metadata received; queued for, or in, the handshake task (NIXL calls)."""
     READY = "ready"
-    """Remote agent loaded and descriptor list prepared: pulls go straight through."""
+    """Remote agent loaded and descriptor list prepared; pulls go straight through."""
     BACKOFF = "backoff"
     """The last handshake failed; pulls fail fast with its error until the
     backoff elapses, and the first pull after that retries."""
@@ -110,10 +110,12 @@ class EngineRecord:
 
     Attributes:
         engine_id: the remote engine's id.
-        host, port: its side-channel address.
+        host: its side-channel host.
+        port: its side-channel port.
         state: see :class:`EngineState`.
         error: the last handshake's error (kept through ``BACKOFF``).
-        metadata, layout: the current incarnation's metadata once received.
+        metadata: the current incarnation's metadata once received.
+        layout: the layout that metadata describes.
         attempts: handshakes started for this engine.
         failures: consecutive failed handshakes (reset by success).
         retry_at: while ``BACKOFF``, when the next attempt is allowed.

@@ -99,7 +99,7 @@ class KVLayout:
     def descriptor_indices(self, block_ids: BlockIds) -> npt.NDArray[np.int32]:
         """Descriptor indices of ``block_ids`` in every region, region-major.
 
-        ``block_ids`` must already be validated (see :func:`as_block_ids`).
+        ``block_ids`` must already be validated (see ``as_block_ids``).
         """
         regions = np.arange(self.num_regions, dtype=np.int64)[:, None] * self.num_blocks
         return (regions + block_ids[None, :]).reshape(-1).astype(np.int32)

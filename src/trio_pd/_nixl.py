@@ -349,7 +349,7 @@ class NixlEngine:
         deadline: float,
     ) -> None:
         agent = self._live_agent()
-        trio.from_thread.check_cancelled()
+        self._check_cancelled()
         if self._closing.is_set():
             raise EngineClosing
         if time.monotonic() >= deadline:
@@ -373,7 +373,7 @@ class NixlEngine:
                 status = agent.transfer(handle)
                 spin_until = time.monotonic() + self._config.poll_spin
                 while status == "PROC":
-                    trio.from_thread.check_cancelled()
+                    self._check_cancelled()
                     if self._closing.is_set():
                         raise EngineClosing
                     now = time.monotonic()
@@ -467,10 +467,18 @@ class NixlEngine:
         ``trio.from_thread.check_cancelled`` where it polls.
         """
         try:
+            if self._config.nixl_on_event_loop:  # comparison mode: block the loop
+                await trio.lowlevel.checkpoint()
+                return fn(*args)
             return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
         except (NixlCallError, TransferTimeout, EngineClosing) as exc:
             _drop_locals(exc)
             raise
+
+    def _check_cancelled(self) -> None:
+        """In a worker thread: raise ``trio.Cancelled`` if the caller was cancelled."""
+        if not self._config.nixl_on_event_loop:
+            trio.from_thread.check_cancelled()
 
     def agent_metadata(self) -> bytes:
         data: bytes = self._live_agent().get_agent_metadata()

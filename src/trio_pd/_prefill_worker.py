@@ -50,12 +50,17 @@ class WorkerError(Exception):
 
 @attrs.frozen
 class WorkerSpec:
-    """What the child process builds: its engine id and KV cache shape.
+    """What the child process builds: its engines and their KV cache shape.
 
-    ``regions`` tensors of shape ``(blocks, *block_shape)`` and ``dtype``.
+    Each engine has ``regions`` tensors of shape ``(blocks, *block_shape)``
+    and ``dtype``, and its own connector (NIXL agent, side channel). With
+    ``engines == 1`` the engine is called ``engine_id``; with more, they are
+    ``engine_id-0``, ``engine_id-1``, ... (one process can host many cheap
+    engines for benchmarks). ``port`` applies to a single engine only.
     """
 
     engine_id: str
+    engines: int = 1
     regions: int = 4
     blocks: int = 64
     block_shape: tuple[int, ...] = attrs.field(default=(16, 128), converter=tuple)
@@ -66,6 +71,12 @@ class WorkerSpec:
 
     def to_json(self) -> str:
         return json.dumps(attrs.asdict(self))
+
+    @property
+    def engine_ids(self) -> list[str]:
+        if self.engines == 1:
+            return [self.engine_id]
+        return [f"{self.engine_id}-{i}" for i in range(self.engines)]
 
 
 def _jsonable(value: object) -> object:
@@ -100,40 +111,58 @@ async def _child_main(spec: WorkerSpec, protocol_fd: int) -> None:
     import torch
 
     dtype = getattr(torch, spec.dtype)
-    kv_caches = [
-        torch.zeros((spec.blocks, *spec.block_shape), dtype=dtype) for _ in range(spec.regions)
-    ]
     config = _config_from_overrides(spec.config)
     stdin = trio.lowlevel.FdStream(os.dup(0))
     stdout = trio.lowlevel.FdStream(protocol_fd)
     write_lock = trio.Lock()
+    engines: list[tuple[Connector, list[Any]]] = []
 
     async def reply(message: dict[str, Any]) -> None:
         async with write_lock:
             await stdout.send_all(json.dumps(message, default=_jsonable).encode() + b"\n")
 
-    async def handle(conn: Connector, command: dict[str, Any]) -> None:
+    async def handle(command: dict[str, Any]) -> None:
         cid = command.get("id")
         try:
+            conn, kv_caches = engines[int(command.get("engine", 0))]
             result = await _run_command(conn, kv_caches, command)
         except Exception as exc:
             await reply({"id": cid, "error": str(exc), "type": type(exc).__name__})
         else:
             await reply({"id": cid, **result})
 
-    async with (
-        stdin,
-        stdout,
-        open_connector(
-            spec.engine_id, kv_caches, host=spec.host, port=spec.port, config=config
-        ) as conn,
-    ):
-        host, port = conn.address
-        await reply({"id": 0, "ready": True, "host": host, "port": port, "pid": os.getpid()})
-        async with trio.open_nursery() as nursery:
+    async def run_engine(engine_id: str, *, task_status: trio.TaskStatus[None]) -> None:
+        kv_caches = [
+            torch.zeros((spec.blocks, *spec.block_shape), dtype=dtype) for _ in range(spec.regions)
+        ]
+        port = spec.port if spec.engines == 1 else 0
+        async with open_connector(
+            engine_id, kv_caches, host=spec.host, port=port, config=config
+        ) as conn:
+            engines.append((conn, kv_caches))
+            task_status.started()
+            await trio.sleep_forever()
+
+    async with stdin, stdout, trio.open_nursery() as nursery:
+        for engine_id in spec.engine_ids:  # one at a time: keeps the order
+            await nursery.start(run_engine, engine_id)
+        addresses = [[c.engine_id, *c.address] for c, _ in engines]
+        host, port = engines[0][0].address
+        await reply(
+            {
+                "id": 0,
+                "ready": True,
+                "host": host,
+                "port": port,
+                "pid": os.getpid(),
+                "engines": addresses,
+            }
+        )
+        async with trio.open_nursery() as commands:
             async for line in _lines(stdin):
-                nursery.start_soon(handle, conn, json.loads(line))
-            nursery.cancel_scope.cancel()
+                commands.start_soon(handle, json.loads(line))
+            commands.cancel_scope.cancel()
+        nursery.cancel_scope.cancel()
 
 
 async def _run_command(
@@ -146,6 +175,12 @@ async def _run_command(
             command["request_id"], command["block_ids"], int(command.get("consumers", 1))
         )
         return {"kv_transfer_params": remote.to_kv_transfer_params()}
+    if op == "expose_many":  # [[request_id, block_ids, seed], ...], consumers 1
+        params = []
+        for request_id, block_ids, seed in command["requests"]:
+            fill_blocks(kv_caches, block_ids, int(seed))
+            params.append(conn.expose(request_id, block_ids).to_kv_transfer_params())
+        return {"kv_transfer_params": params}
     if op == "wait_released":
         outcome = await conn.wait_released(command["request_id"])
         return {"outcome": outcome.value}
@@ -193,6 +228,8 @@ class PrefillWorker:
         self.process = process
         self.host = ""
         self.port = 0
+        self.addresses: list[tuple[str, str, int]] = []
+        """``(engine_id, host, port)`` of every engine, in order."""
         self._next_id = 1
         self._pending: dict[int, _Pending] = {}
         self._dead: str | None = None
@@ -203,11 +240,18 @@ class PrefillWorker:
         return self.spec.engine_id
 
     async def expose(
-        self, request_id: str, block_ids: Sequence[int], seed: int, consumers: int = 1
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        seed: int,
+        consumers: int = 1,
+        *,
+        engine: int = 0,
     ) -> RemoteBlocks:
-        """Fill ``block_ids`` from ``seed`` in the worker and expose them."""
+        """Fill ``block_ids`` from ``seed`` in the worker's ``engine`` and expose them."""
         reply = await self._call(
             op="expose",
+            engine=engine,
             request_id=request_id,
             block_ids=[int(b) for b in block_ids],
             seed=seed,
@@ -215,13 +259,24 @@ class PrefillWorker:
         )
         return RemoteBlocks.from_kv_transfer_params(reply["kv_transfer_params"])
 
-    async def wait_released(self, request_id: str) -> Released:
-        reply = await self._call(op="wait_released", request_id=request_id)
+    async def expose_many(
+        self, requests: Sequence[tuple[str, Sequence[int], int]], *, engine: int = 0
+    ) -> list[RemoteBlocks]:
+        """:meth:`expose` for many ``(request_id, block_ids, seed)`` in one round trip."""
+        reply = await self._call(
+            op="expose_many",
+            engine=engine,
+            requests=[[r, [int(b) for b in ids], s] for r, ids, s in requests],
+        )
+        return [RemoteBlocks.from_kv_transfer_params(p) for p in reply["kv_transfer_params"]]
+
+    async def wait_released(self, request_id: str, *, engine: int = 0) -> Released:
+        reply = await self._call(op="wait_released", engine=engine, request_id=request_id)
         return Released(reply["outcome"])
 
-    async def statistics(self) -> dict[str, int]:
-        reply = await self._call(op="statistics")
-        stats: dict[str, int] = reply["statistics"]
+    async def statistics(self, *, engine: int = 0) -> dict[str, Any]:
+        reply = await self._call(op="statistics", engine=engine)
+        stats: dict[str, Any] = reply["statistics"]
         return stats
 
     def kill(self) -> None:
@@ -259,6 +314,7 @@ class PrefillWorker:
                 reply = json.loads(line)
                 if reply.get("ready") and not started:
                     self.host, self.port = reply["host"], int(reply["port"])
+                    self.addresses = [(e, h, int(p)) for e, h, p in reply["engines"]]
                     started = True
                     task_status.started()
                     continue

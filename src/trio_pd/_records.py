@@ -19,7 +19,8 @@ class RemoteBlocks:
 
     Attributes:
         engine_id: the producer engine.
-        host, port: the producer's side-channel address.
+        host: the producer's side-channel host.
+        port: the producer's side-channel port.
         block_ids: the producer's block ids, in the order they are read.
         request_id: the producer's request id (named in the notification).
         incarnation: the producer connector's incarnation (random per start).
@@ -106,8 +107,9 @@ class ConnectorStatistics:
     """A snapshot of a connector's counters (see :meth:`~trio_pd.Connector.statistics`).
 
     Attributes:
-        handshakes_started, handshakes_succeeded, handshakes_failed: handshake
-            attempts, consumer side.
+        handshakes_started: handshake attempts started, consumer side.
+        handshakes_succeeded: handshake attempts that succeeded.
+        handshakes_failed: handshake attempts that failed.
         handshake_failures_by_cause: failed handshakes by cause: ``timeout``,
             ``refused`` (authentication), ``protocol`` (bad reply),
             ``incompatible``, ``nixl`` (loading the remote agent).
@@ -116,15 +118,17 @@ class ConnectorStatistics:
         restarts_detected: engines found running a new incarnation.
         peers_disconnected: engines whose transfers reported a lost peer.
         engines_ready: remote engines ready for pulls now.
-        pulls_succeeded, pulls_failed: finished pulls (cancelled ones count as
-            neither).
+        pulls_succeeded: pulls that finished successfully.
+        pulls_failed: pulls that failed (cancelled pulls count as neither).
         pulls_in_flight: pulls posted and not finished.
         bytes_pulled: bytes copied by successful pulls.
-        exposures_pending, exposures_released, exposures_expired: producer side.
+        exposures_pending: producer side: exposures not resolved yet.
+        exposures_released: exposures resolved ``READ``.
+        exposures_expired: exposures resolved ``EXPIRED``.
         notifications_ignored: late, duplicate or unknown notifications.
-        listener_requests, listener_rejects: side-channel requests answered with
-            metadata, and requests rejected (malformed, wrong engine, other
-            protocol version).
+        listener_requests: side-channel requests answered with metadata.
+        listener_rejects: side-channel requests rejected (malformed, wrong
+            engine, other protocol version).
         listener_auth_failures: consumers refused by CURVE authentication.
     """
 

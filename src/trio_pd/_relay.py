@@ -10,6 +10,8 @@ handshake slow without touching the engine.
 from __future__ import annotations
 
 import math
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 
 import trio
 
@@ -67,3 +69,70 @@ async def _pump(
     except* (trio.BrokenResourceError, trio.ClosedResourceError):
         pass
     done.cancel()
+
+
+# ---- a relay process (keeps relaying off the measured process's trio loop) ----
+
+
+async def _relay_process_main(targets: list[tuple[str, int]], delay: float) -> None:
+    import json
+    import os
+
+    stdin = trio.lowlevel.FdStream(os.dup(0))
+    stdout = trio.lowlevel.FdStream(os.dup(1))
+    async with stdin, stdout, trio.open_nursery() as nursery:
+        ports = [await nursery.start(serve_delay_relay, h, p, delay) for h, p in targets]
+        await stdout.send_all(json.dumps({"ports": ports}).encode() + b"\n")
+        async for _ in stdin:  # until the parent closes our stdin
+            pass
+        nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def open_delay_relays(
+    targets: Sequence[tuple[str, int]], delay: float
+) -> AsyncIterator[list[int]]:
+    """Relay each target through a child process; yield the relay ports (same order).
+
+    The child process ends when the block exits (its stdin is closed; killed
+    if it lingers past 10 s).
+    """
+    import json
+    import subprocess
+    import sys
+
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "trio_pd._relay", json.dumps({"targets": targets, "delay": delay})],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert process.stdout is not None
+        assert process.stdin is not None
+        line = b""
+        with trio.fail_after(30):
+            while not line.endswith(b"\n"):
+                chunk = await process.stdout.receive_some()
+                if not chunk:
+                    raise RuntimeError("relay process exited before reporting its ports")
+                line += chunk
+        yield [int(p) for p in json.loads(line)["ports"]]
+    finally:
+        with trio.CancelScope(shield=True):
+            if process.stdin is not None:
+                await process.stdin.aclose()
+            with trio.move_on_after(10):
+                await process.wait()
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+            if process.stdout is not None:
+                await process.stdout.aclose()
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    spec = json.loads(sys.argv[1])
+    trio.run(_relay_process_main, [tuple(t) for t in spec["targets"]], float(spec["delay"]))

@@ -1,0 +1,488 @@
+"""trio_pd benchmarks: every number is a ratio measured side by side in one run.
+
+    python benchmarks/pd_bench.py                 # all, writes docs/performance.md
+    python benchmarks/pd_bench.py --only throughput --json out.json
+
+The machine is shared and noisy, so each benchmark compares trio_pd with its
+reference (no handshakes, vLLM's serialized or inline handshakes, raw NIXL,
+memcpy) in the same run, interleaving repetitions. Benchmarks assert
+correctness (pulled bytes verified, every pull succeeded), never speed.
+
+Producers run in child processes (``trio_pd._prefill_worker``), slow links are
+a latency-injecting TCP relay in its own process (``trio_pd._relay``); the
+decoder is this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import trio
+
+import trio_pd
+from trio_pd._payload import mismatched_blocks
+from trio_pd._prefill_worker import PrefillWorker, WorkerSpec, open_prefill_worker
+from trio_pd._relay import open_delay_relays
+from trio_pd._stall import LoopStallMonitor
+
+Result = dict[str, Any]
+
+
+def kv(regions: int, blocks: int, block_bytes: int) -> list[torch.Tensor]:
+    return [torch.zeros((blocks, block_bytes // 2), dtype=torch.float16) for _ in range(regions)]
+
+
+def spec(
+    engine_id: str, regions: int, blocks: int, block_bytes: int, engines: int = 1
+) -> WorkerSpec:
+    return WorkerSpec(
+        engine_id,
+        engines=engines,
+        regions=regions,
+        blocks=blocks,
+        block_shape=(block_bytes // 2,),
+        dtype="float16",
+    )
+
+
+def via(remote: trio_pd.RemoteBlocks, port: int) -> trio_pd.RemoteBlocks:
+    """The same blocks, reached through a relay port."""
+    return trio_pd.RemoteBlocks(
+        remote.engine_id, "127.0.0.1", port, remote.block_ids, remote.request_id, remote.incarnation
+    )
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+def ms(seconds: float) -> float:
+    return round(seconds * 1e3, 3)
+
+
+# ---- 1. head-of-line blocking ------------------------------------------------
+
+
+async def bench_head_of_line(quick: bool) -> Result:
+    """Warm-pull latency while K engines handshake behind a slow link."""
+    k, delay = (4, 0.1) if quick else (16, 0.1)
+    regions, blocks, block_bytes = 4, 1024, 4096
+    baseline_pulls, storm_cap, gap = 100, 300, 0.005
+    out: Result = {"cold_engines": k, "link_delay_s": delay, "modes": {}}
+    worker_spec = spec("hol", regions, blocks, block_bytes, engines=k + 1)
+    async with open_prefill_worker(worker_spec) as w:  # noqa: SIM117 - the relays need w
+        async with open_delay_relays([(h, p) for _, h, p in w.addresses[1:]], delay) as ports:
+            for mode in ("trio_pd", "inline (pre-#19836)"):
+                config = trio_pd.ConnectorConfig(
+                    handshake_timeout=60.0, inline_handshakes=mode != "trio_pd"
+                )
+                warm = await w.expose_many(
+                    [(f"{mode}-w{i}", [i], i) for i in range(baseline_pulls + storm_cap + 1)]
+                )
+                cold = []
+                for e in range(1, k + 1):
+                    [remote] = await w.expose_many([(f"{mode}-c", [0], e)], engine=e)
+                    cold.append(via(remote, ports[e - 1]))
+                local = kv(regions, blocks, block_bytes)
+                async with trio_pd.open_connector(
+                    f"dec-{len(out['modes'])}", local, config=config
+                ) as d:
+                    await d.pull("warm-up", [0], warm[0])
+                    base: list[float] = []
+                    for i in range(1, baseline_pulls + 1):
+                        base.append((await d.pull(f"b{i}", [i], warm[i])).seconds)
+                        await trio.sleep(gap)
+                    storm: list[float] = []
+                    storm_done = trio.Event()
+                    started = trio.current_time()
+
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(_pull_all_then_set, d, cold, storm_done)
+                        await trio.sleep(0.01)  # let the handshakes start
+                        i = baseline_pulls + 1
+                        while not storm_done.is_set() and i <= baseline_pulls + storm_cap:
+                            storm.append((await d.pull(f"s{i}", [i], warm[i])).seconds)
+                            i += 1
+                            await trio.sleep(gap)
+                    storm_seconds = trio.current_time() - started
+                    stats = d.statistics()
+                    assert stats.pulls_failed == 0
+                    assert stats.handshakes_succeeded == k + 1
+                out["modes"][mode] = {
+                    "baseline_p50_ms": ms(pct(base, 50)),
+                    "baseline_p99_ms": ms(pct(base, 99)),
+                    "during_handshakes_p50_ms": ms(pct(storm, 50)),
+                    "during_handshakes_p99_ms": ms(pct(storm, 99)),
+                    "pulls_during_handshakes": len(storm),
+                    "handshake_storm_s": round(storm_seconds, 3),
+                    "ratio_p50": round(pct(storm, 50) / pct(base, 50), 2),
+                    "ratio_p99": round(pct(storm, 99) / pct(base, 99), 2),
+                }
+    return out
+
+
+async def _pull_all_then_set(
+    d: trio_pd.Connector, remotes: list[trio_pd.RemoteBlocks], done: trio.Event
+) -> None:
+    async with trio.open_nursery() as nursery:
+        for n, remote in enumerate(remotes):
+            nursery.start_soon(d.pull, f"cold{n}", [1 + n], remote)
+    done.set()
+
+
+# ---- 2. cold fan-out -----------------------------------------------------------
+
+
+async def bench_cold_fan_out(quick: bool) -> Result:
+    """Time until the first pull to each of N cold engines (slow link) completes."""
+    n, delay = (8, 0.05) if quick else (32, 0.05)
+    out: Result = {"engines": n, "link_delay_s": delay, "runs": {}}
+    async with open_prefill_worker(spec("fan", 2, 16, 4096, engines=n)) as w:  # noqa: SIM117
+        async with open_delay_relays([(h, p) for _, h, p in w.addresses], delay) as ports:
+            for fetches in (1, 8, n):
+                remotes = []
+                for e in range(n):
+                    [remote] = await w.expose_many([(f"f{fetches}", [fetches % 16], e)], engine=e)
+                    remotes.append(via(remote, ports[e]))
+                config = trio_pd.ConnectorConfig(
+                    handshake_timeout=120.0, max_concurrent_fetches=fetches
+                )
+                done: list[float] = []
+                async with trio_pd.open_connector(
+                    f"dec{fetches}", kv(2, 16, 4096), config=config
+                ) as d:
+                    started = trio.current_time()
+
+                    async with trio.open_nursery() as nursery:
+                        for e, remote in enumerate(remotes):
+                            nursery.start_soon(_timed_pull, d, e, remote, started, done)
+                    assert d.statistics().handshakes_succeeded == n
+                label = "serialized (vLLM)" if fetches == 1 else f"{fetches} concurrent fetches"
+                out["runs"][label] = {
+                    "all_ready_s": round(max(done), 3),
+                    "mean_ready_s": round(statistics.fmean(done), 3),
+                }
+    serial = out["runs"]["serialized (vLLM)"]["all_ready_s"]
+    for run in out["runs"].values():
+        run["speedup_vs_serialized"] = round(serial / run["all_ready_s"], 2)
+    return out
+
+
+async def _timed_pull(
+    d: trio_pd.Connector, e: int, remote: trio_pd.RemoteBlocks, started: float, done: list[float]
+) -> None:
+    await d.pull(f"r{e}", [e % 16], remote)
+    done.append(trio.current_time() - started)
+
+
+# ---- 3. loop responsiveness ------------------------------------------------------
+
+
+async def bench_loop_stall(quick: bool) -> Result:
+    """Longest loop stall during a storm of handshakes with large descriptor lists."""
+    engines, regions, blocks = (2, 64, 1024) if quick else (8, 64, 4096)
+    block_bytes = 16
+    out: Result = {"engines": engines, "descriptors_per_engine": regions * blocks, "modes": {}}
+    async with open_prefill_worker(spec("big", regions, blocks, block_bytes, engines=engines)) as w:
+        for mode in ("trio_pd (worker threads)", "NIXL calls on the trio thread"):
+            config = trio_pd.ConnectorConfig(
+                handshake_timeout=60.0, nixl_on_event_loop=mode != "trio_pd (worker threads)"
+            )
+            remotes = []
+            for e in range(engines):
+                remotes += await w.expose_many([(f"{len(out['modes'])}", [e], e)], engine=e)
+            local = kv(regions, blocks, block_bytes)
+            async with trio_pd.open_connector(f"dec{len(out['modes'])}", local, config=config) as d:
+                monitor = LoopStallMonitor()
+                trio.lowlevel.add_instrument(monitor)
+                started = trio.current_time()
+                try:
+                    async with trio.open_nursery() as nursery:
+                        for e, remote in enumerate(remotes):
+                            nursery.start_soon(d.pull, f"p{e}", [e], remote)
+                finally:
+                    trio.lowlevel.remove_instrument(monitor)
+                elapsed = trio.current_time() - started
+                assert d.statistics().handshakes_succeeded == engines
+                for e in range(engines):
+                    assert mismatched_blocks(local, [e], e) == []
+            out["modes"][mode] = {
+                "longest_stall_ms": ms(monitor.longest),
+                "storm_s": round(elapsed, 3),
+            }
+    modes = list(out["modes"].values())
+    out["stall_ratio_loop_vs_threads"] = round(
+        modes[1]["longest_stall_ms"] / max(modes[0]["longest_stall_ms"], 1e-3), 1
+    )
+    return out
+
+
+# ---- 4. throughput ------------------------------------------------------------------
+
+
+def raw_nixl_read(decoder: trio_pd.Connector, engine_id: str, count: int) -> float:
+    """The same READ with NIXL directly, on the same prepared descriptor lists."""
+    nixl = decoder._nixl
+    remote = decoder._engines[engine_id].attempt.remote
+    assert remote is not None
+    agent = nixl._agent
+    ids = np.arange(count, dtype=np.int64)
+    local_idx = nixl.layout.descriptor_indices(ids)
+    remote_idx = remote.layout.descriptor_indices(ids)
+    started = time.perf_counter()
+    handle = agent.make_prepped_xfer(
+        "READ",
+        nixl._local_dlist,
+        local_idx,
+        remote.dlist,
+        remote_idx,
+        b"",
+    )
+    status = agent.transfer(handle)
+    while status == "PROC":
+        status = agent.check_xfer_state(handle)
+    elapsed = time.perf_counter() - started
+    assert status == "DONE", status
+    handle.release()
+    return elapsed
+
+
+async def bench_throughput(quick: bool) -> Result:
+    total = (256 if quick else 1024) << 20
+    regions, reps = 16, 3
+    out: Result = {"bytes": total, "sizes": {}}
+    for block_bytes in (16384, 65536):
+        blocks = total // (regions * block_bytes)
+        async with open_prefill_worker(spec(f"tp{block_bytes}", regions, blocks, block_bytes)) as w:
+            local = kv(regions, blocks, block_bytes)
+            ids = list(range(blocks))
+            async with trio_pd.open_connector(f"dec{block_bytes}", local) as d:
+                await d.pull("warm", [0], await w.expose("warm", [0], seed=0))
+                src = torch.empty(total, dtype=torch.uint8)
+                dst = torch.empty_like(src)
+                dst.copy_(src)  # fault the pages in
+                rates: dict[str, list[float]] = {"trio_pd": [], "raw NIXL": [], "memcpy": []}
+                for rep in range(reps):
+                    remote = await w.expose(f"r{rep}", ids, seed=rep)
+                    result = await d.pull(f"r{rep}", ids, remote)
+                    rates["trio_pd"].append(result.bytes / result.seconds / 1e9)
+                    if rep == 0:
+                        assert mismatched_blocks(local, ids, 0) == []
+                    seconds = raw_nixl_read(d, w.engine_id, blocks)
+                    rates["raw NIXL"].append(total / seconds / 1e9)
+                    started = time.perf_counter()
+                    dst.copy_(src)
+                    rates["memcpy"].append(total / (time.perf_counter() - started) / 1e9)
+                del src, dst
+        medians = {k: round(statistics.median(v), 2) for k, v in rates.items()}
+        out["sizes"][f"{block_bytes // 1024} KiB blocks"] = {
+            "GB_per_s": medians,
+            "all_GB_per_s": {k: [round(x, 2) for x in v] for k, v in rates.items()},
+            "trio_pd_vs_raw": round(medians["trio_pd"] / medians["raw NIXL"], 3),
+            "trio_pd_vs_memcpy": round(medians["trio_pd"] / medians["memcpy"], 3),
+        }
+        gc.collect()
+    return out
+
+
+# ---- 5. per-request overhead ------------------------------------------------------------
+
+
+async def bench_small_pulls(quick: bool) -> Result:
+    regions, blocks, block_bytes = 4, 8192, 4096
+    sequential, in_flight = (300, 200) if quick else (1000, 1000)
+    out: Result = {"block_bytes": block_bytes, "regions": regions}
+    rng = np.random.default_rng(0)
+    async with open_prefill_worker(spec("tiny", regions, blocks, block_bytes)) as w:
+        local = kv(regions, blocks, block_bytes)
+        async with trio_pd.open_connector("dec", local) as d:
+            await d.pull("warm", [0], await w.expose("warm", [0], seed=0))
+
+            def plan(prefix: str, n: int) -> list[tuple[str, list[int], int]]:
+                sizes = rng.integers(1, 5, n)
+                starts = np.cumsum(np.concatenate([[8], sizes[:-1]]))
+                return [
+                    (
+                        f"{prefix}{i}",
+                        list(range(int(s) % (blocks - 8), int(s) % (blocks - 8) + int(k))),
+                        i,
+                    )
+                    for i, (s, k) in enumerate(zip(starts, sizes, strict=True))
+                ]
+
+            requests = plan("seq", sequential)
+            remotes = await w.expose_many(requests)
+            started = time.perf_counter()
+            for (rid, ids, _), remote in zip(requests, remotes, strict=True):
+                await d.pull(rid, ids, remote)
+            trio_seq = sequential / (time.perf_counter() - started)
+
+            # raw NIXL: the same sizes, sequential, blocking, no trio in between
+            nixl = d._nixl
+            remote_agent = d._engines["tiny"].attempt.remote
+            assert remote_agent is not None
+            agent = nixl._agent
+            started = time.perf_counter()
+            for _, ids, _ in requests:
+                idx = nixl.layout.descriptor_indices(np.asarray(ids, dtype=np.int64))
+                handle = agent.make_prepped_xfer(
+                    "READ",
+                    nixl._local_dlist,
+                    idx,
+                    remote_agent.dlist,
+                    idx,
+                    b"n",
+                )
+                status = agent.transfer(handle)
+                while status == "PROC":
+                    status = agent.check_xfer_state(handle)
+                assert status == "DONE"
+                handle.release()
+            raw_seq = sequential / (time.perf_counter() - started)
+
+            requests = plan("par", in_flight)
+            remotes = await w.expose_many(requests)
+            started = time.perf_counter()
+            async with trio.open_nursery() as nursery:
+                for (rid, ids, _), remote in zip(requests, remotes, strict=True):
+                    nursery.start_soon(d.pull, rid, ids, remote)
+            trio_par = in_flight / (time.perf_counter() - started)
+            assert d.statistics().pulls_failed == 0
+    out["sequential"] = {
+        "trio_pd_pulls_per_s": round(trio_seq),
+        "raw_nixl_pulls_per_s": round(raw_seq),
+        "ratio": round(trio_seq / raw_seq, 3),
+        "pulls": sequential,
+    }
+    out["in_flight"] = {"pulls": in_flight, "trio_pd_pulls_per_s": round(trio_par)}
+    return out
+
+
+# ---- 6. scale ------------------------------------------------------------------------------
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+async def bench_scale(quick: bool) -> Result:
+    per_process, processes = (16, 2) if quick else (64, 4)
+    engines = per_process * processes
+    workers: list[PrefillWorker] = []
+    async with trio.open_nursery() as nursery:
+        stop = trio.Event()
+        started_all = trio.Event()
+
+        async def run(index: int) -> None:
+            async with open_prefill_worker(
+                spec(f"s{index}", 2, 16, 1024, engines=per_process)
+            ) as w:
+                workers.append(w)
+                if len(workers) == processes:
+                    started_all.set()
+                await stop.wait()
+
+        for index in range(processes):
+            nursery.start_soon(run, index)
+        await started_all.wait()
+        remotes = []
+        for w in workers:
+            for e in range(per_process):
+                remotes += await w.expose_many([("r", [1], e)], engine=e)
+        gc.collect()
+        async with trio_pd.open_connector("dec", kv(2, 16, 1024)) as d:
+            before = rss_bytes()
+            started = trio.current_time()
+            async with trio.open_nursery() as pulls:
+                for n, remote in enumerate(remotes):
+                    pulls.start_soon(d.pull, f"p{n}", [1], remote)
+            elapsed = trio.current_time() - started
+            after = rss_bytes()
+            assert d.statistics().engines_ready == engines
+        stop.set()
+    return {
+        "engines": engines,
+        "processes": processes,
+        "all_handshaked_s": round(elapsed, 3),
+        "per_engine_ms": round(elapsed / engines * 1e3, 2),
+        "decoder_rss_per_engine_KiB": round((after - before) / engines / 1024, 1),
+    }
+
+
+BENCHMARKS: dict[str, Callable[[bool], Awaitable[Result]]] = {
+    "head_of_line": bench_head_of_line,
+    "cold_fan_out": bench_cold_fan_out,
+    "loop_stall": bench_loop_stall,
+    "throughput": bench_throughput,
+    "small_pulls": bench_small_pulls,
+    "scale": bench_scale,
+}
+
+
+def machine() -> Result:
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    model = next(
+        (line.split(":", 1)[1].strip() for line in cpuinfo if "model name" in line),
+        platform.processor(),
+    )
+    from importlib.metadata import version
+
+    import nixl  # noqa: F401
+
+    return {
+        "date": datetime.date.today().isoformat(),
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "memory_GiB": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "python": platform.python_version(),
+        "versions": {p: version(p) for p in ("trio", "nixl", "pyzmq", "torch", "trio_pd")},
+    }
+
+
+async def run_all(names: list[str], quick: bool) -> Result:
+    results: Result = {"machine": machine(), "quick": quick, "results": {}}
+    for name in names:
+        started = time.perf_counter()
+        print(f"== {name}", file=sys.stderr, flush=True)
+        results["results"][name] = await BENCHMARKS[name](quick)
+        results["results"][name]["bench_seconds"] = round(time.perf_counter() - started, 1)
+        print(json.dumps(results["results"][name], indent=1), file=sys.stderr, flush=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", action="append", choices=sorted(BENCHMARKS))
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    parser.add_argument("--json", type=Path, help="write the raw results here")
+    parser.add_argument("--markdown", type=Path, help="write docs/performance.md here")
+    args = parser.parse_args()
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    names = args.only or list(BENCHMARKS)
+    results = trio.run(run_all, names, args.quick)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    if args.markdown:
+        from render_performance import render
+
+        args.markdown.write_text(render(results))
+    print(json.dumps(results["results"], indent=2))
+
+
+if __name__ == "__main__":
+    main()
