@@ -253,9 +253,9 @@ class Connector:
             self._gone_incarnation(request_id, local_ids, remote, known.record.incarnation)
         if self._config.inline_handshakes:  # comparison mode: pre-#19836 behaviour
             async with self._inline_lock:
-                remote_agent = await self._wait_ready(self._engine_for(remote))
+                remote_agent = await self._ready_agent(remote)
         else:
-            remote_agent = await self._wait_ready(self._engine_for(remote))
+            remote_agent = await self._ready_agent(remote)
         handshake_wait = trio.current_time() - started
         if remote.incarnation and remote.incarnation != remote_agent.incarnation:
             self._gone_incarnation(request_id, local_ids, remote, remote_agent.incarnation)
@@ -400,6 +400,24 @@ class Connector:
             remote.retired = True
             if remote.users == 0:
                 self._jobs_send.send_nowait(remote)
+
+    async def _ready_agent(self, remote: RemoteBlocks) -> RemoteAgent:
+        """The loaded agent of ``remote``'s engine, handshaking first if needed.
+
+        A handshake that was already under way when the engine restarted
+        loads the old incarnation; the request's newer incarnation then
+        retires it at once and one more handshake runs.
+        """
+        for _ in range(2):
+            engine = self._engine_for(remote)
+            agent = await self._wait_ready(engine)
+            if (
+                not remote.incarnation
+                or agent.incarnation == remote.incarnation
+                or remote.incarnation in engine.record.retired_incarnations
+            ):
+                break
+        return agent
 
     async def _wait_ready(self, engine: _Engine) -> RemoteAgent:
         attempt = engine.attempt
