@@ -234,23 +234,24 @@ async def bench_loop_stall(quick: bool) -> Result:
 # ---- 4. throughput ------------------------------------------------------------------
 
 
-def raw_nixl_read(decoder: trio_pd.Connector, engine_id: str, count: int) -> float:
-    """The same READ with NIXL directly, on the same prepared descriptor lists."""
+def raw_nixl_read(
+    decoder: trio_pd.Connector, engine_id: str, block_ids: np.ndarray, notification: bytes = b""
+) -> float:
+    """One READ of ``block_ids`` (same ids on both sides) with NIXL directly.
+
+    It uses the connector's own prepared descriptor lists, so trio_pd and this
+    read move exactly the same descriptors; it blocks its caller (no trio, no
+    threads) and returns the seconds from posting to DONE.
+    """
     nixl = decoder._nixl
     remote = decoder._engines[engine_id].attempt.remote
     assert remote is not None
     agent = nixl._agent
-    ids = np.arange(count, dtype=np.int64)
-    local_idx = nixl.layout.descriptor_indices(ids)
-    remote_idx = remote.layout.descriptor_indices(ids)
+    local_idx = nixl.layout.descriptor_indices(block_ids)
+    remote_idx = remote.layout.descriptor_indices(block_ids)
     started = time.perf_counter()
     handle = agent.make_prepped_xfer(
-        "READ",
-        nixl._local_dlist,
-        local_idx,
-        remote.dlist,
-        remote_idx,
-        b"",
+        "READ", nixl._local_dlist, local_idx, remote.dlist, remote_idx, notification
     )
     status = agent.transfer(handle)
     while status == "PROC":
@@ -282,7 +283,7 @@ async def bench_throughput(quick: bool) -> Result:
                     rates["trio_pd"].append(result.bytes / result.seconds / 1e9)
                     if rep == 0:
                         assert mismatched_blocks(local, ids, 0) == []
-                    seconds = raw_nixl_read(d, w.engine_id, blocks)
+                    seconds = raw_nixl_read(d, w.engine_id, np.arange(blocks, dtype=np.int64))
                     rates["raw NIXL"].append(total / seconds / 1e9)
                     started = time.perf_counter()
                     dst.copy_(src)
@@ -332,26 +333,9 @@ async def bench_small_pulls(quick: bool) -> Result:
             trio_seq = sequential / (time.perf_counter() - started)
 
             # raw NIXL: the same sizes, sequential, blocking, no trio in between
-            nixl = d._nixl
-            remote_agent = d._engines["tiny"].attempt.remote
-            assert remote_agent is not None
-            agent = nixl._agent
             started = time.perf_counter()
             for _, ids, _ in requests:
-                idx = nixl.layout.descriptor_indices(np.asarray(ids, dtype=np.int64))
-                handle = agent.make_prepped_xfer(
-                    "READ",
-                    nixl._local_dlist,
-                    idx,
-                    remote_agent.dlist,
-                    idx,
-                    b"n",
-                )
-                status = agent.transfer(handle)
-                while status == "PROC":
-                    status = agent.check_xfer_state(handle)
-                assert status == "DONE"
-                handle.release()
+                raw_nixl_read(d, "tiny", np.asarray(ids, dtype=np.int64), b"n")
             raw_seq = sequential / (time.perf_counter() - started)
 
             requests = plan("par", in_flight)
