@@ -1,10 +1,23 @@
-"""The docs point at tests that exist, so they cannot drift silently."""
+"""The docs cannot drift silently: the tests they name exist, their programs run
+and print what the pages show, their diagrams come from the code, and they build
+with warnings as errors."""
 
 from __future__ import annotations
 
 import ast
+import html as html_module
+import os
+import posixpath
 import re
+import subprocess
+import sys
 from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+import trio_pd
+from trio_pd._engines import TRANSITIONS, EngineEvent, EngineState
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = re.compile(r"`(tests/[\w/]+\.py)(?:::(\w+))?`")
@@ -28,3 +41,147 @@ def test_every_test_named_in_the_failure_table_exists() -> None:
         assert path.is_file(), file
         if name:
             assert name in _test_names(path), f"{file}::{name}"
+
+
+# ---- the documentation's programs, diagrams and build ----------------------
+
+DOCS = ROOT / "docs"
+EXAMPLES = {
+    # program in docs/examples -> the page that shows it and its output
+    "hello.py": "index.md",
+    "tutorial_frontend.py": "tutorial.md",
+    "handshake_failure.py": "tutorial.md",
+    "shutdown.py": "tutorial.md",
+    "curve_auth.py": "tutorial.md",
+    "engine_states.py": "design.md",
+    "wire_protocol.py": "protocol.md",
+}
+# What may differ from run to run: free ports, and how often ZeroMQ retried.
+VARIABLE = [
+    (re.compile(r"127\.0\.0\.1:\d+"), "127.0.0.1:PORT"),
+    (re.compile(r"\(\d+ attempts\)"), "(N attempts)"),
+]
+
+
+def _normalized(text: str) -> str:
+    for pattern, replacement in VARIABLE:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_each_example_runs_and_prints_what_its_page_shows(example: str) -> None:
+    result = subprocess.run(
+        [sys.executable, str(DOCS / "examples" / example)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "NIXL_LOG_LEVEL": "WARN"},
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    output = _normalized(result.stdout).strip()
+    assert output, result.stderr
+    page = _normalized((DOCS / EXAMPLES[example]).read_text())
+    assert output in page, f"{EXAMPLES[example]} does not show the output of {example}:\n{output}"
+
+
+def test_every_example_is_tested_and_included_in_its_page() -> None:
+    assert {p.name for p in (DOCS / "examples").glob("*.py")} == set(EXAMPLES)
+    for example, page in EXAMPLES.items():
+        assert f"{{literalinclude}} examples/{example}" in (DOCS / page).read_text(), example
+
+
+def test_the_api_reference_documents_all_of_the_public_api() -> None:
+    api = (DOCS / "api.rst").read_text()
+    documented = set(re.findall(r"^\.\. auto(?:function|class|exception):: (\w+)", api, re.M))
+    assert documented == set(trio_pd.__all__)
+
+
+def _diagrams() -> ModuleType:
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        import pd_diagrams
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+    return pd_diagrams
+
+
+def test_the_state_diagram_is_drawn_from_the_transition_table() -> None:
+    diagrams = _diagrams()
+    dot = diagrams.engine_state_dot()
+    shared = diagrams.shared_events(TRANSITIONS)
+    assert shared == {EngineEvent.CONNECTOR_CLOSED: EngineState.CLOSED}
+    edges = re.findall(r"^  (\w+) -> (\w+) \[label=\"([^\"]+)\"", dot, re.M)
+    expected = [
+        (state.name, target.name, event.value)
+        for (state, event), target in TRANSITIONS.items()
+        if event not in shared
+    ] + [("ANY_CONNECTOR_CLOSED", "CLOSED", "connector closed")]
+    assert sorted(edges) == sorted(expected)
+    # A different table gives a different picture: nothing is drawn by hand.
+    fewer = {k: v for k, v in TRANSITIONS.items() if k != (EngineState.READY, EngineEvent.PULL)}
+    fewer.pop((EngineState.READY, EngineEvent.PEER_RESTARTED))
+    assert "peer restarted" not in diagrams.engine_state_dot(fewer)
+
+
+def test_the_offline_inventories_point_at_the_public_docs(tmp_path: Path) -> None:
+    sys.path.insert(0, str(DOCS))
+    try:
+        from make_trio_inventory import write_inventories
+    finally:
+        sys.path.remove(str(DOCS))
+    from sphinx.util.inventory import InventoryFile
+
+    mapping = write_inventories(tmp_path)
+    base, path = mapping["trio"]
+    assert base == "https://trio.readthedocs.io/en/stable/"
+    with open(path, "rb") as f:
+        inventory = InventoryFile.load(f, base, posixpath.join)
+
+    def uri(kind: str, name: str) -> str:
+        item = inventory[kind][name]
+        return str(getattr(item, "uri", None) or item[2])  # Sphinx >= 8.2 or older
+
+    assert uri("py:exception", "trio.Cancelled") == base + "reference-core.html#trio.Cancelled"
+    assert uri("py:function", "trio.lowlevel.wait_readable") == (
+        base + "reference-lowlevel.html#trio.lowlevel.wait_readable"
+    )
+    assert "trio.from_thread.check_cancelled" in inventory["py:function"]
+    assert "trio.TASK_STATUS_IGNORED" in inventory["py:data"]
+
+
+def test_the_docs_build_with_warnings_as_errors(tmp_path: Path) -> None:
+    html = tmp_path / "html"
+    strict = ["-E", "-W", "--keep-going", "-n", "-q"]  # fresh, warnings are errors
+    where = ["-d", str(tmp_path / "doctrees"), str(DOCS), str(html)]
+    result = subprocess.run(
+        [sys.executable, "-m", "sphinx", *strict, "-b", "html", *where],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "NIXL_LOG_LEVEL": "WARN"},
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    # trio-aware signatures, as a caller writes them
+    api = (html / "api.html").read_text()
+    open_connector = _signature(api, "trio_pd.open_connector")
+    assert open_connector.startswith("async with trio_pd.open_connector(engine_id: str,")
+    assert open_connector.endswith(") as connector")
+    assert _signature(api, "trio_pd.Connector.pull").startswith("await pull(request_id: str,")
+    assert _signature(api, "trio_pd.Connector.expose").startswith("expose(request_id: str,")
+    # The diagrams were rendered by Graphviz, the state diagram with every state.
+    design = (html / "design.html").read_text()
+    images = re.findall(r'data="(_images/graphviz-\w+\.svg)"', design)
+    assert len(images) == 3, images
+    svgs = [(html / image).read_text() for image in images]
+    assert any(all(state.name in svg for state in EngineState) for svg in svgs)
+
+
+def _signature(page: str, object_id: str) -> str:
+    """The text of the signature of ``object_id`` on an HTML page, tags removed."""
+    match = re.search(rf'<dt[^>]* id="{re.escape(object_id)}">(.*?)</dt>', page, re.S)
+    assert match, object_id
+    text = re.sub(r"<[^>]+>", "", match.group(1))
+    return " ".join(html_module.unescape(text).split()).rstrip("\uf0c1¶ ")

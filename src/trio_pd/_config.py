@@ -73,9 +73,10 @@ class ConnectorConfig:
             consumers; after it the exposure resolves
             :attr:`~trio_pd.Released.EXPIRED` and the blocks may be reused.
             Default 120.0.
-        close_timeout: bound on the cleanup work at shutdown (waiting for
-            in-flight transfers to stop before their handles are released).
-            Default 5.0.
+        close_timeout: how long a transfer that must stop (its pull was
+            cancelled or timed out, or the connector is closing) is waited for
+            before its handle is released anyway; also bounds the wait at
+            shutdown for pulls running in other tasks. Default 5.0.
         max_concurrent_fetches: how many metadata fetches (network round trips)
             may be in flight at once, for different engines. ``1`` serialises
             them as vLLM does. NIXL calls are always serialised. Default 8.

@@ -217,10 +217,12 @@ class Connector:
         fresh handshake runs first. Blocks exposed by an incarnation that is no
         longer running are never read (:class:`TransferError`).
 
-        Cancellation: if the calling task is cancelled, the transfer is
-        aborted (or, if NIXL cannot abort it, waited for) before
-        :class:`trio.Cancelled` propagates, so nothing writes into the local
-        blocks afterwards. The handshake itself goes on for other waiters.
+        Cancellation: if the calling task is cancelled, no further transfer
+        of this pull is posted and the running one is waited for until it
+        ends (at most ``config.close_timeout``; only then is it released
+        while still running) before :class:`trio.Cancelled` propagates, so
+        nothing writes into the local blocks afterwards. The handshake itself
+        goes on for other waiters.
 
         Raises:
             ValueError: before anything is sent: local and remote lengths

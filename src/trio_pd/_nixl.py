@@ -290,10 +290,11 @@ class NixlEngine:
         """READ the remote descriptors into the local ones, with a notification.
 
         Runs in a transfer thread, from posting to completion. The handle is
-        always released before this returns or raises: on cancellation or
-        timeout the transfer is aborted (or, if NIXL cannot abort it, waited
-        for, up to ``close_timeout``), so no transfer writes into local blocks
-        after the caller regains control.
+        always released before this returns or raises: on cancellation,
+        timeout or close, the running transfer is first waited for until it
+        ends (up to ``close_timeout``; NIXL's abort-on-release was seen to let
+        data land later) and only then released, so no transfer writes into
+        local blocks after the caller regains control.
 
         Args:
             deadline: :func:`time.monotonic` value after which the transfer is

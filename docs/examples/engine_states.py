@@ -1,0 +1,73 @@
+"""Drive a remote engine's state machine by hand: no trio, no sockets, no NIXL.
+
+``trio_pd._engines`` is sans-IO: it takes the time as an argument and returns
+what to do, so every rule can be exercised in a plain function, like this.
+(It is an internal module: this example is for contributors.)
+
+Run it with ``python docs/examples/engine_states.py``.
+"""
+
+from __future__ import annotations
+
+import random
+
+from trio_pd._engines import Backoff, EngineEvent, EngineRecord, InvalidTransition
+from trio_pd._errors import HandshakeError
+from trio_pd._protocol import EngineMetadata
+
+
+def show(record: EngineRecord, what: str) -> None:
+    print(f"{what:<34} -> {record.state.name}")
+
+
+def main() -> None:
+    rng = random.Random(0)
+    backoff = Backoff(initial=1.0, maximum=30.0, jitter=0.0)
+    record = EngineRecord("prefill-0", "10.0.0.7", 5600)
+    show(record, "new record")
+
+    action = record.on_pull(now=0.0)
+    show(record, f"pull at t=0 says {action.name}")
+
+    error = HandshakeError("prefill-0", "no reply within 5 s")
+    delay = record.failed(error, now=5.0, backoff=backoff, rng=rng)
+    show(record, f"handshake failed, retry in {delay:g} s")
+
+    action = record.on_pull(now=5.5)
+    show(record, f"pull at t=5.5 says {action.name}")
+
+    action = record.on_pull(now=6.5)
+    show(record, f"pull at t=6.5 says {action.name}")
+
+    metadata = EngineMetadata(
+        engine_id="prefill-0",
+        incarnation="a1b2",
+        agent_name="prefill-0#a1b2",
+        agent_metadata=b"...",
+        num_blocks=64,
+        base_addrs=[4096],
+        block_lens=[2048],
+        device_id=0,
+        mem_type="DRAM",
+        dtype="torch.float16",
+    )
+    record.metadata_received(metadata, metadata.layout())
+    show(record, "metadata received")
+    record.loaded()
+    show(record, "remote agent loaded")
+
+    action = record.on_pull(now=7.0)
+    show(record, f"pull at t=7 says {action.name}")
+
+    record.went_stale(EngineEvent.PEER_RESTARTED)
+    show(record, "peer restarted")
+    print("retired incarnations:", sorted(record.retired_incarnations))
+
+    try:
+        record.apply(EngineEvent.LOADED)  # not in TRANSITIONS: a bug
+    except InvalidTransition as exc:
+        print("InvalidTransition:", exc)
+
+
+if __name__ == "__main__":
+    main()
