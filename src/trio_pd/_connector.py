@@ -679,13 +679,16 @@ class Connector:
         config = self._config
         while True:
             if self._exposures.pending:
-                await trio.sleep(config.notification_poll_interval)
+                # checks every poll_interval in the notification thread (this
+                # also drives our UCX worker, which consumers' READs need)
+                wait = config.notification_poll_interval
             else:
                 self._exposure_added = trio.Event()
                 with trio.move_on_after(config.idle_notification_poll_interval):
                     await self._exposure_added.wait()
+                wait = 0.0
             try:
-                batches = await self._nixl.notifications()
+                batches = await self._nixl.notifications(wait)
             except NixlCallError as exc:
                 logger.error("engine %s: %s", self._engine_id, exc)
                 batches = {}

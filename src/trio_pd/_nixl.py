@@ -443,20 +443,35 @@ class NixlEngine:
                 f"send_notif: {_describe(exc)}", peer_lost=_is_peer_lost(exc)
             ) from exc
 
-    async def notifications(self) -> dict[str, list[bytes]]:
-        """Collect new notifications, by sending agent name.
+    async def notifications(self, wait: float) -> dict[str, list[bytes]]:
+        """Collect new notifications (by sending agent name), waiting up to ``wait`` s.
+
+        The notification thread checks every ``poll_interval`` until some
+        arrive or ``wait`` has passed. Each check also advances this agent's
+        UCX worker: trio_pd runs NIXL without its progress thread (which
+        spins a whole core per agent), and a consumer's READ of our blocks
+        completes only when our worker makes progress. So while exposures
+        are pending, the connector keeps this going.
 
         Raises:
             NixlCallError: NIXL raised.
         """
-        return await self._in_thread(self.notification_limiter, self._notifications_blocking)
+        if self._config.nixl_on_event_loop:
+            wait = 0.0  # comparison mode: do not sleep on the trio thread
+        return await self._in_thread(self.notification_limiter, self._notifications_blocking, wait)
 
-    def _notifications_blocking(self) -> dict[str, list[bytes]]:
-        try:
-            notifs: dict[str, list[bytes]] = self._live_agent().get_new_notifs()
-        except Exception as exc:
-            raise NixlCallError(f"get_new_notifs: {_describe(exc)}") from exc
-        return notifs
+    def _notifications_blocking(self, wait: float) -> dict[str, list[bytes]]:
+        agent = self._live_agent()
+        give_up = time.monotonic() + wait
+        while True:
+            try:
+                notifs: dict[str, list[bytes]] = agent.get_new_notifs()
+            except Exception as exc:
+                raise NixlCallError(f"get_new_notifs: {_describe(exc)}") from exc
+            if notifs or self._closing.is_set() or time.monotonic() >= give_up:
+                return notifs
+            self._check_cancelled()
+            time.sleep(self._config.poll_interval)
 
     async def _in_thread(
         self, limiter: trio.CapacityLimiter, fn: Callable[..., _T], *args: Any
@@ -505,7 +520,12 @@ def _create_blocking(
         "strict": nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
     }[config.nixl_sync_mode]
     try:
-        agent = nixl_agent(agent_name, nixl_agent_config(backends=[], sync_mode=sync))
+        agent = nixl_agent(
+            agent_name,
+            nixl_agent_config(
+                enable_prog_thread=config.nixl_progress_thread, backends=[], sync_mode=sync
+            ),
+        )
         for backend in config.nixl_backends:
             params = dict(config.nixl_backend_params.get(backend, {}))
             if config.nixl_num_threads and "num_threads" not in params:

@@ -332,16 +332,21 @@ class PrefillWorker:
 
 @asynccontextmanager
 async def open_prefill_worker(
-    spec: WorkerSpec, *, config: ConnectorConfig | None = None
+    spec: WorkerSpec,
+    *,
+    config: ConnectorConfig | None = None,
+    startup_timeout: float = _STARTUP_TIMEOUT,
 ) -> AsyncIterator[PrefillWorker]:
-    """Start a prefill worker process and wait until its connector listens.
+    """Start a prefill worker process and wait until its connectors listen.
 
-    On exit the worker's stdin is closed (it closes its connector and exits);
+    On exit the worker's stdin is closed (it closes its connectors and exits);
     if it has not exited within 10 s it is killed. The process is always
     reaped.
 
     Raises:
-        WorkerError: the worker exited or did not become ready within 60 s.
+        WorkerError: the worker exited before it was ready.
+        trio.TooSlowError: it was not ready within ``startup_timeout`` seconds
+            (each engine takes about 0.25 s to start here).
     """
     if config is not None:
         spec = attrs.evolve(spec, config=config_overrides(config))
@@ -353,7 +358,7 @@ async def open_prefill_worker(
     worker = PrefillWorker(spec, process)
     try:
         async with unwrapped_errors(), trio.open_nursery() as nursery:
-            with trio.fail_after(_STARTUP_TIMEOUT):
+            with trio.fail_after(startup_timeout):
                 await nursery.start(worker._read_replies)
             try:
                 yield worker
