@@ -278,3 +278,25 @@ def test_layout_of_tensors_with_different_dtypes_is_an_error() -> None:
     caches = [torch.zeros((4, 2), dtype=torch.float16), torch.zeros((4, 2), dtype=torch.float32)]
     with pytest.raises(ValueError, match=r"kv_caches\[1\] is torch.float32 on cpu"):
         layout_of_tensors(caches)
+
+
+def test_strided_rows_expand_to_the_full_descriptor_list() -> None:
+    # NIXL expands (base, len, dev, stride, count) rows into count descriptors
+    # each; the expansion must equal descriptors(), which the indices address.
+    lay = KVLayout(base_addrs=[4096, 1 << 20, 1 << 30], block_lens=[64, 128, 64], num_blocks=5)
+    rows = lay.strided_descriptors()
+    assert rows.shape == (3, 5)
+    expanded = np.concatenate(
+        [
+            np.stack(
+                [
+                    base + stride * np.arange(count),
+                    np.full(count, length),
+                    np.full(count, dev),
+                ],
+                axis=1,
+            )
+            for base, length, dev, stride, count in rows
+        ]
+    )
+    assert np.array_equal(expanded, lay.descriptors())

@@ -254,9 +254,19 @@ class NixlEngine:
                     f"metadata names agent {loaded_name!r}, reply said {agent_name!r}"
                 )
             try:
-                dlist = agent.prep_xfer_dlist(loaded_name, layout.descriptors(), layout.mem_type)
+                dlist = agent.prep_xfer_dlist(
+                    loaded_name, layout.strided_descriptors(), layout.mem_type
+                )
             except Exception as exc:
                 raise NixlCallError(f"prep_xfer_dlist: {_describe(exc)}") from exc
+            try:
+                # Connect now (UCX wire-up) rather than in the first pull.
+                agent.make_connection(loaded_name)
+            except Exception as exc:
+                dlist.release()
+                raise NixlCallError(
+                    f"make_connection: {_describe(exc)}", peer_lost=_is_peer_lost(exc)
+                ) from exc
         except BaseException:
             try:
                 agent.remove_remote_agent(loaded_name)
@@ -537,7 +547,7 @@ def _create_blocking(
     try:
         registration = agent.register_memory(list(kv_caches))
         local_dlist = agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", layout.descriptors(), layout.mem_type
+            "NIXL_INIT_AGENT", layout.strided_descriptors(), layout.mem_type
         )
     except Exception as exc:
         if registration is not None:
