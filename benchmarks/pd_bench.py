@@ -292,7 +292,7 @@ def raw_nixl_read(
 
 async def bench_throughput(quick: bool) -> Result:
     total = (256 if quick else 1024) << 20
-    regions, reps = 16, 3
+    regions, reps = 16, 5
     out: Result = {"bytes": total, "sizes": {}}
     for block_bytes in (16384, 65536):
         blocks = total // (regions * block_bytes)
@@ -311,7 +311,15 @@ async def bench_throughput(quick: bool) -> Result:
                     rates["trio_pd"].append(result.bytes / result.seconds / 1e9)
                     if rep == 0:
                         assert mismatched_blocks(local, ids, 0) == []
-                    seconds = raw_nixl_read(d, w.engine_id, np.arange(blocks, dtype=np.int64))
+                    # the same READ, also of exposed blocks with their notification,
+                    # so the producer side is in the same state for both
+                    await w.expose(f"raw{rep}", ids, seed=rep)
+                    seconds = raw_nixl_read(
+                        d,
+                        w.engine_id,
+                        np.arange(blocks, dtype=np.int64),
+                        trio_pd._protocol.encode_notification(f"raw{rep}"),
+                    )
                     rates["raw NIXL"].append(total / seconds / 1e9)
                     started = time.perf_counter()
                     dst.copy_(src)

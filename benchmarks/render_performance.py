@@ -177,7 +177,7 @@ def render(results: dict[str, Any]) -> str:
             f"One {tp['bytes'] >> 20} MiB pull across processes (16 regions, "
             "identity block mapping) through trio_pd, the same READ on the same "
             "prepared descriptor lists with NIXL directly, and a memcpy of the same "
-            "bytes in one process (the ceiling); medians of 3 interleaved repetitions.",
+            "bytes in one process (the ceiling); medians of 5 interleaved repetitions.",
             "",
             _table(
                 [
@@ -259,26 +259,47 @@ def render(results: dict[str, Any]) -> str:
 
 FINDINGS = """## What we found
 
-* **NIXL's `transfer()` copies before it returns.** On these machines a READ
-  of 256 MiB spends most of its time inside `transfer()` (measured: 690 ms of
-  740 ms), and `check_xfer_state()` can block for 4 ms. So every NIXL call
-  runs in a worker thread; on the trio thread they would stall the loop for
-  the whole copy (benchmark 3).
-* **Large pulls are chunked** into transfers of at most
-  `max_descriptors_per_transfer` descriptors, so cancellation and shutdown
-  take effect within one chunk instead of one whole pull.
-* **Cancelling a running transfer by releasing its handle is not enough:**
-  NIXL "tries to abort", but bytes kept landing in the local blocks
-  afterwards (a test caught it). trio_pd waits for the transfer to end before
-  releasing the handle.
-* **Polling: sleep, don't spin.** A pull with a notification often completes
-  only after UCX's progress thread has run; on 2 cores a thread that spins on
-  `check_xfer_state` delays that completion (p50 grew from ~0.5 ms to 2.5 ms
-  with a 5 ms spin). The transfer thread checks for 100 us, then sleeps
-  100 us between checks.
-* **Per-request overhead** is the worker-thread hand-off (about 0.15 ms per
-  pull with `trio.to_thread`) plus the polling above; raw NIXL on the calling
-  thread avoids both but blocks its caller for the whole transfer.
+* **NIXL's progress thread kept a core busy per agent.** An idle connector
+  used 1.0 core (NIXL starts it with no pause between polls). On 2 cores that
+  starved everything: before the fix this page showed 32 ms idle pull
+  latency, 0.64x raw-NIXL throughput and 19 ms loop stalls. Agents now run
+  without it: transfer threads advance the agent while they poll, and a
+  producer with pending exposures checks for notifications every 100 us in
+  its notification thread -- which matters, because a consumer's READ only
+  completes when the *producer's* UCX worker makes progress (tiny READs took
+  2.7 ms when nothing drove it, 0.5 ms with the notification thread). Idle
+  cost: 0.02 core.
+* **Descriptor lists from strided rows.** Handing `prep_xfer_dlist` one row
+  per region (base, length, stride, count) instead of one per block made a
+  64 x 4096-block handshake's NIXL work 0.1 ms instead of 10 ms, and removed
+  the GIL hold that stalled the loop.
+* **The garbage collector is the largest remaining stall.** A full
+  collection with torch loaded takes about 20 ms on the trio thread. Serving
+  processes call `gc.freeze()` after start-up (so do the demo and these
+  benchmarks); benchmark 3 shows the difference.
+* **NIXL's `transfer()` copies before it returns** (690 ms of a 740 ms READ of
+  256 MiB) and `check_xfer_state()` can block for 4 ms, so NIXL calls run in
+  worker threads. Large pulls are split into transfers of at most
+  `max_descriptors_per_transfer` descriptors so that cancellation and
+  shutdown take effect within one of them.
+* **Releasing a running transfer's handle does not stop it:** NIXL "tries to
+  abort", but bytes kept landing afterwards (a test caught it). trio_pd waits
+  for the transfer to end before releasing the handle.
+* **Throughput** is within this machine's noise of raw NIXL: a breakdown run
+  of the 1 GiB, 16 KiB-block pull took 163-207 ms through trio_pd and
+  178-196 ms raw, interleaved. trio_pd's own cost outside the transfer thread
+  is about 4 ms per such pull (block-id validation and index math in numpy);
+  splitting into transfers of 8192 descriptors costs nothing measurable
+  (8192, 16384 and one transfer gave 6.9, 6.7 and 6.7 GB/s).
+* **Per-request overhead** of a sequential tiny pull is the hand-off to a
+  worker thread and back (about 0.15 ms) plus sleeping polls; raw NIXL on
+  the calling thread avoids both but blocks its caller for the whole
+  transfer. Many pulls in flight share 4 transfer threads.
+* **Head-of-line p99**: during a storm of 16 handshakes the p50 of warm pulls
+  is unchanged, the p99 about doubles. On 2 cores the storm's own work (16
+  producer engines answering, the relay process, the handshake thread's NIXL
+  calls, which take NIXL's writer lock) competes with the warm pulls; we found
+  no single cause in trio_pd.
 """
 
 
