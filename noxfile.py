@@ -1,4 +1,4 @@
-"""Sessions: ``tests`` (the CI gate), ``lint``, ``typecheck``, ``demo``, ``docs``.
+"""Sessions: ``tests`` (the CI gate), ``lint``, ``typecheck``, ``demo``, ``docs``, ``bench``.
 
 torch is installed first, pinned to the CPU build that these machines keep
 on local disk (about 35 s instead of a multi-GB CUDA download); on a GPU host
