@@ -35,7 +35,9 @@ def render(results: dict[str, Any]) -> str:
         "on the same machine, the same minute, the same descriptors. Absolute "
         "numbers move with the machine's load; the ratios are the result. "
         "Producers are separate processes; slow links are a latency-injecting TCP "
-        "relay in its own process; the decoder is the benchmark process.",
+        "relay in its own process; the decoder is the benchmark process. Tail "
+        "numbers (p99, the longest stall) move most between runs on this 2-core "
+        "machine: read them as ranges.",
         "",
         "To reproduce: `nox -s bench` (about 3 minutes; rewrites this page and "
         "`docs/performance.json`).",
@@ -294,12 +296,16 @@ FINDINGS = """## What we found
 * **Per-request overhead** of a sequential tiny pull is the hand-off to a
   worker thread and back (about 0.15 ms) plus sleeping polls; raw NIXL on
   the calling thread avoids both but blocks its caller for the whole
-  transfer. Many pulls in flight share 4 transfer threads.
-* **Head-of-line p99**: during a storm of 16 handshakes the p50 of warm pulls
-  is unchanged, the p99 about doubles. On 2 cores the storm's own work (16
-  producer engines answering, the relay process, the handshake thread's NIXL
-  calls, which take NIXL's writer lock) competes with the warm pulls; we found
-  no single cause in trio_pd.
+  transfer. Many pulls in flight share 16 transfer threads.
+* **Head-of-line p99 had a cause in trio_pd:** the worst warm pulls spent
+  their time waiting for a transfer thread, not transferring -- the 4 shared
+  threads were held by the cold engines' first pulls, which were slow
+  (their producer process hosts 17 engines on 2 cores). Transfer threads are
+  now 16, at most 4 per engine; the storm's p99 fell from 24-30 ms to 12-21
+  ms over the runs since. What remains of the ratio is the storm's own CPU
+  load on 2 cores
+  (16 producer engines answering, the relay process, NIXL's writer lock
+  while agents load).
 """
 
 

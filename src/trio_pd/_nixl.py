@@ -45,8 +45,14 @@ logger = logging.getLogger("trio_pd.nixl")
 
 _T = TypeVar("_T")
 
-TRANSFER_THREADS = 4
-"""Worker threads for pulls: enough to overlap posting with completion."""
+TRANSFER_THREADS = 16
+"""Worker threads for pulls in all. A pull holds one from posting to completion,
+mostly sleeping between polls, so they are cheap; a pull waiting for a slow
+peer must not keep pulls to other engines from starting."""
+
+TRANSFERS_PER_ENGINE = 4
+"""Of those, at most this many for one remote engine: a slow or stuck engine
+cannot take every transfer thread (head-of-line blocking across engines)."""
 
 
 class NixlCallError(Exception):
@@ -138,6 +144,7 @@ class NixlEngine:
         self._stuck_handles: list[Any] = []
         self.handshake_limiter = trio.CapacityLimiter(1)
         self.transfer_limiter = trio.CapacityLimiter(TRANSFER_THREADS)
+        self._slots: dict[str, trio.CapacityLimiter] = {}
         self.notification_limiter = trio.CapacityLimiter(1)
 
     # ---- life cycle -----------------------------------------------------
@@ -228,6 +235,7 @@ class NixlEngine:
 
     async def unload_remote(self, remote: RemoteAgent) -> None:
         """Release a remote's descriptor list and remove its agent (handshake thread)."""
+        self._slots.pop(remote.agent_name, None)
         await self._in_thread(self.handshake_limiter, self._unload_blocking, remote)
 
     def _load_blocking(
@@ -316,15 +324,23 @@ class NixlEngine:
             EngineClosing: the connector began closing.
             trio.Cancelled: the calling task was cancelled.
         """
-        await self._in_thread(
-            self.transfer_limiter,
-            self._read_blocking,
-            remote,
-            local_indices,
-            remote_indices,
-            notification,
-            deadline,
-        )
+        async with self._engine_slots(remote):
+            await self._in_thread(
+                self.transfer_limiter,
+                self._read_blocking,
+                remote,
+                local_indices,
+                remote_indices,
+                notification,
+                deadline,
+            )
+
+    def _engine_slots(self, remote: RemoteAgent) -> trio.CapacityLimiter:
+        """The per-engine cap on transfer threads (see TRANSFERS_PER_ENGINE)."""
+        slots = self._slots.get(remote.agent_name)
+        if slots is None:
+            slots = self._slots[remote.agent_name] = trio.CapacityLimiter(TRANSFERS_PER_ENGINE)
+        return slots
 
     def _read_blocking(
         self,
@@ -443,7 +459,8 @@ class NixlEngine:
         Raises:
             NixlCallError: NIXL could not send it.
         """
-        await self._in_thread(self.transfer_limiter, self._notify_blocking, remote, message)
+        async with self._engine_slots(remote):
+            await self._in_thread(self.transfer_limiter, self._notify_blocking, remote, message)
 
     def _notify_blocking(self, remote: RemoteAgent, message: bytes) -> None:
         try:
