@@ -35,7 +35,12 @@ import trio
 
 import trio_pd
 from trio_pd._payload import mismatched_blocks
-from trio_pd._prefill_worker import PrefillWorker, WorkerSpec, open_prefill_worker
+from trio_pd._prefill_worker import (
+    PrefillWorker,
+    WorkerSpec,
+    open_prefill_worker,
+    open_prefill_workers,
+)
 from trio_pd._relay import open_delay_relays
 from trio_pd._stall import LoopStallMonitor
 
@@ -408,23 +413,8 @@ def rss_bytes() -> int:
 async def bench_scale(quick: bool) -> Result:
     per_process, processes = (16, 2) if quick else (64, 4)
     engines = per_process * processes
-    workers: list[PrefillWorker] = []
-    async with trio.open_nursery() as nursery:
-        stop = trio.Event()
-        started_all = trio.Event()
-
-        async def run(index: int) -> None:
-            async with open_prefill_worker(
-                spec(f"s{index}", 2, 16, 1024, engines=per_process)
-            ) as w:
-                workers.append(w)
-                if len(workers) == processes:
-                    started_all.set()
-                await stop.wait()
-
-        for index in range(processes):
-            nursery.start_soon(run, index)
-        await started_all.wait()
+    specs = [spec(f"s{i}", 2, 16, 1024, engines=per_process) for i in range(processes)]
+    async with open_prefill_workers(specs, startup_timeout=600) as workers:
         remotes = []
         for w in workers:
             for e in range(per_process):
@@ -439,7 +429,6 @@ async def bench_scale(quick: bool) -> Result:
             elapsed = trio.current_time() - started
             after = rss_bytes()
             assert d.statistics().engines_ready == engines
-        stop.set()
     return {
         "engines": engines,
         "processes": processes,

@@ -406,20 +406,26 @@ class Connector:
     async def _ready_agent(self, remote: RemoteBlocks) -> RemoteAgent:
         """The loaded agent of ``remote``'s engine, handshaking first if needed.
 
-        A handshake that was already under way when the engine restarted
-        loads the old incarnation; the request's newer incarnation then
-        retires it at once and one more handshake runs.
+        Two races get one more handshake each: an agent retired (engine
+        restarted or lost) between the handshake and this task waking up, and
+        a handshake that was under way when the engine restarted, which loads
+        the old incarnation -- the request's newer one then retires it.
+
+        Raises:
+            HandshakeError: the engine kept changing under three handshakes.
         """
-        for _ in range(2):
+        for _ in range(3):
             engine = self._engine_for(remote)
             agent = await self._wait_ready(engine)
+            if agent.retired:
+                continue
             if (
                 not remote.incarnation
                 or agent.incarnation == remote.incarnation
                 or remote.incarnation in engine.record.retired_incarnations
             ):
-                break
-        return agent
+                return agent
+        raise HandshakeError(remote.engine_id, "the engine changed during three handshakes")
 
     async def _wait_ready(self, engine: _Engine) -> RemoteAgent:
         attempt = engine.attempt
@@ -819,8 +825,9 @@ async def open_connector(
     Resource handling:
         On every exit -- normal, an exception in the block, or cancellation from
         outside -- the block's end stops the tasks, wakes every waiter with
-        :class:`trio.ClosedResourceError`, aborts in-flight transfers (waiting
-        at most ``config.close_timeout`` for pulls in other tasks to let go),
+        :class:`trio.ClosedResourceError`, stops in-flight pulls after their
+        current NIXL transfer (waiting at most ``config.close_timeout`` for
+        pulls in other tasks to let go),
         then releases transfer handles, remote agents, descriptor lists, the
         memory registration, the NIXL agent and the ZeroMQ sockets and context.
 
@@ -839,10 +846,33 @@ async def open_connector(
     config = ConnectorConfig() if config is None else config
     layout = layout_of_tensors(kv_caches)
     incarnation = secrets.token_hex(8)
-    nixl = await NixlEngine.create(f"{engine_id}#{incarnation}", kv_caches, layout, config)
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        nixl = await NixlEngine.create(f"{engine_id}#{incarnation}", kv_caches, layout, config)
+    except BaseException:
+        context.destroy(linger=0)
+        raise
     connector = Connector(engine_id, layout, nixl, context, config, incarnation)
     try:
+        # The reply is the same for every consumer: encode it once, before
+        # the listener can receive a request.
+        connector._encoded_reply = protocol.encode_message(
+            protocol.metadata_reply(
+                protocol.EngineMetadata(
+                    engine_id=engine_id,
+                    incarnation=incarnation,
+                    agent_name=nixl.agent_name,
+                    agent_metadata=nixl.agent_metadata(),
+                    num_blocks=layout.num_blocks,
+                    base_addrs=list(layout.base_addrs),
+                    block_lens=list(layout.block_lens),
+                    device_id=layout.device_id,
+                    mem_type=layout.mem_type,
+                    dtype=layout.dtype,
+                ),
+                connector._compat_hash,
+            )
+        )
         async with unwrapped_errors(), trio.open_nursery() as nursery:
             connector._nursery = nursery
             if config.auth is not None:
@@ -850,23 +880,6 @@ async def open_connector(
                     serve_zap, context, config.auth.allowed_consumers, connector._auth_refused
                 )
             connector._address = await nursery.start(connector._serve_listener, host, port)
-            connector._encoded_reply = protocol.encode_message(
-                protocol.metadata_reply(
-                    protocol.EngineMetadata(
-                        engine_id=engine_id,
-                        incarnation=incarnation,
-                        agent_name=nixl.agent_name,
-                        agent_metadata=nixl.agent_metadata(),
-                        num_blocks=layout.num_blocks,
-                        base_addrs=list(layout.base_addrs),
-                        block_lens=list(layout.block_lens),
-                        device_id=layout.device_id,
-                        mem_type=layout.mem_type,
-                        dtype=layout.dtype,
-                    ),
-                    connector._compat_hash,
-                )
-            )
             nursery.start_soon(connector._run_handshakes)
             nursery.start_soon(connector._collect_notifications)
             logger.info(

@@ -19,6 +19,7 @@ with clear errors; the others go on).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import random
 import sys
@@ -34,7 +35,7 @@ import trio
 from ._config import ConnectorConfig
 from ._connector import Connector, open_connector
 from ._payload import mismatched_blocks
-from ._prefill_worker import PrefillWorker, WorkerSpec, open_prefill_workers
+from ._prefill_worker import PrefillWorker, WorkerError, WorkerSpec, open_prefill_workers
 from ._records import RemoteBlocks
 from ._relay import open_delay_relays
 from ._stall import LoopStallMonitor
@@ -99,7 +100,7 @@ async def run_demo(options: DemoOptions) -> dict[str, Any]:
     rng = random.Random(o.seed)
     block_shape = (o.block_bytes // 2,)
     specs = [
-        WorkerSpec(f"prefill-{i}", regions=o.regions, blocks=o.blocks, block_shape=block_shape)  # type: ignore[arg-type]
+        WorkerSpec(f"prefill-{i}", regions=o.regions, blocks=o.blocks, block_shape=block_shape)
         for i in range(o.prefill_engines)
     ]
     local = [torch.zeros((o.blocks, *block_shape), dtype=torch.float16) for _ in range(o.regions)]
@@ -126,6 +127,7 @@ async def run_demo(options: DemoOptions) -> dict[str, Any]:
                     elapsed = time.perf_counter() - run_started
                 finally:
                     trio.lowlevel.remove_instrument(monitor)
+                    gc.unfreeze()
                 stats = decoder.statistics()
     if o.progress and sys.stderr.isatty():
         print(file=sys.stderr)
@@ -173,7 +175,6 @@ async def _drive(
         rid = f"req-{n}"
         remote_ids = await remote_pools[engine].take(prompt_blocks)
         local_ids = await local_pool.take(prompt_blocks)
-        released = True
         try:
             # prefill: the engine computes (here: fills) the blocks and exposes them
             remote = await worker.expose(rid, remote_ids, seed)
@@ -192,16 +193,18 @@ async def _drive(
             tally.ok += 1
             tally.bytes += result.bytes
             tally.latencies.append(result.seconds)
-            released = False
-            await worker.wait_released(rid)  # the prefill engine may now free them
-            released = True
         except Exception as exc:  # a failed request is reported, the rest go on
             tally.failed += 1
             tally.errors.append(f"{rid} ({worker.engine_id}): {type(exc).__name__}: {exc}")
+            remote_pools[engine].give_back(remote_ids)
+        else:
+            # the prefill engine frees its blocks once they were read; if it
+            # died meanwhile, they are gone with it
+            with contextlib.suppress(WorkerError):
+                await worker.wait_released(rid)
+                remote_pools[engine].give_back(remote_ids)
         finally:
             local_pool.give_back(local_ids)
-            if released:
-                remote_pools[engine].give_back(remote_ids)
             tally.done += 1
             if o.progress:
                 _progress(tally, o.requests)

@@ -6,11 +6,13 @@ READ does much of the copy before it returns; ``check_xfer_state`` can take
 :class:`trio.CapacityLimiter` s route them to worker threads:
 
 * ``handshake`` (1 thread): every mutation of the agent's view of remote
-  engines -- ``add_remote_agent``, building and preparing remote descriptor
-  lists -- one engine at a time;
-* ``transfers`` (a few threads): one pull each, from posting the READ to its
-  completion, then releasing its handle;
-* ``notifications`` (1 thread): the producer's notification polls.
+  engines -- ``add_remote_agent``, preparing the remote descriptor list,
+  ``make_connection``, ``remove_remote_agent`` -- one engine at a time;
+* ``transfers`` (16 threads, at most 4 per remote engine): one pull each,
+  from posting the READ to its completion, then releasing its handle;
+* ``notifications`` (1 thread): the producer's notification polls, which
+  also advance the agent (NIXL's own progress thread is off by default: it
+  keeps a core busy per agent).
 
 The agent is created with an explicit thread-sync mode (reader/writer lock by
 default) because these threads call it concurrently.
@@ -203,6 +205,7 @@ class NixlEngine:
         for remote in self._remotes.values():
             remote.dlist = None
         self._remotes.clear()
+        self._slots.clear()
         self._local_dlist = self._registration = self._agent = None
         if errors:
             logger.warning("agent %s closed with errors: %s", self.agent_name, "; ".join(errors))
@@ -376,11 +379,7 @@ class NixlEngine:
         deadline: float,
     ) -> None:
         agent = self._live_agent()
-        self._check_cancelled()
-        if self._closing.is_set():
-            raise EngineClosing
-        if time.monotonic() >= deadline:
-            raise TransferTimeout
+        self._check_stop(deadline)
         try:
             handle = agent.make_prepped_xfer(
                 "READ",
@@ -400,13 +399,8 @@ class NixlEngine:
                 status = agent.transfer(handle)
                 spin_until = time.monotonic() + self._config.poll_spin
                 while status == "PROC":
-                    self._check_cancelled()
-                    if self._closing.is_set():
-                        raise EngineClosing
-                    now = time.monotonic()
-                    if now >= deadline:
-                        raise TransferTimeout
-                    if now >= spin_until:
+                    self._check_stop(deadline)
+                    if time.monotonic() >= spin_until:
                         time.sleep(self._config.poll_interval)
                     status = agent.check_xfer_state(handle)
             except (TransferTimeout, EngineClosing, trio.Cancelled):
@@ -419,6 +413,14 @@ class NixlEngine:
                 raise NixlCallError(f"transfer state {status}")
         finally:
             self._release_handle(handle, finished=status != "PROC")
+
+    def _check_stop(self, deadline: float) -> None:
+        """Raise if this transfer must stop: cancelled, connector closing, or late."""
+        self._check_cancelled()
+        if self._closing.is_set():
+            raise EngineClosing
+        if time.monotonic() >= deadline:
+            raise TransferTimeout
 
     def _release_handle(self, handle: Any, *, finished: bool) -> None:
         """Release a transfer handle, first letting an unfinished one stop.

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -33,6 +32,7 @@ import attrs
 import trio
 
 from ._auth import CurveAuth
+from ._child import open_child, read_lines
 from ._config import ConnectorConfig
 from ._connector import Connector, open_connector
 from ._exposures import Released
@@ -41,11 +41,14 @@ from ._payload import fill_blocks
 from ._records import RemoteBlocks
 
 _STARTUP_TIMEOUT = 60.0
-_EXIT_TIMEOUT = 10.0
 
 
 class WorkerError(Exception):
     """A command failed in the worker, or the worker died."""
+
+
+def _shape(values: Sequence[int]) -> tuple[int, ...]:
+    return tuple(int(v) for v in values)
 
 
 @attrs.frozen
@@ -63,7 +66,7 @@ class WorkerSpec:
     engines: int = 1
     regions: int = 4
     blocks: int = 64
-    block_shape: tuple[int, ...] = attrs.field(default=(16, 128), converter=tuple)
+    block_shape: tuple[int, ...] = attrs.field(default=(16, 128), converter=_shape)
     dtype: str = "float16"
     host: str = "127.0.0.1"
     port: int = 0
@@ -159,7 +162,7 @@ async def _child_main(spec: WorkerSpec, protocol_fd: int) -> None:
             }
         )
         async with trio.open_nursery() as commands:
-            async for line in _lines(stdin):
+            async for line in read_lines(stdin):
                 commands.start_soon(handle, json.loads(line))
             commands.cancel_scope.cancel()
         nursery.cancel_scope.cancel()
@@ -187,16 +190,6 @@ async def _run_command(
     if op == "statistics":
         return {"statistics": attrs.asdict(conn.statistics())}
     raise ValueError(f"unknown op {op!r}")
-
-
-async def _lines(stream: trio.abc.ReceiveStream) -> AsyncIterator[bytes]:
-    buffer = b""
-    async for chunk in stream:
-        buffer += chunk
-        *lines, buffer = buffer.split(b"\n")
-        for line in lines:
-            if line.strip():
-                yield line
 
 
 def main() -> None:
@@ -310,7 +303,7 @@ class PrefillWorker:
         assert self.process.stdout is not None
         started = False
         try:
-            async for line in _lines(self.process.stdout):
+            async for line in read_lines(self.process.stdout):
                 reply = json.loads(line)
                 if reply.get("ready") and not started:
                     self.host, self.port = reply["host"], int(reply["port"])
@@ -341,7 +334,7 @@ async def open_prefill_worker(
 
     On exit the worker's stdin is closed (it closes its connectors and exits);
     if it has not exited within 10 s it is killed. The process is always
-    reaped.
+    reaped (see :func:`trio_pd._child.open_child`).
 
     Raises:
         WorkerError: the worker exited before it was ready.
@@ -350,42 +343,23 @@ async def open_prefill_worker(
     """
     if config is not None:
         spec = attrs.evolve(spec, config=config_overrides(config))
-    process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "trio_pd._prefill_worker", spec.to_json()],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    )
-    worker = PrefillWorker(spec, process)
-    try:
+    async with open_child("trio_pd._prefill_worker", spec.to_json()) as process:
+        worker = PrefillWorker(spec, process)
         async with unwrapped_errors(), trio.open_nursery() as nursery:
             with trio.fail_after(startup_timeout):
                 await nursery.start(worker._read_replies)
             try:
                 yield worker
             finally:
-                assert process.stdin is not None
-                with trio.CancelScope(shield=True):
-                    await process.stdin.aclose()
-                    with trio.move_on_after(_EXIT_TIMEOUT):
-                        await process.wait()
                 nursery.cancel_scope.cancel()
-    finally:
-        with trio.CancelScope(shield=True):
-            if process.returncode is None:
-                process.kill()
-            await process.wait()
-            for stream in (process.stdin, process.stdout):
-                if stream is not None:
-                    await stream.aclose()
-
-
-if __name__ == "__main__":
-    main()
 
 
 @asynccontextmanager
 async def open_prefill_workers(
-    specs: Sequence[WorkerSpec], *, config: ConnectorConfig | None = None
+    specs: Sequence[WorkerSpec],
+    *,
+    config: ConnectorConfig | None = None,
+    startup_timeout: float = _STARTUP_TIMEOUT,
 ) -> AsyncIterator[list[PrefillWorker]]:
     """Start several prefill workers in parallel; stop them all on exit.
 
@@ -396,7 +370,9 @@ async def open_prefill_workers(
     stop = trio.Event()
 
     async def run_one(index: int, *, task_status: trio.TaskStatus[None]) -> None:
-        async with open_prefill_worker(specs[index], config=config) as worker:
+        async with open_prefill_worker(
+            specs[index], config=config, startup_timeout=startup_timeout
+        ) as worker:
             workers[index] = worker
             task_status.started()
             await stop.wait()
@@ -409,3 +385,7 @@ async def open_prefill_workers(
             yield [w for w in workers if w is not None]
         finally:
             stop.set()
+
+
+if __name__ == "__main__":
+    main()

@@ -9,11 +9,16 @@ handshake slow without touching the engine.
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import sys
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 
 import trio
+
+from ._child import open_child, read_lines
 
 
 async def serve_delay_relay(
@@ -75,9 +80,6 @@ async def _pump(
 
 
 async def _relay_process_main(targets: list[tuple[str, int]], delay: float) -> None:
-    import json
-    import os
-
     stdin = trio.lowlevel.FdStream(os.dup(0))
     stdout = trio.lowlevel.FdStream(os.dup(1))
     async with stdin, stdout, trio.open_nursery() as nursery:
@@ -94,45 +96,20 @@ async def open_delay_relays(
 ) -> AsyncIterator[list[int]]:
     """Relay each target through a child process; yield the relay ports (same order).
 
-    The child process ends when the block exits (its stdin is closed; killed
-    if it lingers past 10 s).
+    The child process ends when the block exits (see
+    :func:`trio_pd._child.open_child`).
     """
-    import json
-    import subprocess
-    import sys
-
-    process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "trio_pd._relay", json.dumps({"targets": targets, "delay": delay})],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    )
-    try:
+    argument = json.dumps({"targets": targets, "delay": delay})
+    async with open_child("trio_pd._relay", argument) as process:
         assert process.stdout is not None
-        assert process.stdin is not None
-        line = b""
         with trio.fail_after(30):
-            while not line.endswith(b"\n"):
-                chunk = await process.stdout.receive_some()
-                if not chunk:
-                    raise RuntimeError("relay process exited before reporting its ports")
-                line += chunk
+            async with aclosing(read_lines(process.stdout)) as lines:
+                line = await anext(lines, None)
+        if line is None:
+            raise RuntimeError("relay process exited before reporting its ports")
         yield [int(p) for p in json.loads(line)["ports"]]
-    finally:
-        with trio.CancelScope(shield=True):
-            if process.stdin is not None:
-                await process.stdin.aclose()
-            with trio.move_on_after(10):
-                await process.wait()
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
-            if process.stdout is not None:
-                await process.stdout.aclose()
 
 
 if __name__ == "__main__":
-    import json
-    import sys
-
     spec = json.loads(sys.argv[1])
     trio.run(_relay_process_main, [tuple(t) for t in spec["targets"]], float(spec["delay"]))

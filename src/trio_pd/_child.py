@@ -1,0 +1,59 @@
+"""Child processes driven over pipes (prefill workers, latency relays).
+
+The parent writes to the child's stdin and reads lines from its stdout; the
+child runs until its stdin reaches end of file. :func:`open_child` owns the
+process: on every exit it closes the child's stdin, gives it a moment to
+finish, kills it if it does not, reaps it and closes the pipes.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import asynccontextmanager
+
+import trio
+
+EXIT_TIMEOUT = 10.0
+"""How long a child may take to exit after its stdin closed, before it is killed."""
+
+
+@asynccontextmanager
+async def open_child(module: str, argument: str) -> AsyncIterator[trio.Process]:
+    """Run ``python -m module argument`` with stdin and stdout as pipes.
+
+    Resource handling: on exit (normal, error or cancellation; shielded) the
+    child's stdin is closed, the child is waited for at most
+    :data:`EXIT_TIMEOUT` seconds and killed if still running, then reaped; both
+    pipes are closed.
+    """
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", module, argument],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        yield process
+    finally:
+        with trio.CancelScope(shield=True):
+            if process.stdin is not None:
+                await process.stdin.aclose()
+            with trio.move_on_after(EXIT_TIMEOUT):
+                await process.wait()
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+            if process.stdout is not None:
+                await process.stdout.aclose()
+
+
+async def read_lines(stream: trio.abc.ReceiveStream) -> AsyncGenerator[bytes, None]:
+    """The non-empty lines of ``stream``, without their newlines, until it ends."""
+    buffer = b""
+    async for chunk in stream:
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            if line.strip():
+                yield line
