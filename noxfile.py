@@ -20,7 +20,7 @@ TORCH = "torch==2.13.0"
 # startable functions (task_status=...), for flake8-async's ASYNC113/114
 STARTABLE = ",".join(
     [
-        "_serve_listener",
+        "serve_listener",
         "_read_replies",
         "run_one",
         "run_engine",

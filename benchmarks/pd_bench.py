@@ -8,9 +8,10 @@ reference (no handshakes, vLLM's serialized or inline handshakes, raw NIXL,
 memcpy) in the same run, interleaving repetitions. Benchmarks assert
 correctness (pulled bytes verified, every pull succeeded), never speed.
 
-Producers run in child processes (``trio_pd._prefill_worker``), slow links are
-a latency-injecting TCP relay in its own process (``trio_pd._relay``); the
-decoder is this process.
+Producers run in child processes (``trio_pd.testing.open_prefill_worker``),
+slow links are a latency-injecting TCP relay in its own process
+(``trio_pd.testing.open_delay_relays``); the decoder is this process. The
+designs trio_pd is compared with are in ``comparison.py``.
 """
 
 from __future__ import annotations
@@ -32,17 +33,19 @@ from typing import Any
 import numpy as np
 import torch
 import trio
+from comparison import CapturedBackends, InlineHandshakes, NixlOnEventLoop, raw_nixl_read
 
 import trio_pd
-from trio_pd._payload import mismatched_blocks
-from trio_pd._prefill_worker import (
+from trio_pd.testing import (
+    LoopStallMonitor,
     PrefillWorker,
     WorkerSpec,
+    encode_notification,
+    mismatched_blocks,
+    open_delay_relays,
     open_prefill_worker,
     open_prefill_workers,
 )
-from trio_pd._relay import open_delay_relays
-from trio_pd._stall import LoopStallMonitor
 
 Result = dict[str, Any]
 
@@ -92,9 +95,7 @@ async def bench_head_of_line(quick: bool) -> Result:
     async with open_prefill_worker(worker_spec) as w:  # noqa: SIM117 - the relays need w
         async with open_delay_relays([(h, p) for _, h, p in w.addresses[1:]], delay) as ports:
             for mode in ("trio_pd", "inline (pre-#19836)"):
-                config = trio_pd.ConnectorConfig(
-                    handshake_timeout=60.0, inline_handshakes=mode != "trio_pd"
-                )
+                config = trio_pd.ConnectorConfig(handshake_timeout=60.0)
                 warm = await w.expose_many(
                     [(f"{mode}-w{i}", [i], i) for i in range(baseline_pulls + storm_cap + 1)]
                 )
@@ -105,7 +106,8 @@ async def bench_head_of_line(quick: bool) -> Result:
                 local = kv(regions, blocks, block_bytes)
                 async with trio_pd.open_connector(
                     f"dec-{len(out['modes'])}", local, config=config
-                ) as d:
+                ) as connector:
+                    d = connector if mode == "trio_pd" else InlineHandshakes(connector)
                     await d.pull("warm-up", [0], warm[0])
                     base: list[float] = []
                     for i in range(1, baseline_pulls + 1):
@@ -141,7 +143,7 @@ async def bench_head_of_line(quick: bool) -> Result:
 
 
 async def _pull_all_then_set(
-    d: trio_pd.Connector, remotes: list[trio_pd.RemoteBlocks], done: trio.Event
+    d: trio_pd.Connector | InlineHandshakes, remotes: list[trio_pd.RemoteBlocks], done: trio.Event
 ) -> None:
     async with trio.open_nursery() as nursery:
         for n, remote in enumerate(remotes):
@@ -236,15 +238,14 @@ async def _handshake_storm(
     w: PrefillWorker, mode: str, round_: int, engines: int, regions: int, blocks: int
 ) -> tuple[float, float]:
     """One cold decoder, ``engines`` first pulls at once: (longest stall, storm seconds)."""
-    config = trio_pd.ConnectorConfig(
-        handshake_timeout=60.0, nixl_on_event_loop=mode.startswith("NIXL")
-    )
+    config = trio_pd.ConnectorConfig(handshake_timeout=60.0)
+    backend = NixlOnEventLoop.create if mode.startswith("NIXL") else None
     tag = f"{round_}-{mode[:5]}"
     remotes = []
     for e in range(engines):
         remotes += await w.expose_many([(tag, [e], e)], engine=e)
     local = kv(regions, blocks, 16)
-    async with trio_pd.open_connector(f"dec-{tag}", local, config=config) as d:
+    async with trio_pd.open_connector(f"dec-{tag}", local, config=config, backend=backend) as d:
         if mode.endswith("not frozen"):
             gc.unfreeze()
         monitor = LoopStallMonitor()
@@ -267,34 +268,6 @@ async def _handshake_storm(
 # ---- 4. throughput ------------------------------------------------------------------
 
 
-def raw_nixl_read(
-    decoder: trio_pd.Connector, engine_id: str, block_ids: np.ndarray, notification: bytes = b""
-) -> float:
-    """One READ of ``block_ids`` (same ids on both sides) with NIXL directly.
-
-    It uses the connector's own prepared descriptor lists, so trio_pd and this
-    read move exactly the same descriptors; it blocks its caller (no trio, no
-    threads) and returns the seconds from posting to DONE.
-    """
-    nixl = decoder._nixl
-    remote = decoder._engines[engine_id].attempt.remote
-    assert remote is not None
-    agent = nixl._agent
-    local_idx = nixl.layout.descriptor_indices(block_ids)
-    remote_idx = remote.layout.descriptor_indices(block_ids)
-    started = time.perf_counter()
-    handle = agent.make_prepped_xfer(
-        "READ", nixl._local_dlist, local_idx, remote.dlist, remote_idx, notification
-    )
-    status = agent.transfer(handle)
-    while status == "PROC":
-        status = agent.check_xfer_state(handle)
-    elapsed = time.perf_counter() - started
-    assert status == "DONE", status
-    handle.release()
-    return elapsed
-
-
 async def bench_throughput(quick: bool) -> Result:
     total = (256 if quick else 1024) << 20
     regions, reps = 16, 5
@@ -304,7 +277,8 @@ async def bench_throughput(quick: bool) -> Result:
         async with open_prefill_worker(spec(f"tp{block_bytes}", regions, blocks, block_bytes)) as w:
             local = kv(regions, blocks, block_bytes)
             ids = list(range(blocks))
-            async with trio_pd.open_connector(f"dec{block_bytes}", local) as d:
+            captured = CapturedBackends()
+            async with trio_pd.open_connector(f"dec{block_bytes}", local, backend=captured) as d:
                 await d.pull("warm", [0], await w.expose("warm", [0], seed=0))
                 src = torch.empty(total, dtype=torch.uint8)
                 dst = torch.empty_like(src)
@@ -320,10 +294,10 @@ async def bench_throughput(quick: bool) -> Result:
                     # so the producer side is in the same state for both
                     await w.expose(f"raw{rep}", ids, seed=rep)
                     seconds = raw_nixl_read(
-                        d,
+                        captured.backends[0],
                         w.engine_id,
                         np.arange(blocks, dtype=np.int64),
-                        trio_pd._protocol.encode_notification(f"raw{rep}"),
+                        encode_notification(f"raw{rep}"),
                     )
                     rates["raw NIXL"].append(total / seconds / 1e9)
                     started = time.perf_counter()
@@ -351,7 +325,8 @@ async def bench_small_pulls(quick: bool) -> Result:
     rng = np.random.default_rng(0)
     async with open_prefill_worker(spec("tiny", regions, blocks, block_bytes)) as w:
         local = kv(regions, blocks, block_bytes)
-        async with trio_pd.open_connector("dec", local) as d:
+        captured = CapturedBackends()
+        async with trio_pd.open_connector("dec", local, backend=captured) as d:
             await d.pull("warm", [0], await w.expose("warm", [0], seed=0))
 
             def plan(prefix: str, n: int) -> list[tuple[str, list[int], int]]:
@@ -380,8 +355,10 @@ async def bench_small_pulls(quick: bool) -> Result:
             await w.expose_many(requests)
             started = time.perf_counter()
             for rid, ids, _ in requests:
-                notification = trio_pd._protocol.encode_notification(rid)
-                raw_nixl_read(d, "tiny", np.asarray(ids, dtype=np.int64), notification)
+                notification = encode_notification(rid)
+                raw_nixl_read(
+                    captured.backends[0], "tiny", np.asarray(ids, dtype=np.int64), notification
+                )
             raw_seq = sequential / (time.perf_counter() - started)
 
             requests = plan("par", in_flight)

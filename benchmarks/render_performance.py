@@ -137,7 +137,7 @@ def render(results: dict[str, Any]) -> str:
             "## 3. Loop responsiveness",
             "",
             f"The longest time the trio loop ran without polling for I/O "
-            f"(`trio_pd._stall.LoopStallMonitor`) while {s['engines']} engines with "
+            f"(`trio_pd.testing.LoopStallMonitor`) while {s['engines']} engines with "
             f"{s['descriptors_per_engine']} descriptors each handshake at once "
             "(a fresh decoder per round; median of 3 rounds, after a warm-up round).",
             "",

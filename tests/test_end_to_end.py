@@ -8,8 +8,7 @@ import random
 import trio
 
 import trio_pd
-from trio_pd._payload import mismatched_blocks
-from trio_pd._prefill_worker import WorkerSpec, open_prefill_worker
+from trio_pd.testing import WorkerSpec, mismatched_blocks, open_prefill_worker
 
 from .conftest import kv_cache
 

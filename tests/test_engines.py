@@ -6,6 +6,7 @@ import itertools
 import random
 
 import attrs
+import msgspec
 import pytest
 
 from trio_pd._engines import (
@@ -53,6 +54,11 @@ def record(state: EngineState = S.UNKNOWN, **fields: object) -> EngineRecord:
         state=state,
         **fields,  # type: ignore[arg-type]
     )
+
+
+def pull(rec: EngineRecord, now: float, incarnation: str = "") -> PullAction:
+    """A pull for blocks of ``incarnation`` at the record's own address."""
+    return rec.on_pull(incarnation, "127.0.0.1", 5555, now)
 
 
 def error(reason: str = "boom") -> HandshakeError:
@@ -154,22 +160,30 @@ def test_other_transitions_do_not_count_an_attempt(
 @pytest.mark.parametrize("state", [S.UNKNOWN, S.STALE], ids=str)
 def test_pull_from_unknown_or_stale_starts_a_handshake(state: EngineState) -> None:
     rec = record(state, attempts=1)
-    assert rec.on_pull(now=10.0) is PullAction.START
+    assert pull(rec, 10.0) is PullAction.START
     assert rec.state is S.FETCHING
     assert rec.attempts == 2
 
 
-@pytest.mark.parametrize("state", [S.FETCHING, S.LOADING, S.READY], ids=str)
-def test_pull_while_an_attempt_is_in_progress_or_done_waits(state: EngineState) -> None:
+@pytest.mark.parametrize("state", [S.FETCHING, S.LOADING], ids=str)
+def test_pull_while_an_attempt_is_in_progress_waits(state: EngineState) -> None:
     rec = record(state, attempts=1)
     before = snapshot(rec)
-    assert rec.on_pull(now=10.0) is PullAction.WAIT
+    assert pull(rec, 10.0) is PullAction.WAIT
+    assert snapshot(rec) == before
+
+
+@pytest.mark.parametrize("incarnation", ["", "incarnation-1"])
+def test_pull_to_a_ready_engine_of_its_incarnation_goes_ahead(incarnation: str) -> None:
+    rec = record(S.READY, attempts=1, metadata=METADATA, layout=LAYOUT)
+    before = snapshot(rec)
+    assert pull(rec, 10.0, incarnation) is PullAction.READY
     assert snapshot(rec) == before
 
 
 def test_pull_before_retry_at_fails_fast_and_stays_in_backoff() -> None:
     rec = record(S.BACKOFF, attempts=1, failures=1, retry_at=10.0, error=error())
-    assert rec.on_pull(now=9.999) is PullAction.FAIL_FAST
+    assert pull(rec, 9.999) is PullAction.FAIL_FAST
     assert rec.state is S.BACKOFF
     assert (rec.attempts, rec.failures, rec.retry_at) == (1, 1, 10.0)
     assert rec.error is not None
@@ -178,7 +192,7 @@ def test_pull_before_retry_at_fails_fast_and_stays_in_backoff() -> None:
 @pytest.mark.parametrize("now", [10.0, 10.001, 100.0])
 def test_pull_at_or_after_retry_at_starts_a_new_attempt(now: float) -> None:
     rec = record(S.BACKOFF, attempts=1, failures=1, retry_at=10.0, error=error())
-    assert rec.on_pull(now=now) is PullAction.START
+    assert pull(rec, now) is PullAction.START
     assert rec.state is S.FETCHING
     assert rec.attempts == 2
 
@@ -187,10 +201,10 @@ def test_repeated_pulls_during_backoff_keep_failing_fast_until_retry_at() -> Non
     rec = record(S.FETCHING, attempts=1)
     delay = rec.failed(error(), now=0.0, backoff=EXACT, rng=random.Random(0))
     assert delay == 1.0
-    actions = [rec.on_pull(now=t) for t in (0.0, 0.5, 0.99)]
+    actions = [pull(rec, t) for t in (0.0, 0.5, 0.99)]
     assert actions == [PullAction.FAIL_FAST] * 3
-    assert rec.on_pull(now=1.0) is PullAction.START
-    assert rec.on_pull(now=1.0) is PullAction.WAIT
+    assert pull(rec, 1.0) is PullAction.START
+    assert pull(rec, 1.0) is PullAction.WAIT
     assert rec.attempts == 2
 
 
@@ -253,7 +267,7 @@ def test_consecutive_failures_double_the_delay() -> None:
     delays = []
     now = 0.0
     for _ in range(4):
-        assert rec.on_pull(now) is PullAction.START
+        assert pull(rec, now) is PullAction.START
         delays.append(rec.failed(error(), now=now, backoff=EXACT, rng=random.Random(0)))
         now = rec.retry_at
     assert delays == [1.0, 2.0, 4.0, 8.0]
@@ -270,16 +284,16 @@ def test_loaded_makes_the_engine_ready_and_resets_failures_and_error() -> None:
 
 def test_after_success_the_next_failure_starts_backoff_afresh() -> None:
     rec = record()
-    rec.on_pull(0.0)
+    pull(rec, 0.0)
     rec.failed(error(), now=0.0, backoff=EXACT, rng=random.Random(0))
-    rec.on_pull(rec.retry_at)
+    pull(rec, rec.retry_at)
     rec.failed(error(), now=1.0, backoff=EXACT, rng=random.Random(0))
     assert rec.failures == 2
-    rec.on_pull(rec.retry_at)
+    pull(rec, rec.retry_at)
     rec.metadata_received(METADATA, LAYOUT)
     rec.loaded()
     rec.apply(E.PEER_DISCONNECTED)
-    assert rec.on_pull(10.0) is PullAction.START
+    assert pull(rec, 10.0) is PullAction.START
     assert rec.failed(error(), now=10.0, backoff=EXACT, rng=random.Random(0)) == 1.0
     assert rec.failures == 1
 
@@ -299,57 +313,162 @@ def test_a_ready_engine_whose_peer_goes_away_becomes_stale_then_restarts(
     rec = record(S.READY, attempts=1, metadata=METADATA, layout=LAYOUT)
     rec.apply(event)
     assert rec.state is S.STALE
-    assert rec.on_pull(0.0) is PullAction.START
+    assert pull(rec, 0.0) is PullAction.START
     assert (rec.state, rec.attempts) == (S.FETCHING, 2)
 
 
-# --- Backoff ---------------------------------------------------------------------------
+# --- the whole policy: a pull's incarnation and address, races -------------------------
+
+OLD, NEW = "incarnation-1", "incarnation-2"
 
 
-def test_backoff_defaults() -> None:
-    assert Backoff() == Backoff(initial=1.0, maximum=30.0, jitter=0.2)
+def metadata(incarnation: str) -> EngineMetadata:
+    return msgspec.structs.replace(
+        METADATA, incarnation=incarnation, agent_name=f"agent#{incarnation}"
+    )
 
 
-def test_backoff_without_jitter_is_deterministic_doubling_capped_at_maximum() -> None:
-    backoff = Backoff(initial=0.25, maximum=3.0, jitter=0.0)
-    rng = random.Random(0)
-    delays = [backoff.delay(n, rng) for n in range(1, 8)]
-    assert delays == [0.25, 0.5, 1.0, 2.0, 3.0, 3.0, 3.0]
+def ready(incarnation: str = OLD) -> EngineRecord:
+    """A record that handshook once and loaded ``incarnation``."""
+    rec = record()
+    assert pull(rec, 0.0, incarnation) is PullAction.START
+    rec.metadata_received(metadata(incarnation), LAYOUT)
+    rec.loaded()
+    return rec
 
 
-def test_backoff_without_jitter_ignores_the_random_source() -> None:
-    backoff = Backoff(initial=1.0, maximum=30.0, jitter=0.0)
-    assert [backoff.delay(3, random.Random(seed)) for seed in range(5)] == [4.0] * 5
+def test_a_newer_incarnation_in_a_request_retires_the_loaded_one_and_starts() -> None:
+    rec = ready(OLD)
+    assert pull(rec, 1.0, NEW) is PullAction.RETIRE_THEN_START
+    assert (rec.state, rec.attempts) == (S.FETCHING, 2)
+    assert rec.retired_incarnations == {OLD}
+    # Meanwhile: requests of the old incarnation are gone, new ones wait.
+    assert pull(rec, 1.0, OLD) is PullAction.GONE
+    assert pull(rec, 1.0, NEW) is PullAction.WAIT
+    assert pull(rec, 1.0) is PullAction.WAIT
+    assert "now runs incarnation incarnation-1" not in rec.why_gone(OLD)
 
 
-@pytest.mark.parametrize("failures", range(1, 10))
-def test_jittered_delay_lies_between_base_times_one_minus_jitter_and_base(
-    failures: int,
-) -> None:
-    backoff = Backoff(initial=1.0, maximum=30.0, jitter=0.2)
-    base = min(30.0, 2.0 ** (failures - 1))
-    rng = random.Random(failures)
-    delays = [backoff.delay(failures, rng) for _ in range(200)]
-    assert all(base * 0.8 <= d <= base for d in delays)
-    # Jitter actually spreads the delays.
-    assert max(delays) - min(delays) > base * 0.1
+def test_gone_names_both_incarnations_once_the_new_one_is_loaded() -> None:
+    rec = ready(OLD)
+    pull(rec, 1.0, NEW)
+    rec.metadata_received(metadata(NEW), LAYOUT)
+    rec.loaded()
+    assert pull(rec, 2.0, OLD) is PullAction.GONE
+    reason = rec.why_gone(OLD)
+    assert "exposed by incarnation incarnation-1" in reason
+    assert "now runs incarnation incarnation-2" in reason
+    assert pull(rec, 2.0, NEW) is PullAction.READY
 
 
-def test_jittered_delay_is_reproducible_from_the_seed() -> None:
-    backoff = Backoff()
-    a = [backoff.delay(n, random.Random(42)) for n in range(1, 6)]
-    b = [backoff.delay(n, random.Random(42)) for n in range(1, 6)]
-    assert a == b
+def test_restart_during_a_handshake_loads_the_old_one_then_the_request_retires_it() -> None:
+    # A handshake started for a request without an incarnation loads OLD; a
+    # request of NEW arrived while it ran and waited on it. When it wakes,
+    # the table says: retire OLD and handshake again.
+    rec = record()
+    assert pull(rec, 0.0) is PullAction.START
+    assert pull(rec, 0.0, NEW) is PullAction.WAIT
+    rec.metadata_received(metadata(OLD), LAYOUT)
+    rec.loaded()
+    assert rec.attempt_error(1) is None  # the waiter's attempt succeeded: ask again
+    assert pull(rec, 0.1, NEW) is PullAction.RETIRE_THEN_START
+    rec.metadata_received(metadata(NEW), LAYOUT)
+    rec.loaded()
+    assert pull(rec, 0.2, NEW) is PullAction.READY
+    assert rec.retired_incarnations == {OLD}
 
 
-def test_jittered_delay_follows_the_formula() -> None:
-    backoff = Backoff(initial=2.0, maximum=5.0, jitter=0.5)
-    draw = random.Random(7).random()
-    assert backoff.delay(2, random.Random(7)) == pytest.approx(4.0 * (1 - 0.5 * draw))
-    assert backoff.delay(3, random.Random(7)) == pytest.approx(5.0 * (1 - 0.5 * draw))
+def test_a_request_of_an_incarnation_that_no_handshake_finds_is_gone_not_retried() -> None:
+    # The engine restarted before we ever saw it: the request names OLD, the
+    # handshake it started finds NEW. OLD is retired, not handshaken again.
+    rec = record()
+    assert pull(rec, 0.0, OLD) is PullAction.START
+    rec.metadata_received(metadata(NEW), LAYOUT)
+    rec.loaded()
+    assert pull(rec, 0.1, OLD) is PullAction.GONE
+    assert rec.attempts == 1
 
 
-def test_jittered_delay_never_exceeds_the_maximum() -> None:
-    backoff = Backoff(initial=1.0, maximum=30.0, jitter=0.2)
-    rng = random.Random(3)
-    assert all(backoff.delay(n, rng) <= 30.0 for n in range(1, 100))
+def test_agent_retired_between_handshake_and_wake_up_makes_the_waiter_wait_again() -> None:
+    # Attempt 1 succeeds; before its waiter runs, another pull sees NEW and
+    # starts attempt 2. The waiter (no incarnation) is told to wait again.
+    rec = record()
+    pull(rec, 0.0)
+    rec.metadata_received(metadata(OLD), LAYOUT)
+    rec.loaded()
+    assert pull(rec, 0.0, NEW) is PullAction.RETIRE_THEN_START
+    assert rec.attempt_error(1) is None
+    assert pull(rec, 0.0) is PullAction.WAIT
+    assert rec.attempts == 2
+
+
+def test_a_waiter_of_a_failed_attempt_gets_its_error_a_later_attempt_does_not() -> None:
+    rec = record()
+    pull(rec, 0.0)
+    err = error("no reply")
+    rec.failed(err, now=1.0, backoff=EXACT, rng=random.Random(0))
+    assert rec.attempt_error(1) is err
+    assert pull(rec, 2.0) is PullAction.START  # backoff over: attempt 2
+    assert rec.attempt_error(1) is None
+
+
+def test_a_lost_peer_retires_the_agent_but_not_its_incarnation() -> None:
+    rec = ready(OLD)
+    assert rec.on_peer_lost(OLD) is True
+    assert rec.state is S.STALE
+    assert rec.on_peer_lost(OLD) is False  # the second pull to notice does nothing
+    # The next request of OLD handshakes again; if OLD answers, it reads.
+    assert pull(rec, 1.0, OLD) is PullAction.START
+    rec.metadata_received(metadata(OLD), LAYOUT)
+    rec.loaded()
+    assert pull(rec, 1.0, OLD) is PullAction.READY
+    assert rec.retired_incarnations == set()
+
+
+def test_a_lost_peer_that_comes_back_restarted_makes_old_requests_gone() -> None:
+    rec = ready(OLD)
+    rec.on_peer_lost(OLD)
+    assert pull(rec, 1.0, OLD) is PullAction.START
+    rec.metadata_received(metadata(NEW), LAYOUT)
+    rec.loaded()
+    assert pull(rec, 1.0, OLD) is PullAction.GONE
+    assert pull(rec, 1.0, NEW) is PullAction.READY
+
+
+def test_a_peer_lost_report_for_another_incarnation_is_ignored() -> None:
+    rec = ready(NEW)
+    assert rec.on_peer_lost(OLD) is False
+    assert rec.state is S.READY
+
+
+def test_a_new_attempt_adopts_the_requests_address_a_running_one_keeps_its_own() -> None:
+    rec = record()
+    assert rec.on_pull("", "10.0.0.1", 7000, 0.0) is PullAction.START
+    assert (rec.host, rec.port) == ("10.0.0.1", 7000)
+    assert rec.on_pull("", "10.0.0.2", 7001, 0.0) is PullAction.WAIT
+    assert (rec.host, rec.port) == ("10.0.0.1", 7000)
+    rec.failed(error(), now=0.0, backoff=EXACT, rng=random.Random(0))
+    assert rec.on_pull("", "10.0.0.3", 7002, 5.0) is PullAction.START
+    assert (rec.host, rec.port) == ("10.0.0.3", 7002)
+
+
+def _gone() -> EngineRecord:
+    rec = ready(OLD)
+    pull(rec, 0.0, NEW)
+    return rec
+
+
+ACTION_EXAMPLES = {
+    PullAction.START: (record, ""),
+    PullAction.RETIRE_THEN_START: (lambda: ready(OLD), NEW),
+    PullAction.WAIT: (lambda: record(S.FETCHING), ""),
+    PullAction.READY: (lambda: ready(OLD), OLD),
+    PullAction.FAIL_FAST: (lambda: record(S.BACKOFF, retry_at=5.0, error=error()), ""),
+    PullAction.GONE: (_gone, OLD),
+}
+
+
+@pytest.mark.parametrize("action", list(PullAction), ids=str)
+def test_every_action_has_an_example(action: PullAction) -> None:
+    make, incarnation = ACTION_EXAMPLES[action]
+    assert pull(make(), 1.0, incarnation) is action

@@ -5,11 +5,16 @@ from __future__ import annotations
 import random
 
 import trio
+import trio.testing
 
 import trio_pd
-from trio_pd._payload import mismatched_blocks
-from trio_pd._prefill_worker import WorkerSpec, open_prefill_worker, open_prefill_workers
-from trio_pd._relay import serve_delay_relay
+from trio_pd.testing import (
+    WorkerSpec,
+    mismatched_blocks,
+    open_prefill_worker,
+    open_prefill_workers,
+    serve_delay_relay,
+)
 
 from .conftest import kv_cache
 
@@ -83,7 +88,7 @@ async def test_ready_engine_is_not_blocked_by_a_slow_handshake() -> None:
 
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(pull_slow)
-                    await trio.sleep(0.05)
+                    await trio.testing.wait_all_tasks_blocked()
                     assert decoder.engine_state("slow") is trio_pd.EngineState.FETCHING
                     for n in range(5):
                         remote = await fast.expose(f"f{n}", [10 + n], seed=100 + n)

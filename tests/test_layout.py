@@ -300,3 +300,16 @@ def test_strided_rows_expand_to_the_full_descriptor_list() -> None:
         ]
     )
     assert np.array_equal(expanded, lay.descriptors())
+
+
+def test_regions_that_partly_overlap_are_refused() -> None:
+    base = torch.zeros((9, 16), dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"kv_caches\[0\] and kv_caches\[1\] overlap"):
+        layout_of_tensors([base[:8], base[1:]])
+
+
+def test_the_same_tensor_twice_is_two_regions_over_the_same_memory() -> None:
+    shared = torch.zeros((8, 16), dtype=torch.float16)
+    layout = layout_of_tensors([shared, shared])
+    assert layout.num_regions == 2
+    assert layout.base_addrs[0] == layout.base_addrs[1]

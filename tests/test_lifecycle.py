@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import trio
+import trio.testing
 
 import trio_pd
 
@@ -98,8 +99,34 @@ async def test_waiters_are_woken_with_closed_resource_error_when_the_connector_c
             conn.expose("held", [1])
             nursery.start_soon(wait_and_record, conn.pull, "r", [0], remote)  # noqa: ASYNC111
             nursery.start_soon(wait_and_record, conn.wait_released, "held")  # noqa: ASYNC111
-            await trio.sleep(0.2)
+            await trio.testing.wait_all_tasks_blocked()
             assert conn.engine_state("mute") is trio_pd.EngineState.FETCHING
         assert len(errors) == 2
         for listener in silent:
             await listener.aclose()
+
+
+async def test_an_unknown_nixl_backend_is_a_public_error() -> None:
+    config = trio_pd.ConnectorConfig(nixl_backends=("NO_SUCH_BACKEND",))
+    with trio.fail_after(30), pytest.raises(trio_pd.BackendError) as info:
+        async with trio_pd.open_connector("x", kv_cache(blocks=4), config=config):
+            pass  # pragma: no cover
+    assert isinstance(info.value, trio_pd.TrioPdError)
+    assert "creating NIXL backend 'NO_SUCH_BACKEND'" in str(info.value)
+
+
+async def test_a_tensor_shared_by_two_regions_is_registered_once() -> None:
+    # vLLM's shared-layer case: the same tensor for two layers. NIXL crashed
+    # on close when it was registered twice; now it is registered once.
+    with trio.fail_after(60):
+        shared, own = kv_cache(regions=2, blocks=8)
+        shared[3].fill_(7)
+        own[3].fill_(5)
+        local = kv_cache(regions=3, blocks=8)
+        async with (
+            trio_pd.open_connector("p", [shared, own, shared], config=FAST) as producer,
+            trio_pd.open_connector("d", local, config=FAST) as consumer,
+        ):
+            await consumer.pull("r", [1], producer.expose("r", [3]))
+        # Both connectors closed without a crash, and each region got its block.
+        assert [float(t[1].unique()) for t in local] == [7.0, 5.0, 7.0]

@@ -101,9 +101,14 @@ async def test_a_failed_engine_is_in_backoff_then_retried() -> None:
             await trio.sleep_until(failed_at + 0.5)
             with pytest.raises(trio_pd.HandshakeError):
                 await consumer.pull("three", [0], remote)
+            failed_again_at = trio.current_time()
             assert consumer.statistics().handshakes_started == 2
-            record = consumer._engines["mute-engine"].record
-            assert record.retry_at - trio.current_time() == pytest.approx(1.0, abs=0.1)
+            # The second backoff is twice as long: past the first delay, still failing fast.
+            await trio.sleep_until(failed_again_at + 0.6)
+            with pytest.raises(trio_pd.HandshakeError):
+                await consumer.pull("four", [0], remote)
+            stats = consumer.statistics()
+            assert (stats.handshakes_started, stats.pulls_rejected_in_backoff) == (2, 2)
     for listener in listeners:
         await listener.aclose()
 
@@ -149,10 +154,11 @@ async def test_incompatible_engines_fail_with_the_mismatch_named(
             trio_pd.open_connector("p", kv_cache(blocks=8), config=FAST) as producer,
             trio_pd.open_connector("d", consumer_kv, config=consumer_config) as consumer,  # type: ignore[arg-type]
         ):
-            exposed = producer.expose("r", [1])
+            producer.expose("r", [1])
             remote = trio_pd.RemoteBlocks(engine_id, *producer.address, [1], "r")
             with pytest.raises(trio_pd.IncompatibleEngineError, match=match) as info:
                 await consumer.pull("d-1", [0], remote)
             assert info.value.engine_id == engine_id
-            assert exposed.request_id == "r"
+            # Nothing was read: the producer still holds the exposure.
+            assert producer.statistics().exposures_pending == 1
             assert consumer.statistics().handshakes_failed == 1

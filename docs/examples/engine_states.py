@@ -17,7 +17,7 @@ from trio_pd._protocol import EngineMetadata
 
 
 def show(record: EngineRecord, what: str) -> None:
-    print(f"{what:<34} -> {record.state.name}")
+    print(f"{what:<36} -> {record.state.name}")
 
 
 def main() -> None:
@@ -26,17 +26,17 @@ def main() -> None:
     record = EngineRecord("prefill-0", "10.0.0.7", 5600)
     show(record, "new record")
 
-    action = record.on_pull(now=0.0)
+    action = record.on_pull("", "10.0.0.7", 5600, now=0.0)
     show(record, f"pull at t=0 says {action.name}")
 
     error = HandshakeError("prefill-0", "no reply within 5 s")
     delay = record.failed(error, now=5.0, backoff=backoff, rng=rng)
     show(record, f"handshake failed, retry in {delay:g} s")
 
-    action = record.on_pull(now=5.5)
+    action = record.on_pull("", "10.0.0.7", 5600, now=5.5)
     show(record, f"pull at t=5.5 says {action.name}")
 
-    action = record.on_pull(now=6.5)
+    action = record.on_pull("", "10.0.0.7", 5600, now=6.5)
     show(record, f"pull at t=6.5 says {action.name}")
 
     metadata = EngineMetadata(
@@ -56,12 +56,14 @@ def main() -> None:
     record.loaded()
     show(record, "remote agent loaded")
 
-    action = record.on_pull(now=7.0)
-    show(record, f"pull at t=7 says {action.name}")
+    action = record.on_pull("a1b2", "10.0.0.7", 5600, now=7.0)
+    show(record, f"pull of a1b2 says {action.name}")
 
-    record.went_stale(EngineEvent.PEER_RESTARTED)
-    show(record, "peer restarted")
+    action = record.on_pull("c3d4", "10.0.0.7", 5600, now=8.0)
+    show(record, f"pull of c3d4 says {action.name}")
     print("retired incarnations:", sorted(record.retired_incarnations))
+    action = record.on_pull("a1b2", "10.0.0.7", 5600, now=8.5)
+    print(f"pull of a1b2 says {action.name}:", record.why_gone("a1b2"))
 
     try:
         record.apply(EngineEvent.LOADED)  # not in TRANSITIONS: a bug

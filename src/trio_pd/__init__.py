@@ -1,13 +1,15 @@
 """trio_pd: move KV caches between prefill and decode engines with trio, ZeroMQ and NIXL.
 
 The public API; the implementation lives in private modules named after what
-they do (``_connector``, ``_protocol``, ``_engines``, ...).
+they do (``_connector``, ``_consumer``, ``_producer``, ``_backend``, ...).
+Testing tools are in :mod:`trio_pd.testing`.
 """
 
 from ._auth import CurveAuth, generate_keypair
+from ._backend import BackendError, BackendFactory, RemoteAgent, TransferBackend
 from ._config import ConnectorConfig
 from ._connector import Connector, open_connector
-from ._engines import EngineState
+from ._engines import EngineState, FailureCause
 from ._errors import (
     HandshakeError,
     IncompatibleEngineError,
@@ -16,22 +18,37 @@ from ._errors import (
 )
 from ._exposures import Released
 from ._layout import KVLayout
-from ._records import ConnectorStatistics, PullResult, RemoteBlocks
+from ._nixl import NixlBackend
+from ._records import (
+    ConnectorStatistics,
+    ConsumerStatistics,
+    ProducerStatistics,
+    PullResult,
+    RemoteBlocks,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BackendError",
+    "BackendFactory",
     "Connector",
     "ConnectorConfig",
     "ConnectorStatistics",
+    "ConsumerStatistics",
     "CurveAuth",
     "EngineState",
+    "FailureCause",
     "HandshakeError",
     "IncompatibleEngineError",
     "KVLayout",
+    "NixlBackend",
+    "ProducerStatistics",
     "PullResult",
     "Released",
+    "RemoteAgent",
     "RemoteBlocks",
+    "TransferBackend",
     "TransferError",
     "TrioPdError",
     "generate_keypair",

@@ -64,11 +64,14 @@ class ConnectorConfig:
 
     Attributes:
         handshake_timeout: how long fetching a remote engine's metadata over the
-            side channel may take, including the wait for a free fetch slot.
-            Every pull waiting on that engine fails with
-            :class:`~trio_pd.HandshakeError` when it passes. Default 5.0 (as vLLM).
-        transfer_timeout: how long one pull's NIXL transfer may take once posted.
-            Past it the pull raises :class:`~trio_pd.TransferError`. Default 30.0.
+            side channel may take, including the wait for a free fetch slot;
+            loading the remote agent into NIXL afterwards gets the same
+            deadline again. Every pull waiting on that engine fails with
+            :class:`~trio_pd.HandshakeError` when one passes. Default 5.0 (as vLLM).
+        transfer_timeout: how long one pull's transfers may take, counted from
+            when the first is posted (waiting for a free transfer thread does
+            not count). Past it the pull raises :class:`~trio_pd.TransferError`.
+            Default 30.0.
         abort_timeout: how long the producer holds exposed blocks for their
             consumers; after it the exposure resolves
             :attr:`~trio_pd.Released.EXPIRED` and the blocks may be reused.
@@ -79,7 +82,8 @@ class ConnectorConfig:
             shutdown for pulls running in other tasks. Default 5.0.
         max_concurrent_fetches: how many metadata fetches (network round trips)
             may be in flight at once, for different engines. ``1`` serialises
-            them as vLLM does. NIXL calls are always serialised. Default 8.
+            them as vLLM does. (Loading remote agents into NIXL is always
+            serialised, in the handshake task.) Default 8.
         max_message_bytes: the largest side-channel message accepted, in either
             direction; larger ones are dropped by ZeroMQ. Default 1 MiB.
         max_descriptors_per_transfer: a pull with more descriptors (blocks x
@@ -87,9 +91,10 @@ class ConnectorConfig:
             and shutdown take effect between them. Default 8192 (128 MiB of
             16 KiB blocks).
         poll_interval: how long a transfer thread sleeps between checks of a
-            running transfer, once ``poll_spin`` is used up. Sleeping lets
-            UCX's own progress thread run (on a small machine, spinning delays
-            the completion it waits for). Default 0.0001.
+            running transfer, once ``poll_spin`` is used up. Sleeping leaves
+            the core to the other threads that drive the same transfer (on a
+            small machine, spinning delays the completion it waits for).
+            Default 0.0001.
         poll_spin: how long a transfer thread checks a just-posted transfer
             without sleeping. Default 0.0001.
         notification_poll_interval: while exposures are pending, the producer's
@@ -119,9 +124,10 @@ class ConnectorConfig:
         nixl_backends: NIXL backends to create. Default ``("UCX",)``.
         nixl_backend_params: per-backend init parameters passed to NIXL's
             ``create_backend``, e.g. ``{"UCX": {"ucx_error_handling_mode": "peer"}}``.
-        nixl_sync_mode: the NIXL agent's thread-sync mode. The handshake thread
-            and the trio thread call the same agent, so ``"none"`` is not offered:
-            ``"rw"`` (reader/writer lock, the default) or ``"strict"`` (one lock).
+        nixl_sync_mode: the NIXL agent's thread-sync mode. The handshake
+            thread, the transfer threads and the notification thread call the
+            same agent at once, so ``"none"`` is not offered: ``"rw"``
+            (reader/writer lock, the default) or ``"strict"`` (one lock).
         nixl_num_threads: worker threads for multi-threaded backends (0 = backend
             default).
         nixl_progress_thread: start NIXL's own progress thread. It polls without
@@ -129,14 +135,6 @@ class ConnectorConfig:
             (measured: 1.0 core for one idle connector), so it is off by
             default: trio_pd's transfer threads and the producer's
             notification thread advance the agent instead. Default False.
-        inline_handshakes: comparison mode for benchmarks, never for service:
-            every pull holds one connector-wide lock while it waits for its
-            engine's handshake, so a handshake blocks all pulls, as vLLM's did
-            on its hot path before PR #19836. Default False.
-        nixl_on_event_loop: comparison mode for benchmarks, never for service:
-            NIXL calls run on the trio thread instead of worker threads, as a
-            naive integration would (the loop stalls for their duration).
-            Default False.
     """
 
     handshake_timeout: float = attrs.field(default=5.0, validator=_positive)
@@ -165,8 +163,6 @@ class ConnectorConfig:
     )
     nixl_num_threads: int = attrs.field(default=0, validator=_non_negative_int)
     nixl_progress_thread: bool = False
-    inline_handshakes: bool = False
-    nixl_on_event_loop: bool = False
 
     @property
     def backoff(self) -> Backoff:

@@ -1,9 +1,12 @@
 """The life cycle of a remote engine, as seen by a consumer (no I/O).
 
 Every rule is in :data:`TRANSITIONS`; the docs draw the state diagram from
-that table, so picture and code cannot drift. The trio shell in
-``_connector.py`` pairs each record with a :class:`trio.Event` per handshake
-attempt; this module knows nothing of trio and takes the time as an argument.
+that table, so picture and code cannot drift. Everything that decides
+what a pull does -- start a handshake, wait, fail fast, detect a restart,
+refuse blocks of a gone incarnation -- is a method of :class:`EngineRecord`
+that returns an action; the trio shell in ``_consumer.py`` only carries the
+actions out, pairing each record with a :class:`trio.Event` per handshake
+attempt. This module knows nothing of trio and takes the time as an argument.
 """
 
 from __future__ import annotations
@@ -77,14 +80,38 @@ class InvalidTransition(RuntimeError):
 
 
 class PullAction(enum.Enum):
-    """What a pull must do, given the engine's state (see :meth:`EngineRecord.on_pull`)."""
+    """What a pull must do next (see :meth:`EngineRecord.on_pull`)."""
 
     START = "start"
     """A new handshake attempt began: start fetching, then wait for it."""
+    RETIRE_THEN_START = "retire then start"
+    """The request names a newer incarnation than the loaded one: the engine
+    restarted. Retire the loaded agent, then do as for ``START``."""
     WAIT = "wait"
-    """An attempt is in progress (or done): wait for its outcome."""
+    """An attempt is in progress: wait for it, then ask again."""
+    READY = "ready"
+    """The loaded agent serves this request: transfer now."""
     FAIL_FAST = "fail fast"
-    """In backoff: raise the last error now."""
+    """In backoff: raise the last error (:attr:`EngineRecord.error`) now."""
+    GONE = "gone"
+    """The request's blocks belong to an incarnation that no longer runs:
+    fail it without reading (:meth:`EngineRecord.why_gone` says why)."""
+
+
+class FailureCause(enum.StrEnum):
+    """Why a handshake failed: the keys of ``handshake_failures_by_cause`` in
+    :class:`~trio_pd.ConnectorStatistics` (a ``str`` enum: each member equals its value)."""
+
+    TIMEOUT = "timeout"
+    """No usable reply within ``handshake_timeout``."""
+    REFUSED = "refused"
+    """Side-channel authentication refused (or no key for the producer)."""
+    PROTOCOL = "protocol"
+    """The reply could not be decoded or broke the protocol."""
+    INCOMPATIBLE = "incompatible"
+    """The engines cannot be paired (:class:`~trio_pd.IncompatibleEngineError`)."""
+    NIXL = "nixl"
+    """The transfer backend (NIXL) could not load the remote agent in time."""
 
 
 @attrs.frozen
@@ -121,6 +148,8 @@ class EngineRecord:
         retry_at: while ``BACKOFF``, when the next attempt is allowed.
         retired_incarnations: incarnations seen and replaced (the engine
             restarted since): their blocks are gone for good.
+        sought_incarnation: the incarnation the pull that started the current
+            attempt asked for (``""``: any).
     """
 
     engine_id: str
@@ -134,6 +163,7 @@ class EngineRecord:
     failures: int = 0
     retry_at: float = 0.0
     retired_incarnations: set[str] = attrs.field(factory=set)
+    sought_incarnation: str = ""
 
     @property
     def incarnation(self) -> str | None:
@@ -153,29 +183,99 @@ class EngineRecord:
         self.state = new
         return new
 
-    def on_pull(self, now: float) -> PullAction:
-        """Account for a pull at time ``now`` and say what it must do."""
-        if self.state in (EngineState.UNKNOWN, EngineState.STALE):
-            self.apply(EngineEvent.PULL)
-            return PullAction.START
-        if self.state is EngineState.BACKOFF:
+    def on_pull(self, incarnation: str, host: str, port: int, now: float) -> PullAction:
+        """Account for a pull and say what it must do; the whole policy is here.
+
+        Args:
+            incarnation: the incarnation that exposed the request's blocks
+                (``""`` when the producer does not say).
+            host, port: where the request says the engine listens. Adopted
+                when a new attempt starts; ignored while an attempt is under
+                way or the engine is ready (the shell may log the mismatch).
+            now: the current time (any clock, used for backoff only).
+        """
+        if incarnation and incarnation in self.retired_incarnations:
+            return PullAction.GONE
+        action = PullAction.START
+        if self.state is EngineState.READY:
+            if not incarnation or incarnation == self.incarnation:
+                return PullAction.READY
+            self.went_stale(EngineEvent.PEER_RESTARTED)
+            action = PullAction.RETIRE_THEN_START
+        elif self.state in (EngineState.FETCHING, EngineState.LOADING):
+            return PullAction.WAIT
+        elif self.state is EngineState.BACKOFF:
             if now < self.retry_at:
                 self.apply(EngineEvent.PULL_DURING_BACKOFF)
                 return PullAction.FAIL_FAST
             self.apply(EngineEvent.PULL_AFTER_BACKOFF)
-            return PullAction.START
-        return PullAction.WAIT
+            self._begin_attempt(incarnation, host, port)
+            return action
+        self.apply(EngineEvent.PULL)
+        self._begin_attempt(incarnation, host, port)
+        return action
+
+    def _begin_attempt(self, incarnation: str, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.sought_incarnation = incarnation
+
+    def attempt_error(self, attempt: int) -> HandshakeError | None:
+        """The error of handshake ``attempt`` if it is the latest and failed.
+
+        A pull that waited on ``attempt`` raises this; ``None`` means "ask
+        :meth:`on_pull` again" (it succeeded, or a later attempt took over).
+        """
+        if attempt == self.attempts and self.state is EngineState.BACKOFF:
+            return self.error
+        return None
+
+    def why_gone(self, incarnation: str) -> str:
+        """Why blocks of ``incarnation`` cannot be read (after ``GONE``)."""
+        current = self.incarnation
+        if self.state is EngineState.READY and current and current != incarnation:
+            running = f"which now runs incarnation {current}"
+        else:
+            running = "which no longer runs it"
+        return (
+            f"the blocks were exposed by incarnation {incarnation} of engine "
+            f"{self.engine_id!r}, {running}: it restarted and the blocks are gone"
+        )
+
+    def on_peer_lost(self, incarnation: str) -> bool:
+        """A transfer to ``incarnation`` reported its peer lost.
+
+        Returns whether the shell must retire the loaded agent: only when that
+        incarnation is the loaded one and the engine is ``READY`` (otherwise
+        another pull already noticed). The incarnation is not retired: the
+        engine may have died, restarted, or lost a link. The next pull
+        handshakes again and finds out; its blocks are read only if the same
+        incarnation answers.
+        """
+        if self.state is not EngineState.READY or incarnation != self.incarnation:
+            return False
+        self.apply(EngineEvent.PEER_DISCONNECTED)
+        return True
 
     def went_stale(self, event: EngineEvent) -> None:
-        """``PEER_RESTARTED`` or ``PEER_DISCONNECTED``: the loaded incarnation is over."""
+        """``PEER_RESTARTED``: the loaded incarnation is over for good."""
         self.apply(event)
         if self.metadata is not None:
             self.retired_incarnations.add(self.metadata.incarnation)
 
     def metadata_received(self, metadata: EngineMetadata, layout: KVLayout) -> None:
+        """The reply of the current attempt arrived and checked out.
+
+        If the pull that started the attempt wanted another incarnation than
+        the one that answered, that incarnation no longer runs: it is retired,
+        so its requests fail ``GONE`` instead of handshaking again.
+        """
         self.apply(EngineEvent.METADATA_RECEIVED)
         self.metadata = metadata
         self.layout = layout
+        self.retired_incarnations.discard(metadata.incarnation)
+        sought = self.sought_incarnation
+        if sought and sought != metadata.incarnation:
+            self.retired_incarnations.add(sought)
 
     def loaded(self) -> None:
         self.apply(EngineEvent.LOADED)

@@ -14,6 +14,7 @@ Everything here is vectorised with numpy: no per-block Python loops.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -172,7 +173,10 @@ def layout_of_tensors(kv_caches: Sequence[torch.Tensor]) -> KVLayout:
 
     Raises:
         ValueError: no tensors, a non-contiguous or zero-dimensional tensor,
-            different numbers of blocks, devices or dtypes across regions.
+            different numbers of blocks, devices or dtypes across regions,
+            or regions that partly overlap. The *same* tensor may appear
+            more than once (layers that share a KV cache): it is one region
+            per appearance, registered with the backend once.
     """
     if len(kv_caches) == 0:
         raise ValueError("kv_caches is empty: give at least one region")
@@ -197,6 +201,7 @@ def layout_of_tensors(kv_caches: Sequence[torch.Tensor]) -> KVLayout:
         lens.append(int(t[0].numel() * t.element_size()) if num_blocks else 0)
     if num_blocks < 1:
         raise ValueError("kv_caches have no blocks (dimension 0 is empty)")
+    _check_overlaps(bases, [length * num_blocks for length in lens])
     is_cuda = first.device.type == "cuda"
     return KVLayout(
         base_addrs=bases,
@@ -206,3 +211,17 @@ def layout_of_tensors(kv_caches: Sequence[torch.Tensor]) -> KVLayout:
         mem_type="VRAM" if is_cuda else "DRAM",
         dtype=str(first.dtype),
     )
+
+
+def _check_overlaps(bases: Sequence[int], sizes: Sequence[int]) -> None:
+    """Raise if two regions overlap without being the same memory."""
+    spans = sorted(set(zip(bases, sizes, strict=True)))
+    for (base, size), (next_base, next_size) in itertools.pairwise(spans):
+        if next_base < base + size:
+            first = bases.index(base)
+            second = bases.index(next_base)
+            raise ValueError(
+                f"kv_caches[{first}] and kv_caches[{second}] overlap "
+                f"({size} bytes at {base:#x}, {next_size} bytes at {next_base:#x}); "
+                "pass the same tensor for shared layers, never views into one another"
+            )

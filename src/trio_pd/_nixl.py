@@ -1,4 +1,4 @@
-"""The NIXL agent, wrapped for trio (thin I/O shell).
+"""The NIXL transfer backend (thin I/O shell around one NIXL agent).
 
 NIXL calls can block for milliseconds to seconds (a ``transfer()`` of a large
 READ does much of the copy before it returns; ``check_xfer_state`` can take
@@ -7,7 +7,7 @@ READ does much of the copy before it returns; ``check_xfer_state`` can take
 
 * ``handshake`` (1 thread): every mutation of the agent's view of remote
   engines -- ``add_remote_agent``, preparing the remote descriptor list,
-  ``make_connection``, ``remove_remote_agent`` -- one engine at a time;
+  ``make_connection``, ``remove_remote_agent`` -- one at a time;
 * ``transfers`` (16 threads, at most 4 per remote engine): one pull each,
   from posting the READ to its completion, then releasing its handle;
 * ``notifications`` (1 thread): the producer's notification polls, which
@@ -17,30 +17,46 @@ READ does much of the copy before it returns; ``check_xfer_state`` can take
 The agent is created with an explicit thread-sync mode (reader/writer lock by
 default) because these threads call it concurrently.
 
-Ownership: a :class:`NixlEngine` owns the agent, its memory registration, the
+What threads touch: NIXL, the arguments they are given, a
+:class:`threading.Event` that says the backend is closing, and a thread-safe
+queue of transfer handles that could not be released. Every other piece of
+Python state (the loaded remote agents, their leases) changes on the trio
+thread only.
+
+Ownership: a :class:`NixlBackend` owns the agent, its memory registration, the
 local descriptor list, every :class:`RemoteAgent` it loaded, and every transfer
-handle it creates. :meth:`NixlEngine.close` releases all of them.
+handle it creates. :meth:`NixlBackend.aclose` releases all of them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import queue
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import attrs
 import numpy as np
 import numpy.typing as npt
 import trio
 
+from ._backend import (
+    BackendClosing,
+    BackendError,
+    RemoteAgent,
+    RemoteAgents,
+    TransferTimeout,
+)
 from ._config import ConnectorConfig
 from ._layout import KVLayout
 
 if TYPE_CHECKING:
+    from contextlib import AbstractAsyncContextManager
+
     import torch
 
 logger = logging.getLogger("trio_pd.nixl")
@@ -56,26 +72,26 @@ TRANSFERS_PER_ENGINE = 4
 """Of those, at most this many for one remote engine: a slow or stuck engine
 cannot take every transfer thread (head-of-line blocking across engines)."""
 
+PEER_LOST_ERRORS = frozenset({"nixlRemoteDisconnectError"})
+"""NIXL exception types that mean the remote agent is gone (by class name:
+the classes live in a CUDA-specific binding module)."""
 
-class NixlCallError(Exception):
-    """A NIXL call failed; the message names the call and NIXL's error.
 
-    Attributes:
-        peer_lost: NIXL said the remote agent disconnected (the peer died or
-            restarted): its metadata is stale.
+@contextlib.contextmanager
+def _nixl_errors(call: str) -> Iterator[None]:
+    """The one mapping of NIXL's exceptions: every one becomes :class:`BackendError`.
+
+    The message names ``call`` and NIXL's error; ``peer_lost`` is set for
+    the types in :data:`PEER_LOST_ERRORS`. trio_pd's own control-flow
+    exceptions pass through.
     """
-
-    def __init__(self, message: str, *, peer_lost: bool = False) -> None:
-        super().__init__(message)
-        self.peer_lost = peer_lost
-
-
-class TransferTimeout(Exception):
-    """A transfer did not complete before its deadline."""
-
-
-class EngineClosing(Exception):
-    """The connector closed while a transfer was in flight."""
+    try:
+        yield
+    except (BackendError, TransferTimeout, BackendClosing, trio.Cancelled):
+        raise
+    except Exception as exc:
+        peer_lost = type(exc).__name__ in PEER_LOST_ERRORS
+        raise BackendError(f"{call}: {_describe(exc)}", peer_lost=peer_lost) from exc
 
 
 def _drop_locals(exc: BaseException) -> None:
@@ -93,38 +109,21 @@ def _drop_locals(exc: BaseException) -> None:
         current = current.__cause__ or current.__context__
 
 
-def _is_peer_lost(exc: BaseException) -> bool:
-    """NIXL raises ``nixlRemoteDisconnectError`` when the remote agent is gone."""
-    return type(exc).__name__ == "nixlRemoteDisconnectError"
-
-
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-@attrs.define(eq=False)
-class RemoteAgent:
-    """A remote engine loaded into the local agent: its name and prepared descriptors.
+class NixlBackend:
+    """The real transfer backend: one NIXL agent and everything on it.
 
-    Attributes:
-        users: pulls using it right now; it is unloaded only at zero.
-        retired: replaced or dead; unload it once ``users`` drops to zero.
-    """
+    Create it with :meth:`create` (the default ``backend`` of
+    :func:`~trio_pd.open_connector`); the connector calls :meth:`aclose` once,
+    when no other call is in flight.
 
-    engine_id: str
-    incarnation: str
-    agent_name: str
-    layout: KVLayout
-    dlist: Any  # nixl_prepped_dlist_handle
-    users: int = 0
-    retired: bool = False
-
-
-class NixlEngine:
-    """Owns one NIXL agent and everything registered with or prepared on it.
-
-    Create with :meth:`create`; :meth:`close` must be called exactly once, when
-    no call is in flight (the connector guarantees this).
+    :attr:`agent` and :attr:`local_descriptors` are public for measurements
+    that compare trio_pd with raw NIXL calls on the very same agent (see
+    ``benchmarks/``); calling NIXL on them while the connector runs is at
+    your own risk.
     """
 
     def __init__(
@@ -135,19 +134,20 @@ class NixlEngine:
         layout: KVLayout,
         config: ConnectorConfig,
     ) -> None:
-        self.agent_name: str = agent.name
         self.layout = layout
+        self._agent_name: str = agent.name
         self._agent = agent
         self._registration = registration
         self._local_dlist = local_dlist
         self._config = config
-        self._remotes: dict[str, RemoteAgent] = {}
+        self._trio_thread = threading.current_thread()
+        self._remotes = RemoteAgents(self._unload, config.close_timeout)
         self._closing = threading.Event()
-        self._stuck_handles: list[Any] = []
-        self.handshake_limiter = trio.CapacityLimiter(1)
-        self.transfer_limiter = trio.CapacityLimiter(TRANSFER_THREADS)
+        self._stuck_handles: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._handshake_limiter = trio.CapacityLimiter(1)
+        self._transfer_limiter = trio.CapacityLimiter(TRANSFER_THREADS)
         self._slots: dict[str, trio.CapacityLimiter] = {}
-        self.notification_limiter = trio.CapacityLimiter(1)
+        self._notification_limiter = trio.CapacityLimiter(1)
 
     # ---- life cycle -----------------------------------------------------
 
@@ -158,31 +158,71 @@ class NixlEngine:
         kv_caches: Sequence[torch.Tensor],
         layout: KVLayout,
         config: ConnectorConfig,
-    ) -> NixlEngine:
+    ) -> NixlBackend:
         """Create the agent, register ``kv_caches`` and prepare the local list.
 
         Runs in a worker thread (agent creation starts UCX: 0.02-1.6 s).
         On failure everything already created is released.
 
         Raises:
-            NixlCallError: NIXL could not create, register or prepare.
+            BackendError: NIXL could not create the agent or its backends
+                (an unknown name in ``config.nixl_backends``, say), register
+                the memory or prepare the descriptors.
         """
         try:
             parts = await trio.to_thread.run_sync(
                 _create_blocking, agent_name, kv_caches, layout, config
             )
-        except NixlCallError as exc:
+        except BackendError as exc:
             _drop_locals(exc)
             raise
         return cls(*parts, layout, config)
 
+    @property
+    def agent_name(self) -> str:
+        return self._agent_name
+
+    @property
+    def agent(self) -> Any:
+        """The ``nixl_agent`` (``None`` once closed)."""
+        return self._agent
+
+    @property
+    def local_descriptors(self) -> Any:
+        """The prepared local descriptor list (one descriptor per region x block)."""
+        return self._local_dlist
+
+    def remote_agents(self) -> list[RemoteAgent]:
+        """The remote agents loaded now (for measurements, like :attr:`agent`)."""
+        return self._remotes.all()
+
+    @property
+    def remote_agents_loaded(self) -> int:
+        """Remote agents loaded now (retired ones count until unloaded)."""
+        return len(self._remotes)
+
+    def agent_metadata(self) -> bytes:
+        data: bytes = self._live_agent().get_agent_metadata()
+        return data
+
     def begin_close(self) -> None:
-        """Tell in-flight transfers to abort; they notice within a poll."""
+        """Tell in-flight transfers to stop; they notice within a poll."""
         self._closing.set()
 
-    def close(self) -> None:
-        """Release remote agents, descriptor lists, handles and memory. Idempotent."""
+    async def aclose(self) -> None:
+        """Release remote agents, descriptor lists, handles and memory. Idempotent.
+
+        Runs in a worker thread and is not abandoned (freeing registrations
+        under a running NIXL call would crash); each release takes
+        milliseconds.
+        """
         self._closing.set()
+        remotes = self._remotes.all()
+        for remote in remotes:
+            self._remotes.discard(remote)
+        await trio.to_thread.run_sync(self._close_blocking, remotes)
+
+    def _close_blocking(self, remotes: list[RemoteAgent]) -> None:
         agent = self._agent
         if agent is None:
             return
@@ -194,23 +234,19 @@ class NixlEngine:
             except Exception as exc:  # best effort: release the rest regardless
                 errors.append(f"{what}: {_describe(exc)}")
 
-        for remote in list(self._remotes.values()):
+        for remote in remotes:
             attempt(f"unload {remote.engine_id}", functools.partial(self._unload_blocking, remote))
-        for handle in self._stuck_handles:
-            attempt("release stuck transfer", handle.release)
-        self._stuck_handles.clear()
+        while not self._stuck_handles.empty():
+            attempt("release stuck transfer", self._stuck_handles.get_nowait().release)
         attempt("release local descriptor list", self._local_dlist.release)
         attempt("deregister memory", lambda: agent.deregister_memory(self._registration))
         # Handle wrappers keep the agent alive: drop every reference to them.
-        for remote in self._remotes.values():
-            remote.dlist = None
-        self._remotes.clear()
         self._slots.clear()
         self._local_dlist = self._registration = self._agent = None
         if errors:
-            logger.warning("agent %s closed with errors: %s", self.agent_name, "; ".join(errors))
+            logger.warning("agent %s closed with errors: %s", self._agent_name, "; ".join(errors))
 
-    # ---- handshake side (called only by the handshake task) -------------
+    # ---- remote agents (load: the consumer's handshake task only) -------
 
     async def load_remote(
         self,
@@ -220,82 +256,80 @@ class NixlEngine:
         agent_metadata: bytes,
         layout: KVLayout,
     ) -> RemoteAgent:
-        """Load a remote agent and prepare its descriptor list (handshake thread).
+        """Load a remote agent, prepare its descriptor list and connect (handshake thread).
 
         Raises:
-            NixlCallError: NIXL rejected the metadata or the descriptors; nothing
-                of this engine stays loaded.
+            BackendError: NIXL rejected the metadata or the descriptors, or
+                could not connect; nothing of this engine stays loaded.
         """
-        return await self._in_thread(
-            self.handshake_limiter,
-            self._load_blocking,
-            engine_id,
-            incarnation,
-            agent_name,
-            agent_metadata,
-            layout,
-        )
-
-    async def unload_remote(self, remote: RemoteAgent) -> None:
-        """Release a remote's descriptor list and remove its agent (handshake thread)."""
-        self._slots.pop(remote.agent_name, None)
-        await self._in_thread(self.handshake_limiter, self._unload_blocking, remote)
-
-    def _load_blocking(
-        self,
-        engine_id: str,
-        incarnation: str,
-        agent_name: str,
-        agent_metadata: bytes,
-        layout: KVLayout,
-    ) -> RemoteAgent:
-        agent = self._live_agent()
         if agent_name in self._remotes:
-            raise NixlCallError(
+            await trio.lowlevel.checkpoint()
+            raise BackendError(
                 f"agent {agent_name!r} is still loaded (in use by earlier pulls); retry later"
             )
+        dlist = await self.run_blocking(
+            self._handshake_limiter, self._load_blocking, agent_name, agent_metadata, layout
+        )
+        remote = RemoteAgent(engine_id, incarnation, agent_name, layout, dlist)
+        self._remotes.add(remote)  # from here on, aclose() releases it
+        return remote
+
+    def lease(self, remote: RemoteAgent) -> AbstractAsyncContextManager[RemoteAgent]:
+        return self._remotes.lease(remote)
+
+    async def retire(self, remote: RemoteAgent) -> None:
+        await self._remotes.retire(remote)
+
+    async def _unload(self, remote: RemoteAgent) -> None:
+        """Unload a retired remote nobody uses (called by :class:`RemoteAgents`)."""
+        if not self._remotes.discard(remote) or self._agent is None:
+            return
+        self._slots.pop(remote.agent_name, None)
         try:
+            await self.run_blocking(self._handshake_limiter, self._unload_blocking, remote)
+        except Exception as exc:  # the agent is dead anyway; keep serving others
+            logger.warning(
+                "engine %s: removing agent %s failed: %s", remote.engine_id, remote.agent_name, exc
+            )
+        else:
+            logger.info("engine %s: removed stale agent %s", remote.engine_id, remote.agent_name)
+
+    def _load_blocking(self, agent_name: str, agent_metadata: bytes, layout: KVLayout) -> Any:
+        agent = self._live_agent()
+        with _nixl_errors("add_remote_agent"):
             loaded = agent.add_remote_agent(agent_metadata)
-        except Exception as exc:
-            raise NixlCallError(f"add_remote_agent: {_describe(exc)}") from exc
         loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         try:
             if loaded_name != agent_name:
-                raise NixlCallError(
+                raise BackendError(
                     f"metadata names agent {loaded_name!r}, reply said {agent_name!r}"
                 )
-            try:
+            with _nixl_errors("prep_xfer_dlist"):
                 dlist = agent.prep_xfer_dlist(
                     loaded_name, layout.strided_descriptors(), layout.mem_type
                 )
-            except Exception as exc:
-                raise NixlCallError(f"prep_xfer_dlist: {_describe(exc)}") from exc
             try:
                 # Connect now (UCX wire-up) rather than in the first pull.
-                agent.make_connection(loaded_name)
-            except Exception as exc:
+                with _nixl_errors("make_connection"):
+                    agent.make_connection(loaded_name)
+            except BaseException:
                 dlist.release()
-                raise NixlCallError(
-                    f"make_connection: {_describe(exc)}", peer_lost=_is_peer_lost(exc)
-                ) from exc
+                raise
         except BaseException:
             try:
                 agent.remove_remote_agent(loaded_name)
             except Exception:
                 logger.exception("could not remove half-loaded agent %s", loaded_name)
             raise
-        remote = RemoteAgent(engine_id, incarnation, loaded_name, layout, dlist)
-        self._remotes[loaded_name] = remote  # from here on, close() releases it
-        return remote
+        return dlist
 
     def _unload_blocking(self, remote: RemoteAgent) -> None:
         agent = self._live_agent()
-        if self._remotes.pop(remote.agent_name, None) is None:
-            return  # already unloaded
+        dlist, remote.handle = remote.handle, None
         try:
-            remote.dlist.release()
+            if dlist is not None:
+                dlist.release()
         finally:
-            remote.dlist = None
             agent.remove_remote_agent(remote.agent_name)
 
     # ---- data plane -----------------------------------------------------
@@ -306,36 +340,32 @@ class NixlEngine:
         local_indices: npt.NDArray[np.int32],
         remote_indices: npt.NDArray[np.int32],
         notification: bytes,
-        deadline: float,
     ) -> None:
         """READ the remote descriptors into the local ones, with a notification.
 
-        Runs in a transfer thread, from posting to completion. The handle is
-        always released before this returns or raises: on cancellation,
-        timeout or close, the running transfer is first waited for until it
-        ends (up to ``close_timeout``; NIXL's abort-on-release was seen to let
-        data land later) and only then released, so no transfer writes into
-        local blocks after the caller regains control.
-
-        Args:
-            deadline: :func:`time.monotonic` value after which the transfer is
-                abandoned with :class:`TransferTimeout`.
+        Runs in a transfer thread, from posting to completion;
+        ``config.transfer_timeout`` counts from when that thread starts
+        (waiting for a free thread does not count). The handle is always
+        released before this returns or raises: on cancellation, timeout or
+        close, the running transfer is first waited for until it ends (up to
+        ``close_timeout``; NIXL's abort-on-release was seen to let data land
+        later) and only then released, so no transfer writes into local
+        blocks after the caller regains control.
 
         Raises:
-            NixlCallError: NIXL reported ERR or raised.
-            TransferTimeout: ``deadline`` passed.
-            EngineClosing: the connector began closing.
+            BackendError: NIXL reported ERR or raised.
+            TransferTimeout: ``config.transfer_timeout`` passed.
+            BackendClosing: the connector began closing.
             trio.Cancelled: the calling task was cancelled.
         """
         async with self._engine_slots(remote):
-            await self._in_thread(
-                self.transfer_limiter,
+            await self.run_blocking(
+                self._transfer_limiter,
                 self._read_blocking,
                 remote,
                 local_indices,
                 remote_indices,
                 notification,
-                deadline,
             )
 
     def _engine_slots(self, remote: RemoteAgent) -> trio.CapacityLimiter:
@@ -351,19 +381,22 @@ class NixlEngine:
         local_indices: npt.NDArray[np.int32],
         remote_indices: npt.NDArray[np.int32],
         notification: bytes,
-        deadline: float,
     ) -> None:
+        # (``remote``, not its descriptor list, is passed in: an error's
+        # traceback keeps this frame's arguments, and a list handle would
+        # keep the agent alive after close; close sets ``remote.handle`` to None.)
         # Large pulls go as a sequence of transfers of at most
         # max_descriptors_per_transfer descriptors (NIXL's transfer() does much
         # of the copy before it returns); cancellation and closing are noticed
         # between them. Only the last one carries the notification, so the
         # producer hears of the pull once all of it is done.
+        deadline = time.monotonic() + self._config.transfer_timeout
         step = self._config.max_descriptors_per_transfer
         count = len(local_indices)
         for start in range(0, count, step):
             stop = min(count, start + step)
             self._transfer_blocking(
-                remote,
+                remote.handle,
                 local_indices[start:stop],
                 remote_indices[start:stop],
                 notification if stop == count else b"",
@@ -372,7 +405,7 @@ class NixlEngine:
 
     def _transfer_blocking(
         self,
-        remote: RemoteAgent,
+        remote_dlist: Any,
         local_indices: npt.NDArray[np.int32],
         remote_indices: npt.NDArray[np.int32],
         notification: bytes,
@@ -380,22 +413,18 @@ class NixlEngine:
     ) -> None:
         agent = self._live_agent()
         self._check_stop(deadline)
-        try:
+        with _nixl_errors("make_prepped_xfer"):
             handle = agent.make_prepped_xfer(
                 "READ",
                 self._local_dlist,
                 local_indices,
-                remote.dlist,
+                remote_dlist,
                 remote_indices,
                 notification,
             )
-        except Exception as exc:
-            raise NixlCallError(
-                f"make_prepped_xfer: {_describe(exc)}", peer_lost=_is_peer_lost(exc)
-            ) from exc
         status = "PROC"
         try:
-            try:
+            with _nixl_errors("transfer"):
                 status = agent.transfer(handle)
                 spin_until = time.monotonic() + self._config.poll_spin
                 while status == "PROC":
@@ -403,22 +432,16 @@ class NixlEngine:
                     if time.monotonic() >= spin_until:
                         time.sleep(self._config.poll_interval)
                     status = agent.check_xfer_state(handle)
-            except (TransferTimeout, EngineClosing, trio.Cancelled):
-                raise
-            except Exception as exc:
-                raise NixlCallError(
-                    f"transfer: {_describe(exc)}", peer_lost=_is_peer_lost(exc)
-                ) from exc
             if status != "DONE":
-                raise NixlCallError(f"transfer state {status}")
+                raise BackendError(f"transfer state {status}")
         finally:
             self._release_handle(handle, finished=status != "PROC")
 
     def _check_stop(self, deadline: float) -> None:
-        """Raise if this transfer must stop: cancelled, connector closing, or late."""
+        """Raise if this transfer must stop: cancelled, backend closing, or late."""
         self._check_cancelled()
         if self._closing.is_set():
-            raise EngineClosing
+            raise BackendClosing
         if time.monotonic() >= deadline:
             raise TransferTimeout
 
@@ -453,24 +476,26 @@ class NixlEngine:
             logger.error(
                 "transfer handle could not be released (%s); kept until close", _describe(exc)
             )
-            self._stuck_handles.append(handle)
+            self._stuck_handles.put(handle)
 
     async def notify(self, remote: RemoteAgent, message: bytes) -> None:
-        """Send a notification without a transfer (a notify-only pull).
+        """Post a notification without a transfer (a notify-only pull).
+
+        Fire and forget: NIXL reports no delivery, so a notification posted
+        to a peer that just died is lost silently (the producer's exposure
+        then expires).
 
         Raises:
-            NixlCallError: NIXL could not send it.
+            BackendError: NIXL could not post it.
         """
         async with self._engine_slots(remote):
-            await self._in_thread(self.transfer_limiter, self._notify_blocking, remote, message)
+            await self.run_blocking(
+                self._transfer_limiter, self._notify_blocking, remote.agent_name, message
+            )
 
-    def _notify_blocking(self, remote: RemoteAgent, message: bytes) -> None:
-        try:
-            self._live_agent().send_notif(remote.agent_name, message)
-        except Exception as exc:
-            raise NixlCallError(
-                f"send_notif: {_describe(exc)}", peer_lost=_is_peer_lost(exc)
-            ) from exc
+    def _notify_blocking(self, agent_name: str, message: bytes) -> None:
+        with _nixl_errors("send_notif"):
+            self._live_agent().send_notif(agent_name, message)
 
     async def notifications(self, wait: float) -> dict[str, list[bytes]]:
         """Collect new notifications (by sending agent name), waiting up to ``wait`` s.
@@ -480,59 +505,52 @@ class NixlEngine:
         UCX worker: trio_pd runs NIXL without its progress thread (which
         spins a whole core per agent), and a consumer's READ of our blocks
         completes only when our worker makes progress. So while exposures
-        are pending, the connector keeps this going.
+        are pending, the producer keeps this going.
 
         Raises:
-            NixlCallError: NIXL raised.
+            BackendError: NIXL raised.
         """
-        if self._config.nixl_on_event_loop:
-            wait = 0.0  # comparison mode: do not sleep on the trio thread
-        return await self._in_thread(self.notification_limiter, self._notifications_blocking, wait)
+        return await self.run_blocking(
+            self._notification_limiter, self._notifications_blocking, wait
+        )
 
     def _notifications_blocking(self, wait: float) -> dict[str, list[bytes]]:
         agent = self._live_agent()
         give_up = time.monotonic() + wait
         while True:
-            try:
+            with _nixl_errors("get_new_notifs"):
                 notifs: dict[str, list[bytes]] = agent.get_new_notifs()
-            except Exception as exc:
-                raise NixlCallError(f"get_new_notifs: {_describe(exc)}") from exc
             if notifs or self._closing.is_set() or time.monotonic() >= give_up:
                 return notifs
             self._check_cancelled()
             time.sleep(self._config.poll_interval)
 
-    async def _in_thread(
+    async def run_blocking(
         self, limiter: trio.CapacityLimiter, fn: Callable[..., _T], *args: Any
     ) -> _T:
-        """Run ``fn(*args)`` in a worker thread behind ``limiter``.
+        """Run the blocking NIXL call ``fn(*args)``: in a worker thread behind ``limiter``.
 
-        Not abandoned on cancellation: the call always finishes (NIXL calls
+        Every NIXL call of this backend goes through here. The thread is not
+        abandoned on cancellation: the call always finishes (NIXL calls
         cannot be interrupted), and cancellation reaches it through
-        ``trio.from_thread.check_cancelled`` where it polls.
+        :func:`trio.from_thread.check_cancelled` where it polls. (Benchmarks
+        override this to measure NIXL on the trio thread.)
         """
         try:
-            if self._config.nixl_on_event_loop:  # comparison mode: block the loop
-                await trio.lowlevel.checkpoint()
-                return fn(*args)
             return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
-        except (NixlCallError, TransferTimeout, EngineClosing) as exc:
+        except (BackendError, TransferTimeout, BackendClosing) as exc:
             _drop_locals(exc)
             raise
 
     def _check_cancelled(self) -> None:
         """In a worker thread: raise ``trio.Cancelled`` if the caller was cancelled."""
-        if not self._config.nixl_on_event_loop:
+        if threading.current_thread() is not self._trio_thread:
             trio.from_thread.check_cancelled()
-
-    def agent_metadata(self) -> bytes:
-        data: bytes = self._live_agent().get_agent_metadata()
-        return data
 
     def _live_agent(self) -> Any:
         agent = self._agent
         if agent is None:
-            raise EngineClosing
+            raise BackendClosing
         return agent
 
 
@@ -548,23 +566,25 @@ def _create_blocking(
         "rw": nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
         "strict": nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
     }[config.nixl_sync_mode]
-    try:
+    with _nixl_errors(f"creating NIXL agent {agent_name!r}"):
         agent = nixl_agent(
             agent_name,
             nixl_agent_config(
                 enable_prog_thread=config.nixl_progress_thread, backends=[], sync_mode=sync
             ),
         )
-        for backend in config.nixl_backends:
-            params = dict(config.nixl_backend_params.get(backend, {}))
-            if config.nixl_num_threads and "num_threads" not in params:
-                params["num_threads"] = str(config.nixl_num_threads)
+    for backend in config.nixl_backends:
+        params = dict(config.nixl_backend_params.get(backend, {}))
+        if config.nixl_num_threads and "num_threads" not in params:
+            params["num_threads"] = str(config.nixl_num_threads)
+        with _nixl_errors(f"creating NIXL backend {backend!r} of agent {agent_name!r}"):
             agent.create_backend(backend, params)
-    except Exception as exc:
-        raise NixlCallError(f"creating agent {agent_name!r}: {_describe(exc)}") from exc
     registration = None
+    # A tensor passed for several regions (layers that share a KV cache) is
+    # registered once: registering it twice crashes NIXL on deregistration.
+    unique = list({int(t.data_ptr()): t for t in kv_caches}.values())
     try:
-        registration = agent.register_memory(list(kv_caches))
+        registration = agent.register_memory(unique)
         local_dlist = agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT", layout.strided_descriptors(), layout.mem_type
         )
@@ -574,5 +594,5 @@ def _create_blocking(
                 agent.deregister_memory(registration)
             except Exception:
                 logger.exception("deregistering after a failed open")
-        raise NixlCallError(f"registering KV caches: {_describe(exc)}") from exc
+        raise BackendError(f"registering KV caches: {_describe(exc)}") from exc
     return agent, registration, local_dlist

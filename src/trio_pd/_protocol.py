@@ -240,6 +240,7 @@ def decode_reply(
 
 
 def encode_notification(request_id: str) -> bytes:
+    """The notification a consumer posts once it has read ``request_id``'s blocks."""
     return NOTIFICATION_PREFIX + request_id.encode()
 
 
@@ -273,3 +274,8 @@ def serve_request(
         reason = f"this is engine {engine_id!r}, not {request.engine_id!r}"
         return encode_message(error_reply("wrong_engine", reason)), reason
     return encoded_reply, None
+
+
+def endpoint(host: str, port: int | str) -> str:
+    """The ZeroMQ TCP endpoint of ``host:port`` (IPv6 addresses in brackets)."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 
@@ -103,16 +103,52 @@ class PullResult:
 
 
 @attrs.frozen
+class ConsumerStatistics:
+    """The consumer (decode) role's counters; see :class:`ConnectorStatistics`."""
+
+    handshakes_started: int
+    handshakes_succeeded: int
+    handshakes_failed: int
+    handshake_failures_by_cause: Mapping[str, int]
+    engines_ready: int
+    pulls_succeeded: int
+    pulls_failed: int
+    pulls_in_flight: int
+    pulls_rejected_in_backoff: int
+    restarts_detected: int
+    peers_disconnected: int
+    bytes_pulled: int
+    remote_agents_loaded: int
+
+
+@attrs.frozen
+class ProducerStatistics:
+    """The producer (prefill) role's counters; see :class:`ConnectorStatistics`."""
+
+    exposures_pending: int
+    exposures_released: int
+    exposures_expired: int
+    notifications_ignored: int
+    listener_requests: int
+    listener_rejects: int
+    listener_auth_failures: int
+
+
+@attrs.frozen
 class ConnectorStatistics:
     """A snapshot of a connector's counters (see :meth:`~trio_pd.Connector.statistics`).
+
+    Every counter of both roles, flat; :attr:`consumer` and :attr:`producer`
+    give one role's counters alone.
 
     Attributes:
         handshakes_started: handshake attempts started, consumer side.
         handshakes_succeeded: handshake attempts that succeeded.
         handshakes_failed: handshake attempts that failed.
-        handshake_failures_by_cause: failed handshakes by cause: ``timeout``,
-            ``refused`` (authentication), ``protocol`` (bad reply),
-            ``incompatible``, ``nixl`` (loading the remote agent).
+        handshake_failures_by_cause: failed handshakes by cause, keyed by
+            :class:`~trio_pd.FailureCause` (a ``str`` enum: ``"timeout"``,
+            ``"refused"`` (authentication), ``"protocol"`` (bad reply),
+            ``"incompatible"``, ``"nixl"`` (loading the remote agent)).
         pulls_rejected_in_backoff: pulls that failed fast because their
             engine was in backoff after a failed handshake.
         restarts_detected: engines found running a new incarnation.
@@ -122,6 +158,8 @@ class ConnectorStatistics:
         pulls_failed: pulls that failed (cancelled pulls count as neither).
         pulls_in_flight: pulls posted and not finished.
         bytes_pulled: bytes copied by successful pulls.
+        remote_agents_loaded: remote agents loaded in the transfer backend
+            now, retired ones included until they are unloaded.
         exposures_pending: producer side: exposures not resolved yet.
         exposures_released: exposures resolved ``READ``.
         exposures_expired: exposures resolved ``EXPIRED``.
@@ -151,3 +189,28 @@ class ConnectorStatistics:
     listener_requests: int
     listener_rejects: int
     listener_auth_failures: int
+    remote_agents_loaded: int = 0
+
+    @classmethod
+    def of_roles(
+        cls, consumer: ConsumerStatistics, producer: ProducerStatistics
+    ) -> ConnectorStatistics:
+        """Both roles' counters in one record."""
+        return cls(**attrs.asdict(consumer, recurse=False), **attrs.asdict(producer, recurse=False))
+
+    @property
+    def consumer(self) -> ConsumerStatistics:
+        """The consumer role's counters alone."""
+        return _role(ConsumerStatistics, self)
+
+    @property
+    def producer(self) -> ProducerStatistics:
+        """The producer role's counters alone."""
+        return _role(ProducerStatistics, self)
+
+
+_R = TypeVar("_R", ConsumerStatistics, ProducerStatistics)
+
+
+def _role(role: type[_R], stats: ConnectorStatistics) -> _R:
+    return role(**{f.name: getattr(stats, f.name) for f in attrs.fields(role)})

@@ -21,7 +21,11 @@ EXIT_TIMEOUT = 10.0
 
 @asynccontextmanager
 async def open_child(module: str, argument: str) -> AsyncIterator[trio.Process]:
-    """Run ``python -m module argument`` with stdin and stdout as pipes.
+    """Run ``module.main()`` in a new Python process, ``argument`` in ``sys.argv[1]``,
+    with stdin and stdout as pipes.
+
+    (Not ``python -m module``: ``trio_pd.testing`` imports ``module`` itself,
+    and runpy warns about running a module that is already imported.)
 
     Resource handling: on exit (normal, error or cancellation; shielded) the
     child's stdin is closed, the child is waited for at most
@@ -29,7 +33,7 @@ async def open_child(module: str, argument: str) -> AsyncIterator[trio.Process]:
     pipes are closed.
     """
     process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", module, argument],
+        [sys.executable, "-c", f"import {module} as m; m.main()", argument],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
     )

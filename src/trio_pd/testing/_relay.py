@@ -97,10 +97,10 @@ async def open_delay_relays(
     """Relay each target through a child process; yield the relay ports (same order).
 
     The child process ends when the block exits (see
-    :func:`trio_pd._child.open_child`).
+    ``trio_pd.testing._child.open_child``).
     """
     argument = json.dumps({"targets": targets, "delay": delay})
-    async with open_child("trio_pd._relay", argument) as process:
+    async with open_child("trio_pd.testing._relay", argument) as process:
         assert process.stdout is not None
         with trio.fail_after(30):
             async with aclosing(read_lines(process.stdout)) as lines:
@@ -110,6 +110,7 @@ async def open_delay_relays(
         yield [int(p) for p in json.loads(line)["ports"]]
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """The relay process (see :func:`open_delay_relays`)."""
     spec = json.loads(sys.argv[1])
     trio.run(_relay_process_main, [tuple(t) for t in spec["targets"]], float(spec["delay"]))

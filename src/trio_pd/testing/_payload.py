@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
 
 
-def _block_bytes(region: torch.Tensor) -> npt.NDArray[np.uint8]:
+def block_bytes(region: torch.Tensor) -> npt.NDArray[np.uint8]:
     """A ``(num_blocks, bytes_per_block)`` uint8 view of one region."""
     import torch
 
@@ -41,7 +41,7 @@ def expected_blocks(
 def fill_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], seed: int) -> None:
     """Write ``seed``'s contents into ``block_ids`` of every region (CPU tensors)."""
     ids = np.asarray(block_ids, dtype=np.int64)
-    views = [_block_bytes(t) for t in kv_caches]
+    views = [block_bytes(t) for t in kv_caches]
     for view, content in zip(
         views, expected_blocks(seed, [v.shape[1] for v in views], ids.size), strict=True
     ):
@@ -54,7 +54,7 @@ def mismatched_blocks(
     """The ids among ``block_ids`` whose bytes differ from ``seed``'s contents."""
     ids = np.asarray(block_ids, dtype=np.int64)
     bad = np.zeros(ids.size, dtype=bool)
-    views = [_block_bytes(t) for t in kv_caches]
+    views = [block_bytes(t) for t in kv_caches]
     for view, content in zip(
         views, expected_blocks(seed, [v.shape[1] for v in views], ids.size), strict=True
     ):

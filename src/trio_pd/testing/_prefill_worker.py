@@ -1,6 +1,6 @@
 """A prefill engine in its own process, driven over pipes (demo and tests).
 
-The child (``python -m trio_pd._prefill_worker SPEC``) opens a real connector
+The child (``main()`` of this module, in a new process) opens a real connector
 on its own KV cache and serves JSON-line commands on stdin, one reply line per
 command on stdout (logs go to stderr)::
 
@@ -31,14 +31,14 @@ from typing import Any
 import attrs
 import trio
 
-from ._auth import CurveAuth
+from .._auth import CurveAuth
+from .._config import ConnectorConfig
+from .._connector import Connector, open_connector
+from .._exposures import Released
+from .._groups import unwrapped_errors
+from .._records import RemoteBlocks
 from ._child import open_child, read_lines
-from ._config import ConnectorConfig
-from ._connector import Connector, open_connector
-from ._exposures import Released
-from ._groups import unwrapped_errors
 from ._payload import fill_blocks
-from ._records import RemoteBlocks
 
 _STARTUP_TIMEOUT = 60.0
 
@@ -334,7 +334,7 @@ async def open_prefill_worker(
 
     On exit the worker's stdin is closed (it closes its connectors and exits);
     if it has not exited within 10 s it is killed. The process is always
-    reaped (see :func:`trio_pd._child.open_child`).
+    reaped (see ``trio_pd.testing._child.open_child``).
 
     Raises:
         WorkerError: the worker exited before it was ready.
@@ -343,7 +343,7 @@ async def open_prefill_worker(
     """
     if config is not None:
         spec = attrs.evolve(spec, config=config_overrides(config))
-    async with open_child("trio_pd._prefill_worker", spec.to_json()) as process:
+    async with open_child("trio_pd.testing._prefill_worker", spec.to_json()) as process:
         worker = PrefillWorker(spec, process)
         async with unwrapped_errors(), trio.open_nursery() as nursery:
             with trio.fail_after(startup_timeout):
@@ -385,7 +385,3 @@ async def open_prefill_workers(
             yield [w for w in workers if w is not None]
         finally:
             stop.set()
-
-
-if __name__ == "__main__":
-    main()

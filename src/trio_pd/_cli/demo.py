@@ -32,13 +32,13 @@ import attrs
 import numpy as np
 import trio
 
-from ._config import ConnectorConfig
-from ._connector import Connector, open_connector
-from ._payload import mismatched_blocks
-from ._prefill_worker import PrefillWorker, WorkerError, WorkerSpec, open_prefill_workers
-from ._records import RemoteBlocks
-from ._relay import open_delay_relays
-from ._stall import LoopStallMonitor
+from .._config import ConnectorConfig
+from .._connector import Connector, open_connector
+from .._records import RemoteBlocks
+from ..testing._payload import mismatched_blocks
+from ..testing._prefill_worker import PrefillWorker, WorkerError, WorkerSpec, open_prefill_workers
+from ..testing._relay import open_delay_relays
+from ..testing._stall import LoopStallMonitor
 
 
 @attrs.frozen(kw_only=True)

@@ -1,0 +1,293 @@
+"""The transfer-backend seam: what a connector needs from NIXL, and nothing more.
+
+A *transfer backend* owns one local agent: the registered KV caches, the remote
+agents loaded into it, and every transfer in flight. The connector's roles
+talk to it through :class:`TransferBackend` only, so the same consumer and
+producer logic runs on NIXL (:class:`~trio_pd.NixlBackend`, the real path) and
+on the in-memory backend of :mod:`trio_pd.testing` (fault injection without
+UCX). httpcore's ``_backends/base.py`` is the model: a narrow interface, and
+errors mapped at the boundary into the few exceptions below.
+
+Remote agents' lifetimes belong to the backend: a pull *leases* a
+:class:`RemoteAgent` (``async with backend.lease(remote)``); a retired agent is
+unloaded by the backend once its last lease ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import TYPE_CHECKING, Any, Protocol
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import trio
+
+from ._errors import TrioPdError
+
+if TYPE_CHECKING:
+    import torch
+
+    from ._config import ConnectorConfig
+    from ._layout import KVLayout
+
+__all__ = [
+    "BackendClosing",
+    "BackendError",
+    "BackendFactory",
+    "RemoteAgent",
+    "RemoteAgents",
+    "RemoteRetired",
+    "TransferBackend",
+    "TransferTimeout",
+]
+
+
+class BackendError(TrioPdError):
+    """The transfer backend (NIXL) failed; the message names the call and its error.
+
+    Raised by :func:`~trio_pd.open_connector` when the local agent cannot be
+    created or the KV caches cannot be registered; inside the connector it
+    becomes a :class:`~trio_pd.HandshakeError` or
+    :class:`~trio_pd.TransferError` that names the engine or request.
+
+    Attributes:
+        peer_lost: the backend said the remote agent disconnected (the peer
+            died, restarted or became unreachable).
+    """
+
+    def __init__(self, message: str, *, peer_lost: bool = False) -> None:
+        super().__init__(message)
+        self.peer_lost = peer_lost
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_backend_error, (str(self), self.peer_lost))
+
+
+def _rebuild_backend_error(message: str, peer_lost: bool) -> BackendError:
+    return BackendError(message, peer_lost=peer_lost)
+
+
+class TransferTimeout(Exception):
+    """A read did not complete within its timeout (internal: becomes TransferError)."""
+
+
+class BackendClosing(Exception):
+    """The backend began closing while a call was in flight (internal)."""
+
+
+class RemoteRetired(Exception):
+    """A lease was asked for a retired remote agent (internal: handshake again)."""
+
+
+@attrs.define(eq=False)
+class RemoteAgent:
+    """A remote engine's agent, loaded into a backend, with its prepared descriptors.
+
+    Created by :meth:`TransferBackend.load_remote`; lent to pulls by
+    :meth:`TransferBackend.lease`. Only its backend changes it.
+
+    Attributes:
+        engine_id: the remote engine.
+        incarnation: the remote connector's incarnation.
+        agent_name: the remote agent's name.
+        layout: the remote KV layout.
+        handle: the backend's own data (NIXL: the prepared descriptor list).
+        users: leases held right now.
+        retired: replaced or lost; the backend unloads it once ``users`` is 0.
+    """
+
+    engine_id: str
+    incarnation: str
+    agent_name: str
+    layout: KVLayout
+    handle: Any = None
+    users: int = 0
+    retired: bool = False
+
+
+class TransferBackend(Protocol):
+    """What a connector needs from its data plane (NIXL, or a test double).
+
+    Implementations in this package: :class:`~trio_pd.NixlBackend` and
+    :class:`trio_pd.testing.MemoryBackend`. The exceptions a backend raises to
+    the connector besides :class:`~trio_pd.BackendError` (``TransferTimeout``,
+    ``BackendClosing``, ``RemoteRetired``) live in the internal module
+    ``trio_pd._backend``: third-party backends are possible but that part of
+    the seam is not a stable API yet.
+
+    Every ``async`` method may block for a while and runs off the trio thread
+    where the backend needs it; none is abandoned on cancellation. The
+    connector guarantees: :meth:`load_remote` is called by one task at a time;
+    :meth:`aclose` is called once, after :meth:`begin_close`, when no other
+    call is in flight.
+    """
+
+    @property
+    def agent_name(self) -> str:
+        """The local agent's name (consumers' notifications carry it)."""
+        ...
+
+    @property
+    def remote_agents_loaded(self) -> int:
+        """Remote agents loaded now (retired ones count until unloaded)."""
+        ...
+
+    def agent_metadata(self) -> bytes:
+        """What a consumer needs to load this agent (sent over the side channel)."""
+        ...
+
+    async def load_remote(
+        self,
+        engine_id: str,
+        incarnation: str,
+        agent_name: str,
+        agent_metadata: bytes,
+        layout: KVLayout,
+    ) -> RemoteAgent:
+        """Load a remote agent, prepare its descriptors and connect to it.
+
+        Raises:
+            BackendError: the metadata or descriptors were rejected, or the
+                connection failed; nothing of that agent stays loaded.
+        """
+        ...
+
+    def lease(self, remote: RemoteAgent) -> AbstractAsyncContextManager[RemoteAgent]:
+        """``async with backend.lease(remote):`` holds ``remote`` for one pull.
+
+        Raises:
+            RemoteRetired: on entry, if ``remote`` was retired meanwhile.
+        """
+        ...
+
+    async def retire(self, remote: RemoteAgent) -> None:
+        """Mark ``remote`` replaced or lost; unload it now or at its last lease's end."""
+        ...
+
+    async def read(
+        self,
+        remote: RemoteAgent,
+        local_indices: npt.NDArray[np.int32],
+        remote_indices: npt.NDArray[np.int32],
+        notification: bytes,
+    ) -> None:
+        """READ remote descriptors into local ones, then deliver ``notification``.
+
+        The backend's ``config.transfer_timeout`` counts from when the first
+        transfer is posted. When this returns or raises, nothing writes into
+        the local blocks any more.
+
+        Raises:
+            BackendError: the backend reported an error (``peer_lost`` set
+                when the remote is gone).
+            TransferTimeout: ``transfer_timeout`` passed.
+            BackendClosing: the backend began closing.
+            trio.Cancelled: the calling task was cancelled.
+        """
+        ...
+
+    async def notify(self, remote: RemoteAgent, message: bytes) -> None:
+        """Post ``message`` to ``remote`` without a transfer (fire and forget).
+
+        Raises:
+            BackendError: it could not be posted.
+        """
+        ...
+
+    async def notifications(self, wait: float) -> dict[str, list[bytes]]:
+        """New notifications by sending agent name, waiting up to ``wait`` s for some.
+
+        Also drives the local agent's progress where the backend needs it
+        (consumers' READs of our memory complete only then).
+
+        Raises:
+            BackendError: the backend raised.
+        """
+        ...
+
+    def begin_close(self) -> None:
+        """Make in-flight calls stop at their next poll (with BackendClosing)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Unload every remote agent and release everything the backend owns."""
+        ...
+
+
+class BackendFactory(Protocol):
+    """``open_connector(..., backend=factory)``: creates a connector's backend.
+
+    :meth:`trio_pd.NixlBackend.create` is the default;
+    :meth:`trio_pd.testing.MemoryFabric.backend` makes in-memory ones.
+    """
+
+    def __call__(
+        self,
+        agent_name: str,
+        kv_caches: Sequence[torch.Tensor],
+        layout: KVLayout,
+        config: ConnectorConfig,
+    ) -> Awaitable[TransferBackend]: ...
+
+
+class RemoteAgents:
+    """A backend's loaded remote agents, their leases, and their unloading.
+
+    Both backends keep their remotes in one of these, so the rule "a retired
+    agent is unloaded when its last lease ends" has one implementation.
+
+    Args:
+        unload: releases one remote agent (the backend's own call).
+        unload_timeout: how long an unload may take before it is given up on
+            (it runs shielded, possibly in a cancelled task).
+    """
+
+    def __init__(
+        self, unload: Callable[[RemoteAgent], Awaitable[None]], unload_timeout: float
+    ) -> None:
+        self._unload = unload
+        self._unload_timeout = unload_timeout
+        self._loaded: dict[str, RemoteAgent] = {}
+
+    def __len__(self) -> int:
+        return len(self._loaded)
+
+    def __contains__(self, agent_name: str) -> bool:
+        return agent_name in self._loaded
+
+    def add(self, remote: RemoteAgent) -> None:
+        self._loaded[remote.agent_name] = remote
+
+    def discard(self, remote: RemoteAgent) -> bool:
+        """Forget ``remote``; return whether it was loaded."""
+        return self._loaded.pop(remote.agent_name, None) is not None
+
+    def all(self) -> list[RemoteAgent]:
+        return list(self._loaded.values())
+
+    @asynccontextmanager
+    async def lease(self, remote: RemoteAgent) -> AsyncIterator[RemoteAgent]:
+        """Hold ``remote`` for one pull; unload it at the end if it was retired."""
+        if remote.retired:
+            raise RemoteRetired(remote.agent_name)
+        remote.users += 1
+        try:
+            yield remote
+        finally:
+            remote.users -= 1
+            if remote.retired and remote.users == 0:
+                with trio.move_on_after(self._unload_timeout, shield=True):
+                    await self._unload(remote)
+
+    async def retire(self, remote: RemoteAgent) -> None:
+        if remote.retired:
+            await trio.lowlevel.checkpoint()
+            return
+        remote.retired = True
+        if remote.users == 0:
+            with trio.move_on_after(self._unload_timeout, shield=True):
+                await self._unload(remote)
+        else:
+            await trio.lowlevel.checkpoint()

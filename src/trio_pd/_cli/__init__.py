@@ -1,0 +1,91 @@
+"""``trio-pd`` / ``python -m trio_pd``: the command line.
+
+``trio-pd demo`` runs a small real P/D deployment on this machine (see
+``trio_pd._cli.demo``): prefill engines in their own processes, a decode engine
+and a driver playing the P/D proxy in this one. Every pulled byte is
+verified; the exit status is non-zero if any byte differs, or if a request
+failed without an injected fault.
+
+``trio-pd keygen`` prints a new CURVE key pair for side-channel authentication.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+import trio
+
+from .._auth import generate_keypair
+from .demo import DemoOptions, format_summary, run_demo
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trio-pd")
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="run a small verified P/D deployment")
+    defaults = DemoOptions()
+    demo.add_argument("--prefill-engines", type=int, default=defaults.prefill_engines)
+    demo.add_argument("--requests", type=int, default=defaults.requests)
+    demo.add_argument(
+        "--regions", type=int, default=defaults.regions, help="KV regions (layers x K/V)"
+    )
+    demo.add_argument("--blocks", type=int, default=defaults.blocks, help="blocks per region")
+    demo.add_argument("--block-bytes", type=int, default=defaults.block_bytes)
+    demo.add_argument("--max-prompt-blocks", type=int, default=defaults.max_prompt_blocks)
+    demo.add_argument("--concurrency", type=int, default=defaults.concurrency)
+    demo.add_argument("--seed", type=int, default=defaults.seed)
+    demo.add_argument(
+        "--slow-engine-delay",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="add this one-way latency in front of prefill-0's side channel",
+    )
+    demo.add_argument(
+        "--kill-engine-after",
+        type=int,
+        default=0,
+        metavar="N",
+        help="kill the last prefill engine after N requests",
+    )
+    demo.add_argument("--json", action="store_true", help="print the summary as JSON")
+    commands.add_parser(
+        "keygen",
+        help="print a new CURVE key pair (JSON) for ConnectorConfig(auth=CurveAuth(...))",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    if args.command == "keygen":
+        public, secret = generate_keypair()
+        print(json.dumps({"public_key": public, "secret_key": secret}))
+        return
+    # NIXL logs every agent creation at INFO on stdout; keep the summary readable
+    # (prefill workers inherit this).
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    options = DemoOptions(
+        prefill_engines=args.prefill_engines,
+        requests=args.requests,
+        regions=args.regions,
+        blocks=args.blocks,
+        block_bytes=args.block_bytes,
+        max_prompt_blocks=args.max_prompt_blocks,
+        concurrency=args.concurrency,
+        seed=args.seed,
+        slow_engine_delay=args.slow_engine_delay,
+        kill_engine_after=args.kill_engine_after,
+        progress=not args.json,
+    )
+    summary = trio.run(run_demo, options)
+    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    sys.exit(0 if summary["verified"] else 1)
+
+
+if __name__ == "__main__":
+    main()

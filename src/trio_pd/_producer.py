@@ -1,0 +1,279 @@
+"""The producer role (prefill side): exposures, the side-channel listener, notifications.
+
+The bookkeeping of exposures is in ``_exposures`` and the listener's decision
+for one request in ``_protocol`` (both free of I/O); this module is the trio
+shell around them. Its tasks run in the connector's nursery:
+
+* the *listener* (:meth:`Producer.serve_listener`): a ROUTER socket that
+  answers every metadata request;
+* the *notification task* (:meth:`Producer.collect_notifications`): counts
+  consumers' notifications, resolves exposures, expires overdue ones;
+* with CURVE auth, the ZAP handler (``_auth.serve_zap``), started by
+  :func:`~trio_pd.open_connector` before the listener binds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import attrs
+import trio
+import zmq
+
+from . import _protocol as protocol
+from ._backend import BackendError, TransferBackend
+from ._config import ConnectorConfig
+from ._exposures import ExposureTable, Notice, Released
+from ._layout import KVLayout, as_block_ids
+from ._records import ProducerStatistics, RemoteBlocks
+from ._zmq import TrioZmqSocket
+
+logger = logging.getLogger("trio_pd")
+
+
+@attrs.define
+class _Counters:
+    notifications_ignored: int = 0
+    listener_requests: int = 0
+    listener_rejects: int = 0
+    listener_auth_failures: int = 0
+
+
+class Producer:
+    """The prefill side of a connector: holds exposed blocks until they are read.
+
+    Owns the exposure table, the release events of pending exposures, and
+    (while :meth:`serve_listener` runs) the ROUTER socket. The metadata reply
+    is encoded once, here, before the listener can receive a request.
+
+    Args:
+        engine_id: this engine's id.
+        incarnation: this connector's incarnation (random per start).
+        layout: the local KV layout (described in the reply).
+        backend: the transfer backend (its agent's metadata, notifications).
+        zmq_context: for the listener's socket.
+        config: deadlines and limits.
+    """
+
+    def __init__(
+        self,
+        engine_id: str,
+        incarnation: str,
+        layout: KVLayout,
+        backend: TransferBackend,
+        zmq_context: zmq.Context[zmq.Socket[bytes]],
+        config: ConnectorConfig,
+    ) -> None:
+        self._engine_id = engine_id
+        self._incarnation = incarnation
+        self._layout = layout
+        self._backend = backend
+        self._zmq = zmq_context
+        self._config = config
+        self._address: tuple[str, int] | None = None
+        self._closed = False
+        self._exposures = ExposureTable(history=config.resolved_history)
+        self._release_events: dict[str, trio.Event] = {}
+        self._exposure_added = trio.Event()
+        self._counters = _Counters()
+        metadata = protocol.EngineMetadata(
+            engine_id=engine_id,
+            incarnation=incarnation,
+            agent_name=backend.agent_name,
+            agent_metadata=backend.agent_metadata(),
+            num_blocks=layout.num_blocks,
+            base_addrs=list(layout.base_addrs),
+            block_lens=list(layout.block_lens),
+            device_id=layout.device_id,
+            mem_type=layout.mem_type,
+            dtype=layout.dtype,
+        )
+        compat_hash = protocol.compatibility_hash(config.compatibility_key)
+        self._encoded_reply = protocol.encode_message(
+            protocol.metadata_reply(metadata, compat_hash)
+        )
+
+    @property
+    def address(self) -> tuple[str, int]:
+        assert self._address is not None, "listener not started"
+        return self._address
+
+    # ---- public (through the Connector facade) ---------------------------
+
+    def expose(self, request_id: str, block_ids: Sequence[int], consumers: int = 1) -> RemoteBlocks:
+        """See :meth:`trio_pd.Connector.expose`."""
+        self._check_open()
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        ids = as_block_ids(
+            block_ids, self._layout.num_blocks, f"block ids of request {request_id!r}"
+        )
+        deadline = trio.current_time() + self._config.abort_timeout
+        self._exposures.expose(request_id, ids, consumers, deadline)
+        self._release_events[request_id] = trio.Event()
+        self._exposure_added.set()
+        host, port = self.address
+        return RemoteBlocks(
+            self._engine_id, host, port, ids.tolist(), request_id, self._incarnation
+        )
+
+    async def wait_released(self, request_id: str) -> Released:
+        """See :meth:`trio_pd.Connector.wait_released`."""
+        self._check_open()
+        outcome = self._exposures.outcome(request_id)
+        if outcome is not None:
+            await trio.lowlevel.checkpoint()
+            return outcome
+        await self._release_events[request_id].wait()
+        self._check_open()
+        outcome = self._exposures.outcome(request_id)
+        assert outcome is not None
+        return outcome
+
+    def statistics(self) -> ProducerStatistics:
+        c = self._counters
+        return ProducerStatistics(
+            exposures_pending=self._exposures.pending,
+            exposures_released=self._exposures.released,
+            exposures_expired=self._exposures.expired,
+            notifications_ignored=c.notifications_ignored,
+            listener_requests=c.listener_requests,
+            listener_rejects=c.listener_rejects,
+            listener_auth_failures=c.listener_auth_failures,
+        )
+
+    # ---- the listener ----------------------------------------------------
+
+    async def serve_listener(
+        self,
+        host: str,
+        port: int,
+        *,
+        task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Bind the ROUTER socket, report the address, answer requests until cancelled.
+
+        Every request gets a reply: the metadata, or an error reply saying why
+        (counted in ``listener_rejects``). Messages without a request envelope
+        are dropped and counted. Messages over ``max_message_bytes`` never
+        reach us: ZeroMQ closes that connection. With CURVE auth, consumers
+        the ZAP handler refuses never reach us either. Sends never block:
+        ROUTER drops replies to peers that are gone.
+
+        Raises:
+            OSError: ``host:port`` cannot be bound (before ``started``).
+        """
+        socket = TrioZmqSocket(self._zmq.socket(zmq.ROUTER))
+        async with socket:
+            raw = socket.zmq_socket
+            raw.setsockopt(zmq.LINGER, 0)
+            raw.setsockopt(zmq.MAXMSGSIZE, self._config.max_message_bytes)
+            if ":" in host:
+                raw.setsockopt(zmq.IPV6, 1)
+            if self._config.auth is not None:
+                self._config.auth.configure_server(raw)
+            try:
+                raw.bind(protocol.endpoint(host, port or "*"))
+            except zmq.ZMQError as exc:
+                raise OSError(
+                    exc.errno, f"cannot bind the side channel to {host}:{port}: {exc}"
+                ) from exc
+            endpoint = raw.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._address = (host, int(endpoint.rsplit(":", 1)[1]))
+            task_status.started(self._address)
+            while True:
+                frames = await socket.receive_multipart()
+                if len(frames) != 3 or frames[1] != b"":
+                    self._counters.listener_rejects += 1
+                    logger.debug("listener: dropped a message of %d frames", len(frames))
+                    continue
+                reply, reject = protocol.serve_request(
+                    frames[2],
+                    engine_id=self._engine_id,
+                    encoded_reply=self._encoded_reply,
+                    max_bytes=self._config.max_message_bytes,
+                )
+                if reject is None:
+                    self._counters.listener_requests += 1
+                else:
+                    self._counters.listener_rejects += 1
+                    logger.debug("listener: rejected a request: %s", reject)
+                await socket.send_multipart([frames[0], b"", reply])
+
+    def auth_refused(self, reason: str) -> None:
+        """The ZAP handler refused a consumer (its callback)."""
+        self._counters.listener_auth_failures += 1
+        logger.warning("engine %s: side channel refused a consumer: %s", self._engine_id, reason)
+
+    # ---- notifications and expiry ----------------------------------------
+
+    async def collect_notifications(self) -> None:
+        """Count consumer notifications and expire overdue exposures, until cancelled."""
+        config = self._config
+        while True:
+            if self._exposures.pending:
+                # checks every poll_interval in the backend (with NIXL this
+                # also drives our UCX worker, which consumers' READs need)
+                wait = config.notification_poll_interval
+            else:
+                self._exposure_added = trio.Event()
+                with trio.move_on_after(config.idle_notification_poll_interval):
+                    await self._exposure_added.wait()
+                wait = 0.0
+            try:
+                batches = await self._backend.notifications(wait)
+            except BackendError as exc:
+                logger.error("engine %s: %s", self._engine_id, exc)
+                batches = {}
+            for consumer, messages in batches.items():
+                for message in messages:
+                    self._count_notification(consumer, message)
+            for exposure in self._exposures.expire(trio.current_time()):
+                logger.warning(
+                    "engine %s: request %r expired after %g s with %d of %d consumers read",
+                    self._engine_id,
+                    exposure.request_id,
+                    config.abort_timeout,
+                    len(exposure.readers),
+                    exposure.consumers,
+                )
+                self._release_events.pop(exposure.request_id).set()
+
+    def _count_notification(self, consumer: str, message: bytes) -> None:
+        request_id = protocol.decode_notification(message)
+        if request_id is None:
+            self._counters.notifications_ignored += 1
+            logger.warning(
+                "engine %s: ignored a foreign notification from %s: %r",
+                self._engine_id,
+                consumer,
+                message[:64],
+            )
+            return
+        notice = self._exposures.notify(request_id, consumer)
+        if notice is Notice.RELEASED:
+            self._release_events.pop(request_id).set()
+        elif notice is not Notice.COUNTED:
+            self._counters.notifications_ignored += 1
+            logger.warning(
+                "engine %s: %s notification for request %r from %s (it may have expired)",
+                self._engine_id,
+                notice.value,
+                request_id,
+                consumer,
+            )
+
+    # ---- life cycle ------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError(f"connector {self._engine_id!r} is closed")
+
+    def begin_close(self) -> None:
+        """Refuse new calls and wake every ``wait_released`` (ClosedResourceError)."""
+        if self._closed:
+            return
+        self._closed = True
+        for event in self._release_events.values():
+            event.set()

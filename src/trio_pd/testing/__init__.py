@@ -1,0 +1,52 @@
+"""trio_pd.testing: tools for testing code that uses trio_pd (like ``trio.testing``).
+
+* :class:`MemoryFabric`, :class:`MemoryBackend`, :class:`MemoryFaults`: an
+  in-memory transfer backend for ``open_connector(..., backend=fabric.backend)``,
+  with injectable faults (slow, failing or endless reads and agent loads, a
+  cut data plane). The connector logic is the real one; only the data plane
+  is replaced. No UCX, no threads: fast, and usable with ``autojump_clock``.
+* :func:`open_prefill_worker`, :func:`open_prefill_workers`,
+  :class:`PrefillWorker`, :class:`WorkerSpec`: a real prefill engine (real
+  NIXL agent, real side channel) in its own process, driven over pipes;
+  :meth:`PrefillWorker.kill` injects a crash.
+* :func:`open_delay_relays`, :func:`serve_delay_relay`: a TCP relay that adds
+  latency in front of a side channel (a slow link).
+* :class:`LoopStallMonitor`: a trio instrument measuring the longest loop stall.
+* :func:`fill_blocks`, :func:`expected_blocks`, :func:`mismatched_blocks`:
+  seeded block contents, verified byte for byte across processes.
+* :func:`encode_notification`: the notification a consumer posts after
+  reading a request's blocks (for raw NIXL comparisons and foreign consumers).
+* ``trio_pd.testing.fixtures``: pytest fixtures built on these; enable them
+  with ``pytest_plugins = ["trio_pd.testing.fixtures"]`` in a ``conftest.py``.
+"""
+
+from .._protocol import encode_notification
+from ._memory import MemoryBackend, MemoryFabric, MemoryFaults
+from ._payload import expected_blocks, fill_blocks, mismatched_blocks
+from ._prefill_worker import (
+    PrefillWorker,
+    WorkerError,
+    WorkerSpec,
+    open_prefill_worker,
+    open_prefill_workers,
+)
+from ._relay import open_delay_relays, serve_delay_relay
+from ._stall import LoopStallMonitor
+
+__all__ = [
+    "LoopStallMonitor",
+    "MemoryBackend",
+    "MemoryFabric",
+    "MemoryFaults",
+    "PrefillWorker",
+    "WorkerError",
+    "WorkerSpec",
+    "encode_notification",
+    "expected_blocks",
+    "fill_blocks",
+    "mismatched_blocks",
+    "open_delay_relays",
+    "open_prefill_worker",
+    "open_prefill_workers",
+    "serve_delay_relay",
+]

@@ -1,0 +1,274 @@
+"""An in-memory transfer backend with injectable faults (no UCX, no threads).
+
+Connectors in one process that share a :class:`MemoryFabric` move bytes
+between their CPU tensors directly: a READ copies the remote blocks into the
+local ones, a notification lands in the producer's inbox. Everything runs on
+the trio thread and waits with trio's clock, so tests of handshake, backoff,
+restart, cancellation and close logic are fast and can use
+``autojump_clock`` (the ZeroMQ side channel is still real; give the
+autojump clock a threshold so that its sockets get time to answer).
+
+Faults are set per producer engine (:meth:`MemoryFabric.faults`) and apply to
+every consumer's calls that target that engine: slow or failing reads, reads
+that never end, slow or failing agent loads. :meth:`MemoryFabric.cut` cuts
+an engine's data plane (loads fail, reads fail with a lost peer) until
+:meth:`MemoryFabric.restore`; a producer whose connector closed is gone the
+same way, for good.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import trio
+
+from .._backend import (
+    BackendClosing,
+    BackendError,
+    RemoteAgent,
+    RemoteAgents,
+    TransferTimeout,
+)
+from .._config import ConnectorConfig
+from .._layout import KVLayout
+from ._payload import block_bytes
+
+if TYPE_CHECKING:
+    import torch
+
+_PREFIX = b"trio_pd.memory:"
+
+
+@attrs.define
+class MemoryFaults:
+    """Faults injected into calls that target one producer engine.
+
+    Change the fields at any time; each call reads them when it starts.
+
+    Attributes:
+        read_delay: a READ waits this long (trio's clock) before copying.
+        read_error: if set, READs fail with :class:`~trio_pd.BackendError`
+            carrying this message, and copy nothing.
+        hang_reads: READs never complete (until their timeout, cancellation
+            or close); nothing is copied.
+        load_delay: loading the engine's agent takes this long.
+        load_error: if set, loading the engine's agent fails with this message.
+        hang_loads: loading the engine's agent never completes.
+    """
+
+    read_delay: float = 0.0
+    read_error: str | None = None
+    hang_reads: bool = False
+    load_delay: float = 0.0
+    load_error: str | None = None
+    hang_loads: bool = False
+
+
+class MemoryFabric:
+    """The shared "network" of in-memory backends, and the fault switchboard.
+
+    Use :meth:`backend` as ``open_connector(..., backend=fabric.backend)`` for
+    every connector that should reach the others.
+    """
+
+    def __init__(self) -> None:
+        self._agents: dict[str, MemoryBackend] = {}
+        self._cut: set[str] = set()
+        self._faults: dict[str, MemoryFaults] = defaultdict(MemoryFaults)
+        self.reads = 0
+        """READs that copied bytes, over the fabric's life."""
+
+    async def backend(
+        self,
+        agent_name: str,
+        kv_caches: Sequence[torch.Tensor],
+        layout: KVLayout,
+        config: ConnectorConfig,
+    ) -> MemoryBackend:
+        """A :class:`~trio_pd.BackendFactory`: a new in-memory backend on this fabric."""
+        await trio.lowlevel.checkpoint()
+        if layout.mem_type != "DRAM":
+            raise BackendError("the in-memory backend needs CPU tensors")
+        backend = MemoryBackend(self, agent_name, list(kv_caches), layout, config)
+        self._agents[agent_name] = backend
+        return backend
+
+    def faults(self, engine_id: str) -> MemoryFaults:
+        """The faults for calls that target ``engine_id`` (created on first use)."""
+        return self._faults[engine_id]
+
+    def cut(self, engine_id: str) -> None:
+        """Cut ``engine_id``'s data plane: its agents cannot be loaded or read."""
+        self._cut.add(engine_id)
+
+    def restore(self, engine_id: str) -> None:
+        """Undo :meth:`cut`."""
+        self._cut.discard(engine_id)
+
+    def _reach(self, agent_name: str) -> MemoryBackend | None:
+        agent = self._agents.get(agent_name)
+        return None if agent is None or agent.engine_id in self._cut else agent
+
+    def _leave(self, backend: MemoryBackend) -> None:
+        if self._agents.get(backend.agent_name) is backend:
+            del self._agents[backend.agent_name]
+
+
+class MemoryBackend:
+    """A :class:`~trio_pd.TransferBackend` that copies between tensors in memory.
+
+    Agent names are ``{engine_id}#{incarnation}`` (as :func:`~trio_pd.open_connector`
+    makes them). CPU tensors only.
+    """
+
+    def __init__(
+        self,
+        fabric: MemoryFabric,
+        agent_name: str,
+        kv_caches: list[torch.Tensor],
+        layout: KVLayout,
+        config: ConnectorConfig,
+    ) -> None:
+        self._fabric = fabric
+        self._agent_name = agent_name
+        self.engine_id = agent_name.rsplit("#", 1)[0]
+        self._layout = layout
+        self._blocks = [block_bytes(t) for t in kv_caches]
+        self._remotes = RemoteAgents(self._unload, config.close_timeout)
+        self._inbox: dict[str, list[bytes]] = defaultdict(list)
+        self._notified = trio.Event()
+        self._closing = trio.Event()
+        self._transfer_timeout = config.transfer_timeout
+
+    @property
+    def agent_name(self) -> str:
+        return self._agent_name
+
+    @property
+    def remote_agents_loaded(self) -> int:
+        return len(self._remotes)
+
+    def agent_metadata(self) -> bytes:
+        return _PREFIX + self._agent_name.encode()
+
+    async def load_remote(
+        self,
+        engine_id: str,
+        incarnation: str,
+        agent_name: str,
+        agent_metadata: bytes,
+        layout: KVLayout,
+    ) -> RemoteAgent:
+        faults = self._fabric.faults(engine_id)
+        await self._wait(math.inf if faults.hang_loads else faults.load_delay)
+        if faults.load_error is not None:
+            raise BackendError(f"add_remote_agent: {faults.load_error}")
+        if not agent_metadata.startswith(_PREFIX):
+            raise BackendError("add_remote_agent: not in-memory agent metadata")
+        named = agent_metadata[len(_PREFIX) :].decode()
+        if named != agent_name:
+            raise BackendError(f"metadata names agent {named!r}, reply said {agent_name!r}")
+        if agent_name in self._remotes:
+            raise BackendError(f"agent {agent_name!r} is still loaded; retry later")
+        if self._fabric._reach(agent_name) is None:
+            raise BackendError(f"make_connection: agent {agent_name!r} is gone", peer_lost=True)
+        remote = RemoteAgent(engine_id, incarnation, agent_name, layout)
+        self._remotes.add(remote)
+        return remote
+
+    def lease(self, remote: RemoteAgent) -> AbstractAsyncContextManager[RemoteAgent]:
+        return self._remotes.lease(remote)
+
+    async def retire(self, remote: RemoteAgent) -> None:
+        await self._remotes.retire(remote)
+
+    async def _unload(self, remote: RemoteAgent) -> None:
+        self._remotes.discard(remote)
+        await trio.lowlevel.checkpoint()
+
+    async def read(
+        self,
+        remote: RemoteAgent,
+        local_indices: npt.NDArray[np.int32],
+        remote_indices: npt.NDArray[np.int32],
+        notification: bytes,
+    ) -> None:
+        faults = self._fabric.faults(remote.engine_id)
+        with trio.move_on_after(self._transfer_timeout) as deadline:
+            await self._wait(math.inf if faults.hang_reads else faults.read_delay)
+        if deadline.cancelled_caught:
+            raise TransferTimeout
+        peer = self._peer(remote)
+        if faults.read_error is not None:
+            raise BackendError(f"transfer: {faults.read_error}")
+        _copy_blocks(self._blocks, local_indices, peer._blocks, remote_indices)
+        self._fabric.reads += 1
+        peer._deliver(self._agent_name, notification)
+
+    async def notify(self, remote: RemoteAgent, message: bytes) -> None:
+        await trio.lowlevel.checkpoint()
+        self._peer(remote)._deliver(self._agent_name, message)
+
+    async def notifications(self, wait: float) -> dict[str, list[bytes]]:
+        if not self._inbox:
+            with trio.move_on_after(wait):
+                await self._notified.wait()
+        else:
+            await trio.lowlevel.checkpoint()
+        out, self._inbox = dict(self._inbox), defaultdict(list)
+        self._notified = trio.Event()
+        return out
+
+    def begin_close(self) -> None:
+        self._closing.set()
+
+    async def aclose(self) -> None:
+        for remote in self._remotes.all():
+            self._remotes.discard(remote)
+        self._fabric._leave(self)
+        await trio.lowlevel.checkpoint()
+
+    def _peer(self, remote: RemoteAgent) -> MemoryBackend:
+        peer = self._fabric._reach(remote.agent_name)
+        if peer is None:
+            raise BackendError(
+                f"transfer: agent {remote.agent_name!r} disconnected", peer_lost=True
+            )
+        return peer
+
+    def _deliver(self, sender: str, message: bytes) -> None:
+        if message:
+            self._inbox[sender].append(message)
+            self._notified.set()
+
+    async def _wait(self, seconds: float) -> None:
+        """Sleep ``seconds`` (0: just a checkpoint); raise BackendClosing if closing first."""
+        if self._closing.is_set():
+            await trio.lowlevel.checkpoint()
+            raise BackendClosing
+        with trio.move_on_after(seconds):
+            await self._closing.wait()
+            raise BackendClosing
+
+
+def _copy_blocks(
+    local: list[npt.NDArray[np.uint8]],
+    local_indices: npt.NDArray[np.int32],
+    remote: list[npt.NDArray[np.uint8]],
+    remote_indices: npt.NDArray[np.int32],
+) -> None:
+    """Copy descriptor ``remote_indices[k]`` into ``local_indices[k]``, a region at a time."""
+    local_n, remote_n = local[0].shape[0], remote[0].shape[0]
+    for region in range(len(local)):
+        mask = (local_indices // local_n) == region
+        if mask.any():
+            dst = local_indices[mask] % local_n
+            wanted = remote_indices[mask]
+            local[region][dst] = remote[int(wanted[0] // remote_n)][wanted % remote_n]

@@ -1,0 +1,335 @@
+"""The connector's logic on the in-memory backend: handshakes, backoff, restarts,
+cancellation and close, with faults injected at the backend seam.
+
+The side channel is real (ZeroMQ on loopback); only the data plane is the
+in-memory one from ``trio_pd.testing``, so these tests need no UCX and run
+in milliseconds. The real-NIXL tests of the same behaviour stay in the other
+modules.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import torch
+import trio
+
+import trio_pd
+from trio_pd.testing import MemoryFabric, fill_blocks, mismatched_blocks
+
+from .conftest import kv_cache
+
+pytest_plugins = ["trio_pd.testing.fixtures"]
+
+QUICK = trio_pd.ConnectorConfig(
+    handshake_timeout=0.5,
+    transfer_timeout=0.5,
+    close_timeout=1.0,
+    backoff_initial=0.2,
+    backoff_max=0.4,
+    backoff_jitter=0.0,
+    abort_timeout=5.0,
+)
+
+
+@asynccontextmanager
+async def producer(
+    fabric: MemoryFabric, engine_id: str = "p", port: int = 0
+) -> AsyncIterator[trio_pd.Connector]:
+    async with trio_pd.open_connector(
+        engine_id, kv_cache(blocks=16), port=port, config=QUICK, backend=fabric.backend
+    ) as conn:
+        yield conn
+
+
+@asynccontextmanager
+async def consumer(
+    fabric: MemoryFabric, config: trio_pd.ConnectorConfig = QUICK
+) -> AsyncIterator[tuple[trio_pd.Connector, list[torch.Tensor]]]:
+    local = kv_cache(blocks=16)
+    async with trio_pd.open_connector("d", local, config=config, backend=fabric.backend) as conn:
+        yield conn, local
+
+
+def seeded(
+    conn: trio_pd.Connector, kv: list[torch.Tensor], request_id: str, ids: list[int], seed: int
+) -> trio_pd.RemoteBlocks:
+    """Fill ``ids`` of the producer's ``kv`` from ``seed`` and expose them."""
+    fill_blocks(kv, ids, seed)
+    return conn.expose(request_id, ids)
+
+
+async def test_pulls_move_the_right_bytes_and_release_the_exposure(
+    memory_fabric: MemoryFabric,
+) -> None:
+    with trio.fail_after(10):
+        prefill_kv = kv_cache(blocks=16)
+        async with (
+            trio_pd.open_connector("p", prefill_kv, backend=memory_fabric.backend) as p,
+            consumer(memory_fabric) as (d, local),
+        ):
+            remote = seeded(p, prefill_kv, "r", [3, 9, 4], seed=7)
+            result = await d.pull("r", [0, 1, 2], remote)
+            assert mismatched_blocks(local, [0, 1, 2], 7) == []
+            assert result.bytes == 3 * d.layout.bytes_per_block_id
+            assert await p.wait_released("r") is trio_pd.Released.READ
+            assert memory_fabric.reads == 1
+
+
+async def test_concurrent_pulls_to_a_new_engine_share_one_handshake(
+    memory_fabric: MemoryFabric,
+) -> None:
+    with trio.fail_after(10):
+        async with producer(memory_fabric) as p, consumer(memory_fabric) as (d, _):
+            memory_fabric.faults("p").load_delay = 0.1  # all of them arrive while it loads
+            async with trio.open_nursery() as nursery:
+                for i in range(16):
+                    nursery.start_soon(d.pull, f"r{i}", [i], p.expose(f"r{i}", [i]))
+            stats = d.statistics()
+            assert (stats.handshakes_started, stats.handshakes_succeeded) == (1, 1)
+            assert stats.pulls_succeeded == 16
+            assert stats.remote_agents_loaded == 1
+
+
+async def test_a_failed_load_fails_every_waiter_backs_off_then_recovers(
+    memory_fabric: MemoryFabric,
+) -> None:
+    with trio.fail_after(10):
+        async with producer(memory_fabric) as p, consumer(memory_fabric) as (d, _):
+            memory_fabric.faults("p").load_error = "bad metadata"
+            errors: list[trio_pd.HandshakeError] = []
+
+            async def pull(i: int) -> None:
+                with pytest.raises(trio_pd.HandshakeError) as info:
+                    await d.pull(f"r{i}", [i], p.expose(f"r{i}", [i]))
+                errors.append(info.value)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(pull, i)
+            assert [e.reason for e in errors] == [errors[0].reason] * 3
+            assert "loading the remote agent: add_remote_agent: bad metadata" in errors[0].reason
+            assert len({id(e) for e in errors}) == 3  # one exception object per raise
+            assert d.engine_state("p") is trio_pd.EngineState.BACKOFF
+            # During the backoff: fail fast, no new attempt.
+            with pytest.raises(trio_pd.HandshakeError, match="bad metadata"):
+                await d.pull("fast", [5], p.expose("fast", [5]))
+            memory_fabric.faults("p").load_error = None
+            await trio.sleep(QUICK.backoff_initial)
+            await d.pull("later", [6], p.expose("later", [6]))
+            stats = d.statistics()
+            assert stats.handshake_failures_by_cause == {trio_pd.FailureCause.NIXL: 1}
+            assert stats.handshake_failures_by_cause == {"nixl": 1}
+            assert (stats.handshakes_started, stats.pulls_rejected_in_backoff) == (2, 1)
+
+
+async def test_a_load_over_the_deadline_fails_its_waiters_and_its_late_agent_is_unloaded(
+    memory_fabric: MemoryFabric,
+) -> None:
+    with trio.fail_after(10):
+        async with producer(memory_fabric) as p, consumer(memory_fabric) as (d, _):
+            memory_fabric.faults("p").load_delay = 2 * QUICK.handshake_timeout
+            started = trio.current_time()
+            with pytest.raises(trio_pd.HandshakeError, match=r"took longer than 0\.5 s"):
+                await d.pull("r", [1], p.expose("r", [1]))
+            assert trio.current_time() - started < 2 * QUICK.handshake_timeout
+            # The load finishes later; its agent is not used but unloaded.
+            await trio.sleep(QUICK.handshake_timeout + 0.1)
+            assert d.statistics().remote_agents_loaded == 0
+            memory_fabric.faults("p").load_delay = 0.0
+            await d.pull("again", [2], p.expose("again", [2]))
+            assert d.statistics().remote_agents_loaded == 1
+
+
+async def test_a_read_error_names_the_blocks_and_keeps_the_engine_ready(
+    memory_fabric: MemoryFabric,
+) -> None:
+    with trio.fail_after(10):
+        async with producer(memory_fabric) as p, consumer(memory_fabric) as (d, _local):
+            await d.pull("warm", [0], p.expose("warm", [0]))
+            memory_fabric.faults("p").read_error = "NIXL_ERR_BACKEND"
+            with pytest.raises(trio_pd.TransferError) as info:
+                await d.pull("r", [4, 5], p.expose("r", [7, 8]))
+            assert info.value.request_id == "r"
+            assert info.value.failed_block_ids == (4, 5)
+            assert "NIXL_ERR_BACKEND" in info.value.reason
+            assert isinstance(info.value.__cause__, trio_pd.BackendError)
+            assert d.engine_state("p") is trio_pd.EngineState.READY
+            assert d.statistics().pulls_failed == 1
+
+
+async def test_a_read_that_never_ends_times_out_and_writes_nothing(
+    memory_fabric: MemoryFabric,
+) -> None:
+    with trio.fail_after(10):
+        prefill_kv = kv_cache(blocks=16)
+        async with (
+            trio_pd.open_connector("p", prefill_kv, backend=memory_fabric.backend) as p,
+            consumer(memory_fabric) as (d, local),
+        ):
+            await d.pull("warm", [0], p.expose("warm", [0]))
+            memory_fabric.faults("p").hang_reads = True
+            remote = seeded(p, prefill_kv, "r", [3], seed=1)
+            with pytest.raises(trio_pd.TransferError, match=r"not complete within 0\.5 s"):
+                await d.pull("r", [3], remote)
+            assert not local[0][3].any()
+            assert d.statistics().pulls_in_flight == 0
+
+
+async def test_a_cancelled_pull_copies_nothing_and_counts_neither_way(
+    memory_fabric: MemoryFabric,
+) -> None:
+    with trio.fail_after(10):
+        async with producer(memory_fabric) as p, consumer(memory_fabric) as (d, _local):
+            await d.pull("warm", [0], p.expose("warm", [0]))
+            memory_fabric.faults("p").read_delay = 0.2
+            with trio.move_on_after(0.05) as scope:
+                await d.pull("r", [2], p.expose("r", [2]))
+            assert scope.cancelled_caught
+            stats = d.statistics()
+            assert (stats.pulls_succeeded, stats.pulls_failed, stats.pulls_in_flight) == (1, 0, 0)
+            assert memory_fabric.reads == 1  # only the warm-up
+
+
+async def test_a_restart_seen_in_a_request_retires_the_old_agent(
+    memory_fabric: MemoryFabric,
+) -> None:
+    with trio.fail_after(10):
+        async with consumer(memory_fabric) as (d, _local):
+            async with producer(memory_fabric) as first:
+                port = first.address[1]
+                old = first.expose("old", [1])
+                await d.pull("warm", [0], first.expose("warm", [0]))
+            async with producer(memory_fabric, port=port) as second:
+                fresh = second.expose("new", [2])
+                assert fresh.incarnation != old.incarnation
+                await d.pull("new", [2], fresh)
+                stats = d.statistics()
+                assert (stats.restarts_detected, stats.handshakes_started) == (1, 2)
+                assert stats.remote_agents_loaded == 1  # the old one was unloaded
+                with pytest.raises(trio_pd.TransferError) as info:
+                    await d.pull("old", [1], old)
+                reason = info.value.reason
+                assert f"exposed by incarnation {old.incarnation}" in reason
+                assert f"now runs incarnation {fresh.incarnation}" in reason
+
+
+async def test_a_restart_during_a_handshake_gets_one_more_handshake(
+    memory_fabric: MemoryFabric,
+) -> None:
+    # "p" runs as two incarnations at once (an old one that a proxy still
+    # knows, a new one). A pull of the old one starts the handshake and gives
+    # up while the agent loads; a request of the new one arrives then and
+    # waits on that handshake. When it wakes to the old agent, the table
+    # tells it to retire that agent and handshake again.
+    with trio.fail_after(10):
+        old_kv, new_kv = kv_cache(blocks=16), kv_cache(blocks=16)
+        async with (
+            trio_pd.open_connector("p", old_kv, backend=memory_fabric.backend) as old_p,
+            trio_pd.open_connector("p", new_kv, backend=memory_fabric.backend) as new_p,
+            consumer(memory_fabric) as (d, local),
+        ):
+            memory_fabric.faults("p").load_delay = 0.2
+            with trio.move_on_after(0.05):
+                await d.pull("a", [1], old_p.expose("a", [1]))
+            assert d.engine_state("p") is trio_pd.EngineState.LOADING
+            await d.pull("b", [2], seeded(new_p, new_kv, "b", [2], seed=2))
+            assert mismatched_blocks(local, [2], 2) == []
+            stats = d.statistics()
+            assert (stats.handshakes_started, stats.restarts_detected) == (2, 1)
+            assert stats.remote_agents_loaded == 1  # the old agent was unloaded
+
+
+async def test_after_a_lost_peer_the_next_pull_handshakes_and_reads_if_it_is_back(
+    memory_fabric: MemoryFabric,
+) -> None:
+    # A lost connection is not a restart: the incarnation is suspect, not gone.
+    with trio.fail_after(10):
+        prefill_kv = kv_cache(blocks=16)
+        async with (
+            trio_pd.open_connector("p", prefill_kv, backend=memory_fabric.backend) as p,
+            consumer(memory_fabric) as (d, local),
+        ):
+            await d.pull("warm", [0], p.expose("warm", [0]))
+            during = p.expose("during", [1])
+            after = seeded(p, prefill_kv, "after", [2], seed=3)
+            memory_fabric.cut("p")
+            with pytest.raises(trio_pd.TransferError, match="disconnected"):
+                await d.pull("during", [1], during)
+            assert d.engine_state("p") is trio_pd.EngineState.STALE
+            stats = d.statistics()
+            assert (stats.peers_disconnected, stats.remote_agents_loaded) == (1, 0)
+            memory_fabric.restore("p")
+            await d.pull("after", [2], after)  # same incarnation: handshake, then read
+            assert mismatched_blocks(local, [2], 3) == []
+            assert d.statistics().handshakes_started == 2
+
+
+async def test_after_a_producer_died_its_requests_fail_naming_the_cause_not_a_restart(
+    memory_fabric: MemoryFabric,
+) -> None:
+    with trio.fail_after(10):
+        async with consumer(memory_fabric) as (d, _):
+            async with producer(memory_fabric) as p:
+                await d.pull("warm", [0], p.expose("warm", [0]))
+                first, second = p.expose("a", [1]), p.expose("b", [2])
+            with pytest.raises(trio_pd.TransferError, match="disconnected"):
+                await d.pull("a", [1], first)
+            with pytest.raises(trio_pd.HandshakeError) as info:
+                await d.pull("b", [2], second)
+            assert "connection refused" in info.value.reason
+            assert "restarted" not in info.value.reason
+
+
+async def test_closing_wakes_waiters_stops_reads_and_keeps_statistics(
+    memory_fabric: MemoryFabric,
+) -> None:
+    with trio.fail_after(10):
+        outcomes: list[BaseException] = []
+
+        async def pull_outside(d: trio_pd.Connector, remote: trio_pd.RemoteBlocks) -> None:
+            try:
+                await d.pull(remote.request_id, [remote.block_ids[0]], remote)
+            except trio.ClosedResourceError as exc:
+                outcomes.append(exc)
+
+        async with producer(memory_fabric) as p, trio.open_nursery() as nursery:
+            async with consumer(memory_fabric) as (d, _):
+                await d.pull("warm", [0], p.expose("warm", [0]))
+                memory_fabric.faults("p").hang_reads = True
+                nursery.start_soon(pull_outside, d, p.expose("stuck", [1]))
+                await trio.testing.wait_all_tasks_blocked()
+                assert d.statistics().pulls_in_flight == 1
+            closed_at = trio.current_time()
+        assert trio.current_time() - closed_at < QUICK.close_timeout
+        assert len(outcomes) == 1
+        # statistics() and engine_state() keep answering after close.
+        assert d.statistics().pulls_succeeded == 1
+        assert d.engine_state("p") is trio_pd.EngineState.CLOSED
+        with pytest.raises(trio.ClosedResourceError):
+            await d.pull("late", [2], trio_pd.RemoteBlocks("p", "127.0.0.1", 1, [1], "late"))
+
+
+async def test_a_failing_backend_factory_raises_a_public_error_and_leaks_nothing() -> None:
+    async def broken(*_: object) -> trio_pd.TransferBackend:
+        await trio.lowlevel.checkpoint()
+        raise trio_pd.BackendError("creating agent: no such backend")
+
+    with pytest.raises(trio_pd.BackendError, match="no such backend"):
+        async with trio_pd.open_connector("p", kv_cache(blocks=4), backend=broken):
+            pass  # pragma: no cover
+
+
+async def test_the_prefill_engine_fixture_serves_real_pulls(
+    prefill_engine: trio_pd.testing.PrefillWorker, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The fixtures a frontend's suite can use (pytest_plugins above).
+    with trio.fail_after(60), caplog.at_level(logging.ERROR):
+        local = kv_cache(regions=4, blocks=64)
+        async with trio_pd.open_connector("d", local) as d:
+            await d.pull("r", [5], await prefill_engine.expose("r", [9], seed=11))
+            assert mismatched_blocks(local, [5], 11) == []
+        assert caplog.records == []
