@@ -69,7 +69,7 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     """mypy --strict on src/."""
     install_project(session)
-    session.install("mypy>=1.11")
+    session.install("mypy>=1.11", "pytest>=8")  # pytest: trio_pd.testing.fixtures
     session.run("mypy")
 
 
