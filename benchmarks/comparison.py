@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import attrs
 import numpy as np
 import torch
 import trio
@@ -35,10 +36,18 @@ class InlineHandshakes:
     async def pull(
         self, request_id: str, local_block_ids: Sequence[int], remote: trio_pd.RemoteBlocks
     ) -> trio_pd.PullResult:
+        """Like :meth:`trio_pd.Connector.pull`; ``seconds`` includes the wait for the lock."""
+        started = trio.current_time()
         async with self._lock:
             if self.connector.engine_state(remote.engine_id) is not trio_pd.EngineState.READY:
-                return await self.connector.pull(request_id, local_block_ids, remote)
-        return await self.connector.pull(request_id, local_block_ids, remote)
+                result = await self.connector.pull(request_id, local_block_ids, remote)
+                return self._timed(result, started)
+        result = await self.connector.pull(request_id, local_block_ids, remote)
+        return self._timed(result, started)
+
+    @staticmethod
+    def _timed(result: trio_pd.PullResult, started: float) -> trio_pd.PullResult:
+        return attrs.evolve(result, seconds=trio.current_time() - started)
 
     def statistics(self) -> trio_pd.ConnectorStatistics:
         return self.connector.statistics()

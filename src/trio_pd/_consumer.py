@@ -24,8 +24,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from types import MappingProxyType
 from typing import NoReturn
 
@@ -39,8 +38,8 @@ from . import _protocol as protocol
 from ._backend import BackendClosing, BackendError, RemoteAgent, TransferBackend, TransferTimeout
 from ._config import ConnectorConfig
 from ._engines import EngineEvent, EngineRecord, EngineState, FailureCause, PullAction
-from ._errors import HandshakeError, IncompatibleEngineError, ProtocolError, TransferError
-from ._fetch import ConnectionLog, CurveClient, FetchRefused, fetch_reply
+from ._errors import HandshakeError, TransferError
+from ._fetch import FetchFailure, fetch_engine_metadata
 from ._layout import BlockIds, KVLayout, as_block_ids
 from ._records import ConsumerStatistics, PullResult, RemoteBlocks
 
@@ -64,35 +63,6 @@ class _Engine:
     record: EngineRecord
     attempt_done: trio.Event = attrs.field(factory=trio.Event)
     agent: RemoteAgent | None = None
-
-
-class _Failure(Exception):
-    """A failed handshake attempt and its cause, for the statistics."""
-
-    def __init__(self, cause: FailureCause, error: HandshakeError) -> None:
-        self.cause = cause
-        self.error = error
-
-
-@contextmanager
-def _fetch_failures(
-    engine_id: str, where: str, log: ConnectionLog, timeout: float
-) -> Iterator[None]:
-    """The one table from what a fetch can raise to a cause and a HandshakeError."""
-    try:
-        yield
-    except trio.TooSlowError:
-        reason = f"no reply from {where} within {timeout:g} s: {log.diagnosis()}"
-        raise _Failure(FailureCause.TIMEOUT, HandshakeError(engine_id, reason)) from None
-    except FetchRefused as exc:
-        raise _Failure(FailureCause.REFUSED, HandshakeError(engine_id, f"{where}: {exc}")) from None
-    except IncompatibleEngineError as exc:
-        raise _Failure(FailureCause.INCOMPATIBLE, exc) from None
-    except HandshakeError as exc:
-        raise _Failure(FailureCause.PROTOCOL, exc) from None
-    except (ValueError, zmq.ZMQError) as exc:
-        error = HandshakeError(engine_id, f"{where}: {exc}")
-        raise _Failure(FailureCause.PROTOCOL, error) from None
 
 
 @attrs.define
@@ -300,52 +270,28 @@ class Consumer:
     async def _fetch_metadata(self, engine: _Engine, attempt: int) -> None:
         """Fetch and check ``engine``'s metadata, then queue it for the handshake task."""
         record = engine.record
-        eid, timeout = record.engine_id, self._config.handshake_timeout
-        log = ConnectionLog(self._config.max_message_bytes)
-        where = f"{record.host}:{record.port}"
         try:
-            with _fetch_failures(eid, where, log, timeout):
-                with trio.fail_after(timeout):
-                    async with self._fetch_limiter:
-                        data = await fetch_reply(
-                            self._zmq,
-                            protocol.endpoint(record.host, record.port),
-                            protocol.encode_request(eid, self._engine_id),
-                            log,
-                            ipv6=":" in record.host,
-                            curve=self._curve_client(eid),
-                        )
-                metadata = protocol.decode_reply(
-                    data,
-                    expected_engine_id=eid,
-                    local_hash=self._compat_hash,
-                    max_bytes=self._config.max_message_bytes,
-                )
-                layout = self._remote_layout(eid, metadata)
-        except _Failure as failure:
-            self._handshake_failed(engine, failure.cause, failure.error)
+            metadata, layout = await fetch_engine_metadata(
+                self._zmq,
+                record.engine_id,
+                record.host,
+                record.port,
+                consumer_engine_id=self._engine_id,
+                local_layout=self._layout,
+                compat_hash=self._compat_hash,
+                config=self._config,
+                limiter=self._fetch_limiter,
+            )
+        except FetchFailure as failure:
+            if not self._closed:
+                self._handshake_failed(engine, failure.cause, failure.error)
+            return
+        if self._closed:
+            # The reply was taken from the socket just before the connector
+            # closed (a successful receive is not undone by cancellation).
             return
         record.metadata_received(metadata, layout)
         self._loads_send.send_nowait((engine, attempt))
-
-    def _curve_client(self, engine_id: str) -> CurveClient | None:
-        auth = self._config.auth
-        if auth is None:
-            return None
-        server_key = auth.producer_key(engine_id)
-        if server_key is None:
-            raise FetchRefused("no CURVE public key configured for this producer")
-        return CurveClient(auth.public_key.encode(), auth.secret_key.encode(), server_key.encode())
-
-    def _remote_layout(self, engine_id: str, metadata: protocol.EngineMetadata) -> KVLayout:
-        try:
-            layout = metadata.layout()
-        except ProtocolError as exc:
-            raise HandshakeError(engine_id, str(exc)) from None
-        mismatch = self._layout.mismatch(layout)
-        if mismatch is not None:
-            raise IncompatibleEngineError(engine_id, mismatch)
-        return layout
 
     async def run_handshakes(self) -> None:
         """The handshake task: loads remote agents whose metadata arrived, in order."""

@@ -7,8 +7,12 @@ replying (for instance because its reply exceeds our size limit), a CURVE
 authentication failure. :class:`ConnectionLog` (no I/O) turns the monitor's
 events into that diagnosis; :func:`fetch_reply` is the trio shell.
 
-The caller owns the deadline (``trio.fail_after``); on timeout it asks the log
-what happened. Rounds end early only for causes that waiting cannot fix
+:func:`fetch_engine_metadata` is the whole metadata step of a handshake: the
+fetch under ``handshake_timeout``, then the reply's checks, with every failure
+mapped (in one place, :func:`_failures`) to a :class:`FetchFailure` that
+carries its :class:`FailureCause` and the :class:`HandshakeError` for the
+waiting pulls. :func:`fetch_reply` alone leaves the deadline to the caller,
+who asks the log what happened on timeout. Rounds end early only for causes that waiting cannot fix
 (authentication or security-mechanism failures); a dropped connection starts
 a new round with a fresh socket, so a producer that restarts within the
 deadline is still reached.
@@ -16,13 +20,24 @@ deadline is still reached.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
 import attrs
 import trio
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from . import _protocol as protocol
+from ._engines import FailureCause
+from ._errors import HandshakeError, IncompatibleEngineError, ProtocolError
 from ._groups import unwrapped_errors
 from ._zmq import TrioZmqSocket
+
+if TYPE_CHECKING:
+    from ._config import ConnectorConfig
+    from ._layout import KVLayout
 
 RETRY_DELAY = 0.1
 """Pause between rounds after the peer dropped the connection."""
@@ -40,6 +55,20 @@ _MONITORED = (
 
 class FetchRefused(Exception):
     """The peer refused us in a way that retrying cannot fix; ``str`` says why."""
+
+
+class FetchFailure(Exception):
+    """The metadata step of a handshake failed.
+
+    Attributes:
+        cause: why, for the statistics.
+        error: what every pull waiting on the attempt raises.
+    """
+
+    def __init__(self, cause: FailureCause, error: HandshakeError) -> None:
+        super().__init__(str(error))
+        self.cause = cause
+        self.error = error
 
 
 @attrs.define
@@ -195,3 +224,85 @@ async def _one_round(
                 return result[0] if result else None
             finally:
                 raw.disable_monitor()
+
+
+@contextmanager
+def _failures(engine_id: str, where: str, log: ConnectionLog, timeout: float) -> Iterator[None]:
+    """The one table from what the metadata step can raise to a cause and an error."""
+    try:
+        yield
+    except trio.TooSlowError:
+        reason = f"no reply from {where} within {timeout:g} s: {log.diagnosis()}"
+        raise FetchFailure(FailureCause.TIMEOUT, HandshakeError(engine_id, reason)) from None
+    except FetchRefused as exc:
+        error = HandshakeError(engine_id, f"{where}: {exc}")
+        raise FetchFailure(FailureCause.REFUSED, error) from None
+    except IncompatibleEngineError as exc:
+        raise FetchFailure(FailureCause.INCOMPATIBLE, exc) from None
+    except HandshakeError as exc:
+        raise FetchFailure(FailureCause.PROTOCOL, exc) from None
+    except (ValueError, zmq.ZMQError) as exc:
+        error = HandshakeError(engine_id, f"{where}: {exc}")
+        raise FetchFailure(FailureCause.PROTOCOL, error) from None
+
+
+async def fetch_engine_metadata(
+    context: zmq.Context[zmq.Socket[bytes]],
+    engine_id: str,
+    host: str,
+    port: int,
+    *,
+    consumer_engine_id: str,
+    local_layout: KVLayout,
+    compat_hash: str,
+    config: ConnectorConfig,
+    limiter: trio.CapacityLimiter,
+) -> tuple[protocol.EngineMetadata, KVLayout]:
+    """Fetch ``engine_id``'s metadata from ``host:port`` and check it against ours.
+
+    The fetch, including the wait for a slot of ``limiter``, runs under
+    ``config.handshake_timeout``; then the reply is decoded and checked
+    (version, compatibility hash, engine id, layout).
+
+    Raises:
+        FetchFailure: with the cause and the HandshakeError (or
+            IncompatibleEngineError) that names what went wrong.
+    """
+    timeout = config.handshake_timeout
+    log = ConnectionLog(config.max_message_bytes)
+    where = f"{host}:{port}"
+    with _failures(engine_id, where, log, timeout):
+        with trio.fail_after(timeout):
+            async with limiter:
+                data = await fetch_reply(
+                    context,
+                    protocol.endpoint(host, port),
+                    protocol.encode_request(engine_id, consumer_engine_id),
+                    log,
+                    ipv6=":" in host,
+                    curve=_curve_client(config, engine_id),
+                )
+        metadata = protocol.decode_reply(
+            data,
+            expected_engine_id=engine_id,
+            local_hash=compat_hash,
+            max_bytes=config.max_message_bytes,
+        )
+        try:
+            layout = metadata.layout()
+        except ProtocolError as exc:
+            raise HandshakeError(engine_id, str(exc)) from None
+        mismatch = local_layout.mismatch(layout)
+        if mismatch is not None:
+            raise IncompatibleEngineError(engine_id, mismatch)
+    return metadata, layout
+
+
+def _curve_client(config: ConnectorConfig, engine_id: str) -> CurveClient | None:
+    auth = config.auth
+    if auth is None:
+        return None
+    server_key = auth.producer_key(engine_id)
+    if server_key is None:
+        raise FetchRefused("no CURVE public key configured for this producer")
+    return CurveClient(auth.public_key.encode(), auth.secret_key.encode(), server_key.encode())
