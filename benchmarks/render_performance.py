@@ -74,8 +74,10 @@ def render(results: dict[str, Any]) -> str:
             f"Latency of 1-block pulls to an engine that is already ready, issued every "
             f"5 ms, while {h['cold_engines']} other engines handshake behind a "
             f"{h['link_delay_s'] * 1e3:.0f} ms (one-way) link, divided by the same "
-            "with no handshake going on. The inline mode holds one lock per pull "
-            "across the handshake, as vLLM's engine step did before PR #19836.",
+            "with no handshake going on. The inline mode (`benchmarks/comparison.py`) "
+            "makes a pull to an engine that is not ready hold one lock across its "
+            "handshake, and every pull take that lock, as vLLM's engine step did "
+            "before PR #19836.",
             "",
             _table(
                 [
@@ -146,9 +148,11 @@ def render(results: dict[str, Any]) -> str:
             f"Running the NIXL calls on the trio thread stalls the loop "
             f"x{s['stall_ratio_loop_vs_threads']} longer. Since descriptor lists are "
             "prepared from one strided row per region, a handshake's NIXL calls are "
-            "short; the largest remaining stall is Python's garbage collector "
-            "(last row): the benchmark, like a serving process after start-up, calls "
-            "`gc.freeze()` first.",
+            "short. The benchmark, like a serving process after start-up, calls "
+            "`gc.freeze()` first; the last row is without it. On this 2-core machine "
+            "the rows vary from run to run by more than that difference, so what "
+            "holds the loop in the remaining stall is not settled (not the "
+            "collector alone).",
             "",
         ]
         first = next(iter(s["modes"].values()))
@@ -275,10 +279,12 @@ FINDINGS = """## What we found
   per region (base, length, stride, count) instead of one per block made a
   64 x 4096-block handshake's NIXL work 0.1 ms instead of 10 ms, and removed
   the GIL hold that stalled the loop.
-* **The garbage collector is the largest remaining stall.** A full
-  collection with torch loaded takes about 20 ms on the trio thread. Serving
-  processes call `gc.freeze()` after start-up (so do the demo and these
-  benchmarks); benchmark 3 shows the difference.
+* **The garbage collector.** A full collection with torch loaded takes
+  about 20 ms on the trio thread, so serving processes call `gc.freeze()`
+  after start-up (so do the demo and these benchmarks). It is not the whole
+  story of the remaining loop stall: some runs stall less without the
+  freeze than with it (benchmark 3), so another call on the trio thread
+  holds it too; that is still to be found.
 * **NIXL's `transfer()` copies before it returns** (690 ms of a 740 ms READ of
   256 MiB) and `check_xfer_state()` can block for 4 ms, so NIXL calls run in
   worker threads. Large pulls are split into transfers of at most
