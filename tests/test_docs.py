@@ -131,6 +131,20 @@ def test_the_state_diagram_is_drawn_from_the_transition_table() -> None:
     assert "peer restarted" not in diagrams.engine_state_dot(fewer)
 
 
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 4), (4, 2), (2, 2)])
+def test_the_tp_picture_is_drawn_from_the_plan_and_moves_each_head_home(
+    prefill_tp: int, decode_tp: int
+) -> None:
+    heads = 8
+    dot = _diagrams().tp_mapping_dot(prefill_tp, decode_tp, heads)
+    edges = re.findall(r"prefill(\d+):h(\d+):e -> decode(\d+):h(\d+):w", dot)
+    per_prefill, per_decode = heads // prefill_tp, heads // decode_tp
+    moved = sorted(
+        (int(r) * per_prefill + int(h), int(d) * per_decode + int(k)) for r, h, d, k in edges
+    )
+    assert moved == [(g, g) for g in range(heads)]
+
+
 def test_the_offline_inventories_point_at_the_public_docs(tmp_path: Path) -> None:
     sys.path.insert(0, str(DOCS))
     try:
@@ -177,12 +191,14 @@ def test_the_docs_build_with_warnings_as_errors(tmp_path: Path) -> None:
     assert open_connector.endswith(") as connector")
     assert _signature(api, "trio_pd.Connector.pull").startswith("await pull(request_id: str,")
     assert _signature(api, "trio_pd.Connector.expose").startswith("expose(request_id: str,")
-    # The diagrams were rendered by Graphviz, the state diagram with every state.
+    # The diagrams were rendered by Graphviz: task tree, first pull, state
+    # diagram (with every state), two TP mappings (with every decode rank).
     design = (html / "design.html").read_text()
     images = re.findall(r'data="(_images/graphviz-\w+\.svg)"', design)
-    assert len(images) == 3, images
+    assert len(images) == 5, images
     svgs = [(html / image).read_text() for image in images]
     assert any(all(state.name in svg for state in EngineState) for svg in svgs)
+    assert any(all(f"decode rank {d}" in svg for d in range(4)) for svg in svgs)
 
 
 def _signature(page: str, object_id: str) -> str:

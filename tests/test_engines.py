@@ -35,6 +35,9 @@ METADATA = EngineMetadata(
     device_id=0,
     mem_type="DRAM",
     dtype="torch.uint8",
+    kv_heads=0,
+    tp_rank=0,
+    tp_size=1,
 )
 LAYOUT = KVLayout(base_addrs=[0], block_lens=[16], num_blocks=4)
 
@@ -175,7 +178,7 @@ def test_pull_while_an_attempt_is_in_progress_waits(state: EngineState) -> None:
 
 @pytest.mark.parametrize("incarnation", ["", "incarnation-1"])
 def test_pull_to_a_ready_engine_of_its_incarnation_goes_ahead(incarnation: str) -> None:
-    rec = record(S.READY, attempts=1, metadata=METADATA, layout=LAYOUT)
+    rec = record(S.READY, attempts=1, metadata=METADATA, layout=LAYOUT, epoch="incarnation-1")
     before = snapshot(rec)
     assert pull(rec, 10.0, incarnation) is PullAction.READY
     assert snapshot(rec) == before

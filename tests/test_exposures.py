@@ -94,7 +94,7 @@ def test_exposing_a_resolved_request_again_starts_afresh() -> None:
     t.notify("r1", "a")
     again = t.expose("r1", BLOCKS, consumers=2, deadline=30.0)
     assert t.outcome("r1") is None
-    assert again.readers == set()
+    assert again.readers == {}
     assert t.notify("r1", "a") is Notice.COUNTED
     assert t.notify("r1", "b") is Notice.RELEASED
     assert t.released == 2
@@ -198,3 +198,25 @@ def test_counters_count_each_resolution_once() -> None:
     t.expire(5.0)
     t.expire(5.0)
     assert (t.pending, t.released, t.expired) == (0, 3, 2)
+
+
+def test_ranks_of_one_engine_count_as_fractions_of_it() -> None:
+    # Decode TP 4 reading prefill TP 2: two decode ranks read each prefill
+    # rank, and each says so (readers=2).
+    t = table()
+    t.expose("r1", BLOCKS, consumers=2, deadline=10.0)
+    assert t.notify("r1", "d0#a", readers=2) is Notice.COUNTED
+    assert t.notify("r1", "d0#a", readers=2) is Notice.DUPLICATE
+    assert t.notify("r1", "d1#b", readers=2) is Notice.COUNTED  # one engine of two
+    assert t.notify("r1", "e0#c", readers=1) is Notice.RELEASED  # a second engine, TP 1
+    assert t.outcome("r1") is Released.READ
+
+
+def test_an_engine_with_three_readers_is_read_only_when_all_three_notified() -> None:
+    t = table()
+    t.expose("r1", BLOCKS, consumers=1, deadline=10.0)
+    assert [t.notify("r1", f"d{i}", readers=3) for i in range(3)] == [
+        Notice.COUNTED,
+        Notice.COUNTED,
+        Notice.RELEASED,
+    ]

@@ -48,6 +48,9 @@ def engine_metadata(engine_id: str = ENGINE, **overrides: Any) -> EngineMetadata
         "device_id": 0,
         "mem_type": "DRAM",
         "dtype": "torch.float16",
+        "kv_heads": 2,
+        "tp_rank": 0,
+        "tp_size": 1,
     }
     fields.update(overrides)
     return EngineMetadata(**fields)
@@ -133,7 +136,11 @@ def test_metadata_reply_round_trips() -> None:
 
 def test_metadata_layout_describes_the_producer_cache() -> None:
     assert engine_metadata().layout() == KVLayout(
-        base_addrs=(4096, 1 << 33), block_lens=(256, 256), num_blocks=16, dtype="torch.float16"
+        base_addrs=(4096, 1 << 33),
+        block_lens=(256, 256),
+        num_blocks=16,
+        dtype="torch.float16",
+        kv_heads=2,
     )
 
 
@@ -144,7 +151,9 @@ def test_metadata_with_an_invalid_layout_is_a_protocol_error() -> None:
 
 def test_reply_of_another_protocol_version_is_incompatible() -> None:
     data = encode({"type": "metadata_reply", "protocol_version": PROTOCOL_VERSION + 1})
-    with pytest.raises(IncompatibleEngineError, match="remote speaks protocol version 2") as info:
+    with pytest.raises(
+        IncompatibleEngineError, match=f"remote speaks protocol version {PROTOCOL_VERSION + 1}"
+    ) as info:
         decode(data)
     assert info.value.engine_id == ENGINE
 
@@ -206,9 +215,18 @@ _GOOD_INNER: dict[str, Any] = msgspec.msgpack.decode(encode(engine_metadata()))
         (b"", "undecodable reply"),
         (b"\xc1\xc1\xc1", "undecodable reply"),
         (b"\x92\x01\x02", "undecodable reply"),
-        (encode({"type": "metadata_request", "protocol_version": 1}), "invalid reply"),
         (
-            encode({"type": "metadata_reply", "protocol_version": 1, "compatibility_hash": HASH}),
+            encode({"type": "metadata_request", "protocol_version": PROTOCOL_VERSION}),
+            "invalid reply",
+        ),
+        (
+            encode(
+                {
+                    "type": "metadata_reply",
+                    "protocol_version": PROTOCOL_VERSION,
+                    "compatibility_hash": HASH,
+                }
+            ),
             "invalid reply",
         ),
         (_inner({**_GOOD_INNER, "num_blocks": "many"}), "invalid engine metadata"),
@@ -218,7 +236,7 @@ _GOOD_INNER: dict[str, Any] = msgspec.msgpack.decode(encode(engine_metadata()))
             encode(
                 {
                     "type": "metadata_reply",
-                    "protocol_version": 1,
+                    "protocol_version": PROTOCOL_VERSION,
                     "compatibility_hash": HASH,
                     "engine_metadata": b"\xc1",
                 }
@@ -344,39 +362,51 @@ def test_deeply_nested_reply_is_a_handshake_error() -> None:
 # --- notifications -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("request_id", ["r1", "", "cmpl-é-日本", "a:b:c", "trio_pd:1:x"])
-def test_notification_round_trips(request_id: str) -> None:
-    message = encode_notification(request_id)
+@pytest.mark.parametrize("request_id", ["r1", "", "cmpl-é-日本", "a:b:c", "trio_pd:2:1:x"])
+@pytest.mark.parametrize("readers", [1, 2, 16])
+def test_notification_round_trips(request_id: str, readers: int) -> None:
+    message = encode_notification(request_id, readers)
     assert message.startswith(NOTIFICATION_PREFIX)
-    assert decode_notification(message) == request_id
+    assert decode_notification(message) == (request_id, readers)
 
 
 @pytest.mark.parametrize(
     "message",
-    [b"", b"r1", b"trio_pd:2:r1", b"trio_pd:1", b"xtrio_pd:1:r1", b"TRIO_PD:1:r1"],
+    [
+        b"",
+        b"r1",
+        b"trio_pd:1:r1",  # protocol version 1
+        b"trio_pd:2:r1",  # no readers count
+        b"trio_pd:2:0:r1",  # zero readers
+        b"trio_pd:2:-1:r1",
+        b"trio_pd:2:2",  # no request id separator
+        b"xtrio_pd:2:1:r1",
+        b"TRIO_PD:2:1:r1",
+    ],
 )
 def test_foreign_notification_is_not_ours(message: bytes) -> None:
     assert decode_notification(message) is None
 
 
 def test_notification_with_invalid_utf8_is_not_ours() -> None:
-    assert decode_notification(NOTIFICATION_PREFIX + b"\xff\xfe") is None
+    assert decode_notification(NOTIFICATION_PREFIX + b"1:\xff\xfe") is None
 
 
 def test_notification_ids_are_exact_not_prefixes_or_substrings() -> None:
-    assert decode_notification(encode_notification("req-1")) == "req-1"
-    assert decode_notification(encode_notification("req-10")) == "req-10"
-    assert decode_notification(encode_notification("xreq-1x")) == "xreq-1x"
-    assert decode_notification(encode_notification("req-1")) != "req-10"
+    assert decode_notification(encode_notification("req-1")) == ("req-1", 1)
+    assert decode_notification(encode_notification("req-10")) == ("req-10", 1)
+    assert decode_notification(encode_notification("xreq-1x")) == ("xreq-1x", 1)
+    assert decode_notification(encode_notification("req-1")) != ("req-10", 1)
 
 
 # --- compatibility hash --------------------------------------------------------
 
 
 def test_compatibility_hash_is_stable() -> None:
-    # Pinned: peers of the same protocol version must agree on it across releases.
+    # Pinned: peers of the same protocol version must agree on it across
+    # releases (the version is part of the recipe: this is version 2's).
     assert compatibility_hash("model-a") == (
-        "7d02e6cba6263d0b9547d40628be581129eb6b86434c4745510d0d5df7b4989e"
+        "1df109b7548bf55bd792dea6ca7010f56f7fe943660a2656b4ceb0255b8979a9"
     )
     assert compatibility_hash("model-a") == HASH
 

@@ -31,7 +31,29 @@ def test_remote_blocks_converts_block_ids_to_an_int_tuple() -> None:
 
 
 def test_kv_transfer_params_use_vllm_key_names_plus_the_incarnation() -> None:
-    assert BLOCKS.to_kv_transfer_params() == {**PARAMS, "remote_incarnation": ""}
+    assert BLOCKS.to_kv_transfer_params() == {**PARAMS, "remote_incarnation": "", "tp_size": 1}
+
+
+def test_kv_transfer_params_carry_the_tp_size_and_default_it_to_one() -> None:
+    blocks = attrs.evolve(BLOCKS, tp_size=4)
+    assert blocks.to_kv_transfer_params()["tp_size"] == 4
+    assert RemoteBlocks.from_kv_transfer_params(blocks.to_kv_transfer_params()) == blocks
+    assert RemoteBlocks.from_kv_transfer_params(PARAMS).tp_size == 1
+
+
+@pytest.mark.parametrize(
+    ("tp_size", "match"),
+    [
+        (0, "tp_size must be an int >= 1"),
+        ("2", "tp_size must be an int"),
+        (True, "tp_size"),
+        (64, "leaves the TCP port range"),
+    ],
+)
+def test_kv_transfer_params_bad_tp_size_is_rejected(tp_size: object, match: str) -> None:
+    params = {**PARAMS, "remote_port": 65500, "tp_size": tp_size}
+    with pytest.raises(ValueError, match=match):
+        RemoteBlocks.from_kv_transfer_params(params)
 
 
 def test_kv_transfer_params_carry_the_incarnation() -> None:

@@ -49,7 +49,9 @@ async def test_listener_survives_hostile_input_and_keeps_serving() -> None:
                 port = producer.address[1]
                 garbage = _error_code(await _request(context, port, [b"", os.urandom(64)]))
                 assert garbage == "bad_request"
-                unknown = msgspec.msgpack.encode({"type": "nope", "protocol_version": 1})
+                unknown = msgspec.msgpack.encode(
+                    {"type": "nope", "protocol_version": protocol.PROTOCOL_VERSION}
+                )
                 assert _error_code(await _request(context, port, [b"", unknown])) == "bad_request"
                 future = msgspec.msgpack.encode({"type": "metadata_request", "protocol_version": 9})
                 code = _error_code(await _request(context, port, [b"", future]))
@@ -130,6 +132,9 @@ def _metadata_reply(engine_id: str = "fake", version: int = protocol.PROTOCOL_VE
         device_id=0,
         mem_type="DRAM",
         dtype="torch.float16",
+        kv_heads=0,
+        tp_rank=0,
+        tp_size=1,
     )
     reply = protocol.metadata_reply(metadata, protocol.compatibility_hash(""))
     if version != protocol.PROTOCOL_VERSION:

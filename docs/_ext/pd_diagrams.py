@@ -10,6 +10,9 @@ Directives:
     The state machine as a Graphviz graph, rendered by ``sphinx.ext.graphviz``.
 ``.. engine-transition-table::``
     The same table as text: state, event, next state.
+``.. tp-mapping-diagram::`` with ``:prefill-tp:``, ``:decode-tp:``, ``:heads:``
+    Which KV heads of which prefill rank land where in which decode rank,
+    drawn from :func:`trio_pd._tp.plan_pull` (the function pulls run).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from sphinx.pycode import ModuleAnalyzer
 from sphinx.util.docutils import SphinxDirective
 
 import trio_pd._engines as engines
+import trio_pd._tp as tp
 from trio_pd._engines import TRANSITIONS, EngineEvent, EngineState
 
 SOURCE = "trio_pd._engines.TRANSITIONS"
@@ -164,8 +168,77 @@ class EngineTransitionTable(SphinxDirective):
         return row
 
 
+def tp_mapping_dot(prefill_tp: int, decode_tp: int, total_heads: int) -> str:
+    """Graphviz source: every head's way from its prefill rank to its decode rank.
+
+    Drawn from :func:`trio_pd._tp.plan_pull`: one edge per head, from the
+    head's slot in the prefill rank's block to its slot in the decode rank's.
+    """
+    per_prefill, per_decode = total_heads // prefill_tp, total_heads // decode_tp
+
+    def rank_node(name: str, rank: int, heads: int, first: int, fill: str) -> str:
+        rows = "".join(
+            f'<tr><td port="h{h}" bgcolor="{fill}">head {first + h}</td></tr>'
+            for h in range(heads)
+        )
+        label = (
+            '<table border="0" cellborder="1" cellspacing="0">'
+            f"<tr><td><b>{name} rank {rank}</b></td></tr>{rows}</table>"
+        )
+        return f"  {name}{rank} [shape=plaintext, label=<{label}>];"
+
+    lines = [
+        "digraph tp_mapping {",
+        '  graph [rankdir=LR, nodesep=0.2, ranksep=1.0, bgcolor="transparent",'
+        ' fontname="Helvetica"];',
+        '  node [fontname="Helvetica", fontsize=10];',
+        '  edge [color="#555555", arrowsize=0.5];',
+    ]
+    for r in range(prefill_tp):
+        lines.append(rank_node("prefill", r, per_prefill, r * per_prefill, "#fbe3b8"))
+    for d in range(decode_tp):
+        lines.append(rank_node("decode", d, per_decode, d * per_decode, "#cdebc5"))
+    for side, count in (("prefill", prefill_tp), ("decode", decode_tp)):
+        chain = " -> ".join(f"{side}{r}" for r in range(count))
+        lines.append(f"  {{rank=same; {chain} [style=invis];}}" if count > 1 else "")
+    for d in range(decode_tp):
+        for part in tp.plan_pull(d, decode_tp, prefill_tp):
+            n = per_prefill // part.remote_slice.count
+            for i in range(n):
+                src = part.remote_slice.index * n + i
+                dst = part.local_slice.index * n + i
+                lines.append(f"  prefill{part.remote_rank}:h{src}:e -> decode{d}:h{dst}:w;")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+class TPMappingDiagram(Graphviz):
+    """``tp_mapping_dot`` for the given sizes, rendered by sphinx.ext.graphviz."""
+
+    has_content = False
+    required_arguments = 0
+    option_spec: ClassVar[dict[str, Any]] = {
+        **Graphviz.option_spec,
+        "prefill-tp": int,
+        "decode-tp": int,
+        "heads": int,
+    }
+
+    def run(self) -> list[nodes.Node]:
+        self.env.note_dependency(inspect.getsourcefile(tp) or "")
+        prefill_tp, decode_tp = self.options["prefill-tp"], self.options["decode-tp"]
+        dot = tp_mapping_dot(prefill_tp, decode_tp, self.options["heads"])
+        self.content = StringList(dot.splitlines(), source="trio_pd._tp.plan_pull")
+        self.options.setdefault(
+            "alt", f"KV heads from prefill TP {prefill_tp} to decode TP {decode_tp}"
+        )
+        self.options.setdefault("align", "center")
+        return super().run()
+
+
 def setup(app: Sphinx) -> dict[str, Any]:
     app.setup_extension("sphinx.ext.graphviz")
     app.add_directive("engine-state-diagram", EngineStateDiagram)
     app.add_directive("engine-transition-table", EngineTransitionTable)
+    app.add_directive("tp-mapping-diagram", TPMappingDiagram)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}

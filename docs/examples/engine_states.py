@@ -50,6 +50,9 @@ def main() -> None:
         device_id=0,
         mem_type="DRAM",
         dtype="torch.float16",
+        kv_heads=0,
+        tp_rank=0,
+        tp_size=1,
     )
     record.metadata_received(metadata, metadata.layout())
     show(record, "metadata received")

@@ -22,7 +22,7 @@ import zmq
 
 import trio_pd
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 def compatibility_hash(compatibility_key: str) -> str:
@@ -65,7 +65,7 @@ def client(endpoint: str, engine_id: str, compatibility_key: str) -> None:
     )
 
     # Requests the producer cannot serve get an error reply that says why.
-    for change in ({"protocol_version": 2}, {"engine_id": "someone-else"}, {"type": "hello"}):
+    for change in ({"protocol_version": 1}, {"engine_id": "someone-else"}, {"type": "hello"}):
         error = ask(endpoint, {**request, **change})
         print(f"{change} -> {error['type']} {error['code']}: {error['reason']}")
 
@@ -80,7 +80,8 @@ async def main() -> None:
         print(producer.statistics().listener_rejects, "rejected")
     # What a consumer sends through NIXL once its READ of a request is complete:
     request_id = "req-42"  # the producer's remote_request_id
-    print("notification:", b"trio_pd:1:" + request_id.encode())
+    readers = 1  # ranks of the consumer's engine that read this producer rank
+    print("notification:", b"trio_pd:2:%d:" % readers + request_id.encode())
 
 
 if __name__ == "__main__":

@@ -92,8 +92,12 @@ class RemoteAgent:
         engine_id: the remote engine.
         incarnation: the remote connector's incarnation.
         agent_name: the remote agent's name.
-        layout: the remote KV layout.
-        handle: the backend's own data (NIXL: the prepared descriptor list).
+        layout: the remote KV layout, or the view of it that is read (a
+            head slice, when the engines' TP sizes differ).
+        local_layout: the local layout, or the view of it that is written.
+        handle: the backend's own data (NIXL: the remote descriptor list).
+        local_handle: the backend's own data for ``local_layout`` (NIXL: the
+            local descriptor list of that view).
         users: leases held right now.
         retired: replaced or lost; the backend unloads it once ``users`` is 0.
     """
@@ -102,7 +106,9 @@ class RemoteAgent:
     incarnation: str
     agent_name: str
     layout: KVLayout
+    local_layout: KVLayout
     handle: Any = None
+    local_handle: Any = None
     users: int = 0
     retired: bool = False
 
@@ -145,8 +151,13 @@ class TransferBackend(Protocol):
         agent_name: str,
         agent_metadata: bytes,
         layout: KVLayout,
+        local_layout: KVLayout,
     ) -> RemoteAgent:
         """Load a remote agent, prepare its descriptors and connect to it.
+
+        ``layout`` is the remote layout (or the head-slice view of it) that
+        reads come from, ``local_layout`` the local one (or view) they go to;
+        both have the same regions and bytes per block.
 
         Raises:
             BackendError: the metadata or descriptors were rejected, or the
@@ -174,6 +185,9 @@ class TransferBackend(Protocol):
         notification: bytes,
     ) -> None:
         """READ remote descriptors into local ones, then deliver ``notification``.
+
+        Indices are descriptor indices (``region * num_blocks + block``) of
+        ``remote.local_layout`` and ``remote.layout``.
 
         The backend's ``config.transfer_timeout`` counts from when the first
         transfer is posted. When this returns or raises, nothing writes into

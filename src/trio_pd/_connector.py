@@ -38,6 +38,7 @@ from ._layout import KVLayout, layout_of_tensors
 from ._nixl import NixlBackend
 from ._producer import Producer
 from ._records import ConnectorStatistics, PullResult, RemoteBlocks
+from ._tp import check_tp
 
 if TYPE_CHECKING:
     import torch
@@ -121,6 +122,15 @@ class Connector:
         engine's handshake. When this returns, the data is in place and the
         notification to the producer has been posted.
 
+        Tensor parallelism: this connector is decode rank ``d`` of ``Td``; the
+        remote engine has ``remote.tp_size`` ranks (``Tp``). With ``Td == Tp``
+        it reads remote rank ``d``; with ``Td > Tp`` its head slice of remote
+        rank ``d // (Td // Tp)``; with ``Tp > Td`` remote ranks ``d*k`` to
+        ``d*k + k - 1`` (``k = Tp // Td``), each into its head slice of the
+        local blocks. Every rank read is handshaked (concurrently), every
+        part's block ids are checked, then the parts transfer concurrently;
+        this returns when all have landed.
+
         An empty ``local_block_ids`` only posts the notification (a full
         prefix-cache hit). That is fire and forget: NIXL reports no delivery,
         so if the producer died just before, the notification is lost and
@@ -148,11 +158,14 @@ class Connector:
             HandshakeError: the handshake failed (the same error for every
                 pull that waited on it), or the engine is in backoff after a
                 failed handshake (the same error again, at once);
-                :class:`IncompatibleEngineError` if the engines cannot be paired.
+                :class:`IncompatibleEngineError` if the engines cannot be
+                paired (for TP sizes that do not divide, before any traffic).
             TransferError: the backend reported an error, the transfer did
                 not finish within ``config.transfer_timeout`` of being posted,
                 or the blocks belong to an incarnation of the engine that is
-                gone; it names the local block ids that hold undefined data.
+                gone; it names the local block ids that hold undefined data
+                (all of the pull's), and the remote rank when the remote
+                engine has several.
             trio.ClosedResourceError: the connector is (or got) closed.
         """
         return await self._consumer.pull(request_id, local_block_ids, remote)
@@ -164,9 +177,13 @@ class Connector:
             self._consumer.statistics(), self._producer.statistics()
         )
 
-    def engine_state(self, engine_id: str) -> EngineState:
-        """Where the handshake with ``engine_id`` stands (``UNKNOWN`` if never seen)."""
-        return self._consumer.engine_state(engine_id)
+    def engine_state(self, engine_id: str, tp_rank: int | None = None) -> EngineState:
+        """Where the handshake with ``engine_id`` stands (``UNKNOWN`` if never seen).
+
+        For a tensor-parallel engine each rank has its own handshake: pass
+        ``tp_rank``; by default, the lowest rank this connector reads from.
+        """
+        return self._consumer.engine_state(engine_id, tp_rank)
 
     def _begin_close(self) -> None:
         """Refuse new calls and wake every waiter; in-flight transfers stop."""
@@ -182,6 +199,8 @@ async def open_connector(
     host: str = "127.0.0.1",
     port: int = 0,
     config: ConnectorConfig | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
     backend: BackendFactory | None = None,
 ) -> AsyncIterator[Connector]:
     """Open a connector for one engine and run its tasks for the block's duration.
@@ -204,8 +223,15 @@ async def open_connector(
             appear more than once (shared layers). They stay registered until
             the block exits.
         host, port: side-channel bind address, also advertised in
-            :class:`RemoteBlocks`.
+            :class:`RemoteBlocks`. ``port`` is the engine's *base* port: rank
+            ``tp_rank`` binds ``port + tp_rank`` (vLLM's convention).
         config: deadlines, limits and NIXL options.
+        tp_rank, tp_size: this connector is rank ``tp_rank`` of an engine with
+            tensor-parallel size ``tp_size``; all ranks share ``engine_id``,
+            each holds ``1/tp_size`` of the KV heads (``kv_caches`` tensors are
+            ``(num_blocks, num_kv_heads_on_this_rank, ...)``). A decode rank
+            pulls from the prefill ranks that hold its heads, whatever their
+            TP size (see :meth:`Connector.pull`).
         backend: creates the transfer backend. Default
             :meth:`NixlBackend.create` (NIXL with UCX); tests pass
             :meth:`trio_pd.testing.MemoryFabric.backend` to run the same
@@ -230,13 +256,20 @@ async def open_connector(
         unrelated exceptions happen at once is the group raised.
 
     Raises:
-        ValueError: invalid ``engine_id`` or ``kv_caches``.
+        ValueError: invalid ``engine_id`` or ``kv_caches``; ``tp_rank`` not in
+            ``range(tp_size)``; ``port=0`` with ``tp_size > 1`` (the ranks'
+            ports must follow from one base port).
         BackendError: the backend could not be created (e.g. an unknown name
             in ``config.nixl_backends``) or could not register ``kv_caches``.
         OSError: the side channel cannot bind ``host:port``.
     """
     if not isinstance(engine_id, str) or not engine_id:
         raise ValueError(f"engine_id must be a non-empty string, got {engine_id!r}")
+    check_tp(tp_rank, tp_size)
+    if tp_size > 1 and port == 0:
+        raise ValueError(
+            f"tp_size {tp_size} needs an explicit base port: rank r listens on port + r"
+        )
     config = ConnectorConfig() if config is None else config
     layout = layout_of_tensors(kv_caches)
     incarnation = secrets.token_hex(8)
@@ -252,19 +285,26 @@ async def open_connector(
     consumer: Consumer | None = None
     try:
         async with unwrapped_errors(), trio.open_nursery() as nursery:
-            producer = Producer(engine_id, incarnation, layout, transfers, context, config)
-            consumer = Consumer(engine_id, layout, transfers, context, config, nursery)
+            producer = Producer(
+                engine_id, tp_rank, tp_size, incarnation, layout, transfers, context, config
+            )
+            consumer = Consumer(
+                engine_id, tp_rank, tp_size, layout, transfers, context, config, nursery
+            )
             connector = Connector(engine_id, layout, producer, consumer)
             try:
                 if config.auth is not None:
                     allowed = config.auth.allowed_consumers
                     await nursery.start(serve_zap, context, allowed, producer.auth_refused)
-                address = await nursery.start(producer.serve_listener, host, port)
+                rank_port = port + tp_rank if port else 0
+                address = await nursery.start(producer.serve_listener, host, rank_port)
                 nursery.start_soon(consumer.run_handshakes)
                 nursery.start_soon(producer.collect_notifications)
                 logger.info(
-                    "engine %s: connector open on %s:%d (%d regions x %d blocks)",
+                    "engine %s rank %d/%d: connector open on %s:%d (%d regions x %d blocks)",
                     engine_id,
+                    tp_rank,
+                    tp_size,
                     *address,
                     layout.num_regions,
                     layout.num_blocks,

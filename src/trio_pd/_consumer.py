@@ -19,14 +19,15 @@ every waiter reads the same answer.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import random
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from types import MappingProxyType
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import attrs
 import numpy as np
@@ -38,10 +39,11 @@ from . import _protocol as protocol
 from ._backend import BackendClosing, BackendError, RemoteAgent, TransferBackend, TransferTimeout
 from ._config import ConnectorConfig
 from ._engines import EngineEvent, EngineRecord, EngineState, FailureCause, PullAction
-from ._errors import HandshakeError, TransferError
+from ._errors import HandshakeError, IncompatibleEngineError, TransferError
 from ._fetch import FetchFailure, fetch_engine_metadata
 from ._layout import BlockIds, KVLayout, as_block_ids
 from ._records import ConsumerStatistics, PullResult, RemoteBlocks
+from ._tp import PullPart, part_layouts, plan_pull, readers_per_remote_rank, sizes_mismatch
 
 logger = logging.getLogger("trio_pd")
 
@@ -57,12 +59,22 @@ class _Engine:
         record: the state machine (the outcome of every attempt lives there).
         attempt_done: set when the current attempt ends, either way; a new
             attempt gets a new event, so a waiter keeps the one it waited on.
+        part: what this rank reads of that remote rank, and where it lands
+            (from the latest request's TP sizes).
+        remote_tp: the remote engine's TP size, as the latest request says.
         agent: the loaded remote agent while the record is ``READY``.
     """
 
     record: EngineRecord
+    part: PullPart
+    remote_tp: int = 1
     attempt_done: trio.Event = attrs.field(factory=trio.Event)
     agent: RemoteAgent | None = None
+
+    @property
+    def rank_label(self) -> str:
+        """``"remote rank r: "`` for a rank of a tensor-parallel engine, else ``""``."""
+        return f"remote rank {self.part.remote_rank}: " if self.remote_tp > 1 else ""
 
 
 @attrs.define
@@ -87,6 +99,7 @@ class Consumer:
 
     Args:
         engine_id: this engine's id (named in metadata requests).
+        tp_rank, tp_size: this rank of the (decode) engine, and how many it has.
         layout: the local KV layout (remote layouts must match it).
         backend: the transfer backend.
         zmq_context: for the fetches' sockets.
@@ -97,6 +110,8 @@ class Consumer:
     def __init__(
         self,
         engine_id: str,
+        tp_rank: int,
+        tp_size: int,
         layout: KVLayout,
         backend: TransferBackend,
         zmq_context: zmq.Context[zmq.Socket[bytes]],
@@ -104,13 +119,16 @@ class Consumer:
         nursery: trio.Nursery,
     ) -> None:
         self._engine_id = engine_id
+        self._tp_rank = tp_rank
+        self._tp_size = tp_size
         self._layout = layout
         self._backend = backend
         self._zmq = zmq_context
         self._config = config
         self._nursery = nursery
         self._compat_hash = protocol.compatibility_hash(config.compatibility_key)
-        self._engines: dict[str, _Engine] = {}
+        self._engines: dict[tuple[str, int], _Engine] = {}
+        """Keyed by (engine id, rank): each remote rank is its own agent and record."""
         self._fetch_limiter = trio.CapacityLimiter(config.max_concurrent_fetches)
         self._loads_send, self._loads_receive = trio.open_memory_channel[tuple[_Engine, int]](
             math.inf
@@ -125,7 +143,13 @@ class Consumer:
     async def pull(
         self, request_id: str, local_block_ids: Sequence[int], remote: RemoteBlocks
     ) -> PullResult:
-        """See :meth:`trio_pd.Connector.pull`."""
+        """See :meth:`trio_pd.Connector.pull`.
+
+        Three phases, so that nothing is transferred unless every part can
+        be: the remote ranks this rank reads (see ``_tp.plan_pull``) are made
+        ready concurrently; every part's block ids are checked; then the
+        parts transfer concurrently.
+        """
         self._check_open()
         started = trio.current_time()
         what = f"request {request_id!r}"
@@ -137,27 +161,27 @@ class Consumer:
                 f"{what}: {local_ids.size} local block ids for "
                 f"{len(remote.block_ids)} remote block ids"
             )
-        engine = self._engines.get(remote.engine_id)
-        if engine is None:
-            record = EngineRecord(remote.engine_id, remote.host, remote.port)
-            engine = self._engines[remote.engine_id] = _Engine(record)
-        agent = await self._ready_agent(engine, request_id, local_ids, remote)
-        handshake_wait = trio.current_time() - started
-        notification = protocol.encode_notification(remote.request_id)
-        if local_ids.size == 0:
-            await self._transfer(engine, request_id, local_ids, agent, None, notification)
-            self._counters.pulls_succeeded += 1
-            return PullResult(request_id, remote.engine_id, 0, handshake_wait, handshake_wait)
-        remote_ids = as_block_ids(
-            remote.block_ids,
-            agent.layout.num_blocks,
-            f"remote block ids of {what} (engine {remote.engine_id!r})",
-        )
-        indices = (
-            self._layout.descriptor_indices(local_ids),
-            agent.layout.descriptor_indices(remote_ids),
-        )
-        await self._transfer(engine, request_id, local_ids, agent, indices, notification)
+        mismatch = sizes_mismatch(self._tp_size, remote.tp_size)
+        if mismatch is not None:
+            raise IncompatibleEngineError(remote.engine_id, mismatch)
+        parts = plan_pull(self._tp_rank, self._tp_size, remote.tp_size)
+        engines = [self._engine(remote, part) for part in parts]
+        try:
+            agents = await _each(
+                [
+                    functools.partial(self._ready_agent, e, request_id, local_ids, remote)
+                    for e in engines
+                ]
+            )
+            handshake_wait = trio.current_time() - started
+            transfers = [
+                self._transfer_for(engine, agent, request_id, local_ids, remote)
+                for engine, agent in zip(engines, agents, strict=True)
+            ]
+            await _each(transfers)
+        except TransferError:
+            self._counters.pulls_failed += 1
+            raise
         nbytes = int(local_ids.size) * self._layout.bytes_per_block_id
         self._counters.pulls_succeeded += 1
         self._counters.bytes_pulled += nbytes
@@ -165,8 +189,47 @@ class Consumer:
             request_id, remote.engine_id, nbytes, trio.current_time() - started, handshake_wait
         )
 
-    def engine_state(self, engine_id: str) -> EngineState:
-        engine = self._engines.get(engine_id)
+    def _engine(self, remote: RemoteBlocks, part: PullPart) -> _Engine:
+        """The record of the remote rank ``part`` reads (created on first use)."""
+        key = (remote.engine_id, part.remote_rank)
+        engine = self._engines.get(key)
+        if engine is None:
+            record = EngineRecord(remote.engine_id, remote.host, remote.port + part.remote_rank)
+            engine = self._engines[key] = _Engine(record, part)
+        engine.part, engine.remote_tp = part, remote.tp_size
+        return engine
+
+    def _transfer_for(
+        self,
+        engine: _Engine,
+        agent: RemoteAgent,
+        request_id: str,
+        local_ids: BlockIds,
+        remote: RemoteBlocks,
+    ) -> Callable[[], Awaitable[None]]:
+        """One part's transfer, its block ids checked now (before any part runs)."""
+        readers = readers_per_remote_rank(self._tp_size, remote.tp_size)
+        notification = protocol.encode_notification(remote.request_id, readers)
+        indices = None
+        if local_ids.size:
+            remote_ids = as_block_ids(
+                remote.block_ids,
+                agent.layout.num_blocks,
+                f"remote block ids of request {request_id!r} (engine {remote.engine_id!r})",
+            )
+            indices = (
+                agent.local_layout.descriptor_indices(local_ids),
+                agent.layout.descriptor_indices(remote_ids),
+            )
+        return functools.partial(
+            self._transfer, engine, request_id, local_ids, agent, indices, notification
+        )
+
+    def engine_state(self, engine_id: str, tp_rank: int | None = None) -> EngineState:
+        ranks = sorted(rank for eid, rank in self._engines if eid == engine_id)
+        if tp_rank is None and ranks:
+            tp_rank = ranks[0]
+        engine = self._engines.get((engine_id, tp_rank or 0))
         return EngineState.UNKNOWN if engine is None else engine.record.state
 
     def statistics(self) -> ConsumerStatistics:
@@ -204,10 +267,11 @@ class Consumer:
             TransferError: the blocks belong to an incarnation that is gone.
         """
         record = engine.record
+        port = remote.port + engine.part.remote_rank
         waits = 0
         while True:
             now = trio.current_time()
-            action = record.on_pull(remote.incarnation, remote.host, remote.port, now)
+            action = record.on_pull(remote.incarnation, remote.host, port, now)
             if action is PullAction.READY:
                 assert engine.agent is not None
                 return engine.agent
@@ -216,7 +280,8 @@ class Consumer:
                 assert record.error is not None
                 raise _copy(record.error)
             if action is PullAction.GONE:
-                self._fail(request_id, local_ids, record.why_gone(remote.incarnation))
+                reason = engine.rank_label + record.why_gone(remote.incarnation)
+                self._fail(request_id, local_ids, reason)
             if action is PullAction.RETIRE_THEN_START:
                 self._counters.restarts_detected += 1
                 logger.warning(
@@ -233,14 +298,14 @@ class Consumer:
                         await self._backend.retire(retired)
             elif action is PullAction.START:
                 self._start_attempt(engine)
-            elif (record.host, record.port) != (remote.host, remote.port):
+            elif (record.host, record.port) != (remote.host, port):
                 logger.warning(
                     "engine %s is being reached at %s:%d; ignoring the address %s:%d of %r",
                     record.engine_id,
                     record.host,
                     record.port,
                     remote.host,
-                    remote.port,
+                    port,
                     remote.request_id,
                 )
             if waits == HANDSHAKES_PER_PULL:
@@ -276,8 +341,11 @@ class Consumer:
                 record.engine_id,
                 record.host,
                 record.port,
+                tp_rank=engine.part.remote_rank,
+                tp_size=engine.remote_tp,
                 consumer_engine_id=self._engine_id,
                 local_layout=self._layout,
+                local_tp=self._tp_size,
                 compat_hash=self._compat_hash,
                 config=self._config,
                 limiter=self._fetch_limiter,
@@ -310,6 +378,7 @@ class Consumer:
         assert metadata is not None
         assert layout is not None
         started = time.perf_counter()
+        local_view, remote_view = part_layouts(self._layout, layout, engine.part)
         remote: RemoteAgent | None = None
         error: HandshakeError | None = None
         async with trio.open_nursery() as nursery:
@@ -320,10 +389,12 @@ class Consumer:
                     metadata.incarnation,
                     metadata.agent_name,
                     metadata.agent_metadata,
-                    layout,
+                    remote_view,
+                    local_view,
                 )
             except BackendError as exc:
-                error = HandshakeError(record.engine_id, f"loading the remote agent: {exc}")
+                reason = f"{engine.rank_label}loading the remote agent: {exc}"
+                error = HandshakeError(record.engine_id, reason)
                 error.__cause__ = exc
             nursery.cancel_scope.cancel()
         if record.state is not EngineState.LOADING or record.attempts != attempt:
@@ -351,7 +422,7 @@ class Consumer:
         timeout = self._config.handshake_timeout
         await trio.sleep(timeout)
         if engine.record.state is EngineState.LOADING and engine.record.attempts == attempt:
-            reason = f"loading the remote agent took longer than {timeout:g} s"
+            reason = f"{engine.rank_label}loading the remote agent took longer than {timeout:g} s"
             error = HandshakeError(engine.record.engine_id, reason)
             self._handshake_failed(engine, FailureCause.NIXL, error)
 
@@ -391,10 +462,11 @@ class Consumer:
                         self._peer_lost(engine, agent, request_id)
                         with trio.CancelScope(shield=True):
                             await self._backend.retire(agent)  # unloaded when the lease ends
-                    self._fail(request_id, local_ids, str(exc), cause=exc)
+                    self._fail(request_id, local_ids, engine.rank_label + str(exc), cause=exc)
                 except TransferTimeout:
                     timeout = self._config.transfer_timeout
-                    self._fail(request_id, local_ids, f"not complete within {timeout:g} s")
+                    reason = f"{engine.rank_label}not complete within {timeout:g} s"
+                    self._fail(request_id, local_ids, reason)
                 except BackendClosing:
                     raise trio.ClosedResourceError(
                         f"connector closed while request {request_id!r} was in flight"
@@ -415,7 +487,7 @@ class Consumer:
     def _fail(
         self, request_id: str, local_ids: BlockIds, reason: str, cause: BaseException | None = None
     ) -> NoReturn:
-        self._counters.pulls_failed += 1
+        """Raise the pull's TransferError (``pull`` counts it)."""
         raise TransferError(request_id, local_ids.tolist(), reason) from cause
 
     # ---- life cycle ------------------------------------------------------
@@ -451,3 +523,33 @@ def _copy(error: HandshakeError) -> HandshakeError:
     fresh = type(error)(error.engine_id, error.reason)
     fresh.__cause__ = error.__cause__
     return fresh
+
+
+_T = TypeVar("_T")
+
+
+async def _each(calls: Sequence[Callable[[], Awaitable[_T]]]) -> list[_T]:
+    """Await every call concurrently and return their results in order.
+
+    The first call to fail cancels the others (a cancelled transfer still
+    ends before its task does), and its error propagates alone. One call
+    runs in the caller's task, with no nursery.
+    """
+    if len(calls) == 1:
+        return [await calls[0]()]
+    results: dict[int, _T] = {}
+    failures: list[Exception] = []
+
+    async def run(index: int, call: Callable[[], Awaitable[_T]]) -> None:
+        try:
+            results[index] = await call()
+        except Exception as exc:
+            failures.append(exc)
+            nursery.cancel_scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        for index, call in enumerate(calls):
+            nursery.start_soon(run, index, call)
+    if failures:
+        raise failures[0]
+    return [results[index] for index in range(len(calls))]

@@ -150,6 +150,12 @@ class EngineRecord:
             restarted since): their blocks are gone for good.
         sought_incarnation: the incarnation the pull that started the current
             attempt asked for (``""``: any).
+        epoch: the incarnation that requests name when they are for what is
+            loaded: the loaded incarnation for an engine's rank 0 (and for
+            engines without tensor parallelism); for another rank, the rank-0
+            incarnation its requests named when it was loaded (requests carry
+            rank 0's incarnation, as a vLLM proxy forwards rank 0's
+            ``kv_transfer_params``; the ranks of an engine restart together).
     """
 
     engine_id: str
@@ -164,6 +170,7 @@ class EngineRecord:
     retry_at: float = 0.0
     retired_incarnations: set[str] = attrs.field(factory=set)
     sought_incarnation: str = ""
+    epoch: str = ""
 
     @property
     def incarnation(self) -> str | None:
@@ -198,7 +205,9 @@ class EngineRecord:
             return PullAction.GONE
         action = PullAction.START
         if self.state is EngineState.READY:
-            if not incarnation or incarnation == self.incarnation:
+            if not self.epoch:
+                self.epoch = incarnation  # a rank > 0 loaded for a request without one
+            if not incarnation or incarnation == self.epoch:
                 return PullAction.READY
             self.went_stale(EngineEvent.PEER_RESTARTED)
             action = PullAction.RETIRE_THEN_START
@@ -231,7 +240,7 @@ class EngineRecord:
 
     def why_gone(self, incarnation: str) -> str:
         """Why blocks of ``incarnation`` cannot be read (after ``GONE``)."""
-        current = self.incarnation
+        current = self.epoch
         if self.state is EngineState.READY and current and current != incarnation:
             running = f"which now runs incarnation {current}"
         else:
@@ -257,10 +266,10 @@ class EngineRecord:
         return True
 
     def went_stale(self, event: EngineEvent) -> None:
-        """``PEER_RESTARTED``: the loaded incarnation is over for good."""
+        """``PEER_RESTARTED``: the loaded incarnation (epoch) is over for good."""
         self.apply(event)
-        if self.metadata is not None:
-            self.retired_incarnations.add(self.metadata.incarnation)
+        if self.epoch:
+            self.retired_incarnations.add(self.epoch)
 
     def metadata_received(self, metadata: EngineMetadata, layout: KVLayout) -> None:
         """The reply of the current attempt arrived and checked out.
@@ -272,6 +281,10 @@ class EngineRecord:
         self.apply(EngineEvent.METADATA_RECEIVED)
         self.metadata = metadata
         self.layout = layout
+        if metadata.tp_rank:  # requests name rank 0's incarnation: nothing to compare
+            self.epoch = self.sought_incarnation
+            return
+        self.epoch = metadata.incarnation
         self.retired_incarnations.discard(metadata.incarnation)
         sought = self.sought_incarnation
         if sought and sought != metadata.incarnation:

@@ -1,8 +1,9 @@
 """Producer-side bookkeeping of exposed blocks (no I/O).
 
 An *exposure* is a request's blocks held for ``consumers`` decode engines. It
-resolves :attr:`Released.READ` once that many distinct consumers have sent
-their transfer notification, or :attr:`Released.EXPIRED` when its deadline
+resolves :attr:`Released.READ` once that many consumer engines have sent
+their transfer notifications (an engine whose ``k`` ranks read this producer
+rank sends ``k``, each counting ``1/k``), or :attr:`Released.EXPIRED` when its deadline
 passes first. Resolved outcomes are remembered (up to a bound) so that a
 caller who asks after the fact still gets the answer.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import enum
 import heapq
 from collections import OrderedDict
+from fractions import Fraction
 
 import attrs
 
@@ -48,8 +50,14 @@ class Exposure:
     block_ids: BlockIds
     consumers: int
     deadline: float
-    readers: set[str] = attrs.field(factory=set)
+    readers: dict[str, int] = attrs.field(factory=dict)
+    """Consumer agents that notified, and how many readers each one's engine has."""
     outcome: Released | None = None
+
+    @property
+    def engines_read(self) -> Fraction:
+        """Consumer engines that have read: each notifying rank is ``1/readers`` of one."""
+        return sum((Fraction(1, n) for n in self.readers.values()), Fraction(0))
 
 
 @attrs.define
@@ -89,15 +97,19 @@ class ExposureTable:
         heapq.heappush(self._deadlines, (deadline, request_id))
         return exposure
 
-    def notify(self, request_id: str, consumer: str) -> Notice:
-        """Count ``consumer``'s notification for ``request_id``."""
+    def notify(self, request_id: str, consumer: str, readers: int = 1) -> Notice:
+        """Count ``consumer``'s notification for ``request_id``.
+
+        ``consumer`` is the notifying agent; ``readers`` how many ranks of its
+        engine read this exposure (each counts as ``1/readers`` of an engine).
+        """
         exposure = self._pending.get(request_id)
         if exposure is None:
             return Notice.LATE if request_id in self._resolved else Notice.UNKNOWN
         if consumer in exposure.readers:
             return Notice.DUPLICATE
-        exposure.readers.add(consumer)
-        if len(exposure.readers) < exposure.consumers:
+        exposure.readers[consumer] = readers
+        if exposure.engines_read < exposure.consumers:
             return Notice.COUNTED
         self._resolve(exposure, Released.READ)
         return Notice.RELEASED

@@ -33,6 +33,7 @@ from . import _protocol as protocol
 from ._engines import FailureCause
 from ._errors import HandshakeError, IncompatibleEngineError, ProtocolError
 from ._groups import unwrapped_errors
+from ._tp import tp_mismatch
 from ._zmq import TrioZmqSocket
 
 if TYPE_CHECKING:
@@ -252,17 +253,21 @@ async def fetch_engine_metadata(
     host: str,
     port: int,
     *,
+    tp_rank: int,
+    tp_size: int,
     consumer_engine_id: str,
     local_layout: KVLayout,
+    local_tp: int,
     compat_hash: str,
     config: ConnectorConfig,
     limiter: trio.CapacityLimiter,
 ) -> tuple[protocol.EngineMetadata, KVLayout]:
-    """Fetch ``engine_id``'s metadata from ``host:port`` and check it against ours.
+    """Fetch rank ``tp_rank`` of ``engine_id``'s metadata from ``host:port`` and check it.
 
     The fetch, including the wait for a slot of ``limiter``, runs under
     ``config.handshake_timeout``; then the reply is decoded and checked
-    (version, compatibility hash, engine id, layout).
+    (version, compatibility hash, engine id, rank and TP size, then the
+    layout against ours, ``local_tp`` being our TP size).
 
     Raises:
         FetchFailure: with the cause and the HandshakeError (or
@@ -270,7 +275,7 @@ async def fetch_engine_metadata(
     """
     timeout = config.handshake_timeout
     log = ConnectionLog(config.max_message_bytes)
-    where = f"{host}:{port}"
+    where = f"{host}:{port}" + (f" (rank {tp_rank} of {tp_size})" if tp_size > 1 else "")
     with _failures(engine_id, where, log, timeout):
         with trio.fail_after(timeout):
             async with limiter:
@@ -292,7 +297,13 @@ async def fetch_engine_metadata(
             layout = metadata.layout()
         except ProtocolError as exc:
             raise HandshakeError(engine_id, str(exc)) from None
-        mismatch = local_layout.mismatch(layout)
+        if (metadata.tp_rank, metadata.tp_size) != (tp_rank, tp_size):
+            raise IncompatibleEngineError(
+                engine_id,
+                f"{where} answers as rank {metadata.tp_rank} of {metadata.tp_size}, "
+                f"the request expects rank {tp_rank} of {tp_size}",
+            )
+        mismatch = tp_mismatch(local_layout, local_tp, layout, tp_size)
         if mismatch is not None:
             raise IncompatibleEngineError(engine_id, mismatch)
     return metadata, layout

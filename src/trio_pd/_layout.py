@@ -39,6 +39,10 @@ def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
 class KVLayout:
     """Where a KV cache lies in memory, as NIXL needs to know it.
 
+    A layout may also be a *view* of the heads of every block (see
+    :meth:`head_slice`): then each block is ``block_lens[r]`` bytes at
+    ``base_addrs[r] + b * block_strides[r]``.
+
     Attributes:
         base_addrs: start address of each region.
         block_lens: bytes per block of each region.
@@ -46,6 +50,11 @@ class KVLayout:
         device_id: NIXL device id (0 for host memory).
         mem_type: NIXL memory type, ``"DRAM"`` or ``"VRAM"``.
         dtype: element type of the regions, e.g. ``"torch.bfloat16"``.
+        block_strides: bytes from one block to the next in each region
+            (default: ``block_lens``, blocks back to back).
+        kv_heads: KV heads per block (dimension 1 of the region tensors,
+            the "HND" layout), 0 if unknown. Needed only when the engines'
+            tensor-parallel sizes differ.
     """
 
     base_addrs: tuple[int, ...] = attrs.field(converter=_int_tuple)
@@ -54,6 +63,11 @@ class KVLayout:
     device_id: int = 0
     mem_type: str = "DRAM"
     dtype: str = "torch.uint8"
+    block_strides: tuple[int, ...] = attrs.field(
+        converter=_int_tuple,
+        default=attrs.Factory(lambda self: self.block_lens, takes_self=True),
+    )
+    kv_heads: int = 0
 
     def __attrs_post_init__(self) -> None:
         if not self.base_addrs:
@@ -68,6 +82,16 @@ class KVLayout:
             raise ValueError(f"block lengths must be >= 1, got {self.block_lens}")
         if min(self.base_addrs) < 0:
             raise ValueError("base addresses must be >= 0")
+        if len(self.block_strides) != len(self.block_lens) or any(
+            stride < length
+            for stride, length in zip(self.block_strides, self.block_lens, strict=True)
+        ):
+            raise ValueError(
+                f"block strides {self.block_strides} must match the regions and be at "
+                f"least the block lengths {self.block_lens}"
+            )
+        if self.kv_heads < 0:
+            raise ValueError(f"kv_heads must be >= 0, got {self.kv_heads}")
         if self.num_regions * self.num_blocks > _INDEX_LIMIT:
             raise ValueError(
                 f"{self.num_regions} regions x {self.num_blocks} blocks exceed NIXL's index range"
@@ -91,9 +115,10 @@ class KVLayout:
         """
         bases = np.asarray(self.base_addrs, dtype=np.int64)
         lens = np.asarray(self.block_lens, dtype=np.int64)
+        strides = np.asarray(self.block_strides, dtype=np.int64)
         blocks = np.arange(self.num_blocks, dtype=np.int64)
         out = np.empty((self.num_regions, self.num_blocks, 3), dtype=np.int64)
-        out[:, :, 0] = bases[:, None] + blocks[None, :] * lens[:, None]
+        out[:, :, 0] = bases[:, None] + blocks[None, :] * strides[:, None]
         out[:, :, 1] = lens[:, None]
         out[:, :, 2] = self.device_id
         return out.reshape(-1, 3)
@@ -111,9 +136,41 @@ class KVLayout:
         out[:, 0] = self.base_addrs
         out[:, 1] = self.block_lens
         out[:, 2] = self.device_id
-        out[:, 3] = self.block_lens
+        out[:, 3] = self.block_strides
         out[:, 4] = self.num_blocks
         return out
+
+    def head_slice(self, index: int, count: int) -> KVLayout:
+        """The view of the ``index``-th of ``count`` equal parts of every block's heads.
+
+        With the heads in dimension 1 of each block ("HND"), a part of the
+        heads is one contiguous byte range of each block: this view's blocks
+        are those ranges, ``block_strides`` apart as before. ``count == 1``
+        is the layout itself.
+
+        Raises:
+            ValueError: the heads (or block bytes) do not split into ``count``
+                parts, or ``index`` is not in ``range(count)``.
+        """
+        if not 0 <= index < count:
+            raise ValueError(f"head slice {index} of {count} does not exist")
+        if count == 1:
+            return self
+        if self.kv_heads % count or any(length % count for length in self.block_lens):
+            raise ValueError(
+                f"{self.kv_heads} KV heads per block ({self.block_lens} bytes) do not "
+                f"split into {count} equal parts"
+            )
+        parts = [length // count for length in self.block_lens]
+        return attrs.evolve(
+            self,
+            base_addrs=[
+                base + index * part for base, part in zip(self.base_addrs, parts, strict=True)
+            ],
+            block_lens=parts,
+            block_strides=self.block_strides,
+            kv_heads=self.kv_heads // count,
+        )
 
     def descriptor_indices(self, block_ids: BlockIds) -> npt.NDArray[np.int32]:
         """Descriptor indices of ``block_ids`` in every region, region-major.
@@ -202,6 +259,7 @@ def layout_of_tensors(kv_caches: Sequence[torch.Tensor]) -> KVLayout:
     if num_blocks < 1:
         raise ValueError("kv_caches have no blocks (dimension 0 is empty)")
     _check_overlaps(bases, [length * num_blocks for length in lens])
+    heads = {int(t.shape[1]) if t.dim() > 1 else 0 for t in kv_caches}
     is_cuda = first.device.type == "cuda"
     return KVLayout(
         base_addrs=bases,
@@ -210,6 +268,7 @@ def layout_of_tensors(kv_caches: Sequence[torch.Tensor]) -> KVLayout:
         device_id=int(first.device.index or 0) if is_cuda else 0,
         mem_type="VRAM" if is_cuda else "DRAM",
         dtype=str(first.dtype),
+        kv_heads=heads.pop() if len(heads) == 1 else 0,
     )
 
 

@@ -147,6 +147,7 @@ class NixlBackend:
         self._handshake_limiter = trio.CapacityLimiter(1)
         self._transfer_limiter = trio.CapacityLimiter(TRANSFER_THREADS)
         self._slots: dict[str, trio.CapacityLimiter] = {}
+        self._local_views: dict[KVLayout, Any] = {}
         self._notification_limiter = trio.CapacityLimiter(1)
 
     # ---- life cycle -----------------------------------------------------
@@ -239,6 +240,9 @@ class NixlBackend:
             attempt(f"unload {remote.engine_id}", functools.partial(self._unload_blocking, remote))
         while not self._stuck_handles.empty():
             attempt("release stuck transfer", self._stuck_handles.get_nowait().release)
+        for view_dlist in self._local_views.values():
+            attempt("release a local view's descriptor list", view_dlist.release)
+        self._local_views.clear()
         attempt("release local descriptor list", self._local_dlist.release)
         attempt("deregister memory", lambda: agent.deregister_memory(self._registration))
         # Handle wrappers keep the agent alive: drop every reference to them.
@@ -256,8 +260,12 @@ class NixlBackend:
         agent_name: str,
         agent_metadata: bytes,
         layout: KVLayout,
+        local_layout: KVLayout,
     ) -> RemoteAgent:
         """Load a remote agent, prepare its descriptor list and connect (handshake thread).
+
+        A local view other than the whole local layout (a head slice) gets
+        its own local descriptor list, prepared once and kept until close.
 
         Raises:
             BackendError: NIXL rejected the metadata or the descriptors, or
@@ -268,12 +276,34 @@ class NixlBackend:
             raise BackendError(
                 f"agent {agent_name!r} is still loaded (in use by earlier pulls); retry later"
             )
+        local_dlist = await self._local_view(local_layout)
         dlist = await self.run_blocking(
             self._handshake_limiter, self._load_blocking, agent_name, agent_metadata, layout
         )
-        remote = RemoteAgent(engine_id, incarnation, agent_name, layout, dlist)
+        remote = RemoteAgent(
+            engine_id, incarnation, agent_name, layout, local_layout, dlist, local_dlist
+        )
         self._remotes.add(remote)  # from here on, aclose() releases it
         return remote
+
+    async def _local_view(self, view: KVLayout) -> Any:
+        """The local descriptor list of ``view`` (prepared on first use)."""
+        if view == self.layout:
+            await trio.lowlevel.checkpoint()
+            return self._local_dlist
+        dlist = self._local_views.get(view)
+        if dlist is None:
+            dlist = await self.run_blocking(self._handshake_limiter, self._prep_local, view)
+            self._local_views[view] = dlist
+        else:
+            await trio.lowlevel.checkpoint()
+        return dlist
+
+    def _prep_local(self, view: KVLayout) -> Any:
+        with _nixl_errors("prep_xfer_dlist (local view)"):
+            return self._live_agent().prep_xfer_dlist(
+                "NIXL_INIT_AGENT", view.strided_descriptors(), view.mem_type
+            )
 
     def lease(self, remote: RemoteAgent) -> AbstractAsyncContextManager[RemoteAgent]:
         return self._remotes.lease(remote)
@@ -326,7 +356,7 @@ class NixlBackend:
 
     def _unload_blocking(self, remote: RemoteAgent) -> None:
         agent = self._live_agent()
-        dlist, remote.handle = remote.handle, None
+        dlist, remote.handle, remote.local_handle = remote.handle, None, None
         try:
             if dlist is not None:
                 dlist.release()
@@ -385,7 +415,7 @@ class NixlBackend:
     ) -> None:
         # (``remote``, not its descriptor list, is passed in: an error's
         # traceback keeps this frame's arguments, and a list handle would
-        # keep the agent alive after close; close sets ``remote.handle`` to None.)
+        # keep the agent alive after close; unloading sets the handles to None.)
         # Large pulls go as a sequence of transfers of at most
         # max_descriptors_per_transfer descriptors (NIXL's transfer() does much
         # of the copy before it returns); cancellation and closing are noticed
@@ -397,6 +427,7 @@ class NixlBackend:
         for start in range(0, count, step):
             stop = min(count, start + step)
             self._transfer_blocking(
+                remote.local_handle,
                 remote.handle,
                 local_indices[start:stop],
                 remote_indices[start:stop],
@@ -406,6 +437,7 @@ class NixlBackend:
 
     def _transfer_blocking(
         self,
+        local_dlist: Any,
         remote_dlist: Any,
         local_indices: npt.NDArray[np.int32],
         remote_indices: npt.NDArray[np.int32],
@@ -417,7 +449,7 @@ class NixlBackend:
         with _nixl_errors("make_prepped_xfer"):
             handle = agent.make_prepped_xfer(
                 "READ",
-                self._local_dlist,
+                local_dlist,
                 local_indices,
                 remote_dlist,
                 remote_indices,

@@ -49,6 +49,7 @@ class Producer:
 
     Args:
         engine_id: this engine's id.
+        tp_rank, tp_size: this rank of the engine, and how many it has.
         incarnation: this connector's incarnation (random per start).
         layout: the local KV layout (described in the reply).
         backend: the transfer backend (its agent's metadata, notifications).
@@ -59,6 +60,8 @@ class Producer:
     def __init__(
         self,
         engine_id: str,
+        tp_rank: int,
+        tp_size: int,
         incarnation: str,
         layout: KVLayout,
         backend: TransferBackend,
@@ -66,6 +69,8 @@ class Producer:
         config: ConnectorConfig,
     ) -> None:
         self._engine_id = engine_id
+        self._tp_rank = tp_rank
+        self._tp_size = tp_size
         self._incarnation = incarnation
         self._layout = layout
         self._backend = backend
@@ -88,6 +93,9 @@ class Producer:
             device_id=layout.device_id,
             mem_type=layout.mem_type,
             dtype=layout.dtype,
+            kv_heads=layout.kv_heads,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
         )
         compat_hash = protocol.compatibility_hash(config.compatibility_key)
         self._encoded_reply = protocol.encode_message(
@@ -115,7 +123,13 @@ class Producer:
         self._exposure_added.set()
         host, port = self.address
         return RemoteBlocks(
-            self._engine_id, host, port, ids.tolist(), request_id, self._incarnation
+            self._engine_id,
+            host,
+            port - self._tp_rank,  # the engine's base port, whichever rank exposes
+            ids.tolist(),
+            request_id,
+            self._incarnation,
+            self._tp_size,
         )
 
     async def wait_released(self, request_id: str) -> Released:
@@ -231,18 +245,18 @@ class Producer:
                     self._count_notification(consumer, message)
             for exposure in self._exposures.expire(trio.current_time()):
                 logger.warning(
-                    "engine %s: request %r expired after %g s with %d of %d consumers read",
+                    "engine %s: request %r expired after %g s with %.3g of %d consumers read",
                     self._engine_id,
                     exposure.request_id,
                     config.abort_timeout,
-                    len(exposure.readers),
+                    float(exposure.engines_read),
                     exposure.consumers,
                 )
                 self._release_events.pop(exposure.request_id).set()
 
     def _count_notification(self, consumer: str, message: bytes) -> None:
-        request_id = protocol.decode_notification(message)
-        if request_id is None:
+        decoded = protocol.decode_notification(message)
+        if decoded is None:
             self._counters.notifications_ignored += 1
             logger.warning(
                 "engine %s: ignored a foreign notification from %s: %r",
@@ -251,7 +265,8 @@ class Producer:
                 message[:64],
             )
             return
-        notice = self._exposures.notify(request_id, consumer)
+        request_id, readers = decoded
+        notice = self._exposures.notify(request_id, consumer, readers)
         if notice is Notice.RELEASED:
             self._release_events.pop(request_id).set()
         elif notice is not Notice.COUNTED:

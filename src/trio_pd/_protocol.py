@@ -21,8 +21,12 @@ reported as such); the full envelope with the compatibility hash compared; only
 then the inner :class:`EngineMetadata`, whose engine id must be the one asked for.
 
 Transfer notifications (consumer -> producer, through NIXL) are
-``b"trio_pd:1:" + request_id`` in UTF-8 and are compared exactly, never by
-substring.
+``b"trio_pd:2:<readers>:" + request_id`` in UTF-8, where ``readers`` is how
+many ranks of the consumer's engine read this producer rank (vLLM's
+``"{request_id}:{count}"``); they are parsed exactly, never by substring.
+
+Version 2 added the tensor-parallel fields of :class:`EngineMetadata`
+(``tp_rank``, ``tp_size``, ``kv_heads``) and the readers count.
 """
 
 from __future__ import annotations
@@ -35,10 +39,10 @@ import msgspec
 from ._errors import HandshakeError, IncompatibleEngineError, ProtocolError
 from ._layout import KVLayout
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
 """Bumped on any incompatible change to the messages below."""
 
-NOTIFICATION_PREFIX: Final = b"trio_pd:1:"
+NOTIFICATION_PREFIX: Final = b"trio_pd:2:"
 
 ErrorCode = Literal["bad_request", "unsupported_version", "wrong_engine"]
 
@@ -83,6 +87,12 @@ class EngineMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     device_id: int
     mem_type: str
     dtype: str
+    kv_heads: int
+    """KV heads per block (dimension 1 of the regions), 0 if unknown."""
+    tp_rank: int
+    """This rank of the engine (its side channel is the base port + tp_rank)."""
+    tp_size: int
+    """The engine's tensor-parallel size."""
 
     def layout(self) -> KVLayout:
         """The producer's KV layout.
@@ -98,6 +108,7 @@ class EngineMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 device_id=self.device_id,
                 mem_type=self.mem_type,
                 dtype=self.dtype,
+                kv_heads=self.kv_heads,
             )
         except ValueError as exc:
             raise ProtocolError(f"invalid KV layout in metadata: {exc}") from None
@@ -239,19 +250,26 @@ def decode_reply(
     return metadata
 
 
-def encode_notification(request_id: str) -> bytes:
-    """The notification a consumer posts once it has read ``request_id``'s blocks."""
-    return NOTIFICATION_PREFIX + request_id.encode()
+def encode_notification(request_id: str, readers: int = 1) -> bytes:
+    """The notification a consumer rank posts once it has read ``request_id``'s blocks.
+
+    ``readers``: how many ranks of its engine read the same producer rank
+    (the producer counts each as ``1 / readers`` of a consumer engine).
+    """
+    return NOTIFICATION_PREFIX + f"{readers}:{request_id}".encode()
 
 
-def decode_notification(message: bytes) -> str | None:
-    """The request id a notification names, or ``None`` if it is not ours."""
+def decode_notification(message: bytes) -> tuple[str, int] | None:
+    """``(request_id, readers)`` of a notification, or ``None`` if it is not ours."""
     if not message.startswith(NOTIFICATION_PREFIX):
         return None
     try:
-        return message[len(NOTIFICATION_PREFIX) :].decode()
+        readers, _, request_id = message[len(NOTIFICATION_PREFIX) :].decode().partition(":")
     except UnicodeDecodeError:
         return None
+    if not readers.isdigit() or int(readers) < 1 or not _:
+        return None
+    return request_id, int(readers)
 
 
 def serve_request(

@@ -20,7 +20,8 @@ class RemoteBlocks:
     Attributes:
         engine_id: the producer engine.
         host: the producer's side-channel host.
-        port: the producer's side-channel port.
+        port: the producer's side-channel port: the engine's *base* port
+            (rank ``r`` of a tensor-parallel engine listens on ``port + r``).
         block_ids: the producer's block ids, in the order they are read.
         request_id: the producer's request id (named in the notification).
         incarnation: the producer connector's incarnation (random per start).
@@ -28,6 +29,8 @@ class RemoteBlocks:
             it restarted: it re-handshakes, and refuses to read blocks that
             belonged to the old one. Empty when unknown (e.g. parameters from a
             producer that is not trio_pd); then no such check is possible.
+            For a tensor-parallel engine, rank 0's incarnation.
+        tp_size: the producer engine's tensor-parallel size (its ranks).
     """
 
     engine_id: str
@@ -36,11 +39,13 @@ class RemoteBlocks:
     block_ids: tuple[int, ...] = attrs.field(converter=_block_tuple)
     request_id: str
     incarnation: str = ""
+    tp_size: int = 1
 
     def to_kv_transfer_params(self) -> dict[str, Any]:
         """vLLM's ``kv_transfer_params`` keys, so a P/D proxy can pass them through.
 
         trio_pd adds ``remote_incarnation``; proxies pass unknown keys along.
+        ``tp_size`` is vLLM's key for the producer's tensor-parallel size.
         """
         return {
             "remote_engine_id": self.engine_id,
@@ -49,12 +54,13 @@ class RemoteBlocks:
             "remote_block_ids": list(self.block_ids),
             "remote_request_id": self.request_id,
             "remote_incarnation": self.incarnation,
+            "tp_size": self.tp_size,
         }
 
     @classmethod
     def from_kv_transfer_params(cls, params: Mapping[str, Any]) -> RemoteBlocks:
         """Inverse of :meth:`to_kv_transfer_params`; extra keys are ignored,
-        ``remote_incarnation`` is optional.
+        ``remote_incarnation`` is optional, an absent ``tp_size`` means 1.
 
         Raises:
             ValueError: a key is missing or has the wrong type.
@@ -76,11 +82,16 @@ class RemoteBlocks:
             raise ValueError("remote_incarnation must be a string")
         if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
             raise ValueError(f"remote_port must be a TCP port, got {port!r}")
+        tp_size = params.get("tp_size", 1)
+        if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+            raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
+        if port + tp_size - 1 >= 65536:
+            raise ValueError(f"remote_port {port} + tp_size {tp_size} leaves the TCP port range")
         if not isinstance(block_ids, list | tuple) or not all(
             isinstance(b, int) and not isinstance(b, bool) for b in block_ids
         ):
             raise ValueError("remote_block_ids must be a list of ints")
-        return cls(engine_id, host, port, block_ids, request_id, incarnation)
+        return cls(engine_id, host, port, block_ids, request_id, incarnation, tp_size)
 
 
 @attrs.frozen

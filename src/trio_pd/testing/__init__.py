@@ -13,7 +13,11 @@
   latency in front of a side channel (a slow link).
 * :class:`LoopStallMonitor`: a trio instrument measuring the longest loop stall.
 * :func:`fill_blocks`, :func:`expected_blocks`, :func:`mismatched_blocks`:
-  seeded block contents, verified byte for byte across processes.
+  seeded block contents, verified byte for byte across processes;
+  :func:`fill_heads`, :func:`expected_heads`, :func:`mismatched_heads`: the
+  same per KV head, for tensor-parallel engines (a head in the wrong rank,
+  block or slot is caught).
+* :func:`free_port_range`: a base port with free ports after it (TP ranks).
 * :func:`encode_notification`: the notification a consumer posts after
   reading a request's blocks (for raw NIXL comparisons and foreign consumers).
 * ``trio_pd.testing.fixtures``: pytest fixtures built on these; enable them
@@ -21,8 +25,16 @@
 """
 
 from .._protocol import encode_notification
+from ._child import free_port_range
 from ._memory import MemoryBackend, MemoryFabric, MemoryFaults
-from ._payload import expected_blocks, fill_blocks, mismatched_blocks
+from ._payload import (
+    expected_blocks,
+    expected_heads,
+    fill_blocks,
+    fill_heads,
+    mismatched_blocks,
+    mismatched_heads,
+)
 from ._prefill_worker import (
     PrefillWorker,
     WorkerError,
@@ -43,8 +55,12 @@ __all__ = [
     "WorkerSpec",
     "encode_notification",
     "expected_blocks",
+    "expected_heads",
     "fill_blocks",
+    "fill_heads",
+    "free_port_range",
     "mismatched_blocks",
+    "mismatched_heads",
     "open_delay_relays",
     "open_prefill_worker",
     "open_prefill_workers",

@@ -165,6 +165,7 @@ class MemoryBackend:
         agent_name: str,
         agent_metadata: bytes,
         layout: KVLayout,
+        local_layout: KVLayout,
     ) -> RemoteAgent:
         faults = self._fabric.faults(engine_id)
         await self._wait(math.inf if faults.hang_loads else faults.load_delay)
@@ -179,7 +180,7 @@ class MemoryBackend:
             raise BackendError(f"agent {agent_name!r} is still loaded; retry later")
         if self._fabric._reach(agent_name) is None:
             raise BackendError(f"make_connection: agent {agent_name!r} is gone", peer_lost=True)
-        remote = RemoteAgent(engine_id, incarnation, agent_name, layout)
+        remote = RemoteAgent(engine_id, incarnation, agent_name, layout, local_layout)
         self._remotes.add(remote)
         return remote
 
@@ -208,7 +209,12 @@ class MemoryBackend:
         peer = self._peer(remote)
         if faults.read_error is not None:
             raise BackendError(f"transfer: {faults.read_error}")
-        _copy_blocks(self._blocks, local_indices, peer._blocks, remote_indices)
+        _copy_blocks(
+            _view_bytes(self._blocks, self._layout, remote.local_layout),
+            local_indices,
+            _view_bytes(peer._blocks, peer._layout, remote.layout),
+            remote_indices,
+        )
         self._fabric.reads += 1
         peer._deliver(self._agent_name, notification)
 
@@ -256,6 +262,17 @@ class MemoryBackend:
         with trio.move_on_after(seconds):
             await self._closing.wait()
             raise BackendClosing
+
+
+def _view_bytes(
+    blocks: list[npt.NDArray[np.uint8]], layout: KVLayout, view: KVLayout
+) -> list[npt.NDArray[np.uint8]]:
+    """The byte ranges of ``view`` (a head slice of ``layout``) in each region's blocks."""
+    offsets = [v - b for v, b in zip(view.base_addrs, layout.base_addrs, strict=True)]
+    return [
+        region[:, offset : offset + length]
+        for region, offset, length in zip(blocks, offsets, view.block_lens, strict=True)
+    ]
 
 
 def _copy_blocks(

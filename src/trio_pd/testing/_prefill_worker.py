@@ -38,7 +38,7 @@ from .._exposures import Released
 from .._groups import unwrapped_errors
 from .._records import RemoteBlocks
 from ._child import open_child, read_lines
-from ._payload import fill_blocks
+from ._payload import fill_blocks, fill_heads
 
 _STARTUP_TIMEOUT = 60.0
 
@@ -60,6 +60,11 @@ class WorkerSpec:
     ``engines == 1`` the engine is called ``engine_id``; with more, they are
     ``engine_id-0``, ``engine_id-1``, ... (one process can host many cheap
     engines for benchmarks). ``port`` applies to a single engine only.
+
+    ``tp_rank``/``tp_size`` make the (single) engine one rank of a
+    tensor-parallel engine (``port`` is then its base port, and must be
+    given); ``payload`` says how ``expose`` fills blocks: ``"blocks"``
+    (:func:`fill_blocks`) or ``"heads"`` (:func:`fill_heads`, for TP).
     """
 
     engine_id: str
@@ -71,6 +76,11 @@ class WorkerSpec:
     host: str = "127.0.0.1"
     port: int = 0
     config: Mapping[str, Any] = attrs.field(factory=dict)
+    tp_rank: int = 0
+    tp_size: int = 1
+    payload: str = attrs.field(
+        default="blocks", validator=attrs.validators.in_(("blocks", "heads"))
+    )
 
     def to_json(self) -> str:
         return json.dumps(attrs.asdict(self))
@@ -128,7 +138,7 @@ async def _child_main(spec: WorkerSpec, protocol_fd: int) -> None:
         cid = command.get("id")
         try:
             conn, kv_caches = engines[int(command.get("engine", 0))]
-            result = await _run_command(conn, kv_caches, command)
+            result = await _run_command(conn, kv_caches, command, spec)
         except Exception as exc:
             await reply({"id": cid, "error": str(exc), "type": type(exc).__name__})
         else:
@@ -140,7 +150,13 @@ async def _child_main(spec: WorkerSpec, protocol_fd: int) -> None:
         ]
         port = spec.port if spec.engines == 1 else 0
         async with open_connector(
-            engine_id, kv_caches, host=spec.host, port=port, config=config
+            engine_id,
+            kv_caches,
+            host=spec.host,
+            port=port,
+            config=config,
+            tp_rank=spec.tp_rank,
+            tp_size=spec.tp_size,
         ) as conn:
             engines.append((conn, kv_caches))
             task_status.started()
@@ -168,12 +184,19 @@ async def _child_main(spec: WorkerSpec, protocol_fd: int) -> None:
         nursery.cancel_scope.cancel()
 
 
+def _fill(spec: WorkerSpec, kv_caches: Sequence[Any], block_ids: Sequence[int], seed: int) -> None:
+    if spec.payload == "heads":
+        fill_heads(kv_caches, spec.tp_rank, block_ids, seed)
+    else:
+        fill_blocks(kv_caches, block_ids, seed)
+
+
 async def _run_command(
-    conn: Connector, kv_caches: Sequence[Any], command: dict[str, Any]
+    conn: Connector, kv_caches: Sequence[Any], command: dict[str, Any], spec: WorkerSpec
 ) -> dict[str, Any]:
     op = command.get("op")
     if op == "expose":
-        fill_blocks(kv_caches, command["block_ids"], int(command["seed"]))
+        _fill(spec, kv_caches, command["block_ids"], int(command["seed"]))
         remote = conn.expose(
             command["request_id"], command["block_ids"], int(command.get("consumers", 1))
         )
@@ -181,7 +204,7 @@ async def _run_command(
     if op == "expose_many":  # [[request_id, block_ids, seed], ...], consumers 1
         params = []
         for request_id, block_ids, seed in command["requests"]:
-            fill_blocks(kv_caches, block_ids, int(seed))
+            _fill(spec, kv_caches, block_ids, int(seed))
             params.append(conn.expose(request_id, block_ids).to_kv_transfer_params())
         return {"kv_transfer_params": params}
     if op == "wait_released":
