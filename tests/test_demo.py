@@ -65,3 +65,28 @@ async def test_keygen_prints_a_usable_key_pair() -> None:
     keys = json.loads(done.stdout)
     auth = trio_pd.CurveAuth(public_key=keys["public_key"], secret_key=keys["secret_key"])
     assert auth.public_key == keys["public_key"]
+
+
+async def test_the_demo_with_tensor_parallel_engines_verifies_every_head() -> None:
+    code, summary = await _run("demo", *SMALL, "--prefill-tp", "2", "--decode-tp", "4")
+    assert code == 0
+    assert summary["verified"] is True
+    assert summary["requests_ok"] == 12
+    assert summary["requests_corrupt"] == 0
+    assert (summary["prefill_tp"], summary["decode_tp"]) == (2, 4)
+    assert summary["handshakes"] == 2 * 4  # each decode rank: its prefill rank of 2 engines
+
+
+async def test_the_demo_with_tensor_parallel_survives_a_killed_engine() -> None:
+    code, summary = await _run(
+        "demo", *SMALL, "--prefill-tp", "2", "--decode-tp", "1", "--kill-engine-after", "4"
+    )
+    assert code == 0
+    assert summary["requests_corrupt"] == 0
+    assert summary["requests_failed"] >= 1
+    assert all("prefill-1" in str(e) for e in summary["errors"])  # type: ignore[attr-defined]
+
+
+async def test_the_demo_refuses_options_it_cannot_run() -> None:
+    code, _ = await _run("demo", "--prefill-tp", "3")
+    assert code != 0

@@ -186,3 +186,16 @@ def test_part_layouts_pair_equal_sized_views() -> None:
     assert local_view is local
     assert remote_view.block_lens == local.block_lens
     assert remote_view.base_addrs[0] == remote.base_addrs[0] + local.block_lens[0]
+
+
+def test_head_payloads_catch_a_head_from_the_wrong_rank_or_block() -> None:
+    from trio_pd.testing import fill_heads, mismatched_heads
+
+    rank0 = [torch.zeros((4, 2, 8), dtype=torch.float16) for _ in range(2)]
+    fill_heads(rank0, 0, [0, 1, 2, 3], seed=3)
+    assert mismatched_heads(rank0, 0, [0, 1, 2, 3], [0, 1, 2, 3], 3) == []
+    assert mismatched_heads(rank0, 1, [0, 1], [0, 1], 3) == [0, 1]  # rank 1's heads differ
+    assert mismatched_heads(rank0, 0, [0, 1], [1, 0], 3) == [0, 1]  # blocks swapped
+    assert mismatched_heads(rank0, 0, [0], [0], 4) == [0]  # another seed
+    rank0[1][2, 1, 0] += 1  # one element of one head of one region
+    assert mismatched_heads(rank0, 0, [0, 1, 2, 3], [0, 1, 2, 3], 3) == [2]

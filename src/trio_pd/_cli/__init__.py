@@ -52,6 +52,20 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="kill the last prefill engine after N requests",
     )
+    demo.add_argument(
+        "--prefill-tp",
+        type=int,
+        default=defaults.prefill_tp,
+        metavar="N",
+        help="tensor-parallel size of each prefill engine (N processes each)",
+    )
+    demo.add_argument(
+        "--decode-tp",
+        type=int,
+        default=defaults.decode_tp,
+        metavar="M",
+        help="tensor-parallel size of the decode engine (M connectors)",
+    )
     demo.add_argument("--json", action="store_true", help="print the summary as JSON")
     commands.add_parser(
         "keygen",
@@ -80,8 +94,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         seed=args.seed,
         slow_engine_delay=args.slow_engine_delay,
         kill_engine_after=args.kill_engine_after,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
         progress=not args.json,
     )
+    try:
+        options.check()
+    except ValueError as exc:
+        sys.exit(f"trio-pd demo: {exc}")
     summary = trio.run(run_demo, options)
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
     sys.exit(0 if summary["verified"] else 1)

@@ -1,9 +1,11 @@
 """``trio-pd demo``: a small but real P/D deployment on one machine.
 
 * ``prefill_engines`` prefill engines, each its own process with its own KV
-  cache (``regions`` x ``blocks`` x ``block_bytes``) and connector;
+  cache (``regions`` x ``blocks`` x ``block_bytes``) and connector -- or, with
+  ``prefill_tp`` > 1, that many processes per engine, one per rank, each with
+  its share of the KV heads;
 * one decode engine: this process, with a connector on a KV cache of the same
-  layout;
+  layout (``decode_tp`` connectors, one per rank, with ``decode_tp`` > 1);
 * a driver (also this process) that plays the P/D proxy: for each request it
   picks a prefill engine, allocates blocks there, has the engine fill them with
   request-specific content and ``expose`` them, forwards the
@@ -19,14 +21,13 @@ with clear errors; the others go on).
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import random
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any, TypeVar
 
 import attrs
 import numpy as np
@@ -34,8 +35,10 @@ import trio
 
 from .._config import ConnectorConfig
 from .._connector import Connector, open_connector
+from .._groups import unwrapped_errors
 from .._records import RemoteBlocks
-from ..testing._payload import mismatched_blocks
+from ..testing._child import free_port_range
+from ..testing._payload import mismatched_blocks, mismatched_heads
 from ..testing._prefill_worker import PrefillWorker, WorkerError, WorkerSpec, open_prefill_workers
 from ..testing._relay import open_delay_relays
 from ..testing._stall import LoopStallMonitor
@@ -54,8 +57,37 @@ class DemoOptions:
     slow_engine_delay: float = 0.0
     """One-way latency added in front of engine 0's side channel (0: none)."""
     kill_engine_after: int = 0
-    """Kill the last prefill engine after this many requests (0: never)."""
+    """Kill the last prefill engine (all its ranks) after this many requests (0: never)."""
+    prefill_tp: int = 1
+    decode_tp: int = 1
     progress: bool = True
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return self.prefill_tp > 1 or self.decode_tp > 1
+
+    @property
+    def total_heads(self) -> int:
+        """KV heads per block of a whole engine (with tensor parallelism)."""
+        return 2 * max(self.prefill_tp, self.decode_tp)
+
+    def rank_block_shape(self, tp_size: int) -> tuple[int, ...]:
+        """The block shape of one rank's region tensors (float16)."""
+        if not self.tensor_parallel:
+            return (self.block_bytes // 2,)
+        return (self.total_heads // tp_size, self.block_bytes // self.total_heads // 2)
+
+    def check(self) -> None:
+        """Raise ``ValueError`` for options that cannot run."""
+        if self.max_prompt_blocks > self.blocks:
+            raise ValueError("max_prompt_blocks cannot exceed blocks")
+        for name in ("prefill_tp", "decode_tp"):
+            if getattr(self, name) not in (1, 2, 4, 8):
+                raise ValueError(f"{name} must be 1, 2, 4 or 8")
+        if self.tensor_parallel and self.block_bytes % (2 * self.total_heads):
+            raise ValueError(f"block_bytes must split into {self.total_heads} KV heads of float16")
+        if self.slow_engine_delay and self.prefill_tp > 1:
+            raise ValueError("--slow-engine-delay works with --prefill-tp 1 only")
 
 
 class BlockPool:
@@ -95,40 +127,60 @@ async def run_demo(options: DemoOptions) -> dict[str, Any]:
     import torch
 
     o = options
-    if o.max_prompt_blocks > o.blocks:
-        raise ValueError("max_prompt_blocks cannot exceed blocks")
+    o.check()
     rng = random.Random(o.seed)
-    block_shape = (o.block_bytes // 2,)
-    specs = [
-        WorkerSpec(f"prefill-{i}", regions=o.regions, blocks=o.blocks, block_shape=block_shape)
-        for i in range(o.prefill_engines)
-    ]
-    local = [torch.zeros((o.blocks, *block_shape), dtype=torch.float16) for _ in range(o.regions)]
+    specs = []
+    for i in range(o.prefill_engines):
+        base = free_port_range(o.prefill_tp) if o.prefill_tp > 1 else 0
+        specs += [
+            WorkerSpec(
+                f"prefill-{i}",
+                regions=o.regions,
+                blocks=o.blocks,
+                block_shape=o.rank_block_shape(o.prefill_tp),
+                port=base,
+                tp_rank=rank,
+                tp_size=o.prefill_tp,
+                payload="heads" if o.tensor_parallel else "blocks",
+            )
+            for rank in range(o.prefill_tp)
+        ]
     tally = _Tally()
     monitor = LoopStallMonitor()
     started = time.perf_counter()
-    async with open_prefill_workers(specs) as workers:
+    async with open_prefill_workers(specs) as workers, AsyncExitStack() as decoders_stack:
         startup = time.perf_counter() - started
-        targets = [(w.host, w.port) for w in workers]
+        engines = [workers[i : i + o.prefill_tp] for i in range(0, len(workers), o.prefill_tp)]
         delay = o.slow_engine_delay
-        relays = open_delay_relays(targets[:1], delay) if delay else _no_relays()
-        async with relays as relay_ports:
-            config = ConnectorConfig(handshake_timeout=max(5.0, 20 * delay))
-            async with open_connector("decode-0", local, config=config) as decoder:
-                # What a serving process does after start-up: move the long-lived
-                # objects (torch, numpy, ...) out of the collector's way, so a
-                # full collection does not stall the loop for tens of ms.
-                gc.collect()
-                gc.freeze()
-                trio.lowlevel.add_instrument(monitor)
-                try:
-                    run_started = time.perf_counter()
-                    await _drive(o, rng, workers, relay_ports, decoder, local, tally)
-                    elapsed = time.perf_counter() - run_started
-                finally:
-                    trio.lowlevel.remove_instrument(monitor)
-                    gc.unfreeze()
-                stats = decoder.statistics()
+        targets = [(e[0].host, e[0].port) for e in engines[:1]]
+        relays = open_delay_relays(targets, delay) if delay else _no_relays()
+        relay_ports = await decoders_stack.enter_async_context(relays)
+        config = ConnectorConfig(handshake_timeout=max(5.0, 20 * delay))
+        base = free_port_range(o.decode_tp) if o.decode_tp > 1 else 0
+        decoders: list[tuple[Connector, list[Any]]] = []
+        for rank in range(o.decode_tp):
+            shape = (o.blocks, *o.rank_block_shape(o.decode_tp))
+            local = [torch.zeros(shape, dtype=torch.float16) for _ in range(o.regions)]
+            conn = await decoders_stack.enter_async_context(
+                open_connector(
+                    "decode-0", local, port=base, config=config, tp_rank=rank, tp_size=o.decode_tp
+                )
+            )
+            decoders.append((conn, local))
+        # What a serving process does after start-up: move the long-lived
+        # objects (torch, numpy, ...) out of the collector's way, so a full
+        # collection does not stall the loop for tens of ms.
+        gc.collect()
+        gc.freeze()
+        trio.lowlevel.add_instrument(monitor)
+        try:
+            run_started = time.perf_counter()
+            await _drive(o, rng, engines, relay_ports, decoders, tally)
+            elapsed = time.perf_counter() - run_started
+        finally:
+            trio.lowlevel.remove_instrument(monitor)
+            gc.unfreeze()
+        stats = [conn.statistics() for conn, _ in decoders]
     if o.progress and sys.stderr.isatty():
         print(file=sys.stderr)
     latencies = np.asarray(tally.latencies or [0.0]) * 1e3
@@ -140,8 +192,10 @@ async def run_demo(options: DemoOptions) -> dict[str, Any]:
         "requests_failed": tally.failed,
         "requests_corrupt": tally.corrupt,
         "prefill_engines": o.prefill_engines,
-        "handshakes": stats.handshakes_succeeded,
-        "handshakes_failed": stats.handshakes_failed,
+        "prefill_tp": o.prefill_tp,
+        "decode_tp": o.decode_tp,
+        "handshakes": sum(s.handshakes_succeeded for s in stats),
+        "handshakes_failed": sum(s.handshakes_failed for s in stats),
         "handshake_ms_max": round(max(waits) * 1e3, 1),
         "handshake_ms_mean": round(sum(waits) / len(waits) * 1e3, 1),
         "pull_p50_ms": round(float(np.percentile(latencies, 50)), 2),
@@ -160,48 +214,55 @@ async def run_demo(options: DemoOptions) -> dict[str, Any]:
 async def _drive(
     o: DemoOptions,
     rng: random.Random,
-    workers: list[PrefillWorker],
+    engines: list[list[PrefillWorker]],
     relay_ports: list[int],
-    decoder: Connector,
-    local: list[Any],
+    decoders: list[tuple[Connector, list[Any]]],
     tally: _Tally,
 ) -> None:
     local_pool = BlockPool(o.blocks, rng)
-    remote_pools = [BlockPool(o.blocks, rng) for _ in workers]
+    remote_pools = [BlockPool(o.blocks, rng) for _ in engines]
     slots = trio.Semaphore(o.concurrency)
 
     async def one_request(n: int, engine: int, prompt_blocks: int, seed: int) -> None:
-        worker = workers[engine]
+        ranks = engines[engine]
         rid = f"req-{n}"
         remote_ids = await remote_pools[engine].take(prompt_blocks)
         local_ids = await local_pool.take(prompt_blocks)
         try:
-            # prefill: the engine computes (here: fills) the blocks and exposes them
-            remote = await worker.expose(rid, remote_ids, seed)
+            # prefill: every rank computes (here: fills) its share of the blocks
+            # and exposes them; the proxy forwards rank 0's kv_transfer_params
+            remote = (await _each_rank(lambda w: w.expose(rid, remote_ids, seed), ranks))[0]
             if engine == 0 and relay_ports:
                 remote = attrs.evolve(remote, host="127.0.0.1", port=relay_ports[0])
-            # the proxy forwards kv_transfer_params; the decoder pulls
             params = remote.to_kv_transfer_params()
-            result = await decoder.pull(
-                rid, local_ids, RemoteBlocks.from_kv_transfer_params(params)
+            # decode: every decode rank pulls the heads it needs
+            results = await _each_rank(
+                lambda d: d[0].pull(rid, local_ids, RemoteBlocks.from_kv_transfer_params(params)),
+                decoders,
             )
-            if result.handshake_wait > 0.001 and worker.engine_id not in tally.handshake_waits:
-                tally.handshake_waits[worker.engine_id] = result.handshake_wait
+            wait = max(r.handshake_wait for r in results)
+            if wait > 0.001 and ranks[0].engine_id not in tally.handshake_waits:
+                tally.handshake_waits[ranks[0].engine_id] = wait
             # verify off the loop: it is the demo's work, not the connector's
-            if await trio.to_thread.run_sync(mismatched_blocks, local, local_ids, seed):
+            if await trio.to_thread.run_sync(_corrupt, o, decoders, local_ids, remote_ids, seed):
                 tally.corrupt += 1
             tally.ok += 1
-            tally.bytes += result.bytes
-            tally.latencies.append(result.seconds)
+            tally.bytes += sum(r.bytes for r in results)
+            tally.latencies.append(max(r.seconds for r in results))
         except Exception as exc:  # a failed request is reported, the rest go on
             tally.failed += 1
-            tally.errors.append(f"{rid} ({worker.engine_id}): {type(exc).__name__}: {exc}")
+            tally.errors.append(f"{rid} ({ranks[0].engine_id}): {type(exc).__name__}: {exc}")
             remote_pools[engine].give_back(remote_ids)
         else:
             # the prefill engine frees its blocks once they were read; if it
             # died meanwhile, they are gone with it
-            with contextlib.suppress(WorkerError):
-                await worker.wait_released(rid)
+            released = True
+            for worker in ranks:
+                try:
+                    await worker.wait_released(rid)
+                except WorkerError:
+                    released = False
+            if released:
                 remote_pools[engine].give_back(remote_ids)
         finally:
             local_pool.give_back(local_ids)
@@ -212,13 +273,51 @@ async def _drive(
 
     async with trio.open_nursery() as nursery:
         for n in range(o.requests):
-            if o.kill_engine_after and n == o.kill_engine_after and len(workers) > 1:
-                workers[-1].kill()
-            engine = n % len(workers)
+            if o.kill_engine_after and n == o.kill_engine_after and len(engines) > 1:
+                for worker in engines[-1]:
+                    worker.kill()
+            engine = n % len(engines)
             prompt_blocks = rng.randint(1, o.max_prompt_blocks)
             seed = rng.getrandbits(32)
             await slots.acquire()
             nursery.start_soon(one_request, n, engine, prompt_blocks, seed)
+
+
+_R = TypeVar("_R")
+_A = TypeVar("_A")
+
+
+async def _each_rank(call: Callable[[_A], Awaitable[_R]], ranks: Sequence[_A]) -> list[_R]:
+    """``call`` for every rank concurrently; results in rank order.
+
+    If one fails, the others are cancelled and that error propagates (a
+    group only if several fail at once, which the caller reports as one).
+    """
+    results: dict[int, _R] = {}
+
+    async def run(index: int, rank: _A) -> None:
+        results[index] = await call(rank)
+
+    async with unwrapped_errors(), trio.open_nursery() as nursery:
+        for index, rank in enumerate(ranks):
+            nursery.start_soon(run, index, rank)
+    return [results[i] for i in range(len(ranks))]
+
+
+def _corrupt(
+    o: DemoOptions,
+    decoders: list[tuple[Connector, list[Any]]],
+    local_ids: list[int],
+    remote_ids: list[int],
+    seed: int,
+) -> bool:
+    """Whether any decode rank holds a byte other than the prefill ranks wrote."""
+    if not o.tensor_parallel:
+        return bool(mismatched_blocks(decoders[0][1], local_ids, seed))
+    return any(
+        mismatched_heads(local, rank, local_ids, remote_ids, seed)
+        for rank, (_, local) in enumerate(decoders)
+    )
 
 
 @asynccontextmanager
