@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,9 @@ from trio_pd.testing import (
     PrefillWorker,
     WorkerSpec,
     encode_notification,
+    free_port_range,
     mismatched_blocks,
+    mismatched_heads,
     open_delay_relays,
     open_prefill_worker,
     open_prefill_workers,
@@ -415,12 +418,87 @@ async def bench_scale(quick: bool) -> Result:
     }
 
 
+# ---- 7. tensor parallelism ------------------------------------------------------------
+
+
+async def bench_tp_throughput(quick: bool) -> Result:
+    """The same request bytes moved between engines of various TP sizes.
+
+    Every decode rank pulls the request at once (each its heads); the rate is
+    the engine's bytes over the time until the last decode rank is done.
+    Compared with TP 1 -> 1 and 2 -> 2 on the same bytes, interleaved.
+    """
+    total = (64 if quick else 256) << 20
+    regions, heads, head_bytes, reps = 16, 8, 8192, 5
+    blocks = total // (regions * heads * head_bytes)
+    pairs = [(1, 1), (2, 2), (2, 1), (1, 2)]  # (prefill TP, decode TP)
+    ids = list(range(blocks))
+    rates: dict[str, list[float]] = {f"{p} -> {d}": [] for p, d in pairs}
+    async with AsyncExitStack() as stack:
+        setups = []
+        for n, (ptp, dtp) in enumerate(pairs):
+            base = free_port_range(ptp) if ptp > 1 else 0
+            specs = [
+                WorkerSpec(
+                    f"tp{n}",
+                    regions=regions,
+                    blocks=blocks,
+                    block_shape=(heads // ptp, head_bytes // 2),
+                    port=base,
+                    tp_rank=rank,
+                    tp_size=ptp,
+                    payload="heads",
+                )
+                for rank in range(ptp)
+            ]
+            workers = await stack.enter_async_context(
+                open_prefill_workers(specs, startup_timeout=300)
+            )
+            decoders = []
+            dbase = free_port_range(dtp) if dtp > 1 else 0
+            for rank in range(dtp):
+                local = [
+                    torch.zeros((blocks, heads // dtp, head_bytes // 2), dtype=torch.float16)
+                    for _ in range(regions)
+                ]
+                conn = await stack.enter_async_context(
+                    trio_pd.open_connector(f"tpd{n}", local, port=dbase, tp_rank=rank, tp_size=dtp)
+                )
+                decoders.append((conn, local))
+            setups.append((f"{ptp} -> {dtp}", workers, decoders))
+        for rep in range(-1, reps):  # rep -1: warm-up (handshakes, first touch)
+            for name, workers, decoders in setups:
+                rid = f"r{rep}"
+                remotes = [await w.expose(rid, ids, seed=rep + 2) for w in workers]
+                started = time.perf_counter()
+                async with trio.open_nursery() as nursery:
+                    for conn, _ in decoders:
+                        nursery.start_soon(conn.pull, rid, ids, remotes[0])
+                seconds = time.perf_counter() - started
+                if rep >= 0:
+                    rates[name].append(total / seconds / 1e9)
+                if rep == 0:
+                    for rank, (_, local) in enumerate(decoders):
+                        assert mismatched_heads(local, rank, ids, ids, rep + 2) == []
+                for worker in workers:
+                    await worker.wait_released(rid)
+    medians = {k: round(statistics.median(v), 2) for k, v in rates.items()}
+    return {
+        "bytes": total,
+        "GB_per_s": medians,
+        "all_GB_per_s": {k: [round(x, 2) for x in v] for k, v in rates.items()},
+        "ratio_to_1_1": {k: round(v / medians["1 -> 1"], 3) for k, v in medians.items()},
+        "ratio_to_2_2": {k: round(v / medians["2 -> 2"], 3) for k, v in medians.items()},
+    }
+
+
 BENCHMARKS: dict[str, Callable[[bool], Awaitable[Result]]] = {
     "head_of_line": bench_head_of_line,
     "cold_fan_out": bench_cold_fan_out,
     "loop_stall": bench_loop_stall,
     "throughput": bench_throughput,
     "small_pulls": bench_small_pulls,
+    "tp_throughput": bench_tp_throughput,
     "scale": bench_scale,
 }
 

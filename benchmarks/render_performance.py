@@ -256,6 +256,32 @@ def render(results: dict[str, Any]) -> str:
             ),
             "",
         ]
+    if "tp_throughput" in r:
+        t = r["tp_throughput"]
+        out += [
+            "## 7. Tensor parallelism",
+            "",
+            f"One request of {t['bytes'] >> 20} MiB (16 regions, 8 KV heads of 8 KiB per "
+            "block) moved between engines of the tensor-parallel sizes shown; every "
+            "decode rank pulls its heads at once, from every prefill rank that holds "
+            "them (each prefill rank its own process). Rate: the request's bytes over "
+            "the time until the last decode rank is done; median of 5, interleaved.",
+            "",
+            _table(
+                ["prefill TP -> decode TP", "GB/s", "ratio to 1 -> 1", "ratio to 2 -> 2"],
+                [
+                    [k, v, t["ratio_to_1_1"][k], t["ratio_to_2_2"][k]]
+                    for k, v in t["GB_per_s"].items()
+                ],
+            ),
+            "",
+            "With a smaller decode TP (2 -> 1) each descriptor is a head slice of a "
+            "local block, half a block here, and the two parts run as separate "
+            "transfers; with a larger one (1 -> 2) two decode ranks read halves of "
+            "one prefill rank's blocks. Equal TP moves whole blocks rank to rank, "
+            "in parallel.",
+            "",
+        ]
     out += ["## Goals", "", _table(["goal", "measured", "target", ""], checks), ""]
     for name, error in results.get("failed", {}).items():
         out += [f"**Benchmark `{name}` failed in this run:** {error}", ""]
