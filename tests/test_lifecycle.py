@@ -130,3 +130,19 @@ async def test_a_tensor_shared_by_two_regions_is_registered_once() -> None:
             await consumer.pull("r", [1], producer.expose("r", [3]))
         # Both connectors closed without a crash, and each region got its block.
         assert [float(t[1].unique()) for t in local] == [7.0, 5.0, 7.0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"tp_rank": 2, "tp_size": 2, "port": 6000}, r"tp_rank 2 is outside range\(2\)"),
+        ({"tp_rank": 0, "tp_size": 0, "port": 6000}, "tp_size must be >= 1"),
+        ({"tp_rank": 1, "tp_size": 2}, "needs an explicit base port"),
+    ],
+)
+async def test_bad_tensor_parallel_arguments_are_value_errors(
+    kwargs: dict[str, int], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        async with trio_pd.open_connector("x", kv_cache(blocks=4), **kwargs):  # type: ignore[arg-type]
+            pass  # pragma: no cover

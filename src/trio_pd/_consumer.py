@@ -26,6 +26,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack
 from types import MappingProxyType
 from typing import NoReturn, TypeVar
 
@@ -36,7 +37,14 @@ import zmq
 from trio_util import AsyncValue
 
 from . import _protocol as protocol
-from ._backend import BackendClosing, BackendError, RemoteAgent, TransferBackend, TransferTimeout
+from ._backend import (
+    BackendClosing,
+    BackendError,
+    RemoteAgent,
+    RemoteRetired,
+    TransferBackend,
+    TransferTimeout,
+)
 from ._config import ConnectorConfig
 from ._engines import EngineEvent, EngineRecord, EngineState, FailureCause, PullAction
 from ._errors import HandshakeError, IncompatibleEngineError, TransferError
@@ -448,10 +456,18 @@ class Consumer:
         """READ ``indices`` (local, remote) with ``notification``; only notify if ``None``.
 
         The agent is leased for the transfer: it cannot be unloaded under it.
+        (A pull with several parts checkpoints between making its ranks ready
+        and leasing them; an agent retired in that gap fails the pull before
+        anything is read.)
         """
         self._pulls_in_flight.value += 1
         try:
-            async with self._backend.lease(agent):
+            async with AsyncExitStack() as lease:
+                try:
+                    await lease.enter_async_context(self._backend.lease(agent))
+                except RemoteRetired:
+                    reason = "its agent was retired (restart or lost peer) before the transfer"
+                    self._fail(request_id, local_ids, engine.rank_label + reason)
                 try:
                     if indices is None:
                         await self._backend.notify(agent, notification)
