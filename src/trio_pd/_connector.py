@@ -37,8 +37,11 @@ from ._groups import unwrapped_errors
 from ._layout import KVLayout, layout_of_tensors
 from ._nixl import NixlBackend
 from ._producer import Producer
-from ._records import ConnectorStatistics, PullResult, RemoteBlocks
+from ._records import ConnectorStatistics, PullResult, RemoteBlocks, unbracket
 from ._tp import check_tp
+
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "", "*"})
+"""Bind addresses that mean "every interface": never an address to connect to."""
 
 if TYPE_CHECKING:
     import torch
@@ -74,7 +77,11 @@ class Connector:
 
     @property
     def address(self) -> tuple[str, int]:
-        """The side channel's ``(host, port)`` as bound (the real port if 0 was asked)."""
+        """The side channel's ``(host, port)`` as bound (the real port if 0 was asked).
+
+        :meth:`expose` advertises ``advertise_host`` (default: this host) and
+        the engine's base port instead.
+        """
         return self._producer.address
 
     @property
@@ -191,6 +198,23 @@ class Connector:
         self._consumer.begin_close()
 
 
+def bind_and_advertised_hosts(host: str, advertise_host: str | None) -> tuple[str, str]:
+    """The host to bind and the host to advertise, brackets of IPv6 addresses removed.
+
+    Raises:
+        ValueError: ``host`` is a wildcard and ``advertise_host`` is not given
+            (or is a wildcard itself).
+    """
+    bind = unbracket(host)
+    advertised = bind if advertise_host is None else unbracket(advertise_host)
+    if advertised in WILDCARD_HOSTS:
+        raise ValueError(
+            f"the side channel binds {host!r}, which consumers cannot connect to: pass "
+            "advertise_host=<this engine's address on the consumers' network>"
+        )
+    return ("0.0.0.0" if bind in ("", "*") else bind), advertised
+
+
 @asynccontextmanager
 async def open_connector(
     engine_id: str,
@@ -201,6 +225,7 @@ async def open_connector(
     config: ConnectorConfig | None = None,
     tp_rank: int = 0,
     tp_size: int = 1,
+    advertise_host: str | None = None,
     backend: BackendFactory | None = None,
 ) -> AsyncIterator[Connector]:
     """Open a connector for one engine and run its tasks for the block's duration.
@@ -222,9 +247,14 @@ async def open_connector(
             device; contiguous; no two may overlap, but the same tensor may
             appear more than once (shared layers). They stay registered until
             the block exits.
-        host, port: side-channel bind address, also advertised in
-            :class:`RemoteBlocks`. ``port`` is the engine's *base* port: rank
-            ``tp_rank`` binds ``port + tp_rank`` (vLLM's convention).
+        host, port: the side channel's bind address. ``port`` is the engine's
+            *base* port: rank ``tp_rank`` binds ``port + tp_rank`` (vLLM's
+            convention). IPv6 addresses work (``"::1"``; brackets optional).
+        advertise_host: the host that :class:`RemoteBlocks` tell consumers
+            to connect to (default: ``host``). Needed when ``host`` is a
+            wildcard (``"0.0.0.0"``, ``"::"``, ``""``, ``"*"``), which no
+            consumer can connect to; give this engine's address on the
+            network its consumers share.
         config: deadlines, limits and NIXL options.
         tp_rank, tp_size: this connector is rank ``tp_rank`` of an engine with
             tensor-parallel size ``tp_size``; all ranks share ``engine_id``,
@@ -258,7 +288,8 @@ async def open_connector(
     Raises:
         ValueError: invalid ``engine_id`` or ``kv_caches``; ``tp_rank`` not in
             ``range(tp_size)``; ``port=0`` with ``tp_size > 1`` (the ranks'
-            ports must follow from one base port).
+            ports must follow from one base port); a wildcard ``host`` without
+            ``advertise_host``.
         BackendError: the backend could not be created (e.g. an unknown name
             in ``config.nixl_backends``) or could not register ``kv_caches``.
         OSError: the side channel cannot bind ``host:port``.
@@ -266,6 +297,7 @@ async def open_connector(
     if not isinstance(engine_id, str) or not engine_id:
         raise ValueError(f"engine_id must be a non-empty string, got {engine_id!r}")
     check_tp(tp_rank, tp_size)
+    host, advertised = bind_and_advertised_hosts(host, advertise_host)
     if tp_size > 1 and port == 0:
         raise ValueError(
             f"tp_size {tp_size} needs an explicit base port: rank r listens on port + r"
@@ -286,7 +318,15 @@ async def open_connector(
     try:
         async with unwrapped_errors(), trio.open_nursery() as nursery:
             producer = Producer(
-                engine_id, tp_rank, tp_size, incarnation, layout, transfers, context, config
+                engine_id,
+                tp_rank,
+                tp_size,
+                incarnation,
+                advertised,
+                layout,
+                transfers,
+                context,
+                config,
             )
             consumer = Consumer(
                 engine_id, tp_rank, tp_size, layout, transfers, context, config, nursery

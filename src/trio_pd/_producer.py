@@ -51,6 +51,7 @@ class Producer:
         engine_id: this engine's id.
         tp_rank, tp_size: this rank of the engine, and how many it has.
         incarnation: this connector's incarnation (random per start).
+        advertise_host: the host exposures name (consumers connect to it).
         layout: the local KV layout (described in the reply).
         backend: the transfer backend (its agent's metadata, notifications).
         zmq_context: for the listener's socket.
@@ -63,6 +64,7 @@ class Producer:
         tp_rank: int,
         tp_size: int,
         incarnation: str,
+        advertise_host: str,
         layout: KVLayout,
         backend: TransferBackend,
         zmq_context: zmq.Context[zmq.Socket[bytes]],
@@ -72,6 +74,7 @@ class Producer:
         self._tp_rank = tp_rank
         self._tp_size = tp_size
         self._incarnation = incarnation
+        self._advertise_host = advertise_host
         self._layout = layout
         self._backend = backend
         self._zmq = zmq_context
@@ -121,10 +124,10 @@ class Producer:
         self._exposures.expose(request_id, ids, consumers, deadline)
         self._release_events[request_id] = trio.Event()
         self._exposure_added.set()
-        host, port = self.address
+        _, port = self.address
         return RemoteBlocks(
             self._engine_id,
-            host,
+            self._advertise_host,
             port - self._tp_rank,  # the engine's base port, whichever rank exposes
             ids.tolist(),
             request_id,

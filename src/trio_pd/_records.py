@@ -12,6 +12,11 @@ def _block_tuple(values: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in values)
 
 
+def unbracket(host: str) -> str:
+    """``"[::1]"`` -> ``"::1"``: IPv6 addresses are kept without brackets."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
 @attrs.frozen
 class RemoteBlocks:
     """Where a consumer finds a request's blocks: the producer's answer to
@@ -19,7 +24,8 @@ class RemoteBlocks:
 
     Attributes:
         engine_id: the producer engine.
-        host: the producer's side-channel host.
+        host: the producer's side-channel host as consumers reach it (its
+            ``advertise_host``); IPv6 addresses without brackets.
         port: the producer's side-channel port: the engine's *base* port
             (rank ``r`` of a tensor-parallel engine listens on ``port + r``).
         block_ids: the producer's block ids, in the order they are read.
@@ -34,7 +40,7 @@ class RemoteBlocks:
     """
 
     engine_id: str
-    host: str
+    host: str = attrs.field(converter=unbracket)
     port: int
     block_ids: tuple[int, ...] = attrs.field(converter=_block_tuple)
     request_id: str
