@@ -11,6 +11,9 @@
   :meth:`PrefillWorker.kill` injects a crash.
 * :func:`open_delay_relays`, :func:`serve_delay_relay`: a TCP relay that adds
   latency in front of a side channel (a slow link).
+* :func:`open_test_hosts`, :class:`TestHost`: network namespaces joined by
+  veth links (root only), with rate limits and partitions; run a worker
+  inside one with ``WorkerSpec(netns=host.netns)``.
 * :class:`LoopStallMonitor`: a trio instrument measuring the longest loop stall.
 * :func:`fill_blocks`, :func:`expected_blocks`, :func:`mismatched_blocks`:
   seeded block contents, verified byte for byte across processes;
@@ -26,6 +29,7 @@
 
 from .._protocol import encode_notification
 from ._child import free_port_range
+from ._hosts import TestHost, TestHostsUnavailable, open_test_hosts
 from ._memory import MemoryBackend, MemoryFabric, MemoryFaults
 from ._payload import (
     expected_blocks,
@@ -51,6 +55,8 @@ __all__ = [
     "MemoryFabric",
     "MemoryFaults",
     "PrefillWorker",
+    "TestHost",
+    "TestHostsUnavailable",
     "WorkerError",
     "WorkerSpec",
     "encode_notification",
@@ -64,5 +70,6 @@ __all__ = [
     "open_delay_relays",
     "open_prefill_worker",
     "open_prefill_workers",
+    "open_test_hosts",
     "serve_delay_relay",
 ]

@@ -8,9 +8,10 @@ finish, kills it if it does not, reaps it and closes the pipes.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
 import trio
@@ -20,9 +21,15 @@ EXIT_TIMEOUT = 10.0
 
 
 @asynccontextmanager
-async def open_child(module: str, argument: str) -> AsyncIterator[trio.Process]:
+async def open_child(
+    module: str, argument: str, *, netns: str = "", env: Mapping[str, str] | None = None
+) -> AsyncIterator[trio.Process]:
     """Run ``module.main()`` in a new Python process, ``argument`` in ``sys.argv[1]``,
     with stdin and stdout as pipes.
+
+    ``netns``: run it in that network namespace (``ip netns exec``, which
+    execs, so the process is the Python one). ``env``: variables added to
+    this process's environment for it.
 
     (Not ``python -m module``: ``trio_pd.testing`` imports ``module`` itself,
     and runpy warns about running a module that is already imported.)
@@ -32,10 +39,12 @@ async def open_child(module: str, argument: str) -> AsyncIterator[trio.Process]:
     :data:`EXIT_TIMEOUT` seconds and killed if still running, then reaped; both
     pipes are closed.
     """
+    prefix = ["ip", "netns", "exec", netns] if netns else []
     process = await trio.lowlevel.open_process(
-        [sys.executable, "-c", f"import {module} as m; m.main()", argument],
+        [*prefix, sys.executable, "-c", f"import {module} as m; m.main()", argument],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
+        env={**os.environ, **(env or {})},
     )
     try:
         yield process

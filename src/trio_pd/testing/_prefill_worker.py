@@ -38,13 +38,22 @@ from .._exposures import Released
 from .._groups import unwrapped_errors
 from .._records import RemoteBlocks
 from ._child import open_child, read_lines
-from ._payload import fill_blocks, fill_heads
+from ._payload import fill_blocks, fill_heads, mismatched_blocks, mismatched_heads
 
 _STARTUP_TIMEOUT = 60.0
 
 
 class WorkerError(Exception):
-    """A command failed in the worker, or the worker died."""
+    """A command failed in the worker, or the worker died.
+
+    Attributes:
+        error_type: the name of the exception the worker raised (``""`` if
+            the worker died).
+    """
+
+    def __init__(self, message: str, error_type: str = "") -> None:
+        super().__init__(message)
+        self.error_type = error_type
 
 
 def _shape(values: Sequence[int]) -> tuple[int, ...]:
@@ -65,6 +74,11 @@ class WorkerSpec:
     tensor-parallel engine (``port`` is then its base port, and must be
     given); ``payload`` says how ``expose`` fills blocks: ``"blocks"``
     (:func:`fill_blocks`) or ``"heads"`` (:func:`fill_heads`, for TP).
+    ``advertise_host`` is passed to :func:`~trio_pd.open_connector`.
+
+    ``netns`` runs the process in that network namespace (a test host, see
+    :func:`open_test_hosts`); ``env`` adds environment variables (for
+    example ``{"UCX_TLS": "tcp"}``).
     """
 
     engine_id: str
@@ -81,6 +95,9 @@ class WorkerSpec:
     payload: str = attrs.field(
         default="blocks", validator=attrs.validators.in_(("blocks", "heads"))
     )
+    advertise_host: str | None = None
+    netns: str = ""
+    env: Mapping[str, str] = attrs.field(factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(attrs.asdict(self))
@@ -157,6 +174,7 @@ async def _child_main(spec: WorkerSpec, protocol_fd: int) -> None:
             config=config,
             tp_rank=spec.tp_rank,
             tp_size=spec.tp_size,
+            advertise_host=spec.advertise_host,
         ) as conn:
             engines.append((conn, kv_caches))
             task_status.started()
@@ -212,6 +230,16 @@ async def _run_command(
         return {"outcome": outcome.value}
     if op == "statistics":
         return {"statistics": attrs.asdict(conn.statistics())}
+    if op == "pull":  # this engine as a consumer: pull, then check the bytes
+        remote = RemoteBlocks.from_kv_transfer_params(command["kv_transfer_params"])
+        local_ids = command["local_block_ids"]
+        result = await conn.pull(command["request_id"], local_ids, remote)
+        seed = int(command["seed"])
+        if spec.payload == "heads":
+            bad = mismatched_heads(kv_caches, spec.tp_rank, local_ids, remote.block_ids, seed)
+        else:
+            bad = mismatched_blocks(kv_caches, local_ids, seed)
+        return {"bytes": result.bytes, "seconds": result.seconds, "mismatched": bad}
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -295,6 +323,34 @@ class PrefillWorker:
         stats: dict[str, Any] = reply["statistics"]
         return stats
 
+    async def pull(
+        self,
+        request_id: str,
+        local_block_ids: Sequence[int],
+        remote: RemoteBlocks,
+        seed: int,
+        *,
+        engine: int = 0,
+    ) -> dict[str, Any]:
+        """Pull ``remote`` into this worker's ``engine`` (a consumer in its own process).
+
+        Returns ``{"bytes", "seconds", "mismatched"}``: the local block ids
+        whose bytes differ from what ``seed`` stands for (``[]`` when all
+        arrived intact).
+
+        Raises:
+            WorkerError: the pull failed; ``error_type`` names the exception
+                (``"TransferError"``, ``"HandshakeError"``, ...).
+        """
+        return await self._call(
+            op="pull",
+            engine=engine,
+            request_id=request_id,
+            local_block_ids=[int(b) for b in local_block_ids],
+            kv_transfer_params=remote.to_kv_transfer_params(),
+            seed=seed,
+        )
+
     def kill(self) -> None:
         """SIGKILL the worker (fault injection)."""
         self.process.send_signal(signal.SIGKILL)
@@ -317,7 +373,9 @@ class PrefillWorker:
         if "error" in reply:
             if reply.get("type") == "ValueError":
                 raise ValueError(reply["error"])
-            raise WorkerError(f"worker {self.engine_id!r}: {reply['type']}: {reply['error']}")
+            raise WorkerError(
+                f"worker {self.engine_id!r}: {reply['type']}: {reply['error']}", reply["type"]
+            )
         return reply
 
     async def _read_replies(
@@ -366,7 +424,9 @@ async def open_prefill_worker(
     """
     if config is not None:
         spec = attrs.evolve(spec, config=config_overrides(config))
-    async with open_child("trio_pd.testing._prefill_worker", spec.to_json()) as process:
+    async with open_child(
+        "trio_pd.testing._prefill_worker", spec.to_json(), netns=spec.netns, env=spec.env
+    ) as process:
         worker = PrefillWorker(spec, process)
         async with unwrapped_errors(), trio.open_nursery() as nursery:
             with trio.fail_after(startup_timeout):

@@ -1,0 +1,146 @@
+"""Test hosts: network namespaces joined to this host by veth links (Linux, root).
+
+:func:`open_test_hosts` makes ``count`` namespaces. Host ``i`` is joined to
+the root namespace by a veth pair; the root side has ``198.18.i.1/24``, the
+host side ``198.18.i.2/24`` (RFC 2544's benchmarking range: private, and
+nothing is routed off the machine). A prefill engine runs inside a host with
+``open_prefill_worker(spec, netns=host.netns)``; traffic between it and the
+root namespace crosses the link, whose rate can be limited (``tc tbf``), and
+which can be cut and restored (a partition).
+
+Everything made is deleted on every exit path (the namespaces, which takes
+their veth ends with them, then any root end left).
+
+UCX caches the routing table per process: a process must create its first
+NIXL agent after the links exist to use them (run the decoder in its own
+process, or create the hosts before any agent).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import attrs
+import trio
+
+
+class TestHostsUnavailable(RuntimeError):
+    """Test hosts need root, ``ip`` and network namespaces; the message says what is missing."""
+
+    __test__ = False  # not a pytest test class
+
+
+@attrs.frozen
+class TestHost:
+    """One test host: a network namespace and its link to the root namespace.
+
+    Attributes:
+        netns: the namespace's name (``ip netns exec <netns> ...``).
+        address: the host's address, on its end of the link.
+        root_address: the root namespace's address on the same link.
+        link: the root end's interface name (its counters, its qdisc).
+        peer: the host end's interface name, inside the namespace.
+    """
+
+    __test__ = False  # not a pytest test class
+
+    netns: str
+    address: str
+    root_address: str
+    link: str
+    peer: str
+
+    def link_bytes(self) -> int:
+        """Bytes the link's root end sent and received so far."""
+        stats = Path("/sys/class/net") / self.link / "statistics"
+        return sum(int((stats / name).read_text()) for name in ("rx_bytes", "tx_bytes"))
+
+    async def limit_rate(self, rate: str, *, burst: str = "64kb") -> None:
+        """Limit the link to ``rate`` (``tc`` syntax, e.g. ``"200mbit"``) both ways."""
+        for prefix in ([], ["ip", "netns", "exec", self.netns]):
+            dev = self.link if not prefix else self.peer
+            await _run(
+                *prefix, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
+                "rate", rate, "burst", burst, "latency", "400ms",
+            )  # fmt: skip
+
+    async def cut(self) -> None:
+        """Take the link down (a partition): nothing crosses it until :meth:`restore`."""
+        await _run("ip", "link", "set", self.link, "down")
+
+    async def restore(self) -> None:
+        """Bring the link back up after :meth:`cut`."""
+        await _run("ip", "link", "set", self.link, "up")
+
+
+async def _run(*command: str) -> None:
+    result = await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False)
+    if result.returncode:
+        raise RuntimeError(f"{' '.join(command)}: {result.stderr.decode().strip()}")
+
+
+def _check_available() -> None:
+    if os.geteuid() != 0:
+        raise TestHostsUnavailable("test hosts need root (network namespaces and veth links)")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise TestHostsUnavailable(f"test hosts need {tool!r} (Debian: iproute2)")
+
+
+@asynccontextmanager
+async def open_test_hosts(count: int) -> AsyncIterator[list[TestHost]]:
+    """``count`` test hosts for the block's duration (see the module docstring).
+
+    Raises:
+        TestHostsUnavailable: not root, or ``ip``/``tc`` missing, or the
+            kernel refused to create a namespace or link.
+    """
+    _check_available()
+    tag = f"tpd{os.getpid() % 100000}"
+    hosts: list[TestHost] = []
+    made: list[TestHost] = []
+    try:
+        for i in range(count):
+            host = TestHost(
+                netns=f"{tag}h{i}",
+                address=f"198.18.{i}.2",
+                root_address=f"198.18.{i}.1",
+                link=f"{tag}r{i}",
+                peer=f"{tag}n{i}",
+            )
+            made.append(host)
+            try:
+                await _make(host)
+            except RuntimeError as exc:
+                raise TestHostsUnavailable(f"could not create test host {i}: {exc}") from exc
+            hosts.append(host)
+        yield hosts
+    finally:
+        with trio.CancelScope(shield=True):
+            await _remove(made)
+
+
+async def _make(host: TestHost) -> None:
+    netns = ["ip", "-n", host.netns]
+    await _run("ip", "netns", "add", host.netns)
+    await _run("ip", "link", "add", host.link, "type", "veth", "peer", "name", host.peer)
+    await _run("ip", "link", "set", host.peer, "netns", host.netns)
+    await _run("ip", "addr", "add", f"{host.root_address}/24", "dev", host.link)
+    await _run("ip", "link", "set", host.link, "up")
+    await _run(*netns, "addr", "add", f"{host.address}/24", "dev", host.peer)
+    await _run(*netns, "link", "set", host.peer, "up")
+    await _run(*netns, "link", "set", "lo", "up")
+
+
+async def _remove(hosts: Sequence[TestHost]) -> None:
+    """Delete what :func:`_make` made, whatever of it exists; never raises."""
+    for host in hosts:
+        for command in (
+            ("ip", "netns", "del", host.netns),
+            ("ip", "link", "del", host.link),
+        ):
+            await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False)

@@ -1,0 +1,124 @@
+"""Across hosts: UCX over TCP on a veth link to a test host, and partitions.
+
+The prefill engine runs in a network namespace (a test host), the decoder in
+a process of its own in the root namespace (UCX reads the routing table once
+per process, so the decoder must start after the link exists). UCX is forced
+to TCP so that the data plane crosses the link; the link's byte counters
+prove it did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+
+import trio_pd
+from trio_pd.testing import (
+    PrefillWorker,
+    TestHost,
+    TestHostsUnavailable,
+    WorkerError,
+    WorkerSpec,
+    open_prefill_worker,
+    open_test_hosts,
+)
+from trio_pd.testing._prefill_worker import config_overrides
+
+pytestmark = pytest.mark.slow
+
+TCP = {"UCX_TLS": "tcp"}
+SPEC = {"regions": 4, "blocks": 64, "block_shape": (16384,), "dtype": "float16"}  # 32 KiB blocks
+CONFIG = trio_pd.ConnectorConfig(
+    handshake_timeout=2.0,
+    transfer_timeout=3.0,
+    close_timeout=2.0,
+    abort_timeout=3.0,
+    backoff_initial=0.2,
+    backoff_max=0.4,
+)
+
+
+@asynccontextmanager
+async def far_and_near() -> AsyncIterator[tuple[TestHost, PrefillWorker, PrefillWorker]]:
+    """A prefill engine on a test host, and a decoder here, both on UCX over TCP."""
+    overrides = config_overrides(CONFIG)
+    async with open_test_hosts(1) as [host]:
+        far = WorkerSpec(
+            "far", host=host.address, netns=host.netns, env=TCP, config=overrides, **SPEC
+        )
+        near = WorkerSpec("decoder", env=TCP, config=overrides, **SPEC)
+        async with open_prefill_worker(far) as prefill, open_prefill_worker(near) as decoder:
+            yield host, prefill, decoder
+
+
+async def test_the_data_plane_crosses_the_link_over_tcp() -> None:
+    with trio.fail_after(120):
+        async with far_and_near() as (host, prefill, decoder):
+            remote = await prefill.expose("r", list(range(64)), seed=3)
+            assert remote.host == host.address
+            before = host.link_bytes()
+            result = await decoder.pull("r", list(range(64)), remote, seed=3)
+            assert result["mismatched"] == []
+            assert result["bytes"] == 64 * 4 * 32768
+            assert host.link_bytes() - before >= result["bytes"]
+            assert await prefill.wait_released("r") is trio_pd.Released.READ
+
+
+async def test_a_partition_before_the_handshake_then_a_restored_link() -> None:
+    with trio.fail_after(120):
+        async with far_and_near() as (host, prefill, decoder):
+            first = await prefill.expose("first", [1, 2], seed=5)
+            await host.cut()
+            started = trio.current_time()
+            with pytest.raises(WorkerError) as info:
+                await decoder.pull("first", [1, 2], first, seed=5)
+            assert info.value.error_type == "HandshakeError"
+            assert "no reply" in str(info.value)
+            assert trio.current_time() - started < CONFIG.handshake_timeout + 1.0
+            await host.restore()
+            await trio.sleep(CONFIG.backoff_max)  # the backoff after the failure
+            again = await prefill.expose("again", [3, 4], seed=6)
+            result = await decoder.pull("again", [3, 4], again, seed=6)
+            assert result["mismatched"] == []
+
+
+async def test_a_partition_mid_pull_fails_it_in_bounded_time_and_the_producer_expires_it() -> None:
+    with trio.fail_after(120):
+        async with far_and_near() as (host, prefill, decoder):
+            warm = await prefill.expose("warm", [0], seed=1)
+            await decoder.pull("warm", [0], warm, seed=1)  # handshake and UCX wire-up done
+            await host.limit_rate("40mbit")  # 8 MiB: about 1.7 s on this link
+            big = await prefill.expose("big", list(range(64)), seed=2)
+            async with trio.open_nursery() as nursery:
+
+                async def cut_soon() -> None:
+                    await trio.sleep(0.3)
+                    await host.cut()
+
+                nursery.start_soon(cut_soon)
+                started = trio.current_time()
+                with pytest.raises(WorkerError) as info:
+                    await decoder.pull("big", list(range(64)), big, seed=2)
+            assert info.value.error_type == "TransferError"
+            assert "64 local blocks" in str(info.value)
+            bound = CONFIG.transfer_timeout + CONFIG.close_timeout + 1.0
+            assert trio.current_time() - started < bound
+            # The producer never hears from the consumer: the exposure expires.
+            assert await prefill.wait_released("big") is trio_pd.Released.EXPIRED
+            # It keeps serving: after the link is back, a new pull works.
+            await host.restore()
+            after = await prefill.expose("after", [5], seed=7)
+            result = await decoder.pull("after", [5], after, seed=7)
+            assert result["mismatched"] == []
+
+
+async def test_without_root_test_hosts_fail_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    with pytest.raises(TestHostsUnavailable, match="test hosts need root"):
+        async with open_test_hosts(1):
+            pass  # pragma: no cover
