@@ -90,3 +90,11 @@ async def test_the_demo_with_tensor_parallel_survives_a_killed_engine() -> None:
 async def test_the_demo_refuses_options_it_cannot_run() -> None:
     code, _ = await _run("demo", "--prefill-tp", "3")
     assert code != 0
+
+
+async def test_the_demo_across_test_hosts_over_tcp() -> None:
+    code, summary = await _run("demo", *SMALL, "--hosts", "2")
+    assert code == 0
+    assert summary["verified"] is True
+    assert summary["hosts"] == 2
+    assert summary["requests_ok"] == 12

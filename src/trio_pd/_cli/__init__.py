@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import trio
 
 from .._auth import generate_keypair
+from ..testing._hosts import TestHostsUnavailable
 from .demo import DemoOptions, format_summary, run_demo
 
 
@@ -66,6 +67,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="M",
         help="tensor-parallel size of the decode engine (M connectors)",
     )
+    demo.add_argument(
+        "--hosts",
+        type=int,
+        default=defaults.hosts,
+        metavar="N",
+        help="run the prefill engines in N test hosts (network namespaces, root only), "
+        "UCX over TCP",
+    )
     demo.add_argument("--json", action="store_true", help="print the summary as JSON")
     commands.add_parser(
         "keygen",
@@ -96,13 +105,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         kill_engine_after=args.kill_engine_after,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
+        hosts=args.hosts,
         progress=not args.json,
     )
     try:
         options.check()
     except ValueError as exc:
         sys.exit(f"trio-pd demo: {exc}")
-    summary = trio.run(run_demo, options)
+    try:
+        summary = trio.run(run_demo, options)
+    except TestHostsUnavailable as exc:
+        sys.exit(f"trio-pd demo --hosts: {exc}")
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
     sys.exit(0 if summary["verified"] else 1)
 

@@ -13,6 +13,10 @@
   and verifies every byte; the prefill blocks are freed when the engine says
   they were read (or expired).
 
+With ``hosts`` > 0 the prefill engines run in that many test hosts (network
+namespaces joined to this one by veth links; root only), and UCX is forced to
+TCP, so every block crosses a real network stack.
+
 Faults can be injected to watch the failure handling: a slow link in front of
 one engine's side channel (its handshake is slow; other engines are not
 held up), or an engine killed in the middle of the run (its requests fail
@@ -22,6 +26,7 @@ with clear errors; the others go on).
 from __future__ import annotations
 
 import gc
+import os
 import random
 import sys
 import time
@@ -38,6 +43,7 @@ from .._connector import Connector, open_connector
 from .._groups import unwrapped_errors
 from .._records import RemoteBlocks
 from ..testing._child import free_port_range
+from ..testing._hosts import TestHost, open_test_hosts
 from ..testing._payload import mismatched_blocks, mismatched_heads
 from ..testing._prefill_worker import PrefillWorker, WorkerError, WorkerSpec, open_prefill_workers
 from ..testing._relay import open_delay_relays
@@ -60,6 +66,8 @@ class DemoOptions:
     """Kill the last prefill engine (all its ranks) after this many requests (0: never)."""
     prefill_tp: int = 1
     decode_tp: int = 1
+    hosts: int = 0
+    """Run the prefill engines in this many test hosts, over TCP (0: on this host)."""
     progress: bool = True
 
     @property
@@ -88,6 +96,10 @@ class DemoOptions:
             raise ValueError(f"block_bytes must split into {self.total_heads} KV heads of float16")
         if self.slow_engine_delay and self.prefill_tp > 1:
             raise ValueError("--slow-engine-delay works with --prefill-tp 1 only")
+        if self.slow_engine_delay and self.hosts:
+            raise ValueError("--slow-engine-delay works without --hosts only")
+        if not 0 <= self.hosts <= 16:
+            raise ValueError("hosts must be between 0 and 16")
 
 
 class BlockPool:
@@ -129,39 +141,49 @@ async def run_demo(options: DemoOptions) -> dict[str, Any]:
     o = options
     o.check()
     rng = random.Random(o.seed)
-    specs = []
-    for i in range(o.prefill_engines):
-        base = free_port_range(o.prefill_tp) if o.prefill_tp > 1 else 0
-        specs += [
-            WorkerSpec(
-                f"prefill-{i}",
-                regions=o.regions,
-                blocks=o.blocks,
-                block_shape=o.rank_block_shape(o.prefill_tp),
-                port=base,
-                tp_rank=rank,
-                tp_size=o.prefill_tp,
-                payload="heads" if o.tensor_parallel else "blocks",
-            )
-            for rank in range(o.prefill_tp)
-        ]
     tally = _Tally()
     monitor = LoopStallMonitor()
     started = time.perf_counter()
-    async with open_prefill_workers(specs) as workers, AsyncExitStack() as decoders_stack:
+    async with AsyncExitStack() as stack:
+        hosts: list[TestHost] = []
+        if o.hosts:
+            hosts = await stack.enter_async_context(open_test_hosts(o.hosts))
+            # UCX reads this when the process's first agent is created (below)
+            os.environ["UCX_TLS"] = "tcp"
+        specs = []
+        for i in range(o.prefill_engines):
+            base = free_port_range(o.prefill_tp) if o.prefill_tp > 1 else 0
+            host = hosts[i % len(hosts)] if hosts else None
+            specs += [
+                WorkerSpec(
+                    f"prefill-{i}",
+                    regions=o.regions,
+                    blocks=o.blocks,
+                    block_shape=o.rank_block_shape(o.prefill_tp),
+                    port=base,
+                    tp_rank=rank,
+                    tp_size=o.prefill_tp,
+                    payload="heads" if o.tensor_parallel else "blocks",
+                    host=host.address if host else "127.0.0.1",
+                    netns=host.netns if host else "",
+                    env={"UCX_TLS": "tcp"} if host else {},
+                )
+                for rank in range(o.prefill_tp)
+            ]
+        workers = await stack.enter_async_context(open_prefill_workers(specs))
         startup = time.perf_counter() - started
         engines = [workers[i : i + o.prefill_tp] for i in range(0, len(workers), o.prefill_tp)]
         delay = o.slow_engine_delay
         targets = [(e[0].host, e[0].port) for e in engines[:1]]
         relays = open_delay_relays(targets, delay) if delay else _no_relays()
-        relay_ports = await decoders_stack.enter_async_context(relays)
+        relay_ports = await stack.enter_async_context(relays)
         config = ConnectorConfig(handshake_timeout=max(5.0, 20 * delay))
         base = free_port_range(o.decode_tp) if o.decode_tp > 1 else 0
         decoders: list[tuple[Connector, list[Any]]] = []
         for rank in range(o.decode_tp):
             shape = (o.blocks, *o.rank_block_shape(o.decode_tp))
             local = [torch.zeros(shape, dtype=torch.float16) for _ in range(o.regions)]
-            conn = await decoders_stack.enter_async_context(
+            conn = await stack.enter_async_context(
                 open_connector(
                     "decode-0", local, port=base, config=config, tp_rank=rank, tp_size=o.decode_tp
                 )
@@ -194,6 +216,7 @@ async def run_demo(options: DemoOptions) -> dict[str, Any]:
         "prefill_engines": o.prefill_engines,
         "prefill_tp": o.prefill_tp,
         "decode_tp": o.decode_tp,
+        "hosts": o.hosts,
         "handshakes": sum(s.handshakes_succeeded for s in stats),
         "handshakes_failed": sum(s.handshakes_failed for s in stats),
         "handshake_ms_max": round(max(waits) * 1e3, 1),
@@ -343,7 +366,15 @@ def _progress(tally: _Tally, total: int) -> None:
 
 
 def format_summary(summary: dict[str, Any]) -> str:
+    where = (
+        f"on {summary['hosts']} test hosts, UCX over TCP" if summary["hosts"] else "on this host"
+    )
     rows = [
+        (
+            "deployment",
+            f"{summary['prefill_engines']} prefill engines x TP {summary['prefill_tp']} "
+            f"{where}; decode TP {summary['decode_tp']}",
+        ),
         ("requests ok / failed", f"{summary['requests_ok']} / {summary['requests_failed']}"),
         ("every byte verified", "yes" if summary["requests_corrupt"] == 0 else "NO"),
         (
