@@ -48,6 +48,7 @@ from trio_pd.testing import (
     open_delay_relays,
     open_prefill_worker,
     open_prefill_workers,
+    open_test_hosts,
 )
 
 Result = dict[str, Any]
@@ -492,6 +493,73 @@ async def bench_tp_throughput(quick: bool) -> Result:
     }
 
 
+# ---- 8. a slow far engine -----------------------------------------------------------
+
+
+async def bench_far_link(quick: bool) -> Result:
+    """Near-engine pull latency while a large pull crosses a slow link to a far engine.
+
+    The far engine runs on a test host behind a rate-limited veth link, the
+    near one on this host; the decoder is a process of its own (UCX over
+    TCP for both, so that the far pull really crosses the link). Root only.
+    """
+    rate, far_mib = "200mbit", 16 if quick else 48
+    near_pulls, gap = 40 if quick else 100, 0.005
+    tcp = {"UCX_TLS": "tcp"}
+    block_bytes, regions = 65536, 4
+    far_blocks = (far_mib << 20) // (regions * block_bytes)
+    base = {"regions": regions, "block_shape": (block_bytes // 2,), "env": tcp}
+    async with open_test_hosts(1) as [host]:
+        await host.limit_rate(rate)
+        specs = [
+            WorkerSpec("far", blocks=far_blocks, host=host.address, netns=host.netns, **base),
+            WorkerSpec("near", blocks=far_blocks, **base),
+            WorkerSpec("decoder", blocks=far_blocks + 16, **base),
+        ]
+        async with open_prefill_workers(specs, startup_timeout=300) as (far, near, decoder):
+            ids = list(range(far_blocks))
+            for w in (far, near):  # handshakes and wire-up, out of the measurement
+                await decoder.pull(f"warm-{w.engine_id}", [0], await w.expose("w", [0], 0), 0)
+
+            async def near_latencies(tag: str) -> list[float]:
+                out = []
+                for i in range(near_pulls):
+                    remote = await near.expose(f"{tag}{i}", [1 + i % 8], seed=i)
+                    local = [far_blocks + i % 8]  # not among the far pull's blocks
+                    result = await decoder.pull(f"{tag}{i}", local, remote, seed=i)
+                    assert result["mismatched"] == []
+                    out.append(result["seconds"])
+                    await trio.sleep(gap)
+                return out
+
+            idle = await near_latencies("idle")
+            far_remote = await far.expose("big", ids, seed=9)
+            busy: list[float] = []
+            far_seconds: list[float] = []
+
+            async def big_pull() -> None:
+                result = await decoder.pull("big", ids, far_remote, seed=9)
+                assert result["mismatched"] == []
+                far_seconds.append(result["seconds"])
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(big_pull)
+                await trio.sleep(0.05)
+                busy = await near_latencies("busy")
+    return {
+        "link_rate": rate,
+        "far_pull_MiB": far_mib,
+        "far_pull_s": round(far_seconds[0], 3),
+        "near_pulls": near_pulls,
+        "idle_p50_ms": ms(pct(idle, 50)),
+        "idle_p99_ms": ms(pct(idle, 99)),
+        "during_far_pull_p50_ms": ms(pct(busy, 50)),
+        "during_far_pull_p99_ms": ms(pct(busy, 99)),
+        "ratio_p50": round(pct(busy, 50) / pct(idle, 50), 2),
+        "ratio_p99": round(pct(busy, 99) / pct(idle, 99), 2),
+    }
+
+
 BENCHMARKS: dict[str, Callable[[bool], Awaitable[Result]]] = {
     "head_of_line": bench_head_of_line,
     "cold_fan_out": bench_cold_fan_out,
@@ -499,6 +567,7 @@ BENCHMARKS: dict[str, Callable[[bool], Awaitable[Result]]] = {
     "throughput": bench_throughput,
     "small_pulls": bench_small_pulls,
     "tp_throughput": bench_tp_throughput,
+    "far_link": bench_far_link,
     "scale": bench_scale,
 }
 
