@@ -214,20 +214,37 @@ class NixlBackend:
     async def aclose(self) -> None:
         """Release remote agents, descriptor lists, handles and memory. Idempotent.
 
-        Runs in a worker thread and is not abandoned (freeing registrations
-        under a running NIXL call would crash); each release takes
-        milliseconds.
+        The releases run in a worker thread that is not abandoned (freeing
+        registrations under a running NIXL call would crash); each takes
+        milliseconds. The bookkeeping is dropped here, on the trio thread.
         """
         self._closing.set()
+        agent = self._agent
+        if agent is None:
+            await trio.lowlevel.checkpoint()
+            return
         remotes = self._remotes.all()
         for remote in remotes:
             self._remotes.discard(remote)
-        await trio.to_thread.run_sync(self._close_blocking, remotes)
+        handles = [(remote.agent_name, remote.handle) for remote in remotes]
+        for remote in remotes:
+            remote.handle = remote.local_handle = None
+        views = list(self._local_views.values())
+        owned = (self._local_dlist, self._registration)
+        # Handle wrappers keep the agent alive: drop every reference to them.
+        self._local_views.clear()
+        self._slots.clear()
+        self._local_dlist = self._registration = self._agent = None
+        await trio.to_thread.run_sync(self._close_blocking, agent, handles, views, *owned)
 
-    def _close_blocking(self, remotes: list[RemoteAgent]) -> None:
-        agent = self._agent
-        if agent is None:
-            return
+    def _close_blocking(
+        self,
+        agent: Any,
+        remotes: list[tuple[str, Any]],
+        views: list[Any],
+        local_dlist: Any,
+        registration: Any,
+    ) -> None:
         errors: list[str] = []
 
         def attempt(what: str, fn: Callable[[], object]) -> None:
@@ -236,18 +253,14 @@ class NixlBackend:
             except Exception as exc:  # best effort: release the rest regardless
                 errors.append(f"{what}: {_describe(exc)}")
 
-        for remote in remotes:
-            attempt(f"unload {remote.engine_id}", functools.partial(self._unload_blocking, remote))
+        for name, dlist in remotes:
+            attempt(f"unload {name}", functools.partial(_release_remote, agent, name, dlist))
         while not self._stuck_handles.empty():
             attempt("release stuck transfer", self._stuck_handles.get_nowait().release)
-        for view_dlist in self._local_views.values():
+        for view_dlist in views:
             attempt("release a local view's descriptor list", view_dlist.release)
-        self._local_views.clear()
-        attempt("release local descriptor list", self._local_dlist.release)
-        attempt("deregister memory", lambda: agent.deregister_memory(self._registration))
-        # Handle wrappers keep the agent alive: drop every reference to them.
-        self._slots.clear()
-        self._local_dlist = self._registration = self._agent = None
+        attempt("release local descriptor list", local_dlist.release)
+        attempt("deregister memory", lambda: agent.deregister_memory(registration))
         if errors:
             logger.warning("agent %s closed with errors: %s", self._agent_name, "; ".join(errors))
 
@@ -316,8 +329,11 @@ class NixlBackend:
         if not self._remotes.discard(remote) or self._agent is None:
             return
         self._slots.pop(remote.agent_name, None)
+        dlist, remote.handle, remote.local_handle = remote.handle, None, None
         try:
-            await self.run_blocking(self._handshake_limiter, self._unload_blocking, remote)
+            await self.run_blocking(
+                self._handshake_limiter, _release_remote, self._agent, remote.agent_name, dlist
+            )
         except Exception as exc:  # the agent is dead anyway; keep serving others
             logger.warning(
                 "engine %s: removing agent %s failed: %s", remote.engine_id, remote.agent_name, exc
@@ -353,15 +369,6 @@ class NixlBackend:
                 logger.exception("could not remove half-loaded agent %s", loaded_name)
             raise
         return dlist
-
-    def _unload_blocking(self, remote: RemoteAgent) -> None:
-        agent = self._live_agent()
-        dlist, remote.handle, remote.local_handle = remote.handle, None, None
-        try:
-            if dlist is not None:
-                dlist.release()
-        finally:
-            agent.remove_remote_agent(remote.agent_name)
 
     # ---- data plane -----------------------------------------------------
 
@@ -585,6 +592,15 @@ class NixlBackend:
         if agent is None:
             raise BackendClosing
         return agent
+
+
+def _release_remote(agent: Any, agent_name: str, dlist: Any) -> None:
+    """Release a remote agent's descriptor list, then remove the agent (a worker thread)."""
+    try:
+        if dlist is not None:
+            dlist.release()
+    finally:
+        agent.remove_remote_agent(agent_name)
 
 
 def _create_blocking(
