@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import attrs
 import pytest
 import trio
 
@@ -86,33 +87,46 @@ async def test_a_partition_before_the_handshake_then_a_restored_link() -> None:
 
 
 async def test_a_partition_mid_pull_fails_it_in_bounded_time_and_the_producer_expires_it() -> None:
+    inside = WorkerSpec("inside", env=TCP, config=config_overrides(CONFIG), **SPEC)
     with trio.fail_after(120):
         async with far_and_near() as (host, prefill, decoder):
-            warm = await prefill.expose("warm", [0], seed=1)
-            await decoder.pull("warm", [0], warm, seed=1)  # handshake and UCX wire-up done
-            await host.limit_rate("40mbit")  # 8 MiB: about 1.7 s on this link
-            big = await prefill.expose("big", list(range(64)), seed=2)
-            async with trio.open_nursery() as nursery:
+            # A consumer on the producer's own host: the cut does not reach it.
+            inside = attrs.evolve(inside, netns=host.netns, host=host.address)
+            async with open_prefill_worker(inside) as neighbour:
+                warm = await prefill.expose("warm", [0], seed=1)
+                await decoder.pull("warm", [0], warm, seed=1)  # handshake, UCX wire-up
+                await host.limit_rate("40mbit")  # 8 MiB: about 1.7 s on this link
+                big = await prefill.expose("big", list(range(64)), seed=2)
+                async with trio.open_nursery() as nursery:
 
-                async def cut_soon() -> None:
-                    await trio.sleep(0.3)
-                    await host.cut()
+                    async def cut_soon() -> None:
+                        await trio.sleep(0.3)
+                        await host.cut()
 
-                nursery.start_soon(cut_soon)
-                started = trio.current_time()
-                with pytest.raises(WorkerError) as info:
-                    await decoder.pull("big", list(range(64)), big, seed=2)
-            assert info.value.error_type == "TransferError"
-            assert "64 local blocks" in str(info.value)
-            bound = CONFIG.transfer_timeout + CONFIG.close_timeout + 1.0
-            assert trio.current_time() - started < bound
-            # The producer never hears from the consumer: the exposure expires.
-            assert await prefill.wait_released("big") is trio_pd.Released.EXPIRED
-            # It keeps serving: after the link is back, a new pull works.
-            await host.restore()
-            after = await prefill.expose("after", [5], seed=7)
-            result = await decoder.pull("after", [5], after, seed=7)
-            assert result["mismatched"] == []
+                    nursery.start_soon(cut_soon)
+                    started = trio.current_time()
+                    with pytest.raises(WorkerError) as info:
+                        await decoder.pull("big", list(range(64)), big, seed=2)
+                assert info.value.error_type == "TransferError"
+                assert "64 local blocks" in str(info.value)
+                bound = CONFIG.transfer_timeout + CONFIG.close_timeout + 1.0
+                assert trio.current_time() - started < bound
+                # The transfer could not be stopped (its peer is unreachable):
+                # the error says that its blocks may still change, and the
+                # agent was given up (the next pull handshakes again).
+                assert "did not stop" in str(info.value)
+                assert "may still be written" in str(info.value)
+                # The producer keeps serving the consumer it can still reach...
+                near = await prefill.expose("near", [7], seed=8)
+                result = await neighbour.pull("near", [7], near, seed=8)
+                assert result["mismatched"] == []
+                # ...and the cut-off consumer's exposure expires.
+                assert await prefill.wait_released("big") is trio_pd.Released.EXPIRED
+                # After the link is back, the cut-off consumer is served again.
+                await host.restore()
+                after = await prefill.expose("after", [5], seed=7)
+                result = await decoder.pull("after", [5], after, seed=7)
+                assert result["mismatched"] == []
 
 
 async def test_without_root_test_hosts_fail_with_the_reason(

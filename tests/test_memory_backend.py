@@ -333,3 +333,20 @@ async def test_the_prefill_engine_fixture_serves_real_pulls(
             await d.pull("r", [5], await prefill_engine.expose("r", [9], seed=11))
             assert mismatched_blocks(local, [5], 11) == []
         assert caplog.records == []
+
+
+async def test_an_agent_the_backend_gave_up_is_handshaken_again_by_the_next_pull(
+    memory_fabric: MemoryFabric,
+) -> None:
+    # What a NIXL transfer that cannot be stopped leads to: the backend
+    # retires the agent on its own; the engine must not stay "ready" on it.
+    with trio.fail_after(10):
+        async with producer(memory_fabric) as p, consumer(memory_fabric) as (d, _):
+            await d.pull("warm", [0], p.expose("warm", [0]))
+            [backend] = [b for b in memory_fabric.backends if b.engine_id == "d"]
+            [agent] = backend.remote_agents()
+            await backend.retire(agent)
+            await d.pull("next", [1], p.expose("next", [1]))
+            stats = d.statistics()
+            assert (stats.handshakes_started, stats.pulls_failed) == (2, 0)
+            assert stats.remote_agents_loaded == 1

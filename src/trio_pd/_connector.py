@@ -155,7 +155,11 @@ class Connector:
         ends (at most ``config.close_timeout``; only then is it released
         while still running) before :class:`trio.Cancelled` propagates, so
         nothing writes into the local blocks afterwards. The handshake itself
-        goes on for other waiters.
+        goes on for other waiters. The exception: a transfer that does not
+        stop within ``close_timeout`` (its peer unreachable) is released
+        anyway and logged, and NIXL cannot cancel it, so its blocks may still
+        be written if the peer comes back; a timed-out pull says so in its
+        :class:`TransferError`. Keep such blocks out of reuse.
 
         Raises:
             ValueError: before anything is sent: local and remote lengths

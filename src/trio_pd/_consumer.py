@@ -282,7 +282,13 @@ class Consumer:
             action = record.on_pull(remote.incarnation, remote.host, port, now)
             if action is PullAction.READY:
                 assert engine.agent is not None
-                return engine.agent
+                if not engine.agent.retired:
+                    return engine.agent
+                # The backend gave up on the agent (a transfer it could not
+                # stop): as a lost peer, handshake again.
+                record.on_peer_lost(engine.agent.incarnation)
+                engine.agent = None
+                continue
             if action is PullAction.FAIL_FAST:
                 self._counters.pulls_rejected_in_backoff += 1
                 assert record.error is not None

@@ -390,21 +390,46 @@ class NixlBackend:
         later) and only then released, so no transfer writes into local
         blocks after the caller regains control.
 
+        A transfer that does not stop within ``close_timeout`` (its peer
+        unreachable, say) is released anyway, and its remote agent is
+        retired (the next pull handshakes again). NIXL cannot cancel it:
+        measured on a partitioned TCP link, its bytes still landed once the
+        link came back, even after the agent was removed. The error says so.
+
         Raises:
-            BackendError: NIXL reported ERR or raised.
+            BackendError: NIXL reported ERR or raised; or a transfer could
+                not be stopped (``peer_lost``: the agent was retired; its
+                blocks may still be written later).
             TransferTimeout: ``config.transfer_timeout`` passed.
             BackendClosing: the connector began closing.
             trio.Cancelled: the calling task was cancelled.
         """
-        async with self._engine_slots(remote):
-            await self.run_blocking(
-                self._transfer_limiter,
-                self._read_blocking,
-                remote,
-                local_indices,
-                remote_indices,
-                notification,
-            )
+        aborted = [False]  # set by the thread if a transfer had to be released running
+        try:
+            async with self._engine_slots(remote):
+                await self.run_blocking(
+                    self._transfer_limiter,
+                    self._read_blocking,
+                    remote,
+                    local_indices,
+                    remote_indices,
+                    notification,
+                    aborted,
+                )
+        except BaseException as exc:
+            if not aborted[0]:
+                raise
+            with trio.CancelScope(shield=True):
+                await self.retire(remote)
+            if isinstance(exc, TransferTimeout | BackendError):
+                raise BackendError(
+                    f"a transfer from {remote.agent_name!r} did not stop within "
+                    f"{self._config.close_timeout:g} s of being told to (its peer is "
+                    "unreachable?); it was released and the agent given up, but NIXL "
+                    "cannot cancel it: its blocks may still be written if the peer comes back",
+                    peer_lost=True,
+                ) from exc
+            raise
 
     def _engine_slots(self, remote: RemoteAgent) -> trio.CapacityLimiter:
         """The per-engine cap on transfer threads (see TRANSFERS_PER_ENGINE)."""
@@ -419,6 +444,7 @@ class NixlBackend:
         local_indices: npt.NDArray[np.int32],
         remote_indices: npt.NDArray[np.int32],
         notification: bytes,
+        aborted: list[bool],
     ) -> None:
         # (``remote``, not its descriptor list, is passed in: an error's
         # traceback keeps this frame's arguments, and a list handle would
@@ -440,6 +466,7 @@ class NixlBackend:
                 remote_indices[start:stop],
                 notification if stop == count else b"",
                 deadline,
+                aborted,
             )
 
     def _transfer_blocking(
@@ -450,6 +477,7 @@ class NixlBackend:
         remote_indices: npt.NDArray[np.int32],
         notification: bytes,
         deadline: float,
+        aborted: list[bool],
     ) -> None:
         agent = self._live_agent()
         self._check_stop(deadline)
@@ -475,7 +503,8 @@ class NixlBackend:
             if status != "DONE":
                 raise BackendError(f"transfer state {status}")
         finally:
-            self._release_handle(handle, finished=status != "PROC")
+            if self._release_handle(handle, finished=status != "PROC"):
+                aborted[0] = True
 
     def _check_stop(self, deadline: float) -> None:
         """Raise if this transfer must stop: cancelled, backend closing, or late."""
@@ -485,7 +514,7 @@ class NixlBackend:
         if time.monotonic() >= deadline:
             raise TransferTimeout
 
-    def _release_handle(self, handle: Any, *, finished: bool) -> None:
+    def _release_handle(self, handle: Any, *, finished: bool) -> bool:
         """Release a transfer handle, first letting an unfinished one stop.
 
         NIXL's release of a running transfer "tries to abort" it, but UCX may
@@ -493,8 +522,11 @@ class NixlBackend:
         bytes kept arriving). So an unfinished transfer is polled until it
         ends (DONE or ERR), at most ``close_timeout``; only a transfer still
         running then is released while running (aborted) -- and logged.
+
+        Returns whether it had to release a running transfer.
         """
         agent = self._live_agent()
+        aborted = False
         if not finished:
             give_up = time.monotonic() + self._config.close_timeout
             while True:
@@ -505,9 +537,11 @@ class NixlBackend:
                     break
                 if time.monotonic() >= give_up:
                     logger.error(
-                        "a cancelled transfer still runs after %g s; aborting it",
+                        "a cancelled transfer still runs after %g s; aborting it and "
+                        "closing the connection to its peer",
                         self._config.close_timeout,
                     )
+                    aborted = True
                     break
                 time.sleep(self._config.poll_interval)
         try:
@@ -517,6 +551,7 @@ class NixlBackend:
                 "transfer handle could not be released (%s); kept until close", _describe(exc)
             )
             self._stuck_handles.put(handle)
+        return aborted
 
     async def notify(self, remote: RemoteAgent, message: bytes) -> None:
         """Post a notification without a transfer (a notify-only pull).

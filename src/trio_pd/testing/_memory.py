@@ -84,6 +84,8 @@ class MemoryFabric:
         self._faults: dict[str, MemoryFaults] = defaultdict(MemoryFaults)
         self.reads = 0
         """READs that copied bytes, over the fabric's life."""
+        self.backends: list[MemoryBackend] = []
+        """Every backend this fabric made, in order (closed ones included)."""
 
     async def backend(
         self,
@@ -98,6 +100,7 @@ class MemoryFabric:
             raise BackendError("the in-memory backend needs CPU tensors")
         backend = MemoryBackend(self, agent_name, list(kv_caches), layout, config)
         self._agents[agent_name] = backend
+        self.backends.append(backend)
         return backend
 
     def faults(self, engine_id: str) -> MemoryFaults:
@@ -154,6 +157,10 @@ class MemoryBackend:
     @property
     def remote_agents_loaded(self) -> int:
         return len(self._remotes)
+
+    def remote_agents(self) -> list[RemoteAgent]:
+        """The remote agents loaded now (for tests that act on them)."""
+        return self._remotes.all()
 
     def agent_metadata(self) -> bytes:
         return _PREFIX + self._agent_name.encode()

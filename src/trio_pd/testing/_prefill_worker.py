@@ -38,7 +38,12 @@ from .._exposures import Released
 from .._groups import unwrapped_errors
 from .._records import RemoteBlocks
 from ._child import open_child, read_lines
-from ._payload import fill_blocks, fill_heads, mismatched_blocks, mismatched_heads
+from ._payload import (
+    fill_blocks,
+    fill_heads,
+    mismatched_blocks,
+    mismatched_heads,
+)
 
 _STARTUP_TIMEOUT = 60.0
 
@@ -240,6 +245,7 @@ async def _run_command(
         else:
             bad = mismatched_blocks(kv_caches, local_ids, seed)
         return {"bytes": result.bytes, "seconds": result.seconds, "mismatched": bad}
+
     raise ValueError(f"unknown op {op!r}")
 
 
