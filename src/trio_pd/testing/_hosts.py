@@ -9,7 +9,9 @@ root namespace crosses the link, whose rate can be limited (``tc tbf``), and
 which can be cut and restored (a partition).
 
 Everything made is deleted on every exit path (the namespaces, which takes
-their veth ends with them, then any root end left).
+their veth ends with them, then any root end left). The addresses are fixed,
+so only one set of test hosts may exist on a machine at a time (names carry
+the process id; a second set in the same process is refused).
 
 UCX caches the routing table per process: a process must create its first
 NIXL agent after the links exist to use them (run the decoder in its own
@@ -26,6 +28,9 @@ from pathlib import Path
 
 import attrs
 import trio
+
+_open = False
+"""Whether this process has test hosts open now."""
 
 
 class TestHostsUnavailable(RuntimeError):
@@ -100,6 +105,11 @@ async def open_test_hosts(count: int) -> AsyncIterator[list[TestHost]]:
             kernel refused to create a namespace or link.
     """
     _check_available()
+    global _open
+    if _open:
+        raise RuntimeError(
+            "test hosts are already open in this process (their addresses are fixed)"
+        )
     tag = f"tpd{os.getpid() % 100000}"
     hosts: list[TestHost] = []
     made: list[TestHost] = []
@@ -118,8 +128,10 @@ async def open_test_hosts(count: int) -> AsyncIterator[list[TestHost]]:
             except RuntimeError as exc:
                 raise TestHostsUnavailable(f"could not create test host {i}: {exc}") from exc
             hosts.append(host)
+        _open = True
         yield hosts
     finally:
+        _open = False
         with trio.CancelScope(shield=True):
             await _remove(made)
 
