@@ -13,7 +13,8 @@ inside it as well::
     `-- the async with body  your code: pull / expose / wait_released
 
 :class:`Connector` is a facade over the two roles (``_producer.Producer``,
-``_consumer.Consumer``), built with everything passed to constructors.
+``_consumer.Consumer``, whose remote engines are ``_handshakes.Handshakes``),
+built with everything passed to constructors.
 """
 
 from __future__ import annotations

@@ -1,36 +1,20 @@
-"""The consumer role (decode side): remote engines, their handshakes, and pulls.
+"""The consumer role (decode side): pulls.
 
-The policy -- when to handshake, wait, fail fast, retire a restarted engine's
-agent or refuse blocks of a gone incarnation -- is in ``_engines``
-(:meth:`EngineRecord.on_pull` returns an action); this module carries the
-actions out with trio, ZeroMQ and the transfer backend. Its tasks run in the
-connector's nursery:
-
-* the *handshake task* (:meth:`Consumer.run_handshakes`): loads every remote
-  agent whose metadata arrived, one at a time, in order;
-* *fetch tasks*, one per handshake attempt, started by the pull that starts
-  the attempt: each fetches and checks one engine's metadata within
-  ``handshake_timeout``, at most ``max_concurrent_fetches`` at once.
-
-Pulls run in the caller's task. Each handshake attempt has a
-:class:`trio.Event`; its outcome is in the engine's record (state, error), so
-every waiter reads the same answer.
+A pull finds the remote ranks it reads (``_tp.plan_pull``), has them made
+ready by the handshakes (``_handshakes.Handshakes``, which own the remote
+engines' records and the handshake tasks), checks every part's block ids,
+then runs the parts' transfers concurrently, each holding a lease on its
+remote agent. Pulls run in the caller's task.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
-import math
-import random
-import time
-from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from types import MappingProxyType
 from typing import NoReturn, TypeVar
 
-import attrs
 import numpy as np
 import trio
 import zmq
@@ -46,69 +30,25 @@ from ._backend import (
     TransferTimeout,
 )
 from ._config import ConnectorConfig
-from ._engines import EngineEvent, EngineRecord, EngineState, FailureCause, PullAction
-from ._errors import HandshakeError, IncompatibleEngineError, TransferError
-from ._fetch import FetchFailure, fetch_engine_metadata
+from ._engines import EngineState
+from ._errors import IncompatibleEngineError, TransferError
+from ._handshakes import ConsumerCounters, Handshakes, RemoteEngine
 from ._layout import BlockIds, KVLayout, as_block_ids
 from ._records import ConsumerStatistics, PullResult, RemoteBlocks
-from ._tp import PullPart, part_layouts, plan_pull, readers_per_remote_rank, sizes_mismatch
-
-logger = logging.getLogger("trio_pd")
-
-HANDSHAKES_PER_PULL = 3
-"""A pull gives up (``HandshakeError``) if its engine changed under this many handshakes."""
-
-
-@attrs.define(eq=False)
-class _Engine:
-    """One remote engine: its sans-IO record and the trio side of its handshakes.
-
-    Attributes:
-        record: the state machine (the outcome of every attempt lives there).
-        attempt_done: set when the current attempt ends, either way; a new
-            attempt gets a new event, so a waiter keeps the one it waited on.
-        part: what this rank reads of that remote rank, and where it lands
-            (from the latest request's TP sizes).
-        remote_tp: the remote engine's TP size, as the latest request says.
-        agent: the loaded remote agent while the record is ``READY``.
-    """
-
-    record: EngineRecord
-    part: PullPart
-    remote_tp: int = 1
-    attempt_done: trio.Event = attrs.field(factory=trio.Event)
-    agent: RemoteAgent | None = None
-
-    @property
-    def rank_label(self) -> str:
-        """``"remote rank r: "`` for a rank of a tensor-parallel engine, else ``""``."""
-        return f"remote rank {self.part.remote_rank}: " if self.remote_tp > 1 else ""
-
-
-@attrs.define
-class _Counters:
-    handshakes_started: int = 0
-    handshakes_succeeded: int = 0
-    handshake_failures: Counter[FailureCause] = attrs.field(factory=Counter)
-    pulls_succeeded: int = 0
-    pulls_failed: int = 0
-    pulls_rejected_in_backoff: int = 0
-    restarts_detected: int = 0
-    peers_disconnected: int = 0
-    bytes_pulled: int = 0
+from ._tp import plan_pull, readers_per_remote_rank, sizes_mismatch
 
 
 class Consumer:
     """The decode side of a connector: pulls remote engines' blocks.
 
-    Owns the remote engines' records, the fetch limiter and the handshake
-    queue; the backend owns the loaded remote agents. Fetch tasks are started
-    in ``nursery`` (the connector's); :meth:`run_handshakes` must run there too.
+    Owns the pulls' bookkeeping (in flight, counters) and the
+    :class:`~trio_pd._handshakes.Handshakes`, whose fetch tasks run in
+    ``nursery`` (the connector's); :meth:`run_handshakes` must run there too.
 
     Args:
         engine_id: this engine's id (named in metadata requests).
         tp_rank, tp_size: this rank of the (decode) engine, and how many it has.
-        layout: the local KV layout (remote layouts must match it).
+        layout: the local KV layout (remote layouts must pair with it).
         backend: the transfer backend.
         zmq_context: for the fetches' sockets.
         config: deadlines and limits.
@@ -131,20 +71,17 @@ class Consumer:
         self._tp_size = tp_size
         self._layout = layout
         self._backend = backend
-        self._zmq = zmq_context
         self._config = config
-        self._nursery = nursery
-        self._compat_hash = protocol.compatibility_hash(config.compatibility_key)
-        self._engines: dict[tuple[str, int], _Engine] = {}
-        """Keyed by (engine id, rank): each remote rank is its own agent and record."""
-        self._fetch_limiter = trio.CapacityLimiter(config.max_concurrent_fetches)
-        self._loads_send, self._loads_receive = trio.open_memory_channel[tuple[_Engine, int]](
-            math.inf
+        self._counters = ConsumerCounters()
+        self._handshakes = Handshakes(
+            engine_id, tp_size, layout, backend, zmq_context, config, nursery, self._counters
         )
-        self._rng = random.Random()
         self._pulls_in_flight: AsyncValue = AsyncValue(0)
-        self._counters = _Counters()
         self._closed = False
+
+    async def run_handshakes(self) -> None:
+        """The handshake task (see :meth:`Handshakes.run`)."""
+        await self._handshakes.run()
 
     # ---- public (through the Connector facade) ---------------------------
 
@@ -173,11 +110,12 @@ class Consumer:
         if mismatch is not None:
             raise IncompatibleEngineError(remote.engine_id, mismatch)
         parts = plan_pull(self._tp_rank, self._tp_size, remote.tp_size)
-        engines = [self._engine(remote, part) for part in parts]
+        handshakes = self._handshakes
+        engines = [handshakes.engine(remote, part) for part in parts]
         try:
             agents = await _each(
                 [
-                    functools.partial(self._ready_agent, e, request_id, local_ids, remote)
+                    functools.partial(handshakes.ready_agent, e, request_id, local_ids, remote)
                     for e in engines
                 ]
             )
@@ -197,19 +135,9 @@ class Consumer:
             request_id, remote.engine_id, nbytes, trio.current_time() - started, handshake_wait
         )
 
-    def _engine(self, remote: RemoteBlocks, part: PullPart) -> _Engine:
-        """The record of the remote rank ``part`` reads (created on first use)."""
-        key = (remote.engine_id, part.remote_rank)
-        engine = self._engines.get(key)
-        if engine is None:
-            record = EngineRecord(remote.engine_id, remote.host, remote.port + part.remote_rank)
-            engine = self._engines[key] = _Engine(record, part)
-        engine.part, engine.remote_tp = part, remote.tp_size
-        return engine
-
     def _transfer_for(
         self,
-        engine: _Engine,
+        engine: RemoteEngine,
         agent: RemoteAgent,
         request_id: str,
         local_ids: BlockIds,
@@ -234,15 +162,10 @@ class Consumer:
         )
 
     def engine_state(self, engine_id: str, tp_rank: int | None = None) -> EngineState:
-        ranks = sorted(rank for eid, rank in self._engines if eid == engine_id)
-        if tp_rank is None and ranks:
-            tp_rank = ranks[0]
-        engine = self._engines.get((engine_id, tp_rank or 0))
-        return EngineState.UNKNOWN if engine is None else engine.record.state
+        return self._handshakes.engine_state(engine_id, tp_rank)
 
     def statistics(self) -> ConsumerStatistics:
         c = self._counters
-        ready = sum(1 for e in self._engines.values() if e.record.state is EngineState.READY)
         return ConsumerStatistics(
             handshakes_started=c.handshakes_started,
             handshakes_succeeded=c.handshakes_succeeded,
@@ -250,7 +173,7 @@ class Consumer:
             handshake_failures_by_cause=MappingProxyType(
                 {str(cause): n for cause, n in c.handshake_failures.items()}
             ),
-            engines_ready=ready,
+            engines_ready=self._handshakes.ready_count(),
             pulls_succeeded=c.pulls_succeeded,
             pulls_failed=c.pulls_failed,
             pulls_in_flight=self._pulls_in_flight.value,
@@ -261,198 +184,11 @@ class Consumer:
             remote_agents_loaded=self._backend.remote_agents_loaded,
         )
 
-    # ---- handshakes: carry out the record's actions ----------------------
-
-    async def _ready_agent(
-        self, engine: _Engine, request_id: str, local_ids: BlockIds, remote: RemoteBlocks
-    ) -> RemoteAgent:
-        """The agent that serves ``remote``, handshaking as the record says.
-
-        Raises:
-            HandshakeError: the attempt this pull waited on failed; the engine
-                is in backoff; or it changed under ``HANDSHAKES_PER_PULL``
-                handshakes.
-            TransferError: the blocks belong to an incarnation that is gone.
-        """
-        record = engine.record
-        port = remote.port + engine.part.remote_rank
-        waits = 0
-        while True:
-            now = trio.current_time()
-            action = record.on_pull(remote.incarnation, remote.host, port, now)
-            if action is PullAction.READY:
-                assert engine.agent is not None
-                if not engine.agent.retired:
-                    return engine.agent
-                # The backend gave up on the agent (a transfer it could not
-                # stop): as a lost peer, handshake again.
-                record.on_peer_lost(engine.agent.incarnation)
-                engine.agent = None
-                continue
-            if action is PullAction.FAIL_FAST:
-                self._counters.pulls_rejected_in_backoff += 1
-                assert record.error is not None
-                raise _copy(record.error)
-            if action is PullAction.GONE:
-                reason = engine.rank_label + record.why_gone(remote.incarnation)
-                self._fail(request_id, local_ids, reason)
-            if action is PullAction.RETIRE_THEN_START:
-                self._counters.restarts_detected += 1
-                logger.warning(
-                    "engine %s restarted (incarnation %s, seen in request %r): "
-                    "retiring its old agent and handshaking again",
-                    record.engine_id,
-                    remote.incarnation,
-                    remote.request_id,
-                )
-                retired, engine.agent = engine.agent, None
-                self._start_attempt(engine)
-                if retired is not None:
-                    with trio.CancelScope(shield=True):
-                        await self._backend.retire(retired)
-            elif action is PullAction.START:
-                self._start_attempt(engine)
-            elif (record.host, record.port) != (remote.host, port):
-                logger.warning(
-                    "engine %s is being reached at %s:%d; ignoring the address %s:%d of %r",
-                    record.engine_id,
-                    record.host,
-                    record.port,
-                    remote.host,
-                    port,
-                    remote.request_id,
-                )
-            if waits == HANDSHAKES_PER_PULL:
-                reason = f"the engine changed during {HANDSHAKES_PER_PULL} handshakes"
-                raise HandshakeError(remote.engine_id, reason)
-            attempt, done = record.attempts, engine.attempt_done
-            await done.wait()
-            waits += 1
-            self._check_open()
-            error = record.attempt_error(attempt)
-            if error is not None:
-                raise _copy(error)
-
-    def _start_attempt(self, engine: _Engine) -> None:
-        record = engine.record
-        engine.attempt_done = trio.Event()
-        self._counters.handshakes_started += 1
-        logger.info(
-            "engine %s: handshake %d started (%s:%d)",
-            record.engine_id,
-            record.attempts,
-            record.host,
-            record.port,
-        )
-        self._nursery.start_soon(self._fetch_metadata, engine, record.attempts)
-
-    async def _fetch_metadata(self, engine: _Engine, attempt: int) -> None:
-        """Fetch and check ``engine``'s metadata, then queue it for the handshake task."""
-        record = engine.record
-        try:
-            metadata, layout = await fetch_engine_metadata(
-                self._zmq,
-                record.engine_id,
-                record.host,
-                record.port,
-                tp_rank=engine.part.remote_rank,
-                tp_size=engine.remote_tp,
-                consumer_engine_id=self._engine_id,
-                local_layout=self._layout,
-                local_tp=self._tp_size,
-                compat_hash=self._compat_hash,
-                config=self._config,
-                limiter=self._fetch_limiter,
-            )
-        except FetchFailure as failure:
-            if not self._closed:
-                self._handshake_failed(engine, failure.cause, failure.error)
-            return
-        if self._closed:
-            # The reply was taken from the socket just before the connector
-            # closed (a successful receive is not undone by cancellation).
-            return
-        record.metadata_received(metadata, layout)
-        self._loads_send.send_nowait((engine, attempt))
-
-    async def run_handshakes(self) -> None:
-        """The handshake task: loads remote agents whose metadata arrived, in order."""
-        async for engine, attempt in self._loads_receive:
-            await self._load(engine, attempt)
-
-    async def _load(self, engine: _Engine, attempt: int) -> None:
-        """Load one engine's agent; its waiters fail if that takes over ``handshake_timeout``.
-
-        The backend's call cannot be abandoned (NIXL calls are not
-        interruptible), so the deadline is kept by a watchdog that fails the
-        attempt; an agent that loads after it is retired at once.
-        """
-        record = engine.record
-        metadata, layout = record.metadata, record.layout
-        assert metadata is not None
-        assert layout is not None
-        started = time.perf_counter()
-        local_view, remote_view = part_layouts(self._layout, layout, engine.part)
-        remote: RemoteAgent | None = None
-        error: HandshakeError | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._load_deadline, engine, attempt)
-            try:
-                remote = await self._backend.load_remote(
-                    record.engine_id,
-                    metadata.incarnation,
-                    metadata.agent_name,
-                    metadata.agent_metadata,
-                    remote_view,
-                    local_view,
-                )
-            except BackendError as exc:
-                reason = f"{engine.rank_label}loading the remote agent: {exc}"
-                error = HandshakeError(record.engine_id, reason)
-                error.__cause__ = exc
-            nursery.cancel_scope.cancel()
-        if record.state is not EngineState.LOADING or record.attempts != attempt:
-            if remote is not None:  # too late: its waiters already failed
-                await self._backend.retire(remote)
-            return
-        if error is not None:
-            self._handshake_failed(engine, FailureCause.NIXL, error)
-            return
-        assert remote is not None
-        record.loaded()
-        engine.agent = remote
-        engine.attempt_done.set()
-        self._counters.handshakes_succeeded += 1
-        logger.info(
-            "engine %s: ready (agent %s, %d regions x %d blocks, loaded in %.1f ms)",
-            record.engine_id,
-            remote.agent_name,
-            remote.layout.num_regions,
-            remote.layout.num_blocks,
-            (time.perf_counter() - started) * 1e3,
-        )
-
-    async def _load_deadline(self, engine: _Engine, attempt: int) -> None:
-        timeout = self._config.handshake_timeout
-        await trio.sleep(timeout)
-        if engine.record.state is EngineState.LOADING and engine.record.attempts == attempt:
-            reason = f"{engine.rank_label}loading the remote agent took longer than {timeout:g} s"
-            error = HandshakeError(engine.record.engine_id, reason)
-            self._handshake_failed(engine, FailureCause.NIXL, error)
-
-    def _handshake_failed(
-        self, engine: _Engine, cause: FailureCause, error: HandshakeError
-    ) -> None:
-        delay = engine.record.failed(error, trio.current_time(), self._config.backoff, self._rng)
-        engine.attempt_done.set()
-        self._counters.handshake_failures[cause] += 1
-        logger.warning("%s (next attempt allowed in %.2f s)", error, delay)
-
     # ---- transfers -------------------------------------------------------
 
     async def _transfer(
         self,
-        engine: _Engine,
+        engine: RemoteEngine,
         request_id: str,
         local_ids: BlockIds,
         agent: RemoteAgent,
@@ -481,7 +217,7 @@ class Consumer:
                         await self._backend.read(agent, *indices, notification)
                 except BackendError as exc:
                     if exc.peer_lost and engine.record.on_peer_lost(agent.incarnation):
-                        self._peer_lost(engine, agent, request_id)
+                        self._handshakes.peer_lost(engine, agent, request_id)
                         with trio.CancelScope(shield=True):
                             await self._backend.retire(agent)  # unloaded when the lease ends
                     self._fail(request_id, local_ids, engine.rank_label + str(exc), cause=exc)
@@ -495,16 +231,6 @@ class Consumer:
                     ) from None
         finally:
             self._pulls_in_flight.value -= 1
-
-    def _peer_lost(self, engine: _Engine, agent: RemoteAgent, request_id: str) -> None:
-        engine.agent = None
-        self._counters.peers_disconnected += 1
-        logger.warning(
-            "engine %s: peer lost during request %r; its agent will be removed and the "
-            "next pull handshakes again",
-            agent.engine_id,
-            request_id,
-        )
 
     def _fail(
         self, request_id: str, local_ids: BlockIds, reason: str, cause: BaseException | None = None
@@ -525,10 +251,7 @@ class Consumer:
             return
         self._closed = True
         self._backend.begin_close()
-        for engine in self._engines.values():
-            engine.record.apply(EngineEvent.CONNECTOR_CLOSED)
-            engine.attempt_done.set()
-        self._loads_send.close()
+        self._handshakes.begin_close()
 
     async def wait_pulls_done(self) -> None:
         """Until no pull is in flight (bound it with a cancel scope)."""
@@ -538,13 +261,6 @@ class Consumer:
     def pulls_in_flight(self) -> int:
         count: int = self._pulls_in_flight.value
         return count
-
-
-def _copy(error: HandshakeError) -> HandshakeError:
-    """A fresh exception equal to ``error`` (one object per raise keeps tracebacks apart)."""
-    fresh = type(error)(error.engine_id, error.reason)
-    fresh.__cause__ = error.__cause__
-    return fresh
 
 
 _T = TypeVar("_T")
