@@ -416,12 +416,8 @@ class NixlBackend:
                     notification,
                     aborted,
                 )
-        except BaseException as exc:
-            if not aborted[0]:
-                raise
-            with trio.CancelScope(shield=True):
-                await self.retire(remote)
-            if isinstance(exc, TransferTimeout | BackendError):
+        except (TransferTimeout, BackendError) as exc:
+            if aborted[0]:
                 raise BackendError(
                     f"a transfer from {remote.agent_name!r} did not stop within "
                     f"{self._config.close_timeout:g} s of being told to (its peer is "
@@ -430,6 +426,10 @@ class NixlBackend:
                     peer_lost=True,
                 ) from exc
             raise
+        finally:
+            if aborted[0]:  # whatever ended the read (cancellation too): give the agent up
+                with trio.move_on_after(self._config.close_timeout, shield=True):
+                    await self.retire(remote)
 
     def _engine_slots(self, remote: RemoteAgent) -> trio.CapacityLimiter:
         """The per-engine cap on transfer threads (see TRANSFERS_PER_ENGINE)."""
