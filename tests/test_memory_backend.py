@@ -38,11 +38,13 @@ QUICK = trio_pd.ConnectorConfig(
 @asynccontextmanager
 async def producer(
     fabric: MemoryFabric, engine_id: str = "p", port: int = 0
-) -> AsyncIterator[trio_pd.Connector]:
+) -> AsyncIterator[tuple[trio_pd.Connector, list[torch.Tensor]]]:
+    """A producer engine on the fabric, and its KV cache."""
+    kv = kv_cache(blocks=16)
     async with trio_pd.open_connector(
-        engine_id, kv_cache(blocks=16), port=port, config=QUICK, backend=fabric.backend
+        engine_id, kv, port=port, config=QUICK, backend=fabric.backend
     ) as conn:
-        yield conn
+        yield conn, kv
 
 
 @asynccontextmanager
@@ -66,9 +68,8 @@ async def test_pulls_move_the_right_bytes_and_release_the_exposure(
     memory_fabric: MemoryFabric,
 ) -> None:
     with trio.fail_after(10):
-        prefill_kv = kv_cache(blocks=16)
         async with (
-            trio_pd.open_connector("p", prefill_kv, backend=memory_fabric.backend) as p,
+            producer(memory_fabric) as (p, prefill_kv),
             consumer(memory_fabric) as (d, local),
         ):
             remote = seeded(p, prefill_kv, "r", [3, 9, 4], seed=7)
@@ -83,7 +84,7 @@ async def test_concurrent_pulls_to_a_new_engine_share_one_handshake(
     memory_fabric: MemoryFabric,
 ) -> None:
     with trio.fail_after(10):
-        async with producer(memory_fabric) as p, consumer(memory_fabric) as (d, _):
+        async with producer(memory_fabric) as (p, _), consumer(memory_fabric) as (d, _):
             memory_fabric.faults("p").load_delay = 0.1  # all of them arrive while it loads
             async with trio.open_nursery() as nursery:
                 for i in range(16):
@@ -98,7 +99,7 @@ async def test_a_failed_load_fails_every_waiter_backs_off_then_recovers(
     memory_fabric: MemoryFabric,
 ) -> None:
     with trio.fail_after(10):
-        async with producer(memory_fabric) as p, consumer(memory_fabric) as (d, _):
+        async with producer(memory_fabric) as (p, _), consumer(memory_fabric) as (d, _):
             memory_fabric.faults("p").load_error = "bad metadata"
             errors: list[trio_pd.HandshakeError] = []
 
@@ -130,7 +131,7 @@ async def test_a_load_over_the_deadline_fails_its_waiters_and_its_late_agent_is_
     memory_fabric: MemoryFabric,
 ) -> None:
     with trio.fail_after(10):
-        async with producer(memory_fabric) as p, consumer(memory_fabric) as (d, _):
+        async with producer(memory_fabric) as (p, _), consumer(memory_fabric) as (d, _):
             memory_fabric.faults("p").load_delay = 2 * QUICK.handshake_timeout
             started = trio.current_time()
             with pytest.raises(trio_pd.HandshakeError, match=r"took longer than 0\.5 s"):
@@ -148,7 +149,7 @@ async def test_a_read_error_names_the_blocks_and_keeps_the_engine_ready(
     memory_fabric: MemoryFabric,
 ) -> None:
     with trio.fail_after(10):
-        async with producer(memory_fabric) as p, consumer(memory_fabric) as (d, _local):
+        async with producer(memory_fabric) as (p, _), consumer(memory_fabric) as (d, _local):
             await d.pull("warm", [0], p.expose("warm", [0]))
             memory_fabric.faults("p").read_error = "NIXL_ERR_BACKEND"
             with pytest.raises(trio_pd.TransferError) as info:
@@ -165,9 +166,8 @@ async def test_a_read_that_never_ends_times_out_and_writes_nothing(
     memory_fabric: MemoryFabric,
 ) -> None:
     with trio.fail_after(10):
-        prefill_kv = kv_cache(blocks=16)
         async with (
-            trio_pd.open_connector("p", prefill_kv, backend=memory_fabric.backend) as p,
+            producer(memory_fabric) as (p, prefill_kv),
             consumer(memory_fabric) as (d, local),
         ):
             await d.pull("warm", [0], p.expose("warm", [0]))
@@ -183,7 +183,7 @@ async def test_a_cancelled_pull_copies_nothing_and_counts_neither_way(
     memory_fabric: MemoryFabric,
 ) -> None:
     with trio.fail_after(10):
-        async with producer(memory_fabric) as p, consumer(memory_fabric) as (d, _local):
+        async with producer(memory_fabric) as (p, _), consumer(memory_fabric) as (d, _local):
             await d.pull("warm", [0], p.expose("warm", [0]))
             memory_fabric.faults("p").read_delay = 0.2
             with trio.move_on_after(0.05) as scope:
@@ -199,11 +199,11 @@ async def test_a_restart_seen_in_a_request_retires_the_old_agent(
 ) -> None:
     with trio.fail_after(10):
         async with consumer(memory_fabric) as (d, _local):
-            async with producer(memory_fabric) as first:
+            async with producer(memory_fabric) as (first, _):
                 port = first.address[1]
                 old = first.expose("old", [1])
                 await d.pull("warm", [0], first.expose("warm", [0]))
-            async with producer(memory_fabric, port=port) as second:
+            async with producer(memory_fabric, port=port) as (second, _):
                 fresh = second.expose("new", [2])
                 assert fresh.incarnation != old.incarnation
                 await d.pull("new", [2], fresh)
@@ -248,9 +248,8 @@ async def test_after_a_lost_peer_the_next_pull_handshakes_and_reads_if_it_is_bac
 ) -> None:
     # A lost connection is not a restart: the incarnation is suspect, not gone.
     with trio.fail_after(10):
-        prefill_kv = kv_cache(blocks=16)
         async with (
-            trio_pd.open_connector("p", prefill_kv, backend=memory_fabric.backend) as p,
+            producer(memory_fabric) as (p, prefill_kv),
             consumer(memory_fabric) as (d, local),
         ):
             await d.pull("warm", [0], p.expose("warm", [0]))
@@ -273,7 +272,7 @@ async def test_after_a_producer_died_its_requests_fail_naming_the_cause_not_a_re
 ) -> None:
     with trio.fail_after(10):
         async with consumer(memory_fabric) as (d, _):
-            async with producer(memory_fabric) as p:
+            async with producer(memory_fabric) as (p, _):
                 await d.pull("warm", [0], p.expose("warm", [0]))
                 first, second = p.expose("a", [1]), p.expose("b", [2])
             with pytest.raises(trio_pd.TransferError, match="disconnected"):
@@ -296,7 +295,7 @@ async def test_closing_wakes_waiters_stops_reads_and_keeps_statistics(
             except trio.ClosedResourceError as exc:
                 outcomes.append(exc)
 
-        async with producer(memory_fabric) as p, trio.open_nursery() as nursery:
+        async with producer(memory_fabric) as (p, _), trio.open_nursery() as nursery:
             async with consumer(memory_fabric) as (d, _):
                 await d.pull("warm", [0], p.expose("warm", [0]))
                 memory_fabric.faults("p").hang_reads = True
@@ -341,7 +340,7 @@ async def test_an_agent_the_backend_gave_up_is_handshaken_again_by_the_next_pull
     # What a NIXL transfer that cannot be stopped leads to: the backend
     # retires the agent on its own; the engine must not stay "ready" on it.
     with trio.fail_after(10):
-        async with producer(memory_fabric) as p, consumer(memory_fabric) as (d, _):
+        async with producer(memory_fabric) as (p, _), consumer(memory_fabric) as (d, _):
             await d.pull("warm", [0], p.expose("warm", [0]))
             [backend] = [b for b in memory_fabric.backends if b.engine_id == "d"]
             [agent] = backend.remote_agents()
