@@ -108,3 +108,37 @@ def raw_nixl_read(
     assert status == "DONE", status
     handle.release()
     return elapsed
+
+
+def raw_nixl_read_at_once(
+    backend: trio_pd.NixlBackend,
+    engine_id: str,
+    chunks: Sequence[np.ndarray],
+    notifications: Sequence[bytes],
+) -> float:
+    """One READ per chunk of block ids, all posted at once from this thread, then
+    polled together until every one is done; returns the seconds taken."""
+    [remote] = [r for r in backend.remote_agents() if r.engine_id == engine_id and not r.retired]
+    agent = backend.agent
+    started = time.perf_counter()
+    handles = []
+    for ids, notification in zip(chunks, notifications, strict=True):
+        handle = agent.make_prepped_xfer(
+            "READ",
+            backend.local_descriptors,
+            backend.layout.descriptor_indices(ids),
+            remote.handle,
+            remote.layout.descriptor_indices(ids),
+            notification,
+        )
+        status = agent.transfer(handle)
+        assert status in ("DONE", "PROC"), status
+        handles.append(handle)
+    pending = list(handles)
+    while pending:
+        pending = [h for h in pending if agent.check_xfer_state(h) == "PROC"]
+    elapsed = time.perf_counter() - started
+    for handle in handles:
+        assert agent.check_xfer_state(handle) == "DONE"
+        handle.release()
+    return elapsed

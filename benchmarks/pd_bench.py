@@ -34,7 +34,13 @@ from typing import Any
 import numpy as np
 import torch
 import trio
-from comparison import CapturedBackends, InlineHandshakes, NixlOnEventLoop, raw_nixl_read
+from comparison import (
+    CapturedBackends,
+    InlineHandshakes,
+    NixlOnEventLoop,
+    raw_nixl_read,
+    raw_nixl_read_at_once,
+)
 
 import trio_pd
 from trio_pd.testing import (
@@ -560,6 +566,88 @@ async def bench_far_link(quick: bool) -> Result:
     }
 
 
+# ---- 9. concurrent large pulls ------------------------------------------------------
+
+
+async def bench_concurrent_pulls(quick: bool) -> Result:
+    """The same bytes as 1, 4 or 16 pulls at once, against raw NIXL posting them at once.
+
+    Raw NIXL: the connector's own agent and descriptor lists, every transfer
+    posted from one thread, then all polled together until done.
+    """
+    total = (256 if quick else 1024) << 20
+    regions, block_bytes, reps = 16, 65536, 3
+    blocks = total // (regions * block_bytes)
+    out: Result = {"bytes": total, "counts": {}}
+    async with open_prefill_worker(spec("conc", regions, blocks, block_bytes)) as w:
+        local = kv(regions, blocks, block_bytes)
+        captured = CapturedBackends()
+        async with trio_pd.open_connector("dec-conc", local, backend=captured) as d:
+            await d.pull("warm", [0], await w.expose("warm", [0], seed=0))
+            backend = captured.backends[0]
+            for count in (1, 4, 16):
+                chunks = np.array_split(np.arange(blocks), count)
+                rates: dict[str, list[float]] = {"trio_pd": [], "raw NIXL": []}
+                for rep in range(reps):
+                    names = [f"c{count}-{rep}-{i}" for i in range(count)]
+                    remotes = await w.expose_many(
+                        [(n, c.tolist(), rep) for n, c in zip(names, chunks, strict=True)]
+                    )
+                    started = time.perf_counter()
+                    async with trio.open_nursery() as nursery:
+                        for n, c, r in zip(names, chunks, remotes, strict=True):
+                            nursery.start_soon(d.pull, n, c.tolist(), r)
+                    rates["trio_pd"].append(total / (time.perf_counter() - started) / 1e9)
+                    raw_names = [f"raw{n}" for n in names]
+                    await w.expose_many(
+                        [(n, c.tolist(), rep) for n, c in zip(raw_names, chunks, strict=True)]
+                    )
+                    seconds = raw_nixl_read_at_once(
+                        backend,
+                        w.engine_id,
+                        chunks,
+                        [encode_notification(n) for n in raw_names],
+                    )
+                    rates["raw NIXL"].append(total / seconds / 1e9)
+                medians = {k: round(statistics.median(v), 2) for k, v in rates.items()}
+                out["counts"][str(count)] = {
+                    "GB_per_s": medians,
+                    "ratio": round(medians["trio_pd"] / medians["raw NIXL"], 3),
+                }
+    return out
+
+
+# ---- 10. producer CPU while exposures wait -------------------------------------------
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def bench_producer_cpu(quick: bool) -> Result:
+    """CPU of a producer process, idle and with 1000 exposures pending that nobody reads."""
+    window = 1.0 if quick else 3.0
+    async with open_prefill_worker(spec("cpu", 2, 2048, 4096)) as w:
+        pid = w.process.pid
+
+        async def cores() -> float:
+            before, started = _cpu_seconds(pid), time.perf_counter()
+            await trio.sleep(window)
+            return (_cpu_seconds(pid) - before) / (time.perf_counter() - started)
+
+        idle = await cores()
+        await w.expose_many([(f"p{i}", [i], i) for i in range(1000)])
+        pending = await cores()
+    return {
+        "window_s": window,
+        "idle_cores": round(idle, 3),
+        "pending_1000_cores": round(pending, 3),
+    }
+
+
 BENCHMARKS: dict[str, Callable[[bool], Awaitable[Result]]] = {
     "head_of_line": bench_head_of_line,
     "cold_fan_out": bench_cold_fan_out,
@@ -568,6 +656,8 @@ BENCHMARKS: dict[str, Callable[[bool], Awaitable[Result]]] = {
     "small_pulls": bench_small_pulls,
     "tp_throughput": bench_tp_throughput,
     "far_link": bench_far_link,
+    "concurrent_pulls": bench_concurrent_pulls,
+    "producer_cpu": bench_producer_cpu,
     "scale": bench_scale,
 }
 

@@ -39,7 +39,7 @@ def render(results: dict[str, Any]) -> str:
         "numbers (p99, the longest stall) move most between runs on this 2-core "
         "machine: read them as ranges.",
         "",
-        "To reproduce: `nox -s bench` (about 3 minutes; rewrites this page and "
+        "To reproduce: `nox -s bench` (about 4 minutes, as root for benchmark 8; rewrites this page and "
         "`docs/performance.json`).",
         "",
         "## Machine",
@@ -312,6 +312,51 @@ def render(results: dict[str, Any]) -> str:
             f"and their p99 by x{f['ratio_p99']}: on 2 cores, three processes and the "
             "TCP transport copying the far bytes compete with them for CPU; where the "
             "tail goes is not broken down yet.",
+            "",
+        ]
+    if "concurrent_pulls" in r:
+        c = r["concurrent_pulls"]
+        out += [
+            "## 9. Concurrent large pulls",
+            "",
+            f"The same {c['bytes'] >> 20} MiB (16 regions, 64 KiB blocks, one engine) as "
+            "1, 4 or 16 pulls at once, against raw NIXL with the same transfers posted "
+            "at once from one thread and polled together; median of 3, interleaved. "
+            "This is the baseline for the transfer driver of the next step "
+            "(goal: >= 0.95 each).",
+            "",
+            _table(
+                ["pulls at once", "trio_pd GB/s", "raw NIXL GB/s", "ratio"],
+                [
+                    [n, v["GB_per_s"]["trio_pd"], v["GB_per_s"]["raw NIXL"], v["ratio"]]
+                    for n, v in c["counts"].items()
+                ],
+            ),
+            "",
+            "Each pull holds its own transfer thread (at most 4 per engine) that polls "
+            "its transfer alone; raw NIXL polls all of them in one loop.",
+            "",
+        ]
+    if "producer_cpu" in r:
+        p = r["producer_cpu"]
+        out += [
+            "## 10. Producer CPU while exposures wait",
+            "",
+            f"CPU of a producer process over {p['window_s']:g} s: idle, then with 1000 "
+            "exposures pending that no consumer reads (goal of the next step: <= 0.05 "
+            "core).",
+            "",
+            _table(
+                ["producer", "cores"],
+                [
+                    ["idle", p["idle_cores"]],
+                    ["1000 exposures pending", p["pending_1000_cores"]],
+                ],
+            ),
+            "",
+            "While exposures are pending, the notification thread checks for "
+            "notifications every `poll_interval` (100 us), which also drives the UCX "
+            "worker that consumers' READs need.",
             "",
         ]
     out += ["## Goals", "", _table(["goal", "measured", "target", ""], checks), ""]
