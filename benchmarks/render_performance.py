@@ -39,8 +39,8 @@ def render(results: dict[str, Any]) -> str:
         "numbers (p99, the longest stall) move most between runs on this 2-core "
         "machine: read them as ranges.",
         "",
-        "To reproduce: `nox -s bench` (about 4 minutes, as root for benchmark 8; rewrites this page and "
-        "`docs/performance.json`).",
+        "To reproduce: `nox -s bench` (about 4 minutes, as root for benchmark 8; "
+        "rewrites this page and `docs/performance.json`).",
         "",
         "## Machine",
         "",
