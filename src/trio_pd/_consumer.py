@@ -216,8 +216,7 @@ class Consumer:
                     else:
                         await self._backend.read(agent, *indices, notification)
                 except BackendError as exc:
-                    if exc.peer_lost and engine.record.on_peer_lost(agent.incarnation):
-                        self._handshakes.peer_lost(engine, agent, request_id)
+                    if exc.peer_lost and self._handshakes.peer_lost(engine, agent, request_id):
                         with trio.CancelScope(shield=True):
                             await self._backend.retire(agent)  # unloaded when the lease ends
                     self._fail(request_id, local_ids, engine.rank_label + str(exc), cause=exc)

@@ -178,8 +178,7 @@ class Handshakes:
                     return engine.agent
                 # The backend gave up on the agent (a transfer it could not
                 # stop): as a lost peer, handshake again.
-                record.on_peer_lost(engine.agent.incarnation)
-                engine.agent = None
+                self.peer_lost(engine, engine.agent, request_id)
                 continue
             if action is PullAction.FAIL_FAST:
                 self._counters.pulls_rejected_in_backoff += 1
@@ -340,7 +339,15 @@ class Handshakes:
         async for engine, attempt in self._loads_receive:
             await self._load(engine, attempt)
 
-    def peer_lost(self, engine: RemoteEngine, agent: RemoteAgent, request_id: str) -> None:
+    def peer_lost(self, engine: RemoteEngine, agent: RemoteAgent, request_id: str) -> bool:
+        """``agent`` is gone (NIXL said so, or the backend gave it up).
+
+        Returns whether this is news, i.e. ``agent`` was the engine's loaded
+        one: then the engine goes stale (the next pull handshakes again), and
+        the caller retires the agent.
+        """
+        if engine.agent is not agent or not engine.record.on_peer_lost(agent.incarnation):
+            return False
         engine.agent = None
         self._counters.peers_disconnected += 1
         logger.warning(
@@ -349,6 +356,7 @@ class Handshakes:
             agent.engine_id,
             request_id,
         )
+        return True
 
     def begin_close(self) -> None:
         """Wake every waiter (they raise ClosedResourceError); stop the handshake task."""
