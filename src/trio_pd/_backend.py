@@ -55,11 +55,17 @@ class BackendError(TrioPdError):
     Attributes:
         peer_lost: the backend said the remote agent disconnected (the peer
             died, restarted or became unreachable).
+        settled: ``None``, or -- for a transfer the backend could not stop --
+            an event set once it really ended (see ``settled`` of
+            :class:`~trio_pd.TransferError`).
     """
 
-    def __init__(self, message: str, *, peer_lost: bool = False) -> None:
+    def __init__(
+        self, message: str, *, peer_lost: bool = False, settled: trio.Event | None = None
+    ) -> None:
         super().__init__(message)
         self.peer_lost = peer_lost
+        self.settled = settled
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild_backend_error, (str(self), self.peer_lost))
@@ -189,13 +195,16 @@ class TransferBackend(Protocol):
         Indices are descriptor indices (``region * num_blocks + block``) of
         ``remote.local_layout`` and ``remote.layout``.
 
-        The backend's ``config.transfer_timeout`` counts from when the first
-        transfer is posted. When this returns or raises, nothing writes into
-        the local blocks any more.
+        The backend's ``config.transfer_timeout`` counts from when the read
+        is handed to the backend's data plane. When this returns or raises,
+        nothing writes into the local blocks any more -- except after a
+        :class:`BackendError` whose ``settled`` is an event: then a transfer
+        the backend could not stop may write them until that is set.
 
         Raises:
             BackendError: the backend reported an error (``peer_lost`` set
-                when the remote is gone).
+                when the remote is gone; ``settled`` set when a transfer
+                could not be stopped).
             TransferTimeout: ``transfer_timeout`` passed.
             BackendClosing: the backend began closing.
             trio.Cancelled: the calling task was cancelled.
@@ -280,6 +289,49 @@ class RemoteAgents:
 
     def all(self) -> list[RemoteAgent]:
         return list(self._loaded.values())
+
+    def revive(
+        self,
+        engine_id: str,
+        incarnation: str,
+        agent_name: str,
+        layout: KVLayout,
+        local_layout: KVLayout,
+    ) -> RemoteAgent | None:
+        """The loaded agent ``agent_name`` put back in service, if it is the one asked for.
+
+        A retired agent stays loaded while pulls or an unstoppable transfer
+        still hold it. If a new handshake finds the very same agent (same
+        engine, incarnation and views: it was retired as *suspect* and has
+        answered again), it is used again rather than loaded twice.
+
+        Returns ``None`` if no agent of that name is loaded.
+
+        Raises:
+            BackendError: an agent of that name is loaded but differs (it is
+                still in use by earlier pulls: retry later).
+        """
+        loaded = self._loaded.get(agent_name)
+        if loaded is None:
+            return None
+        same = (loaded.engine_id, loaded.incarnation, loaded.layout, loaded.local_layout) == (
+            engine_id,
+            incarnation,
+            layout,
+            local_layout,
+        )
+        if not same:
+            raise BackendError(
+                f"agent {agent_name!r} is still loaded with other views (in use by "
+                "earlier pulls); retry later"
+            )
+        loaded.retired = False
+        return loaded
+
+    def idle_retired(self) -> list[RemoteAgent]:
+        """Retired agents nobody holds, still loaded (a backend's hold ended
+        outside a lease); the backend unloads them at its next chance."""
+        return [r for r in self._loaded.values() if r.retired and r.users == 0]
 
     @asynccontextmanager
     async def lease(self, remote: RemoteAgent) -> AsyncIterator[RemoteAgent]:

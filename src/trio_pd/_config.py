@@ -69,9 +69,8 @@ class ConnectorConfig:
             deadline again. Every pull waiting on that engine fails with
             :class:`~trio_pd.HandshakeError` when one passes. Default 5.0 (as vLLM).
         transfer_timeout: how long one pull's transfers may take, counted from
-            when the first is posted (waiting for a free transfer thread does
-            not count). Past it the pull raises :class:`~trio_pd.TransferError`.
-            Default 30.0.
+            when they are handed to the transfer driver. Past it the pull
+            raises :class:`~trio_pd.TransferError`. Default 30.0.
         abort_timeout: how long the producer holds exposed blocks for their
             consumers; after it the exposure resolves
             :attr:`~trio_pd.Released.EXPIRED` and the blocks may be reused.
@@ -86,17 +85,22 @@ class ConnectorConfig:
             serialised, in the handshake task.) Default 8.
         max_message_bytes: the largest side-channel message accepted, in either
             direction; larger ones are dropped by ZeroMQ. Default 1 MiB.
-        max_descriptors_per_transfer: a pull with more descriptors (blocks x
-            regions) runs as several NIXL transfers in sequence; cancellation
-            and shutdown take effect between them. Default 8192 (128 MiB of
-            16 KiB blocks).
-        poll_interval: how long a transfer thread sleeps between checks of a
-            running transfer, once ``poll_spin`` is used up. Sleeping leaves
-            the core to the other threads that drive the same transfer (on a
-            small machine, spinning delays the completion it waits for).
+        max_descriptors_per_transfer: the most descriptors (blocks x regions)
+            in one posted NIXL transfer; a larger pull is posted in chunks.
+            Default 8192.
+        max_bytes_per_transfer: the most bytes in one posted transfer, and
+            what the transfer driver posts per turn before it polls and
+            takes new pulls. On one host a transfer's bytes are copied while
+            it is posted (about 2 ms for the default here), so this bounds
+            how long a large pull holds up a small one. Cancellation and
+            shutdown stop a pull between its chunks. Default 8 MiB.
+        poll_interval: how long the transfer driver sleeps between checks of
+            running transfers when nothing moved for ``poll_spin``. Sleeping
+            leaves the core to the threads that drive the same transfers (on
+            a small machine, spinning delays the completion it waits for).
             Default 0.0001.
-        poll_spin: how long a transfer thread checks a just-posted transfer
-            without sleeping. Default 0.0001.
+        poll_spin: how long the transfer driver checks running transfers
+            without sleeping after something moved. Default 0.0001.
         notification_poll_interval: while exposures are pending, the producer's
             notification thread checks for consumer notifications every
             ``poll_interval`` -- each check also advances the NIXL agent, which
@@ -125,7 +129,7 @@ class ConnectorConfig:
         nixl_backend_params: per-backend init parameters passed to NIXL's
             ``create_backend``, e.g. ``{"UCX": {"ucx_error_handling_mode": "peer"}}``.
         nixl_sync_mode: the NIXL agent's thread-sync mode. The handshake
-            thread, the transfer threads and the notification thread call the
+            thread, the transfer driver and the notification thread call the
             same agent at once, so ``"none"`` is not offered: ``"rw"``
             (reader/writer lock, the default) or ``"strict"`` (one lock).
         nixl_num_threads: worker threads for multi-threaded backends (0 = backend
@@ -133,7 +137,7 @@ class ConnectorConfig:
         nixl_progress_thread: start NIXL's own progress thread. It polls without
             pause and keeps a whole core busy per agent even when idle
             (measured: 1.0 core for one idle connector), so it is off by
-            default: trio_pd's transfer threads and the producer's
+            default: trio_pd's transfer driver and the producer's
             notification thread advance the agent instead. Default False.
     """
 
@@ -144,6 +148,7 @@ class ConnectorConfig:
     max_concurrent_fetches: int = attrs.field(default=8, validator=_at_least_one)
     max_message_bytes: int = attrs.field(default=1 << 20, validator=_at_least_one)
     max_descriptors_per_transfer: int = attrs.field(default=8192, validator=_at_least_one)
+    max_bytes_per_transfer: int = attrs.field(default=8 << 20, validator=_at_least_one)
     poll_interval: float = attrs.field(default=0.0001, validator=_positive)
     poll_spin: float = attrs.field(default=0.0001, validator=_non_negative)
     notification_poll_interval: float = attrs.field(default=0.002, validator=_positive)

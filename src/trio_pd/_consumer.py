@@ -219,7 +219,13 @@ class Consumer:
                     if exc.peer_lost and self._handshakes.peer_lost(engine, agent, request_id):
                         with trio.CancelScope(shield=True):
                             await self._backend.retire(agent)  # unloaded when the lease ends
-                    self._fail(request_id, local_ids, engine.rank_label + str(exc), cause=exc)
+                    self._fail(
+                        request_id,
+                        local_ids,
+                        engine.rank_label + str(exc),
+                        cause=exc,
+                        settled=exc.settled,
+                    )
                 except TransferTimeout:
                     timeout = self._config.transfer_timeout
                     reason = f"{engine.rank_label}not complete within {timeout:g} s"
@@ -232,10 +238,15 @@ class Consumer:
             self._pulls_in_flight.value -= 1
 
     def _fail(
-        self, request_id: str, local_ids: BlockIds, reason: str, cause: BaseException | None = None
+        self,
+        request_id: str,
+        local_ids: BlockIds,
+        reason: str,
+        cause: BaseException | None = None,
+        settled: trio.Event | None = None,
     ) -> NoReturn:
         """Raise the pull's TransferError (``pull`` counts it)."""
-        raise TransferError(request_id, local_ids.tolist(), reason) from cause
+        raise TransferError(request_id, local_ids.tolist(), reason, settled=settled) from cause
 
     # ---- life cycle ------------------------------------------------------
 

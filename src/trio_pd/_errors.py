@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import trio
+
 
 class TrioPdError(Exception):
     """Base class of every error trio_pd raises on purpose."""
@@ -53,9 +55,23 @@ class TransferError(TrioPdError):
         request_id: the pulling request's id.
         failed_block_ids: the local block ids that did not receive their data.
         reason: a one-line description of what went wrong.
+        settled: ``None`` almost always: nothing writes into those blocks any
+            more. A :class:`trio.Event` when a transfer could not be stopped
+            (its peer became unreachable mid-transfer; NIXL cannot cancel it,
+            and its bytes land if the link comes back): the blocks may still
+            be written until it is set, which happens once NIXL reports the
+            transfer ended, or the connector closed. Keep the blocks out of
+            reuse until then (``await error.settled.wait()``). Not pickled.
     """
 
-    def __init__(self, request_id: str, failed_block_ids: Sequence[int], reason: str) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        failed_block_ids: Sequence[int],
+        reason: str,
+        *,
+        settled: trio.Event | None = None,
+    ) -> None:
         ids = tuple(int(b) for b in failed_block_ids)
         super().__init__(
             f"transfer for request {request_id!r} failed ({len(ids)} local blocks): {reason}"
@@ -63,6 +79,7 @@ class TransferError(TrioPdError):
         self.request_id = request_id
         self.failed_block_ids = ids
         self.reason = reason
+        self.settled = settled
 
     def __reduce__(
         self,

@@ -1,43 +1,41 @@
 """The NIXL transfer backend (thin I/O shell around one NIXL agent).
 
-NIXL calls can block for milliseconds to seconds (a ``transfer()`` of a large
-READ does much of the copy before it returns; ``check_xfer_state`` can take
-4 ms), so none of them runs on the trio thread. Three dedicated
-:class:`trio.CapacityLimiter` s route them to worker threads:
+NIXL calls can block for milliseconds to seconds (on one host a
+``transfer()`` *is* the copy; preparing a large descriptor list takes tens of
+ms), so none of them runs on the trio thread:
 
-* ``handshake`` (1 thread): every mutation of the agent's view of remote
-  engines -- ``add_remote_agent``, preparing the remote descriptor list,
-  ``make_connection``, ``remove_remote_agent`` -- one at a time;
-* ``transfers`` (16 threads, at most 4 per remote engine): one pull each,
-  from posting the READ to its completion, then releasing its handle;
-* ``notifications`` (1 thread): the producer's notification polls, which
-  also advance the agent (NIXL's own progress thread is off by default: it
-  keeps a core busy per agent).
+* the data plane -- every READ, its polling and release, and notifications
+  sent -- belongs to one thread, the :class:`~trio_pd._driver.TransferDriver`
+  (see that module): pulls hand it jobs and wait on trio Events;
+* every mutation of the agent's view of remote engines -- ``add_remote_agent``,
+  preparing descriptor lists, ``make_connection``, ``remove_remote_agent`` --
+  runs in a worker thread behind the ``handshake`` limiter (one at a time);
+* the producer's notification polls run behind the ``notifications``
+  limiter (one thread); they also advance the agent (NIXL's own progress
+  thread is off by default: it keeps a core busy per agent).
 
 The agent is created with an explicit thread-sync mode (reader/writer lock by
 default) because these threads call it concurrently.
 
 What threads touch: NIXL, the arguments they are given, a
-:class:`threading.Event` that says the backend is closing, and a thread-safe
-queue of transfer handles that could not be released. Every other piece of
-Python state (the loaded remote agents, their leases) changes on the trio
-thread only.
+:class:`threading.Event` that says the backend is closing, and (the driver)
+its jobs. Every other piece of Python state (the loaded remote agents, their
+leases) changes on the trio thread only.
 
 Ownership: a :class:`NixlBackend` owns the agent, its memory registration, the
-local descriptor list, every :class:`RemoteAgent` it loaded, and every transfer
-handle it creates. :meth:`NixlBackend.aclose` releases all of them.
+local descriptor lists, every :class:`RemoteAgent` it loaded, and its transfer
+driver (which owns every transfer handle). :meth:`NixlBackend.aclose` stops the
+driver and releases all of them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import queue
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -52,7 +50,10 @@ from ._backend import (
     TransferTimeout,
 )
 from ._config import ConnectorConfig
+from ._driver import Job, Outcome, TransferDriver
 from ._layout import KVLayout
+from ._nixl_errors import describe as _describe
+from ._nixl_errors import nixl_errors as _nixl_errors
 
 if TYPE_CHECKING:
     from contextlib import AbstractAsyncContextManager
@@ -62,36 +63,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("trio_pd.nixl")
 
 _T = TypeVar("_T")
-
-TRANSFER_THREADS = 16
-"""Worker threads for pulls in all. A pull holds one from posting to completion,
-mostly sleeping between polls, so they are cheap; a pull waiting for a slow
-peer must not keep pulls to other engines from starting."""
-
-TRANSFERS_PER_ENGINE = 4
-"""Of those, at most this many for one remote engine: a slow or stuck engine
-cannot take every transfer thread (head-of-line blocking across engines)."""
-
-PEER_LOST_ERRORS = frozenset({"nixlRemoteDisconnectError"})
-"""NIXL exception types that mean the remote agent is gone (by class name:
-the classes live in a CUDA-specific binding module)."""
-
-
-@contextlib.contextmanager
-def _nixl_errors(call: str) -> Iterator[None]:
-    """The one mapping of NIXL's exceptions: every one becomes :class:`BackendError`.
-
-    The message names ``call`` and NIXL's error; ``peer_lost`` is set for
-    the types in :data:`PEER_LOST_ERRORS`. trio_pd's own control-flow
-    exceptions pass through.
-    """
-    try:
-        yield
-    except (BackendError, TransferTimeout, BackendClosing, trio.Cancelled):
-        raise
-    except Exception as exc:
-        peer_lost = type(exc).__name__ in PEER_LOST_ERRORS
-        raise BackendError(f"{call}: {_describe(exc)}", peer_lost=peer_lost) from exc
 
 
 def _drop_locals(exc: BaseException) -> None:
@@ -107,10 +78,6 @@ def _drop_locals(exc: BaseException) -> None:
         seen.add(id(current))
         traceback.clear_frames(current.__traceback__)
         current = current.__cause__ or current.__context__
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 class NixlBackend:
@@ -143,10 +110,9 @@ class NixlBackend:
         self._trio_thread = threading.current_thread()
         self._remotes = RemoteAgents(self._unload, config.close_timeout)
         self._closing = threading.Event()
-        self._stuck_handles: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._driver = TransferDriver(agent, agent.name, config)
+        self._driver.start()
         self._handshake_limiter = trio.CapacityLimiter(1)
-        self._transfer_limiter = trio.CapacityLimiter(TRANSFER_THREADS)
-        self._slots: dict[str, trio.CapacityLimiter] = {}
         self._local_views: dict[KVLayout, Any] = {}
         self._notification_limiter = trio.CapacityLimiter(1)
 
@@ -208,14 +174,18 @@ class NixlBackend:
         return data
 
     def begin_close(self) -> None:
-        """Tell in-flight transfers to stop; they notice within a poll."""
+        """Tell in-flight transfers to stop; the driver notices within a turn."""
         self._closing.set()
+        self._driver.begin_close()
 
     async def aclose(self) -> None:
-        """Release remote agents, descriptor lists, handles and memory. Idempotent.
+        """Stop the driver, then release remote agents, descriptor lists and memory.
 
-        The releases run in a worker thread that is not abandoned (freeing
-        registrations under a running NIXL call would crash); each takes
+        Idempotent. Stopping the driver waits (at most ``close_timeout``) for
+        its running transfers to stop; what still runs then is released
+        anyway, since the agent goes away next. The releases run in a
+        worker thread that is not abandoned (freeing registrations under a
+        running NIXL call would crash); each takes
         milliseconds. The bookkeeping is dropped here, on the trio thread.
         """
         self._closing.set()
@@ -223,6 +193,7 @@ class NixlBackend:
         if agent is None:
             await trio.lowlevel.checkpoint()
             return
+        await self._driver.stop()
         remotes = self._remotes.all()
         for remote in remotes:
             self._remotes.discard(remote)
@@ -233,7 +204,6 @@ class NixlBackend:
         owned = (self._local_dlist, self._registration)
         # Handle wrappers keep the agent alive: drop every reference to them.
         self._local_views.clear()
-        self._slots.clear()
         self._local_dlist = self._registration = self._agent = None
         await trio.to_thread.run_sync(self._close_blocking, agent, handles, views, *owned)
 
@@ -255,8 +225,6 @@ class NixlBackend:
 
         for name, dlist in remotes:
             attempt(f"unload {name}", functools.partial(_release_remote, agent, name, dlist))
-        while not self._stuck_handles.empty():
-            attempt("release stuck transfer", self._stuck_handles.get_nowait().release)
         for view_dlist in views:
             attempt("release a local view's descriptor list", view_dlist.release)
         attempt("release local descriptor list", local_dlist.release)
@@ -279,16 +247,23 @@ class NixlBackend:
 
         A local view other than the whole local layout (a head slice) gets
         its own local descriptor list, prepared once and kept until close.
+        An agent of that name still loaded (retired, but held by pulls or by
+        a transfer that could not be stopped) is used again if it is the
+        same (see :meth:`RemoteAgents.revive`).
 
         Raises:
             BackendError: NIXL rejected the metadata or the descriptors, or
-                could not connect; nothing of this engine stays loaded.
+                could not connect; nothing of this engine stays loaded. An
+                agent of that name is still loaded with other views.
         """
-        if agent_name in self._remotes:
+        for idle in self._remotes.idle_retired():  # held by a transfer that has ended since
+            with trio.move_on_after(self._config.close_timeout, shield=True):
+                await self._unload(idle)
+        revived = self._remotes.revive(engine_id, incarnation, agent_name, layout, local_layout)
+        if revived is not None:
             await trio.lowlevel.checkpoint()
-            raise BackendError(
-                f"agent {agent_name!r} is still loaded (in use by earlier pulls); retry later"
-            )
+            logger.info("engine %s: agent %s still loaded; used again", engine_id, agent_name)
+            return revived
         local_dlist = await self._local_view(local_layout)
         dlist = await self.run_blocking(
             self._handshake_limiter, self._load_blocking, agent_name, agent_metadata, layout
@@ -328,7 +303,6 @@ class NixlBackend:
         """Unload a retired remote nobody uses (called by :class:`RemoteAgents`)."""
         if not self._remotes.discard(remote) or self._agent is None:
             return
-        self._slots.pop(remote.agent_name, None)
         dlist, remote.handle, remote.local_handle = remote.handle, None, None
         try:
             await self.run_blocking(
@@ -381,180 +355,46 @@ class NixlBackend:
     ) -> None:
         """READ the remote descriptors into the local ones, with a notification.
 
-        Runs in a transfer thread, from posting to completion;
-        ``config.transfer_timeout`` counts from when that thread starts
-        (waiting for a free thread does not count). The handle is always
-        released before this returns or raises: on cancellation, timeout or
-        close, the running transfer is first waited for until it ends (up to
-        ``close_timeout``; NIXL's abort-on-release was seen to let data land
-        later) and only then released, so no transfer writes into local
-        blocks after the caller regains control.
-
-        A transfer that does not stop within ``close_timeout`` (its peer
-        unreachable, say) is released anyway, and its remote agent is
-        retired (the next pull handshakes again). NIXL cannot cancel it:
-        measured on a partitioned TCP link, its bytes still landed once the
-        link came back, even after the agent was removed. The error says so.
+        Hands the read to the transfer driver and waits for it;
+        ``config.transfer_timeout`` counts from then. When this returns or
+        raises, the driver has released every transfer of the read, or --
+        the one exception -- the error says that one still runs: on
+        cancellation, timeout, close or an error the driver stops posting
+        and waits (up to ``close_timeout``) for what runs to end. A transfer
+        still running then (its peer unreachable: NIXL cannot cancel it) is
+        kept and polled until it really ends; the read raises
+        :class:`BackendError` with ``peer_lost`` and ``settled``, the
+        remote agent is retired, and it stays loaded (held) until then.
 
         Raises:
             BackendError: NIXL reported ERR or raised; or a transfer could
-                not be stopped (``peer_lost``: the agent was retired; its
-                blocks may still be written later).
+                not be stopped (``peer_lost`` and ``settled`` set: the local
+                blocks may be written until ``settled`` is set).
             TransferTimeout: ``config.transfer_timeout`` passed.
             BackendClosing: the connector began closing.
             trio.Cancelled: the calling task was cancelled.
         """
-        aborted = [False]  # set by the thread if a transfer had to be released running
+        job = self._job(remote, local_indices, remote_indices, notification)
         try:
-            async with self._engine_slots(remote):
-                await self.run_blocking(
-                    self._transfer_limiter,
-                    self._read_blocking,
-                    remote,
-                    local_indices,
-                    remote_indices,
-                    notification,
-                    aborted,
-                )
-        except (TransferTimeout, BackendError) as exc:
-            if aborted[0]:
-                raise BackendError(
-                    f"a transfer from {remote.agent_name!r} did not stop within "
-                    f"{self._config.close_timeout:g} s of being told to (its peer is "
-                    "unreachable?); it was released and the agent given up, but NIXL "
-                    "cannot cancel it: its blocks may still be written if the peer comes back",
-                    peer_lost=True,
-                ) from exc
-            raise
+            await self._run_job(job)
         finally:
-            if aborted[0]:  # whatever ended the read (cancellation too): give the agent up
-                with trio.move_on_after(self._config.close_timeout, shield=True):
-                    await self.retire(remote)
-
-    def _engine_slots(self, remote: RemoteAgent) -> trio.CapacityLimiter:
-        """The per-engine cap on transfer threads (see TRANSFERS_PER_ENGINE)."""
-        slots = self._slots.get(remote.agent_name)
-        if slots is None:
-            slots = self._slots[remote.agent_name] = trio.CapacityLimiter(TRANSFERS_PER_ENGINE)
-        return slots
-
-    def _read_blocking(
-        self,
-        remote: RemoteAgent,
-        local_indices: npt.NDArray[np.int32],
-        remote_indices: npt.NDArray[np.int32],
-        notification: bytes,
-        aborted: list[bool],
-    ) -> None:
-        # (``remote``, not its descriptor list, is passed in: an error's
-        # traceback keeps this frame's arguments, and a list handle would
-        # keep the agent alive after close; unloading sets the handles to None.)
-        # Large pulls go as a sequence of transfers of at most
-        # max_descriptors_per_transfer descriptors (NIXL's transfer() does much
-        # of the copy before it returns); cancellation and closing are noticed
-        # between them. Only the last one carries the notification, so the
-        # producer hears of the pull once all of it is done.
-        deadline = time.monotonic() + self._config.transfer_timeout
-        step = self._config.max_descriptors_per_transfer
-        count = len(local_indices)
-        for start in range(0, count, step):
-            stop = min(count, start + step)
-            self._transfer_blocking(
-                remote.local_handle,
-                remote.handle,
-                local_indices[start:stop],
-                remote_indices[start:stop],
-                notification if stop == count else b"",
-                deadline,
-                aborted,
+            if job.still_running:
+                await self._hold_until_settled(remote, job)
+        if job.still_running:
+            why = job.outcome.value if job.outcome else "?"
+            raise BackendError(
+                f"a transfer from {remote.agent_name!r} did not stop within "
+                f"{self._config.close_timeout:g} s of being told to ({why}; "
+                "its peer is unreachable?); the agent was given up, but NIXL cannot "
+                "cancel the transfer: its blocks may still be written until it ends "
+                "(see TransferError.settled)",
+                peer_lost=True,
+                settled=job.settled,
             )
-
-    def _transfer_blocking(
-        self,
-        local_dlist: Any,
-        remote_dlist: Any,
-        local_indices: npt.NDArray[np.int32],
-        remote_indices: npt.NDArray[np.int32],
-        notification: bytes,
-        deadline: float,
-        aborted: list[bool],
-    ) -> None:
-        agent = self._live_agent()
-        self._check_stop(deadline)
-        with _nixl_errors("make_prepped_xfer"):
-            handle = agent.make_prepped_xfer(
-                "READ",
-                local_dlist,
-                local_indices,
-                remote_dlist,
-                remote_indices,
-                notification,
-            )
-        status = "PROC"
-        try:
-            with _nixl_errors("transfer"):
-                status = agent.transfer(handle)
-                spin_until = time.monotonic() + self._config.poll_spin
-                while status == "PROC":
-                    self._check_stop(deadline)
-                    if time.monotonic() >= spin_until:
-                        time.sleep(self._config.poll_interval)
-                    status = agent.check_xfer_state(handle)
-            if status != "DONE":
-                raise BackendError(f"transfer state {status}")
-        finally:
-            if self._release_handle(handle, finished=status != "PROC"):
-                aborted[0] = True
-
-    def _check_stop(self, deadline: float) -> None:
-        """Raise if this transfer must stop: cancelled, backend closing, or late."""
-        self._check_cancelled()
-        if self._closing.is_set():
-            raise BackendClosing
-        if time.monotonic() >= deadline:
-            raise TransferTimeout
-
-    def _release_handle(self, handle: Any, *, finished: bool) -> bool:
-        """Release a transfer handle, first letting an unfinished one stop.
-
-        NIXL's release of a running transfer "tries to abort" it, but UCX may
-        still be writing into the local blocks after that returns (measured:
-        bytes kept arriving). So an unfinished transfer is polled until it
-        ends (DONE or ERR), at most ``close_timeout``; only a transfer still
-        running then is released while running (aborted) -- and logged.
-
-        Returns whether it had to release a running transfer.
-        """
-        agent = self._live_agent()
-        aborted = False
-        if not finished:
-            give_up = time.monotonic() + self._config.close_timeout
-            while True:
-                try:
-                    if agent.check_xfer_state(handle) != "PROC":
-                        break
-                except Exception:
-                    break
-                if time.monotonic() >= give_up:
-                    logger.error(
-                        "a cancelled transfer still runs after %g s; aborting it and "
-                        "closing the connection to its peer",
-                        self._config.close_timeout,
-                    )
-                    aborted = True
-                    break
-                time.sleep(self._config.poll_interval)
-        try:
-            handle.release()
-        except Exception as exc:
-            logger.error(
-                "transfer handle could not be released (%s); kept until close", _describe(exc)
-            )
-            self._stuck_handles.put(handle)
-        return aborted
+        self._raise_for(job)
 
     async def notify(self, remote: RemoteAgent, message: bytes) -> None:
-        """Post a notification without a transfer (a notify-only pull).
+        """Post a notification without a transfer (a notify-only pull), via the driver.
 
         Fire and forget: NIXL reports no delivery, so a notification posted
         to a peer that just died is lost silently (the producer's exposure
@@ -562,15 +402,83 @@ class NixlBackend:
 
         Raises:
             BackendError: NIXL could not post it.
+            BackendClosing: the connector began closing first.
         """
-        async with self._engine_slots(remote):
-            await self.run_blocking(
-                self._transfer_limiter, self._notify_blocking, remote.agent_name, message
-            )
+        empty = np.empty(0, dtype=np.int32)
+        job = self._job(remote, empty, empty, message)
+        await self._run_job(job)
+        self._raise_for(job)
 
-    def _notify_blocking(self, agent_name: str, message: bytes) -> None:
-        with _nixl_errors("send_notif"):
-            self._live_agent().send_notif(agent_name, message)
+    def _job(
+        self,
+        remote: RemoteAgent,
+        local_indices: npt.NDArray[np.int32],
+        remote_indices: npt.NDArray[np.int32],
+        notification: bytes,
+    ) -> Job:
+        self._live_agent()
+        config = self._config
+        descriptor_bytes = max(remote.local_layout.block_lens)
+        chunk = max(
+            1,
+            min(
+                config.max_descriptors_per_transfer,
+                config.max_bytes_per_transfer // descriptor_bytes,
+            ),
+        )
+        return Job(
+            remote.local_handle,
+            remote.handle,
+            local_indices,
+            remote_indices,
+            remote.agent_name,
+            notification,
+            time.monotonic() + config.transfer_timeout,
+            chunk,
+            descriptor_bytes,
+        )
+
+    async def _run_job(self, job: Job) -> None:
+        """Submit ``job`` and wait until it finished, even when cancelled.
+
+        A cancelled wait asks the driver to stop the job and waits, shielded,
+        for it to say so: within ``close_timeout`` plus a turn.
+        """
+        self._driver.submit(job)
+        try:
+            await job.finished.wait()
+        finally:
+            if not job.finished.is_set():
+                job.cancel_requested = True
+                with trio.CancelScope(shield=True):
+                    await job.finished.wait()
+
+    @staticmethod
+    def _raise_for(job: Job) -> None:
+        if job.outcome is Outcome.DONE:
+            return
+        if job.outcome is Outcome.FAILED and job.error is not None:
+            raise job.error
+        if job.outcome is Outcome.TIMED_OUT:
+            raise TransferTimeout
+        if job.outcome is Outcome.CLOSING:
+            raise BackendClosing
+        raise BackendError(f"transfer ended {job.outcome}")  # (CANCELLED: cancel re-raised)
+
+    async def _hold_until_settled(self, remote: RemoteAgent, job: Job) -> None:
+        """Keep ``remote`` loaded until ``job``'s last transfer ended; retire it now.
+
+        Its descriptor lists are in use by that transfer: it is unloaded
+        after it settles (at the next load or at close), not before.
+        """
+        if not job.settled.is_set():
+            remote.users += 1
+            job.on_settled = functools.partial(self._drop_hold, remote)
+        with trio.move_on_after(self._config.close_timeout, shield=True):
+            await self.retire(remote)
+
+    def _drop_hold(self, remote: RemoteAgent) -> None:
+        remote.users -= 1  # (unloaded by the next load_remote or by aclose)
 
     async def notifications(self, wait: float) -> dict[str, list[bytes]]:
         """Collect new notifications (by sending agent name), waiting up to ``wait`` s.

@@ -183,8 +183,9 @@ class MemoryBackend:
         named = agent_metadata[len(_PREFIX) :].decode()
         if named != agent_name:
             raise BackendError(f"metadata names agent {named!r}, reply said {agent_name!r}")
-        if agent_name in self._remotes:
-            raise BackendError(f"agent {agent_name!r} is still loaded; retry later")
+        revived = self._remotes.revive(engine_id, incarnation, agent_name, layout, local_layout)
+        if revived is not None:
+            return revived
         if self._fabric._reach(agent_name) is None:
             raise BackendError(f"make_connection: agent {agent_name!r} is gone", peer_lost=True)
         remote = RemoteAgent(engine_id, incarnation, agent_name, layout, local_layout)
