@@ -23,6 +23,7 @@ from trio_pd._protocol import (
     decode_request,
     encode_message,
     encode_notification,
+    join_notifications,
     encode_request,
     error_reply,
     metadata_reply,
@@ -362,12 +363,20 @@ def test_deeply_nested_reply_is_a_handshake_error() -> None:
 # --- notifications -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("request_id", ["r1", "", "cmpl-é-日本", "a:b:c", "trio_pd:2:1:x"])
+@pytest.mark.parametrize("request_id", ["r1", "", "cmpl-é-日本", "a:b:c", "trio_pd:3:1:1:x"])
 @pytest.mark.parametrize("readers", [1, 2, 16])
 def test_notification_round_trips(request_id: str, readers: int) -> None:
     message = encode_notification(request_id, readers)
     assert message.startswith(NOTIFICATION_PREFIX)
-    assert decode_notification(message) == (request_id, readers)
+    assert decode_notification(message) == [(request_id, readers)]
+
+
+def test_joined_notifications_carry_every_pull_in_order() -> None:
+    pulls = [("r1", 1), ("", 2), ("a:7:b", 4), ("日本", 1)]
+    message = join_notifications([encode_notification(r, n) for r, n in pulls])
+    assert message.count(NOTIFICATION_PREFIX) == 1
+    assert decode_notification(message) == pulls
+    assert join_notifications([encode_notification("only")]) == encode_notification("only")
 
 
 @pytest.mark.parametrize(
@@ -375,13 +384,17 @@ def test_notification_round_trips(request_id: str, readers: int) -> None:
     [
         b"",
         b"r1",
-        b"trio_pd:1:r1",  # protocol version 1
-        b"trio_pd:2:r1",  # no readers count
-        b"trio_pd:2:0:r1",  # zero readers
-        b"trio_pd:2:-1:r1",
-        b"trio_pd:2:2",  # no request id separator
-        b"xtrio_pd:2:1:r1",
-        b"TRIO_PD:2:1:r1",
+        b"trio_pd:3:",  # no entry
+        b"trio_pd:2:1:r1",  # protocol version 2
+        b"trio_pd:3:r1",  # no readers count
+        b"trio_pd:3:1:r1",  # no length
+        b"trio_pd:3:0:2:r1",  # zero readers
+        b"trio_pd:3:-1:2:r1",
+        b"trio_pd:3:1:3:r1",  # shorter than its length
+        b"trio_pd:3:1:2:r1x",  # trailing bytes that are not an entry
+        b"trio_pd:3:1:2:r11:",  # a second entry cut short
+        b"xtrio_pd:3:1:2:r1",
+        b"TRIO_PD:3:1:2:r1",
     ],
 )
 def test_foreign_notification_is_not_ours(message: bytes) -> None:
@@ -389,14 +402,14 @@ def test_foreign_notification_is_not_ours(message: bytes) -> None:
 
 
 def test_notification_with_invalid_utf8_is_not_ours() -> None:
-    assert decode_notification(NOTIFICATION_PREFIX + b"1:\xff\xfe") is None
+    assert decode_notification(NOTIFICATION_PREFIX + b"1:2:\xff\xfe") is None
 
 
 def test_notification_ids_are_exact_not_prefixes_or_substrings() -> None:
-    assert decode_notification(encode_notification("req-1")) == ("req-1", 1)
-    assert decode_notification(encode_notification("req-10")) == ("req-10", 1)
-    assert decode_notification(encode_notification("xreq-1x")) == ("xreq-1x", 1)
-    assert decode_notification(encode_notification("req-1")) != ("req-10", 1)
+    assert decode_notification(encode_notification("req-1")) == [("req-1", 1)]
+    assert decode_notification(encode_notification("req-10")) == [("req-10", 1)]
+    assert decode_notification(encode_notification("xreq-1x")) == [("xreq-1x", 1)]
+    assert decode_notification(encode_notification("req-1")) != [("req-10", 1)]
 
 
 # --- compatibility hash --------------------------------------------------------
@@ -404,9 +417,9 @@ def test_notification_ids_are_exact_not_prefixes_or_substrings() -> None:
 
 def test_compatibility_hash_is_stable() -> None:
     # Pinned: peers of the same protocol version must agree on it across
-    # releases (the version is part of the recipe: this is version 2's).
+    # releases (the version is part of the recipe: this is version 3's).
     assert compatibility_hash("model-a") == (
-        "1df109b7548bf55bd792dea6ca7010f56f7fe943660a2656b4ceb0255b8979a9"
+        "0735db60bfd2c6cca695079bb48e94ebf35e646f62e30720671873e5d0096df1"
     )
     assert compatibility_hash("model-a") == HASH
 

@@ -22,7 +22,7 @@ import zmq
 
 import trio_pd
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 def compatibility_hash(compatibility_key: str) -> str:
@@ -81,7 +81,8 @@ async def main() -> None:
     # What a consumer sends through NIXL once its READ of a request is complete:
     request_id = "req-42"  # the producer's remote_request_id
     readers = 1  # ranks of the consumer's engine that read this producer rank
-    print("notification:", b"trio_pd:2:%d:" % readers + request_id.encode())
+    encoded = request_id.encode()
+    print("notification:", b"trio_pd:3:%d:%d:%s" % (readers, len(encoded), encoded))
 
 
 if __name__ == "__main__":

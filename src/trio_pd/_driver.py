@@ -5,27 +5,32 @@ A pull's reads are *jobs*. The trio side builds a :class:`Job`, hands it to
 does every NIXL call of the data plane:
 
 * it posts each job's READs in chunks (at most ``max_bytes_per_transfer`` and
-  ``max_descriptors_per_transfer`` each), one chunk per turn, new jobs first
-  and the others round robin, so a large pull cannot hold the thread for
-  more than one chunk while a small one waits (on one host a chunk's
-  ``transfer()`` *is* the copy: about 2 ms for 8 MiB here);
+  ``max_descriptors_per_transfer`` each), new jobs first and the others
+  round robin, up to one chunk's worth of bytes per turn, so a large pull
+  cannot hold the thread for more than a chunk while a small one waits (on
+  one host a chunk's ``transfer()`` *is* the copy: about 2 ms for 8 MiB here);
+* it *batches*: small jobs for the same remote agent that are waiting in the
+  same turn go out as one transfer (their indices concatenated) with one
+  notification that names every request (see ``_protocol.join_notifications``),
+  so a thousand tiny pulls cost a few NIXL calls, not a thousand;
 * it polls every running transfer together, which also advances the UCX
   worker, and releases each handle as soon as it ends;
-* it sends the notification: with the transfer when a job is one chunk,
+* it sends the notification with the transfer when a job is one chunk, and
   with ``send_notif`` once every chunk is done otherwise (the producer must
   hear of a pull only after all its bytes have been read);
-* it finishes jobs in batches: one ``run_sync_soon`` per turn wakes every
-  task whose job ended in it.
+* it wakes tasks in batches: one ``run_sync_soon`` per turn for every job
+  that ended in it.
 
 Stopping a job (its task cancelled, ``transfer_timeout`` passed, the backend
-closing, or an error in one of its chunks): no further chunk is posted, and
-the running ones are polled until they end, for at most ``close_timeout``.
-A transfer still running then -- its peer is unreachable, and NIXL cannot
-cancel it (measured: its bytes land once the link is back, even after the
-handle is released and the agent removed) -- is *not* released: the job
-finishes with ``still_running`` set, the driver keeps polling that transfer
-(every :data:`LINGER_POLL` s) until it really ends, and only then releases
-it and sets ``job.settled``. Until then the job's local blocks may still be
+closing, or an error in one of its transfers): no further chunk is posted,
+and its running transfers (shared with the other jobs of a batch) are polled
+until they end, for at most ``close_timeout``. A transfer still running then
+-- its peer is unreachable, and NIXL cannot cancel it (measured: its bytes
+land once the link is back, even after the handle is released and the agent
+removed) -- is *not* released: the job finishes with ``still_running`` set,
+the driver keeps polling that transfer (every :data:`LINGER_POLL` s when
+nothing else runs) until it really ends, and only then releases it and sets
+``job.settled``. Until then the job's local blocks may still be
 written; ``settled`` is what tells the caller they are safe to reuse.
 
 Threads: the driver thread touches NIXL, its jobs' driver-side fields and
@@ -60,12 +65,16 @@ import trio
 from ._backend import BackendError
 from ._config import ConnectorConfig
 from ._nixl_errors import backend_error, describe
+from ._protocol import join_notifications
 
 logger = logging.getLogger("trio_pd.nixl")
 
 CHUNKS_IN_FLIGHT_PER_JOB = 4
 """Chunks of one job running at once (on TCP, where ``transfer()`` returns
 before the copy, several let UCX pipeline them)."""
+
+JOBS_PER_BATCH = 128
+"""The most jobs posted as one transfer (their notification names each)."""
 
 LINGER_POLL = 0.01
 """How often a transfer that could not be stopped is checked while nothing
@@ -122,14 +131,22 @@ class Job:
     still_running: bool = False
     on_settled: Callable[[], None] | None = None
     # The driver's own bookkeeping.
-    posted: int = 0
-    running: list[Any] = attrs.field(factory=list)
+    posted: int = 0  # descriptors posted (-1: a notify-only job, sent)
+    running: int = 0  # its transfers still running
     stopping: Outcome | None = None
     stop_by: float = 0.0
 
     @property
     def size(self) -> int:
         return len(self.local_indices)
+
+
+@attrs.define(eq=False)
+class _Transfer:
+    """A posted NIXL transfer and the jobs whose descriptors it reads."""
+
+    handle: Any
+    jobs: list[Job]
 
 
 class TransferDriver:
@@ -149,9 +166,8 @@ class TransferDriver:
         )
         self._token: trio.lowlevel.TrioToken | None = None
         # Driver thread only:
-        self._jobs: collections.deque[Job] = collections.deque()
-        self._lingering: list[tuple[Any, Job]] = []  # (transfer, its job)
-        self._unsettled: list[Job] = []  # finished, still_running, not settled yet
+        self._jobs: collections.deque[Job] = collections.deque()  # not finished
+        self._transfers: list[_Transfer] = []  # running (some only for finished jobs)
         self._stuck: list[Any] = []  # handles NIXL refused to release
         self._to_finish: list[Job] = []
         self._to_settle: list[Job] = []
@@ -187,15 +203,17 @@ class TransferDriver:
         except BaseException as exc:  # a bug: fail every job rather than hang its task
             logger.critical("transfer driver crashed: %s", describe(exc), exc_info=True)
             error = BackendError(f"the transfer driver crashed: {describe(exc)}")
-            jobs = [*self._jobs, *self._unsettled]
+            jobs = {id(job): job for job in self._jobs}
+            for transfer in self._transfers:
+                jobs.update((id(job), job) for job in transfer.jobs)
             while True:
                 try:
                     item = self._inbox.get_nowait()
                 except queue.Empty:
                     break
                 if item is not None:
-                    jobs.append(item)
-            for job in jobs:
+                    jobs[id(item)] = item
+            for job in jobs.values():
                 if job.outcome is None:
                     job.outcome, job.error = Outcome.FAILED, error
                     self._to_finish.append(job)
@@ -212,7 +230,7 @@ class TransferDriver:
             if stopping:
                 self._closing.set()
                 if not self._jobs:
-                    self._release_lingering()
+                    self._release_all()
                     self._deliver()
                     return
             if self._turn(time.monotonic()):
@@ -223,18 +241,18 @@ class TransferDriver:
     def _take(self, *, block: bool) -> bool:
         """Move submitted jobs to the front of the run queue; return True on stop.
 
-        Blocking waits for the first submission, checking lingering transfers
-        every :data:`LINGER_POLL` s meanwhile.
+        Blocking waits for the first submission, polling transfers that
+        outlived their jobs every :data:`LINGER_POLL` s meanwhile.
         """
         try:
             if block:
                 while True:
                     try:
-                        timeout = LINGER_POLL if self._lingering else None
+                        timeout = LINGER_POLL if self._transfers else None
                         item = self._inbox.get(timeout=timeout)
                         break
                     except queue.Empty:
-                        self._poll_lingering()
+                        self._poll_transfers()
                         self._deliver()
             else:
                 item = self._inbox.get_nowait()
@@ -259,9 +277,29 @@ class TransferDriver:
         jobs = self._jobs
         for job in jobs:
             self._check_stop(job, now)
-        # Post chunks round robin (new jobs are at the front) until one
-        # chunk's worth of bytes has gone out this turn.
+        moved = self._post()
+        moved = self._poll_transfers() or moved
+        now = time.monotonic()
+        finished = False
+        for job in jobs:
+            moved = self._finish_if_over(job, now) or moved
+            finished = finished or job.outcome is not None
+        if finished:
+            self._jobs = collections.deque(job for job in jobs if job.outcome is None)
+        self._deliver()
+        return moved
+
+    # ---- posting --------------------------------------------------------
+
+    def _post(self) -> bool:
+        """Post up to one chunk's worth of bytes, round robin; return whether anything was.
+
+        Whole small jobs waiting for the same remote agent are gathered into
+        batches (up to a chunk, and :data:`JOBS_PER_BATCH` jobs, each).
+        """
+        jobs = self._jobs
         budget = self._config.max_bytes_per_transfer
+        batches: dict[tuple[int, int], tuple[list[Job], int]] = {}  # (jobs, descriptors)
         moved = False
         for _ in range(len(jobs)):
             if budget <= 0:
@@ -270,94 +308,128 @@ class TransferDriver:
             jobs.rotate(-1)
             if job.stopping is not None:
                 continue
-            if job.size == 0 and job.posted == 0:
-                job.posted = -1  # notify-only: done once sent
-                self._notify(job)
-                moved = True
-            elif 0 <= job.posted < job.size and len(job.running) < CHUNKS_IN_FLIGHT_PER_JOB:
+            if job.size == 0:
+                if job.posted == 0:
+                    job.posted = -1
+                    self._notify(job)
+                    moved = True
+            elif job.posted == 0 and job.size <= job.chunk:
+                key = (id(job.local_dlist), id(job.remote_dlist))
+                batch, size = batches.get(key, ([], 0))
+                if batch and (size + job.size > job.chunk or len(batch) >= JOBS_PER_BATCH):
+                    self._post_batch(batch)
+                    batch, size = [], 0
+                batch.append(job)
+                batches[key] = (batch, size + job.size)
+                budget -= job.size * job.descriptor_bytes
+            elif 0 <= job.posted < job.size and job.running < CHUNKS_IN_FLIGHT_PER_JOB:
                 budget -= self._post_chunk(job)
                 moved = True
-        now = time.monotonic()
-        finished = False
-        for job in jobs:
-            moved = self._poll(job, now) or moved
-            finished = finished or job.outcome is not None
-        if finished:
-            self._jobs = collections.deque(job for job in jobs if job.outcome is None)
-        self._poll_lingering()
-        self._deliver()
+        for batch, _ in batches.values():
+            self._post_batch(batch)
+            moved = True
         return moved
 
+    def _post_batch(self, batch: list[Job]) -> None:
+        """Post whole jobs (same remote agent) as one transfer with one notification."""
+        for job in batch:
+            job.posted = job.size
+        if len(batch) == 1:
+            first = batch[0]
+            local, remote = first.local_indices, first.remote_indices
+        else:
+            local = np.concatenate([job.local_indices for job in batch])
+            remote = np.concatenate([job.remote_indices for job in batch])
+        notification = join_notifications([job.notification for job in batch])
+        self._start(batch, local, remote, notification)
+
     def _post_chunk(self, job: Job) -> int:
-        """Post the job's next chunk; return its bytes."""
+        """Post the next chunk of a job larger than one; return its bytes."""
         start = job.posted
         stop = min(job.size, start + job.chunk)
-        whole = start == 0 and stop == job.size
         job.posted = stop
+        self._start([job], job.local_indices[start:stop], job.remote_indices[start:stop], b"")
+        return (stop - start) * job.descriptor_bytes
+
+    def _start(
+        self,
+        jobs: list[Job],
+        local: npt.NDArray[np.int32],
+        remote: npt.NDArray[np.int32],
+        notification: bytes,
+    ) -> None:
+        """Make and post one READ for ``jobs``; track it if it runs on."""
+        first = jobs[0]
         try:
             handle = self._agent.make_prepped_xfer(
-                "READ",
-                job.local_dlist,
-                job.local_indices[start:stop],
-                job.remote_dlist,
-                job.remote_indices[start:stop],
-                job.notification if whole else b"",
+                "READ", first.local_dlist, local, first.remote_dlist, remote, notification
             )
         except Exception as exc:
-            self._fail(job, backend_error("make_prepped_xfer", exc))
-            return 0
+            self._fail(jobs, backend_error("make_prepped_xfer", exc))
+            return
         try:
             state = self._agent.transfer(handle)
         except Exception as exc:
             self._release(handle)
-            self._fail(job, backend_error("transfer", exc))
-            return 0
+            self._fail(jobs, backend_error("transfer", exc))
+            return
         if state == "PROC":
-            job.running.append(handle)
+            for job in jobs:
+                job.running += 1
+            self._transfers.append(_Transfer(handle, jobs))
         else:
             self._release(handle)
             if state != "DONE":
-                self._fail(job, BackendError(f"transfer state {state}"))
-        return (stop - start) * job.descriptor_bytes
+                self._fail(jobs, BackendError(f"transfer state {state}"))
 
     def _notify(self, job: Job) -> None:
         try:
             self._agent.send_notif(job.agent_name, job.notification)
         except Exception as exc:
-            self._fail(job, backend_error("send_notif", exc))
+            self._fail([job], backend_error("send_notif", exc))
 
-    def _poll(self, job: Job, now: float) -> bool:
-        """Check the job's running transfers; finish it if it ended. Return whether it moved."""
-        moved = False
+    # ---- polling and finishing ------------------------------------------
+
+    def _poll_transfers(self) -> bool:
+        """Check every running transfer; release the ended ones. Return whether any ended."""
+        if not self._transfers:
+            return False
+        still = []
+        for transfer in self._transfers:
+            try:
+                state = self._agent.check_xfer_state(transfer.handle)
+            except Exception as exc:
+                self._fail(transfer.jobs, backend_error("check_xfer_state", exc))
+                state = "ERR"
+            if state == "PROC":
+                still.append(transfer)
+                continue
+            self._release(transfer.handle)
+            if state != "DONE":
+                self._fail(transfer.jobs, BackendError(f"transfer state {state}"))
+            for job in transfer.jobs:
+                job.running -= 1
+                if job.still_running and job.running == 0:
+                    self._to_settle.append(job)  # its last transfer really ended
+        ended = len(still) < len(self._transfers)
+        self._transfers = still
+        return ended
+
+    def _finish_if_over(self, job: Job, now: float) -> bool:
+        """Finish ``job`` if nothing of it runs or remains to post (or abandon it
+        if it is past its stop deadline); return whether it was finished."""
         if job.running:
-            still = []
-            for handle in job.running:
-                try:
-                    state = self._agent.check_xfer_state(handle)
-                except Exception as exc:
-                    self._fail(job, backend_error("check_xfer_state", exc))
-                    state = "ERR"
-                if state == "PROC":
-                    still.append(handle)
-                    continue
-                moved = True
-                self._release(handle)
-                if state != "DONE":
-                    self._fail(job, BackendError(f"transfer state {state}"))
-            job.running = still
-            if still:
-                if job.stopping is not None and now >= job.stop_by:
-                    self._abandon(job)
-                    return True
-                return moved
-        if job.stopping is None and job.posted == job.size and job.size > job.chunk:
-            self._notify(job)  # every chunk is done: now the producer may hear of it
-        if job.stopping is not None:
-            self._finish(job, job.stopping)
-        elif job.posted == -1 or 0 < job.size == job.posted:
-            self._finish(job, Outcome.DONE)
-        else:
-            return moved
+            if job.stopping is not None and now >= job.stop_by:
+                self._abandon(job)
+                return True
+            return False
+        if job.stopping is None:
+            if job.posted == -1 or (job.posted == job.size > job.chunk):
+                if job.size > job.chunk:
+                    self._notify(job)  # every chunk is done: the producer may hear of it
+            elif job.posted != job.size or job.size == 0:
+                return False  # chunks still to post
+        self._finish(job, job.stopping or Outcome.DONE)
         return True
 
     def _check_stop(self, job: Job, now: float) -> None:
@@ -373,70 +445,27 @@ class TransferDriver:
             return
         job.stopping, job.stop_by = reason, now + self._config.close_timeout
 
-    def _fail(self, job: Job, error: BackendError) -> None:
-        if job.stopping is None:
-            job.error = error
-            job.stopping = Outcome.FAILED
-            job.stop_by = time.monotonic() + self._config.close_timeout
+    def _fail(self, jobs: list[Job], error: BackendError) -> None:
+        stop_by = time.monotonic() + self._config.close_timeout
+        for job in jobs:
+            if job.stopping is None:
+                job.error = error
+                job.stopping = Outcome.FAILED
+                job.stop_by = stop_by
 
     def _abandon(self, job: Job) -> None:
-        """Finish ``job`` now; keep polling its transfers until they really end."""
+        """Finish ``job`` now; its transfers stay polled until they really end."""
         assert job.stopping is not None
         logger.error(
             "%d transfers from agent %s still run %g s after being told to stop (%s); "
             "polling them until they end: their blocks are not settled until then",
-            len(job.running),
+            job.running,
             job.agent_name,
             self._config.close_timeout,
             job.stopping.value,
         )
-        self._lingering.extend((handle, job) for handle in job.running)
-        job.running = []
         job.still_running = True
-        self._unsettled.append(job)
         self._finish(job, job.stopping)
-
-    def _poll_lingering(self) -> None:
-        if not self._lingering:
-            return
-        still = []
-        for handle, job in self._lingering:
-            try:
-                state = self._agent.check_xfer_state(handle)
-            except Exception:
-                state = "ERR"
-            if state == "PROC":
-                still.append((handle, job))
-            else:
-                self._release(handle)
-        self._lingering = still
-        self._settle_ended()
-
-    def _settle_ended(self) -> None:
-        """Settle every still-running job none of whose transfers runs any more."""
-        running = {id(job) for _, job in self._lingering}
-        for job in self._unsettled:
-            if id(job) not in running:
-                self._to_settle.append(job)
-        self._unsettled = [job for job in self._unsettled if id(job) in running]
-
-    def _release_lingering(self) -> None:
-        """At stop: release what still runs (the agent goes away next)."""
-        if self._lingering:
-            logger.error(
-                "%d transfers still ran when the connector closed; released while running",
-                len(self._lingering),
-            )
-        for handle, _ in self._lingering:
-            self._release(handle)
-        self._lingering = []
-        self._settle_ended()
-        for handle in self._stuck:
-            try:
-                handle.release()
-            except Exception as exc:
-                logger.warning("a stuck transfer handle could not be released: %s", describe(exc))
-        self._stuck.clear()
 
     def _finish(self, job: Job, outcome: Outcome) -> None:
         job.outcome = outcome
@@ -444,6 +473,27 @@ class TransferDriver:
         self._to_finish.append(job)
         if not job.still_running:
             self._to_settle.append(job)
+
+    def _release_all(self) -> None:
+        """At stop: release what still runs (the agent goes away next)."""
+        if self._transfers:
+            logger.error(
+                "%d transfers still ran when the connector closed; released while running",
+                len(self._transfers),
+            )
+        for transfer in self._transfers:
+            self._release(transfer.handle)
+            for job in transfer.jobs:
+                job.running -= 1
+                if job.still_running and job.running == 0:
+                    self._to_settle.append(job)
+        self._transfers = []
+        for handle in self._stuck:
+            try:
+                handle.release()
+            except Exception as exc:
+                logger.warning("a stuck transfer handle could not be released: %s", describe(exc))
+        self._stuck.clear()
 
     def _release(self, handle: Any) -> None:
         try:

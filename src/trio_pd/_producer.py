@@ -268,19 +268,19 @@ class Producer:
                 message[:64],
             )
             return
-        request_id, readers = decoded
-        notice = self._exposures.notify(request_id, consumer, readers)
-        if notice is Notice.RELEASED:
-            self._release_events.pop(request_id).set()
-        elif notice is not Notice.COUNTED:
-            self._counters.notifications_ignored += 1
-            logger.warning(
-                "engine %s: %s notification for request %r from %s (it may have expired)",
-                self._engine_id,
-                notice.value,
-                request_id,
-                consumer,
-            )
+        for request_id, readers in decoded:
+            notice = self._exposures.notify(request_id, consumer, readers)
+            if notice is Notice.RELEASED:
+                self._release_events.pop(request_id).set()
+            elif notice is not Notice.COUNTED:
+                self._counters.notifications_ignored += 1
+                logger.warning(
+                    "engine %s: %s notification for request %r from %s (it may have expired)",
+                    self._engine_id,
+                    notice.value,
+                    request_id,
+                    consumer,
+                )
 
     # ---- life cycle ------------------------------------------------------
 

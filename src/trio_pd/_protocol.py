@@ -21,17 +21,22 @@ reported as such); the full envelope with the compatibility hash compared; only
 then the inner :class:`EngineMetadata`, whose engine id must be the one asked for.
 
 Transfer notifications (consumer -> producer, through NIXL) are
-``b"trio_pd:2:<readers>:" + request_id`` in UTF-8, where ``readers`` is how
-many ranks of the consumer's engine read this producer rank (vLLM's
-``"{request_id}:{count}"``); they are parsed exactly, never by substring.
+``b"trio_pd:3:"`` followed by one entry per pull, each
+``b"<readers>:<length>:" + request_id`` (UTF-8; ``length`` its byte length).
+``readers`` is how many ranks of the consumer's engine read this producer
+rank (vLLM's ``"{request_id}:{count}"``). A consumer's transfer driver posts
+small pulls that arrive together as one transfer, and their notifications as
+one message of several entries. They are parsed exactly, never by substring.
 
 Version 2 added the tensor-parallel fields of :class:`EngineMetadata`
-(``tp_rank``, ``tp_size``, ``kv_heads``) and the readers count.
+(``tp_rank``, ``tp_size``, ``kv_heads``) and the readers count; version 3
+made a notification a list of entries.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Final, Literal
 
 import msgspec
@@ -39,10 +44,10 @@ import msgspec
 from ._errors import HandshakeError, IncompatibleEngineError, ProtocolError
 from ._layout import KVLayout
 
-PROTOCOL_VERSION: Final = 2
+PROTOCOL_VERSION: Final = 3
 """Bumped on any incompatible change to the messages below."""
 
-NOTIFICATION_PREFIX: Final = b"trio_pd:2:"
+NOTIFICATION_PREFIX: Final = b"trio_pd:3:"
 
 ErrorCode = Literal["bad_request", "unsupported_version", "wrong_engine"]
 
@@ -256,20 +261,43 @@ def encode_notification(request_id: str, readers: int = 1) -> bytes:
     ``readers``: how many ranks of its engine read the same producer rank
     (the producer counts each as ``1 / readers`` of a consumer engine).
     """
-    return NOTIFICATION_PREFIX + f"{readers}:{request_id}".encode()
+    encoded = request_id.encode()
+    return b"%s%d:%d:%s" % (NOTIFICATION_PREFIX, readers, len(encoded), encoded)
 
 
-def decode_notification(message: bytes) -> tuple[str, int] | None:
-    """``(request_id, readers)`` of a notification, or ``None`` if it is not ours."""
+def join_notifications(messages: Sequence[bytes]) -> bytes:
+    """One notification for several pulls, from their :func:`encode_notification` s."""
+    if len(messages) == 1:
+        return messages[0]
+    skip = len(NOTIFICATION_PREFIX)
+    return NOTIFICATION_PREFIX + b"".join(message[skip:] for message in messages)
+
+
+def decode_notification(message: bytes) -> list[tuple[str, int]] | None:
+    """``[(request_id, readers), ...]`` of a notification, or ``None`` if it is not ours.
+
+    A message that starts like ours but does not parse to the end is not ours.
+    """
     if not message.startswith(NOTIFICATION_PREFIX):
         return None
-    try:
-        readers, _, request_id = message[len(NOTIFICATION_PREFIX) :].decode().partition(":")
-    except UnicodeDecodeError:
-        return None
-    if not readers.isdigit() or int(readers) < 1 or not _:
-        return None
-    return request_id, int(readers)
+    entries: list[tuple[str, int]] = []
+    position, end = len(NOTIFICATION_PREFIX), len(message)
+    while position < end:
+        colon = message.find(b":", position)
+        second = message.find(b":", colon + 1) if colon >= 0 else -1
+        if second < 0:
+            return None
+        readers, length = message[position:colon], message[colon + 1 : second]
+        if not (readers.isdigit() and length.isdigit()) or int(readers) < 1:
+            return None
+        start, position = second + 1, second + 1 + int(length)
+        if position > end:
+            return None
+        try:
+            entries.append((message[start:position].decode(), int(readers)))
+        except UnicodeDecodeError:
+            return None
+    return entries or None
 
 
 def serve_request(
