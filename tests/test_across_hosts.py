@@ -116,14 +116,21 @@ async def test_a_partition_mid_pull_fails_it_in_bounded_time_and_the_producer_ex
                 # agent was given up (the next pull handshakes again).
                 assert "did not stop" in str(info.value)
                 assert "may still be written" in str(info.value)
+                assert (await decoder.statistics())["transfers_unsettled"] == 1
                 # The producer keeps serving the consumer it can still reach...
                 near = await prefill.expose("near", [7], seed=8)
                 result = await neighbour.pull("near", [7], near, seed=8)
                 assert result["mismatched"] == []
                 # ...and the cut-off consumer's exposure expires.
                 assert await prefill.wait_released("big") is trio_pd.Released.EXPIRED
-                # After the link is back, the cut-off consumer is served again.
+                # After the link is back, the stuck transfer ends and its
+                # bytes land, long after the pull failed: only then do its
+                # blocks settle. (Block 7 is what the producer holds *now*:
+                # it refilled it for "near" meanwhile; the late READ copied that.)
                 await host.restore()
+                assert set(await decoder.wait_settled("big", seed=2)) <= {7}
+                assert (await decoder.statistics())["transfers_unsettled"] == 0
+                # The cut-off consumer is served again.
                 after = await prefill.expose("after", [5], seed=7)
                 result = await decoder.pull("after", [5], after, seed=7)
                 assert result["mismatched"] == []

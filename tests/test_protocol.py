@@ -23,9 +23,9 @@ from trio_pd._protocol import (
     decode_request,
     encode_message,
     encode_notification,
-    join_notifications,
     encode_request,
     error_reply,
+    join_notifications,
     metadata_reply,
     serve_request,
 )

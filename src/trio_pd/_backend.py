@@ -146,6 +146,16 @@ class TransferBackend(Protocol):
         """Remote agents loaded now (retired ones count until unloaded)."""
         ...
 
+    @property
+    def transfers_posted(self) -> int:
+        """Transfers (READs) posted so far; batched pulls share one."""
+        ...
+
+    @property
+    def transfers_unsettled(self) -> int:
+        """Failed reads whose transfer could not be stopped and still runs."""
+        ...
+
     def agent_metadata(self) -> bytes:
         """What a consumer needs to load this agent (sent over the side channel)."""
         ...

@@ -101,13 +101,19 @@ class ConnectorConfig:
             Default 0.0001.
         poll_spin: how long the transfer driver checks running transfers
             without sleeping after something moved. Default 0.0001.
-        notification_poll_interval: while exposures are pending, the producer's
-            notification thread checks for consumer notifications every
-            ``poll_interval`` -- each check also advances the NIXL agent, which
-            consumers' READs wait on -- and hands what arrived to the trio loop
-            at least this often. Default 0.002.
+        notification_poll_interval: while exposures are pending, the
+            producer's notification thread checks for consumer notifications
+            -- each check also advances the NIXL agent, which consumers' READs
+            need -- first every ``poll_interval``, then, while nothing
+            arrives, at doubling intervals up to this one; a notification
+            brings it back to ``poll_interval``. It bounds the extra latency
+            of the first READ after a quiet spell (over TCP, each READ waits
+            for the producer's progress) and sets the cost of exposures that
+            nobody reads (one check per interval). Default 0.001.
         idle_notification_poll_interval: how often the producer checks while
-            nothing is pending (late notifications are then only logged).
+            nothing is pending (late notifications are then only logged), and
+            the longest the notification thread waits before it hands
+            control back to the trio loop (expiry is checked then).
             Default 0.05.
         resolved_history: how many resolved exposures are remembered so that
             :meth:`~trio_pd.Connector.wait_released` called after the fact still
@@ -151,7 +157,7 @@ class ConnectorConfig:
     max_bytes_per_transfer: int = attrs.field(default=8 << 20, validator=_at_least_one)
     poll_interval: float = attrs.field(default=0.0001, validator=_positive)
     poll_spin: float = attrs.field(default=0.0001, validator=_non_negative)
-    notification_poll_interval: float = attrs.field(default=0.002, validator=_positive)
+    notification_poll_interval: float = attrs.field(default=0.001, validator=_positive)
     idle_notification_poll_interval: float = attrs.field(default=0.05, validator=_positive)
     resolved_history: int = attrs.field(default=4096, validator=_at_least_one)
     backoff_initial: float = attrs.field(default=1.0, validator=_positive)

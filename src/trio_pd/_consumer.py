@@ -182,6 +182,8 @@ class Consumer:
             peers_disconnected=c.peers_disconnected,
             bytes_pulled=c.bytes_pulled,
             remote_agents_loaded=self._backend.remote_agents_loaded,
+            transfers_posted=self._backend.transfers_posted,
+            transfers_unsettled=self._backend.transfers_unsettled,
         )
 
     # ---- transfers -------------------------------------------------------

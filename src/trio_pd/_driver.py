@@ -165,6 +165,7 @@ class TransferDriver:
             target=self._run, name=f"trio_pd transfers of {agent_name}", daemon=True
         )
         self._token: trio.lowlevel.TrioToken | None = None
+        self.transfers_posted = 0  # (written by the thread; read anywhere)
         # Driver thread only:
         self._jobs: collections.deque[Job] = collections.deque()  # not finished
         self._transfers: list[_Transfer] = []  # running (some only for finished jobs)
@@ -367,6 +368,7 @@ class TransferDriver:
         except Exception as exc:
             self._fail(jobs, backend_error("make_prepped_xfer", exc))
             return
+        self.transfers_posted += 1
         try:
             state = self._agent.transfer(handle)
         except Exception as exc:

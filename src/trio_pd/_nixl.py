@@ -115,6 +115,8 @@ class NixlBackend:
         self._handshake_limiter = trio.CapacityLimiter(1)
         self._local_views: dict[KVLayout, Any] = {}
         self._notification_limiter = trio.CapacityLimiter(1)
+        self._poll_pause = config.poll_interval  # (the notification thread's, adaptive)
+        self._unsettled = 0
 
     # ---- life cycle -----------------------------------------------------
 
@@ -168,6 +170,16 @@ class NixlBackend:
     def remote_agents_loaded(self) -> int:
         """Remote agents loaded now (retired ones count until unloaded)."""
         return len(self._remotes)
+
+    @property
+    def transfers_posted(self) -> int:
+        """READs the transfer driver posted (several small pulls may share one)."""
+        return self._driver.transfers_posted
+
+    @property
+    def transfers_unsettled(self) -> int:
+        """Failed reads whose transfer could not be stopped and still runs."""
+        return self._unsettled
 
     def agent_metadata(self) -> bytes:
         data: bytes = self._live_agent().get_agent_metadata()
@@ -473,40 +485,56 @@ class NixlBackend:
         """
         if not job.settled.is_set():
             remote.users += 1
+            self._unsettled += 1
             job.on_settled = functools.partial(self._drop_hold, remote)
         with trio.move_on_after(self._config.close_timeout, shield=True):
             await self.retire(remote)
 
     def _drop_hold(self, remote: RemoteAgent) -> None:
         remote.users -= 1  # (unloaded by the next load_remote or by aclose)
+        self._unsettled -= 1
 
     async def notifications(self, wait: float) -> dict[str, list[bytes]]:
         """Collect new notifications (by sending agent name), waiting up to ``wait`` s.
 
-        The notification thread checks every ``poll_interval`` until some
-        arrive or ``wait`` has passed. Each check also advances this agent's
-        UCX worker: trio_pd runs NIXL without its progress thread (which
-        spins a whole core per agent), and a consumer's READ of our blocks
-        completes only when our worker makes progress. So while exposures
-        are pending, the producer keeps this going.
+        The notification thread checks until some arrive or ``wait`` has
+        passed. Each check also advances this agent's UCX worker: trio_pd
+        runs NIXL without its progress thread (which spins a whole core per
+        agent), and consumers' READs of our blocks need our worker's progress
+        (over TCP every READ does; on one host, measured, the first READ after
+        a quiet spell waited for it). So while exposures are pending, the
+        producer keeps this going, *adaptively*: the pause between checks
+        starts at ``poll_interval`` and doubles after each empty check up to
+        ``notification_poll_interval``; a notification brings it back down.
+        A producer whose exposures nobody reads costs about one check per
+        ``notification_poll_interval``, not one per ``poll_interval``.
 
         Raises:
             BackendError: NIXL raised.
         """
-        return await self.run_blocking(
-            self._notification_limiter, self._notifications_blocking, wait
+        notifs, self._poll_pause = await self.run_blocking(
+            self._notification_limiter, self._notifications_blocking, wait, self._poll_pause
         )
+        return notifs
 
-    def _notifications_blocking(self, wait: float) -> dict[str, list[bytes]]:
+    def _notifications_blocking(
+        self, wait: float, pause: float
+    ) -> tuple[dict[str, list[bytes]], float]:
+        """Check until notifications arrive or ``wait`` passed; return them and the next pause."""
         agent = self._live_agent()
+        config = self._config
         give_up = time.monotonic() + wait
         while True:
             with _nixl_errors("get_new_notifs"):
                 notifs: dict[str, list[bytes]] = agent.get_new_notifs()
-            if notifs or self._closing.is_set() or time.monotonic() >= give_up:
-                return notifs
+            if notifs:
+                return notifs, config.poll_interval
+            left = give_up - time.monotonic()
+            if self._closing.is_set() or left <= 0:
+                return notifs, pause
             self._check_cancelled()
-            time.sleep(self._config.poll_interval)
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, config.notification_poll_interval)
 
     async def run_blocking(
         self, limiter: trio.CapacityLimiter, fn: Callable[..., _T], *args: Any

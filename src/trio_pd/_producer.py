@@ -230,9 +230,10 @@ class Producer:
         config = self._config
         while True:
             if self._exposures.pending:
-                # checks every poll_interval in the backend (with NIXL this
-                # also drives our UCX worker, which consumers' READs need)
-                wait = config.notification_poll_interval
+                # The backend checks (adaptively, see NixlBackend.notifications;
+                # with NIXL this also drives our UCX worker, which consumers'
+                # READs need) and returns as soon as notifications arrive.
+                wait = config.idle_notification_poll_interval
             else:
                 self._exposure_added = trio.Event()
                 with trio.move_on_after(config.idle_notification_poll_interval):

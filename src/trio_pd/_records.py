@@ -136,6 +136,8 @@ class ConsumerStatistics:
     peers_disconnected: int
     bytes_pulled: int
     remote_agents_loaded: int
+    transfers_posted: int
+    transfers_unsettled: int
 
 
 @attrs.frozen
@@ -177,6 +179,14 @@ class ConnectorStatistics:
         bytes_pulled: bytes copied by successful pulls.
         remote_agents_loaded: remote agents loaded in the transfer backend
             now, retired ones included until they are unloaded.
+        transfers_posted: READs the transfer backend posted. Small pulls
+            that reach it together share one, so ``pulls_succeeded /
+            transfers_posted`` shows how much batching happens; a large pull
+            posts several (one per ``max_bytes_per_transfer``).
+        transfers_unsettled: pulls that failed with a transfer that could not
+            be stopped (its peer unreachable) and that has not ended yet: their
+            local blocks may still be written (see
+            :class:`~trio_pd.TransferError`). Normally 0.
         exposures_pending: producer side: exposures not resolved yet.
         exposures_released: exposures resolved ``READ``.
         exposures_expired: exposures resolved ``EXPIRED``.
@@ -207,6 +217,8 @@ class ConnectorStatistics:
     listener_rejects: int
     listener_auth_failures: int
     remote_agents_loaded: int = 0
+    transfers_posted: int = 0
+    transfers_unsettled: int = 0
 
     @classmethod
     def of_roles(

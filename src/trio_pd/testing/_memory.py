@@ -149,6 +149,7 @@ class MemoryBackend:
         self._notified = trio.Event()
         self._closing = trio.Event()
         self._transfer_timeout = config.transfer_timeout
+        self._reads = 0
 
     @property
     def agent_name(self) -> str:
@@ -157,6 +158,14 @@ class MemoryBackend:
     @property
     def remote_agents_loaded(self) -> int:
         return len(self._remotes)
+
+    @property
+    def transfers_posted(self) -> int:
+        return self._reads
+
+    @property
+    def transfers_unsettled(self) -> int:
+        return 0  # (an in-memory read always stops when told to)
 
     def remote_agents(self) -> list[RemoteAgent]:
         """The remote agents loaded now (for tests that act on them)."""
@@ -224,6 +233,7 @@ class MemoryBackend:
             remote_indices,
         )
         self._fabric.reads += 1
+        self._reads += 1
         peer._deliver(self._agent_name, notification)
 
     async def notify(self, remote: RemoteAgent, message: bytes) -> None:

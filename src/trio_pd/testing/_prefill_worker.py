@@ -34,6 +34,7 @@ import trio
 from .._auth import CurveAuth
 from .._config import ConnectorConfig
 from .._connector import Connector, open_connector
+from .._errors import TransferError
 from .._exposures import Released
 from .._groups import unwrapped_errors
 from .._records import RemoteBlocks
@@ -151,6 +152,7 @@ async def _child_main(spec: WorkerSpec, protocol_fd: int) -> None:
     stdout = trio.lowlevel.FdStream(protocol_fd)
     write_lock = trio.Lock()
     engines: list[tuple[Connector, list[Any]]] = []
+    unsettled: dict[str, TransferError] = {}  # failed pulls whose transfer still runs
 
     async def reply(message: dict[str, Any]) -> None:
         async with write_lock:
@@ -160,7 +162,7 @@ async def _child_main(spec: WorkerSpec, protocol_fd: int) -> None:
         cid = command.get("id")
         try:
             conn, kv_caches = engines[int(command.get("engine", 0))]
-            result = await _run_command(conn, kv_caches, command, spec)
+            result = await _run_command(conn, kv_caches, command, spec, unsettled)
         except Exception as exc:
             await reply({"id": cid, "error": str(exc), "type": type(exc).__name__})
         else:
@@ -215,7 +217,11 @@ def _fill(spec: WorkerSpec, kv_caches: Sequence[Any], block_ids: Sequence[int], 
 
 
 async def _run_command(
-    conn: Connector, kv_caches: Sequence[Any], command: dict[str, Any], spec: WorkerSpec
+    conn: Connector,
+    kv_caches: Sequence[Any],
+    command: dict[str, Any],
+    spec: WorkerSpec,
+    unsettled: dict[str, TransferError],
 ) -> dict[str, Any]:
     op = command.get("op")
     if op == "expose":
@@ -238,13 +244,23 @@ async def _run_command(
     if op == "pull":  # this engine as a consumer: pull, then check the bytes
         remote = RemoteBlocks.from_kv_transfer_params(command["kv_transfer_params"])
         local_ids = command["local_block_ids"]
-        result = await conn.pull(command["request_id"], local_ids, remote)
+        try:
+            result = await conn.pull(command["request_id"], local_ids, remote)
+        except TransferError as exc:
+            if exc.settled is not None:
+                unsettled[command["request_id"]] = exc
+            raise
         seed = int(command["seed"])
         if spec.payload == "heads":
             bad = mismatched_heads(kv_caches, spec.tp_rank, local_ids, remote.block_ids, seed)
         else:
             bad = mismatched_blocks(kv_caches, local_ids, seed)
         return {"bytes": result.bytes, "seconds": result.seconds, "mismatched": bad}
+    if op == "wait_settled":  # a failed pull's transfer that could not be stopped
+        error = unsettled.pop(command["request_id"])
+        assert error.settled is not None
+        await error.settled.wait()
+        return {"mismatched": mismatched_blocks(kv_caches, error.failed_block_ids, command["seed"])}
 
     raise ValueError(f"unknown op {op!r}")
 
@@ -356,6 +372,18 @@ class PrefillWorker:
             kv_transfer_params=remote.to_kv_transfer_params(),
             seed=seed,
         )
+
+    async def wait_settled(self, request_id: str, seed: int) -> list[int]:
+        """Wait until a pull of this worker that failed with a transfer still
+        running (``TransferError.settled``) has settled; return the local
+        block ids whose bytes differ from what ``seed`` stands for.
+
+        Raises:
+            WorkerError: no such pull failed here (``KeyError``).
+        """
+        reply = await self._call(op="wait_settled", request_id=request_id, seed=seed)
+        mismatched: list[int] = reply["mismatched"]
+        return mismatched
 
     def kill(self) -> None:
         """SIGKILL the worker (fault injection)."""
