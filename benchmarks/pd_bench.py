@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import json
 import os
@@ -43,6 +44,8 @@ from comparison import (
 )
 
 import trio_pd
+from trio_pd._driver import Job
+from trio_pd._protocol import decode_notification
 from trio_pd.testing import (
     LoopStallMonitor,
     PrefillWorker,
@@ -114,9 +117,12 @@ async def bench_head_of_line(quick: bool) -> Result:
                     [remote] = await w.expose_many([(f"{mode}-c", [0], e)], engine=e)
                     cold.append(via(remote, ports[e - 1]))
                 local = kv(regions, blocks, block_bytes)
+                captured = CapturedBackends()
+                jobs: dict[str, Job] = {}
                 async with trio_pd.open_connector(
-                    f"dec-{len(out['modes'])}", local, config=config
+                    f"dec-{len(out['modes'])}", local, config=config, backend=captured
                 ) as connector:
+                    captured.backends[0].job_observer = functools.partial(_keep_job, jobs)
                     d = connector if mode == "trio_pd" else InlineHandshakes(connector)
                     await d.pull("warm-up", [0], warm[0])
                     base: list[float] = []
@@ -124,6 +130,7 @@ async def bench_head_of_line(quick: bool) -> Result:
                         base.append((await d.pull(f"b{i}", [i], warm[i])).seconds)
                         await trio.sleep(gap)
                     storm: list[float] = []
+                    storm_pulls: list[tuple[float, float, str]] = []  # (start, end, request)
                     storm_done = trio.Event()
                     started = trio.current_time()
 
@@ -132,13 +139,17 @@ async def bench_head_of_line(quick: bool) -> Result:
                         await trio.sleep(0.01)  # let the handshakes start
                         i = baseline_pulls + 1
                         while not storm_done.is_set() and i <= baseline_pulls + storm_cap:
+                            began = time.monotonic()
                             storm.append((await d.pull(f"s{i}", [i], warm[i])).seconds)
+                            storm_pulls.append((began, time.monotonic(), warm[i].request_id))
                             i += 1
                             await trio.sleep(gap)
                     storm_seconds = trio.current_time() - started
                     stats = d.statistics()
                     assert stats.pulls_failed == 0
                     assert stats.handshakes_succeeded == k + 1
+                if mode == "trio_pd":
+                    out["storm_breakdown_ms"] = _breakdown(storm_pulls, jobs)
                 out["modes"][mode] = {
                     "baseline_p50_ms": ms(pct(base, 50)),
                     "baseline_p99_ms": ms(pct(base, 99)),
@@ -150,6 +161,46 @@ async def bench_head_of_line(quick: bool) -> Result:
                     "ratio_p99": round(pct(storm, 99) / pct(base, 99), 2),
                 }
     return out
+
+
+def _keep_job(jobs: dict[str, Job], job: Job) -> None:
+    for request_id, _ in decode_notification(job.notification) or []:
+        jobs[request_id] = job
+
+
+def _breakdown(pulls: list[tuple[float, float, str]], jobs: dict[str, Job]) -> Result:
+    """Where the time of the median pull and of the slowest 1% goes, in ms.
+
+    Phases: trio_pd's Python before the read is handed to the transfer
+    driver; waiting for the driver to post it; the NIXL transfer; the
+    hand-back to the waiting task; trio_pd's Python after it.
+    """
+
+    def phases(start: float, end: float, job: Job) -> list[float]:
+        return [
+            job.submitted_at - start,
+            job.posted_at - job.submitted_at,
+            job.finished_at - job.posted_at,
+            job.woken_at - job.finished_at,
+            end - job.woken_at,
+        ]
+
+    names = ["before_driver", "driver_queue", "transfer", "wake_up", "after"]
+    rows = sorted(
+        (end - start, phases(start, end, jobs[rid])) for start, end, rid in pulls if rid in jobs
+    )
+    tail = rows[int(len(rows) * 0.99) :] or rows[-1:]
+    median = rows[len(rows) // 2]
+    return {
+        "median": {"total": ms(median[0]), **dict(zip(names, map(ms, median[1]), strict=True))},
+        "slowest_1pct": {
+            "total": ms(statistics.mean(r[0] for r in tail)),
+            **{
+                name: ms(statistics.mean(r[1][i] for r in tail))
+                for i, name in enumerate(names)
+            },
+        },
+    }
 
 
 async def _pull_all_then_set(
@@ -373,19 +424,26 @@ async def bench_small_pulls(quick: bool) -> Result:
 
             requests = plan("par", in_flight)
             remotes = await w.expose_many(requests)
+            posted_before = d.statistics().transfers_posted
             started = time.perf_counter()
             async with trio.open_nursery() as nursery:
                 for (rid, ids, _), remote in zip(requests, remotes, strict=True):
                     nursery.start_soon(d.pull, rid, ids, remote)
             trio_par = in_flight / (time.perf_counter() - started)
             assert d.statistics().pulls_failed == 0
+            posted = d.statistics().transfers_posted - posted_before
     out["sequential"] = {
         "trio_pd_pulls_per_s": round(trio_seq),
         "raw_nixl_pulls_per_s": round(raw_seq),
         "ratio": round(trio_seq / raw_seq, 3),
         "pulls": sequential,
     }
-    out["in_flight"] = {"pulls": in_flight, "trio_pd_pulls_per_s": round(trio_par)}
+    out["in_flight"] = {
+        "pulls": in_flight,
+        "trio_pd_pulls_per_s": round(trio_par),
+        "ratio_to_raw_sequential": round(trio_par / raw_seq, 3),
+        "transfers_posted": posted,
+    }
     return out
 
 
@@ -628,23 +686,27 @@ def _cpu_seconds(pid: int) -> float:
 
 
 async def bench_producer_cpu(quick: bool) -> Result:
-    """CPU of a producer process, idle and with 1000 exposures pending that nobody reads."""
+    """CPU of a producer process: idle; with 1000 exposures pending that nobody
+    reads, just after exposing them (reads expected) and once they are stale."""
     window = 1.0 if quick else 3.0
     async with open_prefill_worker(spec("cpu", 2, 2048, 4096)) as w:
         pid = w.process.pid
 
-        async def cores() -> float:
+        async def cores(seconds: float) -> float:
             before, started = _cpu_seconds(pid), time.perf_counter()
-            await trio.sleep(window)
+            await trio.sleep(seconds)
             return (_cpu_seconds(pid) - before) / (time.perf_counter() - started)
 
-        idle = await cores()
+        idle = await cores(window)
         await w.expose_many([(f"p{i}", [i], i) for i in range(1000)])
-        pending = await cores()
+        fresh = await cores(0.4)  # (reads are expected for 0.5 s after exposing)
+        await trio.sleep(0.5)
+        stale = await cores(window)
     return {
         "window_s": window,
         "idle_cores": round(idle, 3),
-        "pending_1000_cores": round(pending, 3),
+        "pending_1000_fresh_cores": round(fresh, 3),
+        "pending_1000_cores": round(stale, 3),
     }
 
 

@@ -229,6 +229,11 @@ class TransferBackend(Protocol):
         """
         ...
 
+    def expect_reads(self) -> None:
+        """Blocks were just exposed: consumers will read them soon (a hint for
+        how eagerly :meth:`notifications` drives the local agent)."""
+        ...
+
     async def notifications(self, wait: float) -> dict[str, list[bytes]]:
         """New notifications by sending agent name, waiting up to ``wait`` s for some.
 

@@ -102,14 +102,14 @@ class ConnectorConfig:
         poll_spin: how long the transfer driver checks running transfers
             without sleeping after something moved. Default 0.0001.
         notification_poll_interval: while exposures are pending, the
-            producer's notification thread checks for consumer notifications
-            -- each check also advances the NIXL agent, which consumers' READs
-            need -- first every ``poll_interval``, then, while nothing
-            arrives, at doubling intervals up to this one; a notification
-            brings it back to ``poll_interval``. It bounds the extra latency
-            of the first READ after a quiet spell (over TCP, each READ waits
-            for the producer's progress) and sets the cost of exposures that
-            nobody reads (one check per interval). Default 0.001.
+            producer's notification thread checks for consumer notifications;
+            each check also advances the NIXL agent, which consumers' READs
+            wait for. It checks every ``poll_interval`` while reads are
+            expected (for half a second after blocks are exposed or a
+            notification arrives); beyond that -- exposures nobody reads --
+            at doubling intervals up to this one, so that stale exposures
+            cost little CPU. The first READ of such an exposure may wait up
+            to this long, once. Default 0.001.
         idle_notification_poll_interval: how often the producer checks while
             nothing is pending (late notifications are then only logged), and
             the longest the notification thread waits before it hands

@@ -130,6 +130,12 @@ class Job:
     error: BackendError | None = None
     still_running: bool = False
     on_settled: Callable[[], None] | None = None
+    # When (``time.monotonic()``): handed to the driver, first posted, finished
+    # by the driver, and its task woken (for measurements: see job_observer).
+    submitted_at: float = 0.0
+    posted_at: float = 0.0
+    finished_at: float = 0.0
+    woken_at: float = 0.0
     # The driver's own bookkeeping.
     posted: int = 0  # descriptors posted (-1: a notify-only job, sent)
     running: int = 0  # its transfers still running
@@ -180,6 +186,7 @@ class TransferDriver:
 
     def submit(self, job: Job) -> None:
         """Hand ``job`` to the thread (never blocks)."""
+        job.submitted_at = time.monotonic()
         self._inbox.put(job)
 
     def begin_close(self) -> None:
@@ -361,6 +368,9 @@ class TransferDriver:
     ) -> None:
         """Make and post one READ for ``jobs``; track it if it runs on."""
         first = jobs[0]
+        now = time.monotonic()
+        for job in jobs:
+            job.posted_at = job.posted_at or now
         try:
             handle = self._agent.make_prepped_xfer(
                 "READ", first.local_dlist, local, first.remote_dlist, remote, notification
@@ -385,6 +395,7 @@ class TransferDriver:
                 self._fail(jobs, BackendError(f"transfer state {state}"))
 
     def _notify(self, job: Job) -> None:
+        job.posted_at = job.posted_at or time.monotonic()
         try:
             self._agent.send_notif(job.agent_name, job.notification)
         except Exception as exc:
@@ -471,6 +482,7 @@ class TransferDriver:
 
     def _finish(self, job: Job, outcome: Outcome) -> None:
         job.outcome = outcome
+        job.finished_at = time.monotonic()
         job.local_dlist = job.remote_dlist = None  # (they keep the agent alive)
         self._to_finish.append(job)
         if not job.still_running:

@@ -65,6 +65,11 @@ logger = logging.getLogger("trio_pd.nixl")
 _T = TypeVar("_T")
 
 
+READS_EXPECTED_FOR = 0.5
+"""How long after blocks are exposed, or a notification arrives, the producer
+drives its agent at full rate (``poll_interval``) before it backs off."""
+
+
 def _drop_locals(exc: BaseException) -> None:
     """Clear the locals of the finished worker frames in ``exc``'s tracebacks.
 
@@ -115,8 +120,14 @@ class NixlBackend:
         self._handshake_limiter = trio.CapacityLimiter(1)
         self._local_views: dict[KVLayout, Any] = {}
         self._notification_limiter = trio.CapacityLimiter(1)
-        self._poll_pause = config.poll_interval  # (the notification thread's, adaptive)
+        # The notification thread's pacing (see notifications()):
+        self._poll_pause = config.poll_interval
+        self._expecting_until = 0.0
+        self._reads_expected = threading.Event()
         self._unsettled = 0
+        self.job_observer: Callable[[Job], None] | None = None
+        """Called on the trio thread with every finished job (measurements:
+        the benchmarks break a pull's time down with the job's timestamps)."""
 
     # ---- life cycle -----------------------------------------------------
 
@@ -464,6 +475,9 @@ class NixlBackend:
                 job.cancel_requested = True
                 with trio.CancelScope(shield=True):
                     await job.finished.wait()
+            job.woken_at = time.monotonic()
+            if self.job_observer is not None:
+                self.job_observer(job)
 
     @staticmethod
     def _raise_for(job: Job) -> None:
@@ -494,47 +508,72 @@ class NixlBackend:
         remote.users -= 1  # (unloaded by the next load_remote or by aclose)
         self._unsettled -= 1
 
+    def expect_reads(self) -> None:
+        """Poll at full rate for the next ``READS_EXPECTED_FOR`` (0.5) s (see
+        :meth:`notifications`); the notification thread notices within a check."""
+        self._reads_expected.set()
+
     async def notifications(self, wait: float) -> dict[str, list[bytes]]:
         """Collect new notifications (by sending agent name), waiting up to ``wait`` s.
 
         The notification thread checks until some arrive or ``wait`` has
         passed. Each check also advances this agent's UCX worker: trio_pd
         runs NIXL without its progress thread (which spins a whole core per
-        agent), and consumers' READs of our blocks need our worker's progress
-        (over TCP every READ does; on one host, measured, the first READ after
-        a quiet spell waited for it). So while exposures are pending, the
-        producer keeps this going, *adaptively*: the pause between checks
-        starts at ``poll_interval`` and doubles after each empty check up to
-        ``notification_poll_interval``; a notification brings it back down.
-        A producer whose exposures nobody reads costs about one check per
-        ``notification_poll_interval``, not one per ``poll_interval``.
+        agent), and consumers' READs wait for our worker's progress
+        (measured: a READ whose previous notification the producer has not
+        processed yet waits for it, so the producer's pause between checks
+        adds to a consumer's pull latency). So while exposures are pending,
+        the producer keeps this going:
+
+        * every ``poll_interval`` while reads are expected: within
+          :data:`READS_EXPECTED_FOR` s of blocks being exposed
+          (:meth:`expect_reads`) or of a notification arriving;
+        * otherwise -- exposures nobody reads -- at pauses that double up to
+          ``notification_poll_interval``, so stale exposures cost about one
+          check per that interval, not one per ``poll_interval``. The first
+          READ of such an exposure may wait up to that long, once.
 
         Raises:
             BackendError: NIXL raised.
         """
-        notifs, self._poll_pause = await self.run_blocking(
-            self._notification_limiter, self._notifications_blocking, wait, self._poll_pause
+        notifs, self._poll_pause, self._expecting_until = await self.run_blocking(
+            self._notification_limiter,
+            self._notifications_blocking,
+            wait,
+            self._poll_pause,
+            self._expecting_until,
         )
         return notifs
 
     def _notifications_blocking(
-        self, wait: float, pause: float
-    ) -> tuple[dict[str, list[bytes]], float]:
-        """Check until notifications arrive or ``wait`` passed; return them and the next pause."""
+        self, wait: float, pause: float, expecting_until: float
+    ) -> tuple[dict[str, list[bytes]], float, float]:
+        """Check until notifications arrive or ``wait`` passed.
+
+        Returns them, the next pause and until when reads are expected.
+        """
         agent = self._live_agent()
         config = self._config
-        give_up = time.monotonic() + wait
+        now = time.monotonic()
+        give_up = now + wait
         while True:
+            if self._reads_expected.is_set():
+                self._reads_expected.clear()
+                expecting_until = now + READS_EXPECTED_FOR
             with _nixl_errors("get_new_notifs"):
                 notifs: dict[str, list[bytes]] = agent.get_new_notifs()
+            now = time.monotonic()
             if notifs:
-                return notifs, config.poll_interval
-            left = give_up - time.monotonic()
-            if self._closing.is_set() or left <= 0:
-                return notifs, pause
+                return notifs, config.poll_interval, now + READS_EXPECTED_FOR
+            if self._closing.is_set() or now >= give_up:
+                return notifs, pause, expecting_until
             self._check_cancelled()
-            time.sleep(min(pause, left))
-            pause = min(2 * pause, config.notification_poll_interval)
+            if now < expecting_until:
+                pause = config.poll_interval
+            else:
+                pause = min(2 * pause, config.notification_poll_interval)
+            time.sleep(min(pause, give_up - now))
+            now = time.monotonic()
 
     async def run_blocking(
         self, limiter: trio.CapacityLimiter, fn: Callable[..., _T], *args: Any

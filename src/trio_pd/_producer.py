@@ -124,6 +124,7 @@ class Producer:
         self._exposures.expose(request_id, ids, consumers, deadline)
         self._release_events[request_id] = trio.Event()
         self._exposure_added.set()
+        self._backend.expect_reads()
         _, port = self.address
         return RemoteBlocks(
             self._engine_id,

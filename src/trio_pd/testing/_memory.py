@@ -240,6 +240,9 @@ class MemoryBackend:
         await trio.lowlevel.checkpoint()
         self._peer(remote)._deliver(self._agent_name, message)
 
+    def expect_reads(self) -> None:
+        pass  # (nothing to drive in memory)
+
     async def notifications(self, wait: float) -> dict[str, list[bytes]]:
         if not self._inbox:
             with trio.move_on_after(wait):
