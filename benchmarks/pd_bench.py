@@ -195,10 +195,7 @@ def _breakdown(pulls: list[tuple[float, float, str]], jobs: dict[str, Job]) -> R
         "median": {"total": ms(median[0]), **dict(zip(names, map(ms, median[1]), strict=True))},
         "slowest_1pct": {
             "total": ms(statistics.mean(r[0] for r in tail)),
-            **{
-                name: ms(statistics.mean(r[1][i] for r in tail))
-                for i, name in enumerate(names)
-            },
+            **{name: ms(statistics.mean(r[1][i] for r in tail)) for i, name in enumerate(names)},
         },
     }
 
@@ -275,18 +272,23 @@ async def bench_loop_stall(quick: bool) -> Result:
         "trio_pd, garbage collector not frozen",
     )
     stalls: dict[str, list[float]] = {mode: [] for mode in modes}
+    stall_cpu: dict[str, list[float]] = {mode: [] for mode in modes}
     storms: dict[str, list[float]] = {mode: [] for mode in modes}
     async with open_prefill_worker(spec("big", regions, blocks, block_bytes, engines=engines)) as w:
         for round_ in range(rounds + 1):
             for mode in modes if round_ else modes[:1]:
-                stall, storm = await _handshake_storm(w, mode, round_, engines, regions, blocks)
+                stall, cpu, storm = await _handshake_storm(
+                    w, mode, round_, engines, regions, blocks
+                )
                 if round_:  # round 0 is the warm-up
                     stalls[mode].append(stall)
+                    stall_cpu[mode].append(cpu)
                     storms[mode].append(storm)
     out: Result = {"engines": engines, "descriptors_per_engine": regions * blocks, "modes": {}}
     for mode in modes:
         out["modes"][mode] = {
             "longest_stall_ms": ms(statistics.median(stalls[mode])),
+            "trio_thread_cpu_in_it_ms": ms(statistics.median(stall_cpu[mode])),
             "worst_round_ms": ms(max(stalls[mode])),
             "storm_s": round(statistics.median(storms[mode]), 3),
         }
@@ -297,8 +299,12 @@ async def bench_loop_stall(quick: bool) -> Result:
 
 async def _handshake_storm(
     w: PrefillWorker, mode: str, round_: int, engines: int, regions: int, blocks: int
-) -> tuple[float, float]:
-    """One cold decoder, ``engines`` first pulls at once: (longest stall, storm seconds)."""
+) -> tuple[float, float, float]:
+    """One cold decoder, ``engines`` first pulls at once.
+
+    Returns the longest stall, the trio thread's CPU time in it, and the
+    storm's seconds.
+    """
     config = trio_pd.ConnectorConfig(handshake_timeout=60.0)
     backend = NixlOnEventLoop.create if mode.startswith("NIXL") else None
     tag = f"{round_}-{mode[:5]}"
@@ -323,7 +329,7 @@ async def _handshake_storm(
         assert d.statistics().handshakes_succeeded == engines
         for e in range(engines):
             assert mismatched_blocks(local, [e], e) == []
-    return monitor.longest, elapsed
+    return monitor.longest, monitor.longest_cpu, elapsed
 
 
 # ---- 4. throughput ------------------------------------------------------------------

@@ -100,7 +100,7 @@ async def driver(
     try:
         yield transfers
     finally:
-        with trio.fail_after(5):
+        with trio.fail_after(5, shield=True):
             await transfers.stop()
 
 

@@ -151,16 +151,20 @@ class Connector:
         connection, the next pull handshakes again and reads only if the same
         incarnation answers.
 
-        Cancellation: if the calling task is cancelled, no further transfer
-        of this pull is posted and the running one is waited for until it
-        ends (at most ``config.close_timeout``; only then is it released
-        while still running) before :class:`trio.Cancelled` propagates, so
-        nothing writes into the local blocks afterwards. The handshake itself
-        goes on for other waiters. The exception: a transfer that does not
-        stop within ``close_timeout`` (its peer unreachable) is released
-        anyway and logged, and NIXL cannot cancel it, so its blocks may still
-        be written if the peer comes back; a timed-out pull says so in its
-        :class:`TransferError`. Keep such blocks out of reuse.
+        Transfers: the read goes to the connector's transfer driver, which
+        may post it together with other small pulls to the same engine (one
+        READ, one notification naming each) and posts a large one in chunks.
+
+        Cancellation: if the calling task is cancelled, no further chunk of
+        this pull is posted and the running ones are waited for until they
+        end (at most ``config.close_timeout``) before :class:`trio.Cancelled`
+        propagates, so nothing writes into the local blocks afterwards. The
+        handshake itself goes on for other waiters. The exception: a
+        transfer that does not stop within ``close_timeout`` (its peer
+        unreachable: NIXL cannot cancel it). Then the pull fails with a
+        :class:`TransferError` whose ``settled`` event is set only once that
+        transfer really ended; until then its blocks may still be written.
+        Keep them out of reuse until ``await error.settled.wait()``.
 
         Raises:
             ValueError: before anything is sent: local and remote lengths
@@ -173,7 +177,8 @@ class Connector:
                 :class:`IncompatibleEngineError` if the engines cannot be
                 paired (for TP sizes that do not divide, before any traffic).
             TransferError: the backend reported an error, the transfer did
-                not finish within ``config.transfer_timeout`` of being posted,
+                not finish within ``config.transfer_timeout`` of being handed
+                to the transfer driver,
                 or the blocks belong to an incarnation of the engine that is
                 gone; it names the local block ids that hold undefined data
                 (all of the pull's), and the remote rank when the remote

@@ -208,7 +208,9 @@ class TransferDriver:
     def _run(self) -> None:
         try:
             self._loop()
-        except BaseException as exc:  # a bug: fail every job rather than hang its task
+        # A bug (whatever it raises: this is a plain thread, trio.Cancelled
+        # cannot reach it): fail every job rather than hang its task.
+        except BaseException as exc:  # noqa: ASYNC103
             logger.critical("transfer driver crashed: %s", describe(exc), exc_info=True)
             error = BackendError(f"the transfer driver crashed: {describe(exc)}")
             jobs = {id(job): job for job in self._jobs}

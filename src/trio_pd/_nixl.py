@@ -401,8 +401,10 @@ class NixlBackend:
         try:
             await self._run_job(job)
         finally:
-            if job.still_running:
-                await self._hold_until_settled(remote, job)
+            if job.still_running:  # give the agent up, but keep it loaded until then
+                self._hold_until_settled(remote, job)
+                with trio.move_on_after(self._config.close_timeout, shield=True):
+                    await self.retire(remote)
         if job.still_running:
             why = job.outcome.value if job.outcome else "?"
             raise BackendError(
@@ -491,8 +493,8 @@ class NixlBackend:
             raise BackendClosing
         raise BackendError(f"transfer ended {job.outcome}")  # (CANCELLED: cancel re-raised)
 
-    async def _hold_until_settled(self, remote: RemoteAgent, job: Job) -> None:
-        """Keep ``remote`` loaded until ``job``'s last transfer ended; retire it now.
+    def _hold_until_settled(self, remote: RemoteAgent, job: Job) -> None:
+        """Keep ``remote`` loaded until ``job``'s last transfer ended.
 
         Its descriptor lists are in use by that transfer: it is unloaded
         after it settles (at the next load or at close), not before.
@@ -501,8 +503,6 @@ class NixlBackend:
             remote.users += 1
             self._unsettled += 1
             job.on_settled = functools.partial(self._drop_hold, remote)
-        with trio.move_on_after(self._config.close_timeout, shield=True):
-            await self.retire(remote)
 
     def _drop_hold(self, remote: RemoteAgent) -> None:
         remote.users -= 1  # (unloaded by the next load_remote or by aclose)

@@ -24,26 +24,37 @@ class LoopStallMonitor(trio.abc.Instrument):
     """Records the longest time the loop ran tasks without polling for I/O.
 
     Attributes:
-        longest: the longest batch so far, in seconds.
+        longest: the longest batch so far, in seconds (wall clock).
+        longest_cpu: the CPU time the trio thread itself used in that batch.
+            The rest of ``longest``, the thread was not running: another
+            thread held the GIL, or the OS ran something else (on a small
+            machine, other processes and threads take turns with it).
         batches: how many batches were measured.
     """
 
     def __init__(self) -> None:
         self.longest = 0.0
+        self.longest_cpu = 0.0
         self.batches = 0
         self._batch_started: float | None = None
+        self._cpu_started = 0.0
 
     def after_io_wait(self, timeout: float) -> None:
         self._batch_started = time.perf_counter()
+        self._cpu_started = time.thread_time()
 
     def before_io_wait(self, timeout: float) -> None:
         started = self._batch_started
         if started is not None:
-            self.longest = max(self.longest, time.perf_counter() - started)
+            took = time.perf_counter() - started
+            if took > self.longest:
+                self.longest = took
+                self.longest_cpu = time.thread_time() - self._cpu_started
             self.batches += 1
         self._batch_started = None
 
     def reset(self) -> None:
         self.longest = 0.0
+        self.longest_cpu = 0.0
         self.batches = 0
         self._batch_started = None
