@@ -6,6 +6,10 @@ and a driver playing the P/D proxy in this one. Every pulled byte is
 verified; the exit status is non-zero if any byte differs, or if a request
 failed without an injected fault.
 
+``trio-pd serve`` serves the tiny model of ``trio_pd._serve`` over HTTP:
+prefill and decode engine processes behind a P/D proxy (see
+``trio_pd._cli.serve``).
+
 ``trio-pd keygen`` prints a new CURVE key pair for side-channel authentication.
 """
 
@@ -18,10 +22,12 @@ import sys
 from collections.abc import Sequence
 
 import trio
+from rich.console import Console
 
 from .._auth import generate_keypair
 from ..testing._hosts import TestHostsUnavailable
 from .demo import DemoOptions, format_summary, run_demo
+from .serve import ServeOptions, run_serve
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -76,6 +82,24 @@ def _parser() -> argparse.ArgumentParser:
         "UCX over TCP",
     )
     demo.add_argument("--json", action="store_true", help="print the summary as JSON")
+    serve = commands.add_parser(
+        "serve", help="serve the tiny model over HTTP: prefill and decode engines behind a proxy"
+    )
+    serving = ServeOptions()
+    serve.add_argument("--prefill", type=int, default=serving.prefill, metavar="N")
+    serve.add_argument("--decode", type=int, default=serving.decode, metavar="M")
+    serve.add_argument("--host", default=serving.host)
+    serve.add_argument("--port", type=int, default=serving.port, help="the proxy's port")
+    serve.add_argument(
+        "--ready-file",
+        default="",
+        metavar="PATH",
+        help='write {"proxy": url, "prefill": [urls], "decode": [urls]} once all accept',
+    )
+    serve.add_argument(
+        "--grace", type=float, default=serving.grace, help="seconds to drain on SIGINT/SIGTERM"
+    )
+    serve.add_argument("--num-blocks", type=int, default=serving.num_blocks)
     commands.add_parser(
         "keygen",
         help="print a new CURVE key pair (JSON) for ConnectorConfig(auth=CurveAuth(...))",
@@ -92,6 +116,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     # NIXL logs every agent creation at INFO on stdout; keep the summary readable
     # (prefill workers inherit this).
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    if args.command == "serve":
+        serving = ServeOptions(
+            prefill=args.prefill,
+            decode=args.decode,
+            host=args.host,
+            port=args.port,
+            ready_file=args.ready_file,
+            grace=args.grace,
+            num_blocks=args.num_blocks,
+        )
+        try:
+            serving.check()
+        except ValueError as exc:
+            sys.exit(f"trio-pd serve: {exc}")
+        trio.run(run_serve, serving, Console(stderr=True))
+        return
     options = DemoOptions(
         prefill_engines=args.prefill_engines,
         requests=args.requests,

@@ -1,0 +1,118 @@
+"""The little ASGI that the engine and the proxy need, trio-native.
+
+hypercorn's trio worker runs ASGI applications on trio; the applications
+here are three or four routes each, so they are plain ASGI callables rather
+than a framework's: every request runs in hypercorn's task for it, in trio
+nurseries and cancel scopes of its own, and a client that disconnects
+cancels its request's scope (:func:`cancel_on_disconnect`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+from .._groups import unwrapped_errors
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class HTTPError(Exception):
+    """An error reply: ``status`` and a JSON body ``{"error": {...}}``."""
+
+    def __init__(self, status: int, message: str, kind: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = {"error": {"message": message, "type": kind, **extra}}
+
+
+async def read_json(receive: Receive, limit: int = 1 << 20) -> dict[str, Any]:
+    """The request body as a JSON object.
+
+    Raises:
+        HTTPError: 400 if it is not a JSON object or larger than ``limit``.
+    """
+    body = bytearray()
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise HTTPError(499, "the client went away", "disconnect")
+        body += message.get("body", b"")
+        if len(body) > limit:
+            raise HTTPError(413, f"request body over {limit} bytes", "invalid_request_error")
+        if not message.get("more_body"):
+            break
+    try:
+        data = json.loads(body)
+    except ValueError as exc:
+        raise HTTPError(400, f"body is not JSON: {exc}", "invalid_request_error") from None
+    if not isinstance(data, dict):
+        raise HTTPError(400, "body must be a JSON object", "invalid_request_error")
+    return data
+
+
+async def send_json(send: Send, status: int, data: Any) -> None:
+    body = json.dumps(data).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json")],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_text(send: Send, status: int, text: str, content_type: str) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", content_type.encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": text.encode()})
+
+
+async def start_events(send: Send) -> None:
+    """Start a server-sent-events response (then :func:`send_event` each chunk)."""
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
+        }
+    )
+
+
+async def send_event(send: Send, data: Any, *, last: bool = False) -> None:
+    payload = data if isinstance(data, str) else json.dumps(data)
+    body = f"data: {payload}\n\n".encode()
+    await send({"type": "http.response.body", "body": body, "more_body": not last})
+
+
+@asynccontextmanager
+async def cancel_on_disconnect(receive: Receive) -> AsyncIterator[None]:
+    """Run the block in a scope that the client's disconnect cancels.
+
+    Call it after the request body was read: from then on, the only message
+    ASGI delivers is ``http.disconnect``. (It also arrives after a complete
+    response; by then the block is done.)
+    """
+
+    async def watch(scope: trio.CancelScope) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        scope.cancel()
+
+    async with unwrapped_errors(), trio.open_nursery() as nursery:
+        nursery.start_soon(watch, nursery.cancel_scope)
+        yield
+        nursery.cancel_scope.cancel()  # (the block is done: stop watching)

@@ -1,0 +1,533 @@
+"""An engine server: the tiny model, its paged KV cache, one connector, HTTP on trio.
+
+Each engine is a process running hypercorn's trio worker. The connector is
+opened in the ASGI *lifespan*, so it lives exactly as long as the server
+accepts requests: requests run while it is open, and it closes (releasing
+NIXL and ZeroMQ) after the last one drained.
+
+``POST /v1/completions`` follows OpenAI's completions API and vLLM's P/D
+conventions (``kv_transfer_params``):
+
+* ``{"do_remote_decode": true}``: prefill only. The engine computes the
+  prompt's KV cache (all but its last token) into blocks, exposes them, and
+  answers with ``kv_transfer_params`` that a decode engine pulls with. The
+  blocks return to the pool when the decode engine has read them (or the
+  exposure expired).
+* ``{"do_remote_prefill": true, ...}`` (what a prefill engine returned): the
+  engine pulls those blocks over NIXL, then decodes from the prompt's last
+  token.
+* neither: the engine runs the whole request itself.
+
+Both paths run the same model steps, so disaggregated output equals
+single-engine output token for token (see :mod:`trio_pd._serve.model`).
+
+``GET /health`` says whether the engine accepts requests; ``GET /metrics``
+is Prometheus text (the connector's statistics, requests, pull latency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import functools
+import itertools
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import torch
+import trio
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from .._config import ConnectorConfig
+from .._connector import Connector, open_connector
+from .._errors import HandshakeError, TransferError
+from .._records import RemoteBlocks
+from .asgi import (
+    HTTPError,
+    Receive,
+    Scope,
+    Send,
+    cancel_on_disconnect,
+    read_json,
+    send_event,
+    send_json,
+    send_text,
+    start_events,
+)
+from .model import ModelConfig, TinyLlama, tokenize
+
+logger = logging.getLogger("trio_pd.serve")
+
+MODEL_NAME = "trio-pd-tiny"
+MAX_TOKENS = 1024
+
+
+@attrs.frozen
+class EngineSettings:
+    """One engine's settings (the CLI passes them to the engine process as JSON)."""
+
+    engine_id: str
+    http_port: int
+    side_channel_port: int = 0
+    host: str = "127.0.0.1"
+    num_blocks: int = 1024
+    abort_timeout: float = 30.0
+    ready_file: str = ""  # written with {"url": ...} once the engine accepts requests
+
+
+class OutOfBlocks(Exception):
+    """The KV-cache pool has too few free blocks for a request."""
+
+
+class BlockPool:
+    """The free KV-cache blocks of an engine (trio thread only)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise OutOfBlocks(f"{count} KV blocks needed, {len(self._free)} free")
+        taken = self._free[len(self._free) - count :]
+        del self._free[len(self._free) - count :]
+        return taken[::-1]
+
+    def release(self, blocks: Sequence[int]) -> None:
+        self._free.extend(blocks)
+
+
+class Engine:
+    """The model, its cache and block pool, and the requests on them.
+
+    Owns the KV cache tensors (registered with the connector), the block
+    pool, and the tasks that give exposed blocks back to the pool
+    (``nursery``, the server's). Forwards run in a worker thread, one at a
+    time (``compute``), so the trio loop stays free for I/O.
+    """
+
+    def __init__(self, settings: EngineSettings, model: TinyLlama) -> None:
+        self.settings = settings
+        self.model = model
+        self.cache = model.new_cache(settings.num_blocks)
+        self.pool = BlockPool(settings.num_blocks)
+        self.compute = trio.CapacityLimiter(1)
+        self.connector: Connector | None = None
+        self.nursery: trio.Nursery | None = None
+        self.accepting = False
+        self._ids = itertools.count()
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "trio_pd_serve_requests",
+            "Completion requests by kind and outcome.",
+            ["kind", "outcome"],
+            registry=self.registry,
+        )
+        self.pull_seconds = Histogram(
+            "trio_pd_serve_pull_seconds",
+            "Time of each KV pull (handshake included), decode side.",
+            registry=self.registry,
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1, 5, math.inf),
+        )
+        self.registry.register(_ConnectorCollector(lambda: self.connector))
+
+    def request_id(self) -> str:
+        return f"cmpl-{self.settings.engine_id}-{next(self._ids)}"
+
+    async def step(self, table: Sequence[int], tokens: Sequence[int], start: int) -> int:
+        return await trio.to_thread.run_sync(
+            self.model.forward, self.cache, table, tokens, start, limiter=self.compute
+        )
+
+    async def prefill_for_remote(self, request_id: str, prompt: list[int]) -> dict[str, Any]:
+        """Compute the prompt's KV (all but the last token) and expose its blocks."""
+        connector = self._connector()
+        blocks = self.pool.allocate(self.model.config.blocks_for(len(prompt) - 1))
+        try:
+            if len(prompt) > 1:
+                await self.step(blocks, prompt[:-1], 0)
+            remote = connector.expose(request_id, blocks)
+        except BaseException:
+            self.pool.release(blocks)
+            raise
+        assert self.nursery is not None
+        self.nursery.start_soon(self._release_when_read, request_id, blocks)
+        return {**remote.to_kv_transfer_params(), "do_remote_prefill": True}
+
+    async def _release_when_read(self, request_id: str, blocks: list[int]) -> None:
+        try:
+            await self._connector().wait_released(request_id)
+        finally:
+            self.pool.release(blocks)
+
+    @asynccontextmanager
+    async def generation(
+        self, request_id: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None
+    ) -> AsyncIterator[AsyncIterator[int]]:
+        """Blocks for the whole request, the prompt's KV in them, and a token iterator.
+
+        With ``params`` (from a prefill engine) the prompt's KV is pulled;
+        without, computed here. The blocks go back to the pool when the
+        block exits -- unless a pull failed with a transfer still running
+        (``TransferError.settled``): then only once it has settled.
+
+        Raises:
+            HandshakeError, TransferError: the pull failed.
+            HTTPError: ``params`` do not match the prompt.
+        """
+        config = self.model.config
+        blocks = self.pool.allocate(config.blocks_for(len(prompt) + max_tokens))
+        settled: trio.Event | None = None
+        try:
+            before = len(prompt) - 1
+            if params is not None:
+                remote = RemoteBlocks.from_kv_transfer_params(params)
+                if len(remote.block_ids) != config.blocks_for(before):
+                    raise HTTPError(
+                        400,
+                        f"kv_transfer_params hold {len(remote.block_ids)} blocks, a prompt of "
+                        f"{len(prompt)} tokens needs {config.blocks_for(before)}",
+                        "invalid_request_error",
+                    )
+                started = time.monotonic()
+                into = blocks[: len(remote.block_ids)]
+                try:
+                    await self._connector().pull(request_id, into, remote)
+                except TransferError as exc:
+                    settled = exc.settled
+                    raise
+                self.pull_seconds.observe(time.monotonic() - started)
+            elif before > 0:
+                await self.step(blocks, prompt[:-1], 0)
+            yield self._tokens(blocks, prompt, max_tokens)
+        finally:
+            if settled is None:
+                self.pool.release(blocks)
+            else:  # its blocks may still be written: not before that transfer ended
+                assert self.nursery is not None
+                self.nursery.start_soon(self._release_when_settled, settled, blocks)
+
+    async def _release_when_settled(self, settled: trio.Event, blocks: list[int]) -> None:
+        await settled.wait()
+        self.pool.release(blocks)
+
+    async def _tokens(
+        self, blocks: list[int], prompt: list[int], max_tokens: int
+    ) -> AsyncIterator[int]:
+        token, position = prompt[-1], len(prompt) - 1
+        for _ in range(max_tokens):
+            token = await self.step(blocks, [token], position)
+            position += 1
+            yield token
+
+    def _connector(self) -> Connector:
+        if self.connector is None:
+            raise HTTPError(503, "the engine is not serving", "unavailable")
+        return self.connector
+
+
+class _ConnectorCollector:
+    """The connector's statistics as Prometheus metrics, read at each scrape."""
+
+    GAUGES = frozenset(
+        {
+            "engines_ready",
+            "pulls_in_flight",
+            "remote_agents_loaded",
+            "exposures_pending",
+            "transfers_unsettled",
+        }
+    )
+
+    def __init__(self, connector: Callable[[], Connector | None]) -> None:
+        self._connector = connector
+
+    def collect(self) -> list[Metric]:
+        connector = self._connector()
+        if connector is None:
+            return []
+        stats = attrs.asdict(connector.statistics(), recurse=False)
+        out: list[Metric] = []
+        causes = CounterMetricFamily(
+            "trio_pd_handshake_failures_by_cause",
+            "Failed handshakes by cause.",
+            labels=["cause"],
+        )
+        for cause, count in stats.pop("handshake_failures_by_cause").items():
+            causes.add_metric([cause], count)
+        out.append(causes)
+        for name, value in stats.items():
+            doc = f"trio_pd ConnectorStatistics.{name}"
+            if name in self.GAUGES:
+                out.append(GaugeMetricFamily(f"trio_pd_{name}", doc, value=value))
+            else:
+                out.append(CounterMetricFamily(f"trio_pd_{name}", doc, value=value))
+        return out
+
+
+def completion(
+    request_id: str, text: str, token_ids: list[int], prompt_tokens: int, **extra: Any
+) -> dict[str, Any]:
+    """An OpenAI completions response body (``token_ids``: vLLM's addition)."""
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": MODEL_NAME,
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "token_ids": token_ids,
+                "logprobs": None,
+                "finish_reason": "length",
+            }
+        ],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(token_ids),
+            "total_tokens": prompt_tokens + len(token_ids),
+        },
+        **extra,
+    }
+
+
+def parse_completion_request(body: dict[str, Any]) -> tuple[list[int], int, bool, dict[str, Any]]:
+    """``(prompt tokens, max_tokens, stream, kv_transfer_params)``, or a 400."""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise HTTPError(400, "prompt must be a non-empty string", "invalid_request_error")
+    max_tokens = body.get("max_tokens", 16)
+    if (
+        not isinstance(max_tokens, int)
+        or isinstance(max_tokens, bool)
+        or not (1 <= max_tokens <= MAX_TOKENS)
+    ):
+        raise HTTPError(
+            400, f"max_tokens must be an int in [1, {MAX_TOKENS}]", "invalid_request_error"
+        )
+    if body.get("temperature", 0) not in (0, 0.0):
+        raise HTTPError(400, "only temperature 0 (greedy) is supported", "invalid_request_error")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise HTTPError(400, "stream must be true or false", "invalid_request_error")
+    params = body.get("kv_transfer_params") or {}
+    if not isinstance(params, dict):
+        raise HTTPError(400, "kv_transfer_params must be an object", "invalid_request_error")
+    return tokenize(prompt), max_tokens, stream, params
+
+
+def build_app(engine: Engine) -> Callable[[Scope, Receive, Send], Any]:
+    """The engine's ASGI application (lifespan: the connector)."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(engine, receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        route = (scope["method"], scope["path"])
+        try:
+            if route == ("POST", "/v1/completions"):
+                await _completions(engine, receive, send)
+            elif route == ("GET", "/health"):
+                ok = engine.accepting and engine.connector is not None
+                await send_json(send, 200 if ok else 503, {"status": "ok" if ok else "draining"})
+            elif route == ("GET", "/metrics"):
+                text = generate_latest(engine.registry).decode()
+                await send_text(send, 200, text, "text/plain; version=0.0.4")
+            else:
+                raise HTTPError(404, f"no route {scope['method']} {scope['path']}", "not_found")
+        except HTTPError as exc:
+            await send_json(send, exc.status, exc.body)
+
+    return app
+
+
+async def _lifespan(engine: Engine, receive: Receive, send: Send) -> None:
+    """Open the connector for the server's life; close it after the last request.
+
+    Inside it, a nursery holds the tasks that give exposed blocks back to the
+    pool; at shutdown (hypercorn sends it once every request has drained)
+    they are cancelled first, then the connector closes.
+    """
+    message = await receive()
+    assert message["type"] == "lifespan.startup"
+    settings = engine.settings
+    started = False
+    try:
+        async with (
+            open_connector(
+                settings.engine_id,
+                engine.cache,
+                host=settings.host,
+                port=settings.side_channel_port,
+                config=ConnectorConfig(abort_timeout=settings.abort_timeout),
+            ) as connector,
+            trio.open_nursery() as nursery,
+        ):
+            engine.connector, engine.nursery, engine.accepting = connector, nursery, True
+            await send({"type": "lifespan.startup.complete"})
+            started = True
+            await receive()  # lifespan.shutdown
+            engine.accepting = False
+            engine.connector = None
+            nursery.cancel_scope.cancel()
+    except Exception as exc:
+        logger.exception("engine %s: the connector failed", settings.engine_id)
+        if not started:
+            await send({"type": "lifespan.startup.failed", "message": str(exc)})
+            return
+        await send({"type": "lifespan.shutdown.failed", "message": str(exc)})
+        return
+    await send({"type": "lifespan.shutdown.complete"})
+
+
+async def _completions(engine: Engine, receive: Receive, send: Send) -> None:
+    body = await read_json(receive)
+    prompt, max_tokens, stream, params = parse_completion_request(body)
+    if not engine.accepting:
+        raise HTTPError(503, "the engine is draining", "unavailable")
+    request_id = engine.request_id()
+    if params.get("do_remote_decode"):
+        kind = "prefill"
+    elif params.get("do_remote_prefill"):
+        kind = "decode"
+    else:
+        kind = "whole"
+    outcome, answered = "error", False
+
+    async def send_tracked(message: dict[str, Any]) -> None:
+        nonlocal answered
+        if message["type"] == "http.response.body" and not message.get("more_body"):
+            answered = True  # (the client may disconnect right after: still answered)
+        await send(message)
+
+    try:
+        async with cancel_on_disconnect(receive):
+            if kind == "prefill":
+                kv = await engine.prefill_for_remote(request_id, prompt)
+                body = completion(request_id, "", [], len(prompt), kv_transfer_params=kv)
+                await send_json(send_tracked, 200, body)
+            else:
+                await _generate(
+                    engine, send_tracked, request_id, prompt, max_tokens, stream, kind, params
+                )
+        outcome = "ok" if answered else "disconnected"
+    except OutOfBlocks as exc:
+        raise HTTPError(503, f"engine {engine.settings.engine_id}: {exc}", "overloaded") from None
+    except (HandshakeError, TransferError) as exc:
+        raise HTTPError(
+            502,
+            f"engine {engine.settings.engine_id}: {exc}",
+            type(exc).__name__,
+            engine=engine.settings.engine_id,
+        ) from None
+    finally:
+        engine.requests.labels(kind, outcome).inc()
+
+
+async def _generate(
+    engine: Engine,
+    send: Send,
+    request_id: str,
+    prompt: list[int],
+    max_tokens: int,
+    stream: bool,
+    kind: str,
+    params: dict[str, Any],
+) -> None:
+    remote = params if kind == "decode" else None
+    async with engine.generation(request_id, prompt, max_tokens, remote) as tokens:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        if not stream:
+            ids = [token async for token in tokens]
+            text = decoder.decode(bytes(ids), final=True)
+            await send_json(send, 200, completion(request_id, text, ids, len(prompt)))
+            return
+        await start_events(send)
+        async for token in tokens:
+            chunk = completion(request_id, decoder.decode(bytes([token])), [token], len(prompt))
+            del chunk["usage"]
+            chunk["choices"][0]["finish_reason"] = None
+            await send_event(send, chunk)
+        await send_event(send, "[DONE]", last=True)
+
+
+# ---- the engine process -------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m trio_pd._serve.engine SETTINGS_JSON``: run one engine until SIGTERM/SIGINT."""
+    parser = argparse.ArgumentParser(prog="trio_pd._serve.engine")
+    parser.add_argument("settings", help="EngineSettings as JSON")
+    args = parser.parse_args(argv)
+    settings = EngineSettings(**json.loads(args.settings))
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    torch.set_num_threads(1)
+    trio.run(serve_engine, settings)
+
+
+async def serve_engine(settings: EngineSettings, grace: float = 10.0) -> None:
+    """Serve until SIGTERM or SIGINT, then drain: stop accepting, let requests
+    finish (at most ``grace`` s), close the connector."""
+    from hypercorn.config import Config
+    from hypercorn.trio import serve
+
+    disable_created_metrics()  # type: ignore[no-untyped-call]  # (a process of its own)
+    engine = Engine(settings, TinyLlama(ModelConfig()))
+    config = Config()
+    config.bind = [f"{settings.host}:{settings.http_port}"]
+    config.graceful_timeout = grace
+    config.accesslog = None
+    stop = trio.Event()
+    app: Any = build_app(engine)  # (hypercorn's ASGI types are stricter than plain dicts)
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def until_signal() -> None:
+                async for _ in signals:
+                    engine.accepting = False
+                    stop.set()
+                    return
+
+            nursery.start_soon(until_signal)
+            binds = await nursery.start(
+                functools.partial(serve, app, config, shutdown_trigger=stop.wait)
+            )
+            if settings.ready_file:
+                write_json_atomically(settings.ready_file, {"url": binds[0]})
+            await stop.wait()
+            # (serve drains and returns; until_signal has returned)
+
+
+def write_json_atomically(path: str, data: Any) -> None:
+    """Write ``data`` as JSON to ``path`` so that a reader never sees half of it."""
+    temporary = f"{path}.tmp"
+    with open(temporary, "w") as f:
+        json.dump(data, f)
+    os.replace(temporary, path)
+
+
+if __name__ == "__main__":
+    main()

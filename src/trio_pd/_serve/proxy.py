@@ -1,0 +1,148 @@
+"""The disaggregation proxy: prefill on one engine, decode on another, on trio.
+
+It plays vLLM's P/D proxy. For each ``POST /v1/completions`` it sends the
+request to a prefill engine (round robin) with ``max_tokens: 1`` and
+``kv_transfer_params: {"do_remote_decode": true}``, takes the
+``kv_transfer_params`` of the answer, and forwards the original request with
+them to a decode engine (round robin), relaying the decode engine's answer --
+streamed or not -- to the client.
+
+A client that disconnects cancels its request's scope: the request to the
+decode engine is closed, which cancels that engine's pull or decoding (the
+prefill engine's exposure is released when read, or expires). An engine that
+fails fails only the requests it held: the client gets a 502 with a JSON
+error that names the engine; the proxy goes on with the others.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable, Sequence
+from contextlib import aclosing
+from typing import Any
+
+import httpx2
+import trio
+
+from .asgi import (
+    HTTPError,
+    Receive,
+    Scope,
+    Send,
+    cancel_on_disconnect,
+    read_json,
+    send_event,
+    send_json,
+)
+from .engine import parse_completion_request
+
+
+class Proxy:
+    """Round robin over prefill and decode engines, with one HTTP client.
+
+    Args:
+        prefill, decode: the engines' base URLs.
+        client: the HTTP client (owned by the caller: close it after the proxy).
+    """
+
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str], client: httpx2.AsyncClient):
+        if not prefill or not decode:
+            raise ValueError("the proxy needs at least one prefill and one decode engine")
+        self._prefill = itertools.cycle(prefill)
+        self._decode = itertools.cycle(decode)
+        self._client = client
+        self.accepting = True
+
+    def app(self) -> Callable[[Scope, Receive, Send], Any]:
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] == "lifespan":
+                await _trivial_lifespan(receive, send)
+                return
+            if scope["type"] != "http":
+                return
+            route = (scope["method"], scope["path"])
+            try:
+                if route == ("POST", "/v1/completions"):
+                    await self._completions(receive, send)
+                elif route == ("GET", "/health"):
+                    health = {"status": "ok" if self.accepting else "draining"}
+                    await send_json(send, 200 if self.accepting else 503, health)
+                else:
+                    raise HTTPError(404, f"no route {scope['method']} {scope['path']}", "not_found")
+            except HTTPError as exc:
+                await send_json(send, exc.status, exc.body)
+
+        return app
+
+    async def _completions(self, receive: Receive, send: Send) -> None:
+        body = await read_json(receive)
+        parse_completion_request(body)  # a bad request is a 400 here, not at an engine
+        if not self.accepting:
+            raise HTTPError(503, "the proxy is draining", "unavailable")
+        async with cancel_on_disconnect(receive):
+            kv = await self._prefill_on(next(self._prefill), body)
+            await self._decode_on(next(self._decode), {**body, "kv_transfer_params": kv}, send)
+
+    async def _prefill_on(self, engine: str, body: dict[str, Any]) -> dict[str, Any]:
+        request = {
+            **body,
+            "max_tokens": 1,
+            "stream": False,
+            "kv_transfer_params": {"do_remote_decode": True},
+        }
+        try:
+            response = await self._client.post(f"{engine}/v1/completions", json=request)
+        except httpx2.HTTPError as exc:
+            raise _engine_failed("prefill", engine, f"{type(exc).__name__}: {exc}") from None
+        if response.status_code != 200:
+            raise _engine_failed("prefill", engine, f"{response.status_code} {response.text}")
+        kv: dict[str, Any] = response.json()["kv_transfer_params"]
+        return kv
+
+    async def _decode_on(self, engine: str, body: dict[str, Any], send: Send) -> None:
+        started = False
+        try:
+            async with self._client.stream(
+                "POST", f"{engine}/v1/completions", json=body
+            ) as response:
+                if response.status_code != 200:
+                    text = (await response.aread()).decode(errors="replace")
+                    raise _engine_failed("decode", engine, f"{response.status_code} {text}")
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": [(b"content-type", response.headers["content-type"].encode())],
+                    }
+                )
+                started = True
+                async with aclosing(response.aiter_raw()) as chunks:
+                    async for chunk in chunks:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b""})
+        except httpx2.HTTPError as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            if not started:
+                raise _engine_failed("decode", engine, reason) from None
+            # Mid-stream: the status is sent; end the stream with an error event.
+            error = _engine_failed("decode", engine, reason)
+            await send_event(send, json.dumps(error.body), last=True)
+
+
+def _engine_failed(role: str, engine: str, reason: str) -> HTTPError:
+    return HTTPError(
+        502, f"{role} engine {engine} failed: {reason}", f"{role}_failed", engine=engine
+    )
+
+
+async def _trivial_lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        else:  # pragma: no cover
+            await trio.lowlevel.checkpoint()

@@ -1,0 +1,212 @@
+"""``trio-pd serve`` in its own process, through a real HTTP client.
+
+The proof vLLM uses for its connector: greedy output through the P/D proxy
+(prefill on one engine, KV pulled over NIXL, decode on another) equals the
+output of one engine serving the whole request, token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 16  # tokens per KV block (the model's default)
+
+
+@pytest.fixture
+async def deployment(tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
+    """``trio-pd serve --prefill 1 --decode 1``: its ready file, then SIGTERM and exit 0."""
+    ready = tmp_path / "ready.json"
+    command = [sys.executable, "-m", "trio_pd", "serve", "--port", "0", "--ready-file", str(ready)]
+    env = {**os.environ, "NIXL_LOG_LEVEL": "WARN"}
+    process = await trio.lowlevel.open_process(
+        command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
+    )
+    try:
+        with trio.fail_after(120):
+            while not ready.exists():  # (another process writes it)
+                assert process.poll() is None, "trio-pd serve exited before it was ready"
+                await trio.sleep(0.05)
+        yield {**json.loads(ready.read_text()), "process": process}
+    finally:
+        with trio.move_on_after(40, shield=True):
+            if process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+                with trio.move_on_after(30):
+                    await process.wait()
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+
+
+def prompts() -> list[str]:
+    """50 prompts: one byte, shorter than a block, ending exactly on block boundaries
+    (the KV a prefill engine computes is all but the last token), long, non-ASCII."""
+    fixed = [
+        "a",
+        "hi",
+        "x" * BLOCK,
+        "y" * (BLOCK + 1),  # 16 tokens of KV: exactly one block
+        "z" * (2 * BLOCK + 1),  # exactly two blocks
+        "w" * (2 * BLOCK + 2),
+        "disaggregated prefill and decode, on trio " * 8,
+        "KV-Cache über NIXL: ÄÖÜ ß 日本語 🙂",
+    ]
+    varied = [f"prompt {i}: " + "the quick brown fox " * (i % 7) + str(i * i) for i in range(42)]
+    return fixed + varied
+
+
+async def complete(client: httpx2.AsyncClient, url: str, **body: Any) -> dict[str, Any]:
+    response = await client.post(f"{url}/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    data: dict[str, Any] = response.json()
+    return data
+
+
+async def stream(client: httpx2.AsyncClient, url: str, **body: Any) -> list[int]:
+    tokens: list[int] = []
+    done = False
+    async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"] == "text/event-stream"
+        async with aclosing(r.aiter_lines()) as lines:
+            async for line in lines:
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    tokens += json.loads(line[len("data: ") :])["choices"][0]["token_ids"]
+    assert done, "the stream ended without [DONE]"
+    return tokens
+
+
+def metrics(text: str) -> dict[str, float]:
+    """Every sample of a Prometheus text page, by name and labels."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
+
+
+async def test_the_proxy_serves_exactly_what_one_engine_would(
+    deployment: dict[str, Any],
+) -> None:
+    proxy, [prefill], [decode] = deployment["proxy"], deployment["prefill"], deployment["decode"]
+    cases = prompts()
+    through_proxy: dict[int, list[int]] = {}
+    on_one_engine: dict[int, list[int]] = {}
+    streamed: dict[int, list[int]] = {}
+    clients = trio.CapacityLimiter(32)  # 32 concurrent clients
+    with trio.fail_after(180):
+        async with httpx2.AsyncClient(timeout=60) as client, trio.open_nursery() as nursery:
+
+            async def one(i: int, prompt: str) -> None:
+                async with clients:
+                    max_tokens = 1 + (i * 7) % 24
+                    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+                    pd = await complete(client, proxy, **body)
+                    whole = await complete(client, decode, **body)
+                    through_proxy[i] = pd["choices"][0]["token_ids"]
+                    on_one_engine[i] = whole["choices"][0]["token_ids"]
+                    assert pd["usage"]["completion_tokens"] == max_tokens
+                    if i % 5 == 0:
+                        streamed[i] = await stream(client, proxy, **body)
+
+            for i, prompt in enumerate(cases):
+                nursery.start_soon(one, i, prompt)
+        assert through_proxy == on_one_engine
+        assert all(streamed[i] == through_proxy[i] for i in streamed)
+        assert len(set(map(tuple, through_proxy.values()))) > 25  # (not one constant answer)
+
+        # The metrics count the work done, in Prometheus' text format.
+        async with httpx2.AsyncClient(timeout=10) as client:
+            on_decode = metrics((await client.get(f"{decode}/metrics")).text)
+            on_prefill = metrics((await client.get(f"{prefill}/metrics")).text)
+        disaggregated = len(cases) + len(streamed)
+        assert on_decode["trio_pd_pulls_succeeded_total"] == disaggregated
+        assert on_decode["trio_pd_pulls_failed_total"] == 0
+        assert on_decode["trio_pd_serve_requests_total{kind=decode,outcome=ok}"] == disaggregated
+        assert on_decode["trio_pd_serve_requests_total{kind=whole,outcome=ok}"] == len(cases)
+        assert on_decode["trio_pd_serve_pull_seconds_count"] == disaggregated
+        assert on_decode["trio_pd_engines_ready"] == 1
+        assert on_prefill["trio_pd_serve_requests_total{kind=prefill,outcome=ok}"] == disaggregated
+        with trio.fail_after(10):  # (the last notifications may still be on their way)
+            while on_prefill["trio_pd_exposures_released_total"] < disaggregated:
+                await trio.sleep(0.05)
+                async with httpx2.AsyncClient(timeout=10) as client:
+                    on_prefill = metrics((await client.get(f"{prefill}/metrics")).text)
+        assert on_prefill["trio_pd_exposures_pending"] == 0
+
+        # SIGTERM drains and stops everything cleanly.
+        process = deployment["process"]
+        process.send_signal(signal.SIGTERM)
+        with trio.fail_after(60):
+            assert await process.wait() == 0
+
+
+async def test_bad_requests_get_clear_errors_and_the_engines_keep_serving(
+    deployment: dict[str, Any],
+) -> None:
+    proxy, [decode] = deployment["proxy"], deployment["decode"]
+    with trio.fail_after(60):
+        async with httpx2.AsyncClient(timeout=30) as client:
+            for body, status, words in [
+                ({"prompt": "", "max_tokens": 4}, 400, "prompt"),
+                ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+                ({"prompt": "hi", "temperature": 0.7}, 400, "temperature"),
+                ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
+            ]:
+                for url in (proxy, decode):
+                    response = await client.post(f"{url}/v1/completions", json=body)
+                    assert response.status_code == status
+                    assert words in response.json()["error"]["message"]
+            response = await client.post(f"{proxy}/v1/completions", content=b"{not json")
+            assert response.status_code == 400
+            assert (await client.get(f"{proxy}/v2/nothing")).status_code == 404
+
+            # A decode request for blocks of an engine that does not exist:
+            # a 502 that names the engine and the cause.
+            gone = {
+                "do_remote_prefill": True,
+                "remote_engine_id": "prefill-gone",
+                "remote_host": "127.0.0.1",
+                "remote_port": 9,  # (nothing listens: connection refused)
+                "remote_block_ids": [0],
+                "remote_request_id": "r-gone",
+            }
+            response = await client.post(
+                f"{decode}/v1/completions",
+                json={"prompt": "y" * (BLOCK + 1), "kv_transfer_params": gone},
+            )
+            assert response.status_code == 502
+            error = response.json()["error"]
+            assert error["type"] == "HandshakeError"
+            assert "prefill-gone" in error["message"]
+            # Parameters that do not fit the prompt are the client's error.
+            response = await client.post(
+                f"{decode}/v1/completions",
+                json={
+                    "prompt": "short",
+                    "kv_transfer_params": {**gone, "remote_block_ids": [0, 1]},
+                },
+            )
+            assert response.status_code == 400
+            assert "2 blocks" in response.json()["error"]["message"]
+            # The deployment still serves.
+            body = {"prompt": "still here", "max_tokens": 3}
+            assert (await complete(client, proxy, **body))["usage"]["completion_tokens"] == 3
