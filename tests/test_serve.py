@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +25,18 @@ from prometheus_client.parser import text_string_to_metric_families
 pytestmark = pytest.mark.slow
 
 BLOCK = 16  # tokens per KV block (the model's default)
+NUM_BLOCKS = 1024  # KV blocks per engine (trio-pd serve's default)
+MAX_TOKENS = 1024
 
 
-@pytest.fixture
-async def deployment(tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
-    """``trio-pd serve --prefill 1 --decode 1``: its ready file, then SIGTERM and exit 0."""
+@asynccontextmanager
+async def open_deployment(tmp_path: Path, *options: str) -> AsyncIterator[dict[str, Any]]:
+    """``trio-pd serve`` with ``options``: its ready file, then SIGTERM and exit."""
     ready = tmp_path / "ready.json"
     command = [sys.executable, "-m", "trio_pd", "serve", "--port", "0", "--ready-file", str(ready)]
     env = {**os.environ, "NIXL_LOG_LEVEL": "WARN"}
     process = await trio.lowlevel.open_process(
-        command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
+        [*command, *options], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
     )
     try:
         with trio.fail_after(120):
@@ -51,6 +53,17 @@ async def deployment(tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
             if process.returncode is None:
                 process.kill()
                 await process.wait()
+
+
+@pytest.fixture
+async def deployment(tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
+    """``trio-pd serve --prefill 1 --decode 1``."""
+    async with open_deployment(tmp_path) as serving:
+        yield serving
+
+
+async def scrape(client: httpx2.AsyncClient, engine: str) -> dict[str, float]:
+    return metrics((await client.get(f"{engine}/metrics")).text)
 
 
 def prompts() -> list[str]:
@@ -210,3 +223,93 @@ async def test_bad_requests_get_clear_errors_and_the_engines_keep_serving(
             # The deployment still serves.
             body = {"prompt": "still here", "max_tokens": 3}
             assert (await complete(client, proxy, **body))["usage"]["completion_tokens"] == 3
+
+
+async def test_a_client_that_disconnects_cancels_its_request_end_to_end(
+    deployment: dict[str, Any],
+) -> None:
+    proxy, [prefill], [decode] = deployment["proxy"], deployment["prefill"], deployment["decode"]
+    body = json.dumps({"prompt": "y" * 40, "max_tokens": MAX_TOKENS, "stream": True}).encode()
+    host, port = proxy.removeprefix("http://").rsplit(":", 1)
+    with trio.fail_after(60):
+        # A bare HTTP/1.1 client: it reads until the first token, then hangs up.
+        tcp = await trio.open_tcp_stream(host, int(port))
+        async with tcp:
+            await tcp.send_all(
+                b"POST /v1/completions HTTP/1.1\r\nhost: proxy\r\ncontent-type: "
+                b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            received = b""
+            while b"data: " not in received:
+                received += await tcp.receive_some()
+            assert received.startswith(b"HTTP/1.1 200")
+        async with httpx2.AsyncClient(timeout=30) as client:
+            # The decode engine saw the disconnect and stopped; every KV block
+            # went back to both pools (the exposure was read before decoding).
+            while True:
+                on_decode, on_prefill = await scrape(client, decode), await scrape(client, prefill)
+                if on_decode.get("trio_pd_serve_requests_total{kind=decode,outcome=disconnected}"):
+                    break
+                await trio.sleep(0.05)
+            assert "trio_pd_serve_requests_total{kind=decode,outcome=ok}" not in on_decode
+            while on_prefill["trio_pd_serve_kv_blocks_free"] < NUM_BLOCKS:
+                await trio.sleep(0.05)
+                on_prefill = await scrape(client, prefill)
+            assert on_decode["trio_pd_serve_kv_blocks_free"] == NUM_BLOCKS
+            assert on_decode["trio_pd_pulls_succeeded_total"] == 1
+
+
+async def test_sigterm_lets_requests_in_flight_finish_then_stops(
+    deployment: dict[str, Any],
+) -> None:
+    proxy, process = deployment["proxy"], deployment["process"]
+    body = {"prompt": "drain me", "max_tokens": 400, "stream": True}  # (about 1 s)
+    tokens, done = 0, False
+    with trio.fail_after(60):
+        async with (
+            httpx2.AsyncClient(timeout=30) as client,
+            client.stream("POST", f"{proxy}/v1/completions", json=body) as response,
+            aclosing(response.aiter_lines()) as lines,
+        ):
+            async for line in lines:
+                if line.startswith("data: {"):
+                    if not tokens:  # the first token: the request is decoding
+                        process.send_signal(signal.SIGTERM)
+                    tokens += 1
+                done = done or line == "data: [DONE]"
+        assert (tokens, done) == (400, True)
+        assert await process.wait() == 0
+
+
+async def test_a_prefill_engine_killed_under_load_fails_only_its_requests(
+    tmp_path: Path,
+) -> None:
+    with trio.fail_after(120):
+        async with open_deployment(tmp_path, "--prefill", "2") as serving:
+            proxy, [alive, doomed] = serving["proxy"], serving["prefill"]
+            async with httpx2.AsyncClient(timeout=30) as client:
+                pid = (await client.get(f"{doomed}/health")).json()["pid"]
+                outcomes: list[tuple[int, str]] = []
+
+                async def one(i: int) -> None:
+                    body = {"prompt": f"request {i} " * 3, "max_tokens": 24}
+                    response = await client.post(f"{proxy}/v1/completions", json=body)
+                    outcomes.append((response.status_code, response.text))
+
+                async with trio.open_nursery() as nursery:
+                    for i in range(40):
+                        nursery.start_soon(one, i)
+                        if i == 20:
+                            os.kill(pid, signal.SIGKILL)
+                        await trio.sleep(0.01)
+                failed = [text for status, text in outcomes if status != 200]
+                assert len(outcomes) - len(failed) >= 20
+                for text in failed:  # each says which engine, and why
+                    error = json.loads(text)["error"]
+                    assert error["type"] in ("prefill_failed", "decode_failed")
+                    assert "prefill-1" in error["message"] or doomed in error["message"]
+                # The proxy goes on with the engine that is left.
+                for i in range(10):
+                    answer = await complete(client, proxy, prompt=f"after {i}", max_tokens=4)
+                    assert answer["usage"]["completion_tokens"] == 4
+                assert (await client.get(f"{alive}/health")).status_code == 200

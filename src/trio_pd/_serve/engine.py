@@ -48,6 +48,7 @@ import trio
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
@@ -149,6 +150,12 @@ class Engine:
             registry=self.registry,
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1, 5, math.inf),
         )
+        free = Gauge(
+            "trio_pd_serve_kv_blocks_free",
+            "KV-cache blocks free in the engine's pool.",
+            registry=self.registry,
+        )
+        free.set_function(lambda: self.pool.free)
         self.registry.register(_ConnectorCollector(lambda: self.connector))
 
     def request_id(self) -> str:
@@ -352,7 +359,8 @@ def build_app(engine: Engine) -> Callable[[Scope, Receive, Send], Any]:
                 await _completions(engine, receive, send)
             elif route == ("GET", "/health"):
                 ok = engine.accepting and engine.connector is not None
-                await send_json(send, 200 if ok else 503, {"status": "ok" if ok else "draining"})
+                health = {"status": "ok" if ok else "draining", "pid": os.getpid()}
+                await send_json(send, 200 if ok else 503, health)
             elif route == ("GET", "/metrics"):
                 text = generate_latest(engine.registry).decode()
                 await send_text(send, 200, text, "text/plain; version=0.0.4")
@@ -437,11 +445,14 @@ async def _completions(engine: Engine, receive: Receive, send: Send) -> None:
     except OutOfBlocks as exc:
         raise HTTPError(503, f"engine {engine.settings.engine_id}: {exc}", "overloaded") from None
     except (HandshakeError, TransferError) as exc:
+        source = params.get("remote_engine_id")
         raise HTTPError(
             502,
-            f"engine {engine.settings.engine_id}: {exc}",
+            f"engine {engine.settings.engine_id}: pulling the KV cache from engine "
+            f"{source!r} failed: {exc}",
             type(exc).__name__,
             engine=engine.settings.engine_id,
+            remote_engine=source,
         ) from None
     finally:
         engine.requests.labels(kind, outcome).inc()

@@ -49,8 +49,8 @@ class Proxy:
     def __init__(self, prefill: Sequence[str], decode: Sequence[str], client: httpx2.AsyncClient):
         if not prefill or not decode:
             raise ValueError("the proxy needs at least one prefill and one decode engine")
-        self._prefill = itertools.cycle(prefill)
-        self._decode = itertools.cycle(decode)
+        self._prefill_engines = _RoundRobin(prefill)
+        self._decode_engines = _RoundRobin(decode)
         self._client = client
         self.accepting = True
 
@@ -81,24 +81,36 @@ class Proxy:
         if not self.accepting:
             raise HTTPError(503, "the proxy is draining", "unavailable")
         async with cancel_on_disconnect(receive):
-            kv = await self._prefill_on(next(self._prefill), body)
-            await self._decode_on(next(self._decode), {**body, "kv_transfer_params": kv}, send)
+            kv = await self._prefill(body)
+            decode = self._decode_engines.next()
+            await self._decode_on(decode, {**body, "kv_transfer_params": kv}, send)
 
-    async def _prefill_on(self, engine: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _prefill(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The KV of ``body``'s prompt, from a prefill engine that answers.
+
+        An engine that cannot be reached (it died, say) is skipped for a
+        while and the next one is tried: the request had not started there.
+        """
         request = {
             **body,
             "max_tokens": 1,
             "stream": False,
             "kv_transfer_params": {"do_remote_decode": True},
         }
-        try:
-            response = await self._client.post(f"{engine}/v1/completions", json=request)
-        except httpx2.HTTPError as exc:
-            raise _engine_failed("prefill", engine, f"{type(exc).__name__}: {exc}") from None
-        if response.status_code != 200:
-            raise _engine_failed("prefill", engine, f"{response.status_code} {response.text}")
-        kv: dict[str, Any] = response.json()["kv_transfer_params"]
-        return kv
+        failure: HTTPError | None = None
+        for engine in self._prefill_engines.up_to_all():
+            try:
+                response = await self._client.post(f"{engine}/v1/completions", json=request)
+            except httpx2.TransportError as exc:
+                self._prefill_engines.down(engine)
+                failure = _engine_failed("prefill", engine, f"{type(exc).__name__}: {exc}")
+                continue
+            if response.status_code != 200:
+                raise _engine_failed("prefill", engine, f"{response.status_code} {response.text}")
+            kv: dict[str, Any] = response.json()["kv_transfer_params"]
+            return kv
+        assert failure is not None
+        raise failure
 
     async def _decode_on(self, engine: str, body: dict[str, Any], send: Send) -> None:
         started = False
@@ -128,6 +140,30 @@ class Proxy:
             # Mid-stream: the status is sent; end the stream with an error event.
             error = _engine_failed("decode", engine, reason)
             await send_event(send, json.dumps(error.body), last=True)
+
+
+class _RoundRobin:
+    """Engines in turn, skipping for :data:`DOWN_FOR` s one that could not be reached."""
+
+    DOWN_FOR = 5.0
+
+    def __init__(self, engines: Sequence[str]) -> None:
+        self._engines = list(engines)
+        self._turn = itertools.count()
+        self._down_until: dict[str, float] = {}
+
+    def next(self) -> str:
+        return next(iter(self.up_to_all()))
+
+    def up_to_all(self) -> list[str]:
+        """Every engine once, starting at the next turn, reachable ones first."""
+        start = next(self._turn) % len(self._engines)
+        order = self._engines[start:] + self._engines[:start]
+        now = trio.current_time()
+        return sorted(order, key=lambda engine: self._down_until.get(engine, 0.0) > now)
+
+    def down(self, engine: str) -> None:
+        self._down_until[engine] = trio.current_time() + self.DOWN_FOR
 
 
 def _engine_failed(role: str, engine: str, reason: str) -> HTTPError:
