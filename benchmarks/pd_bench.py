@@ -24,7 +24,9 @@ import json
 import os
 import platform
 import resource
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -716,6 +718,90 @@ async def bench_producer_cpu(quick: bool) -> Result:
     }
 
 
+# ---- 11. serving through the P/D proxy ------------------------------------------
+
+
+async def bench_serve(quick: bool) -> Result:
+    """``trio-pd serve``: time to first token and tokens/s through the P/D proxy
+    against one engine serving the whole request, the same prompts, interleaved."""
+    import tempfile
+    from contextlib import aclosing
+
+    import httpx2
+
+    prompts = [f"request {i}: " + "tell me about trio nurseries " * (1 + i % 9) for i in range(32)]
+    max_tokens, concurrent = (16, 4) if quick else (32, 8)
+    if quick:
+        prompts = prompts[:12]
+    with tempfile.TemporaryDirectory() as scratch:
+        ready = Path(scratch) / "ready.json"
+        command = [sys.executable, "-m", "trio_pd", "serve", "--port", "0"]
+        process = await trio.lowlevel.open_process(
+            [*command, "--ready-file", str(ready)],
+            env={**os.environ, "NIXL_LOG_LEVEL": "WARN"},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            with trio.fail_after(120):
+                while not ready.exists():  # (another process writes it)
+                    assert process.poll() is None, "trio-pd serve exited early"
+                    await trio.sleep(0.05)
+            urls = json.loads(ready.read_text())
+            targets = {"proxy (P/D)": urls["proxy"], "one engine": urls["decode"][0]}
+            async with httpx2.AsyncClient(timeout=60) as client:
+
+                async def one(url: str, prompt: str) -> tuple[float, float, int]:
+                    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True}
+                    started, first, tokens = time.perf_counter(), 0.0, 0
+                    async with (
+                        client.stream("POST", f"{url}/v1/completions", json=body) as response,
+                        aclosing(response.aiter_lines()) as lines,
+                    ):
+                        async for line in lines:
+                            if line.startswith("data: {"):
+                                tokens += 1
+                                first = first or time.perf_counter() - started
+                    return first, time.perf_counter() - started, tokens
+
+                for url in targets.values():  # warm-up: handshakes, first allocations
+                    await one(url, prompts[0])
+                ttft: dict[str, list[float]] = {name: [] for name in targets}
+                for prompt in prompts:  # one request at a time: latency
+                    for name, url in targets.items():
+                        ttft[name].append((await one(url, prompt))[0])
+                rates: dict[str, float] = {}
+
+                async def client_request(
+                    url: str, prompt: str, limiter: trio.CapacityLimiter, counted: list[int]
+                ) -> None:
+                    async with limiter:
+                        counted.append((await one(url, prompt))[2])
+
+                for name, url in targets.items():  # `concurrent` clients: throughput
+                    limiter = trio.CapacityLimiter(concurrent)
+                    counted: list[int] = []
+                    started = time.perf_counter()
+                    async with trio.open_nursery() as nursery:
+                        for prompt in prompts:
+                            nursery.start_soon(client_request, url, prompt, limiter, counted)
+                    rates[name] = sum(counted) / (time.perf_counter() - started)
+        finally:
+            process.send_signal(signal.SIGTERM)
+            with trio.move_on_after(30, shield=True):
+                await process.wait()
+    p50 = {name: statistics.median(v) for name, v in ttft.items()}
+    return {
+        "prompts": len(prompts),
+        "max_tokens": max_tokens,
+        "concurrent_clients": concurrent,
+        "ttft_p50_ms": {name: ms(v) for name, v in p50.items()},
+        "ttft_ratio": round(p50["proxy (P/D)"] / p50["one engine"], 2),
+        "tokens_per_s": {name: round(v) for name, v in rates.items()},
+        "tokens_per_s_ratio": round(rates["proxy (P/D)"] / rates["one engine"], 2),
+    }
+
+
 BENCHMARKS: dict[str, Callable[[bool], Awaitable[Result]]] = {
     "head_of_line": bench_head_of_line,
     "cold_fan_out": bench_cold_fan_out,
@@ -726,6 +812,7 @@ BENCHMARKS: dict[str, Callable[[bool], Awaitable[Result]]] = {
     "far_link": bench_far_link,
     "concurrent_pulls": bench_concurrent_pulls,
     "producer_cpu": bench_producer_cpu,
+    "serve": bench_serve,
     "scale": bench_scale,
 }
 

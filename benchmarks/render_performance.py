@@ -443,6 +443,43 @@ def render(results: dict[str, Any]) -> str:
                 _verdict(p["pending_1000_cores"] <= 0.05),
             ]
         )
+    if "serve" in r:
+        sv = r["serve"]
+        names = list(sv["ttft_p50_ms"])
+        out += [
+            "## 11. Serving through the P/D proxy",
+            "",
+            f"`trio-pd serve --prefill 1 --decode 1`: {sv['prompts']} prompts, "
+            f"{sv['max_tokens']} tokens each, streamed, through the proxy (prefill on one "
+            "engine, the KV cache pulled over NIXL, decode on the other) and on one "
+            "engine serving the whole request. Time to first token: one request at a "
+            f"time, interleaved (median); tokens/s: {sv['concurrent_clients']} clients "
+            "at once.",
+            "",
+            _table(
+                ["", *names, "ratio"],
+                [
+                    [
+                        "time to first token, ms (p50)",
+                        *(sv["ttft_p50_ms"][n] for n in names),
+                        sv["ttft_ratio"],
+                    ],
+                    [
+                        "tokens/s",
+                        *(sv["tokens_per_s"][n] for n in names),
+                        sv["tokens_per_s_ratio"],
+                    ],
+                ],
+            ),
+            "",
+            "On one 2-core machine with a model this small, disaggregation can only "
+            "cost: the proxy adds two HTTP round trips, the prefill request and the "
+            "pull to every request, and both engines share the same cores. What it "
+            "buys -- decode steps that never wait behind another request's long "
+            "prefill -- needs engines on separate hardware and a model whose prefill "
+            "takes time.",
+            "",
+        ]
     out += ["## Goals", "", _table(["goal", "measured", "target", ""], checks), ""]
     for name, error in results.get("failed", {}).items():
         out += [f"**Benchmark `{name}` failed in this run:** {error}", ""]
