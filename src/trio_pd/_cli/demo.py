@@ -28,15 +28,16 @@ from __future__ import annotations
 import gc
 import os
 import random
-import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from typing import Any, TypeVar
 
 import attrs
 import numpy as np
 import trio
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from .._config import ConnectorConfig
 from .._connector import Connector, open_connector
@@ -132,6 +133,7 @@ class _Tally:
     latencies: list[float] = attrs.field(factory=list)
     handshake_waits: dict[str, float] = attrs.field(factory=dict)
     errors: list[str] = attrs.field(factory=list)
+    on_done: Callable[[], None] = lambda: None  # (the progress bar)
 
 
 async def run_demo(options: DemoOptions) -> dict[str, Any]:
@@ -197,14 +199,13 @@ async def run_demo(options: DemoOptions) -> dict[str, Any]:
         trio.lowlevel.add_instrument(monitor)
         try:
             run_started = time.perf_counter()
-            await _drive(o, rng, engines, relay_ports, decoders, tally)
+            with _progress_bar(o, tally):
+                await _drive(o, rng, engines, relay_ports, decoders, tally)
             elapsed = time.perf_counter() - run_started
         finally:
             trio.lowlevel.remove_instrument(monitor)
             gc.unfreeze()
         stats = [conn.statistics() for conn, _ in decoders]
-    if o.progress and sys.stderr.isatty():
-        print(file=sys.stderr)
     latencies = np.asarray(tally.latencies or [0.0]) * 1e3
     waits = list(tally.handshake_waits.values()) or [0.0]
     faults = bool(o.kill_engine_after or o.slow_engine_delay)
@@ -290,8 +291,7 @@ async def _drive(
         finally:
             local_pool.give_back(local_ids)
             tally.done += 1
-            if o.progress:
-                _progress(tally, o.requests)
+            tally.on_done()
             slots.release()
 
     async with trio.open_nursery() as nursery:
@@ -348,21 +348,22 @@ async def _no_relays() -> AsyncIterator[list[int]]:
     yield []
 
 
-def _progress(tally: _Tally, total: int) -> None:
-    """A one-line progress bar on a terminal; a line per tenth otherwise."""
-    interactive = sys.stderr.isatty()
-    if not interactive and tally.done % max(1, total // 10) and tally.done != total:
-        return
-    width = 40
-    filled = width * tally.done // max(total, 1)
-    bar = "#" * filled + "." * (width - filled)
-    start = "\r" if interactive else ""
-    print(
-        f"{start}[{bar}] {tally.done}/{total} requests, {tally.failed} failed",
-        end="" if interactive else "\n",
-        file=sys.stderr,
-        flush=True,
+@contextmanager
+def _progress_bar(o: DemoOptions, tally: _Tally) -> Iterator[None]:
+    """A progress bar of the requests on stderr (rich), while the block runs."""
+    progress = Progress(
+        TextColumn("requests"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[failed]} failed"),
+        console=Console(stderr=True),
+        refresh_per_second=4,
+        disable=not o.progress,
     )
+    with progress:
+        task = progress.add_task("requests", total=o.requests, failed=0)
+        tally.on_done = lambda: progress.update(task, completed=tally.done, failed=tally.failed)
+        yield
 
 
 def format_summary(summary: dict[str, Any]) -> str:
