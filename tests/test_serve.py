@@ -313,3 +313,25 @@ async def test_a_prefill_engine_killed_under_load_fails_only_its_requests(
                     answer = await complete(client, proxy, prompt=f"after {i}", max_tokens=4)
                     assert answer["usage"]["completion_tokens"] == 4
                 assert (await client.get(f"{alive}/health")).status_code == 200
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+async def test_tensor_parallel_engines_of_different_sizes_serve_the_same_tokens(
+    tmp_path: Path, prefill_tp: int, decode_tp: int
+) -> None:
+    options = ["--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp)]
+    with trio.fail_after(120):
+        async with (
+            open_deployment(tmp_path, *options) as serving,
+            httpx2.AsyncClient(timeout=60) as client,
+        ):
+            proxy, [decode] = serving["proxy"], serving["decode"]
+            for i, prompt in enumerate(prompts()[:12]):
+                body = {"prompt": prompt, "max_tokens": 8 + i}
+                pd = await complete(client, proxy, **body)
+                whole = await complete(client, decode, **body)
+                assert pd["choices"][0]["token_ids"] == whole["choices"][0]["token_ids"]
+            on_decode = await scrape(client, decode)
+            # Every decode rank pulled (from the prefill ranks holding its heads).
+            assert on_decode["trio_pd_pulls_succeeded_total"] == 12 * decode_tp
+            assert on_decode["trio_pd_engines_ready"] == max(prefill_tp, decode_tp)

@@ -88,6 +88,20 @@ def _parser() -> argparse.ArgumentParser:
     serving = ServeOptions()
     serve.add_argument("--prefill", type=int, default=serving.prefill, metavar="N")
     serve.add_argument("--decode", type=int, default=serving.decode, metavar="M")
+    serve.add_argument(
+        "--prefill-tp",
+        type=int,
+        default=serving.prefill_tp,
+        metavar="N",
+        help="tensor-parallel size of each prefill engine (one connector per rank)",
+    )
+    serve.add_argument(
+        "--decode-tp",
+        type=int,
+        default=serving.decode_tp,
+        metavar="M",
+        help="tensor-parallel size of each decode engine",
+    )
     serve.add_argument("--host", default=serving.host)
     serve.add_argument("--port", type=int, default=serving.port, help="the proxy's port")
     serve.add_argument(
@@ -120,6 +134,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         serving = ServeOptions(
             prefill=args.prefill,
             decode=args.decode,
+            prefill_tp=args.prefill_tp,
+            decode_tp=args.decode_tp,
             host=args.host,
             port=args.port,
             ready_file=args.ready_file,

@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .._serve.engine import EngineSettings, write_json_atomically
+from .._serve.model import ModelConfig
 from .._serve.proxy import Proxy
 
 
@@ -37,6 +38,8 @@ class ServeOptions:
 
     prefill: int = 1
     decode: int = 1
+    prefill_tp: int = 1
+    decode_tp: int = 1
     host: str = "127.0.0.1"
     port: int = 8000
     ready_file: str = ""
@@ -49,6 +52,10 @@ class ServeOptions:
             raise ValueError("--prefill and --decode need at least one engine each")
         if self.grace <= 0:
             raise ValueError("--grace must be > 0")
+        heads = ModelConfig().kv_heads
+        for flag, tp in (("--prefill-tp", self.prefill_tp), ("--decode-tp", self.decode_tp)):
+            if tp < 1 or heads % tp:
+                raise ValueError(f"{flag} {tp} must divide the model's {heads} KV heads")
 
 
 async def run_serve(options: ServeOptions, console: Console) -> None:
@@ -90,6 +97,9 @@ async def run_serve(options: ServeOptions, console: Console) -> None:
                                 host=options.host,
                                 num_blocks=options.num_blocks,
                                 ready_file=str(Path(scratch) / f"{role}-{index}.json"),
+                                tp_size=options.prefill_tp
+                                if role == "prefill"
+                                else options.decode_tp,
                             )
                             engine_nursery.start_soon(
                                 _engine_process, settings, options.grace, console

@@ -1,9 +1,13 @@
-"""An engine server: the tiny model, its paged KV cache, one connector, HTTP on trio.
+"""An engine server: the tiny model, its paged KV cache, its connectors, HTTP on trio.
 
-Each engine is a process running hypercorn's trio worker. The connector is
-opened in the ASGI *lifespan*, so it lives exactly as long as the server
-accepts requests: requests run while it is open, and it closes (releasing
-NIXL and ZeroMQ) after the last one drained.
+Each engine is a process running hypercorn's trio worker. Its connector --
+one per tensor-parallel rank: rank ``r`` registers its head slice of the KV
+cache and listens on the base port + ``r`` -- is opened in the ASGI
+*lifespan*, so it lives exactly as long as the server accepts requests:
+requests run while it is open, and it closes (releasing NIXL and ZeroMQ)
+after the last one drained. (The ranks share this process: the model
+computes for all of them; their KV caches and connectors are separate, as on
+a real tensor-parallel engine.)
 
 ``POST /v1/completions`` follows OpenAI's completions API and vLLM's P/D
 conventions (``kv_transfer_params``):
@@ -39,7 +43,7 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import attrs
@@ -58,7 +62,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from .._config import ConnectorConfig
 from .._connector import Connector, open_connector
 from .._errors import HandshakeError, TransferError
+from .._groups import unwrapped_errors
 from .._records import RemoteBlocks
+from ..testing import free_port_range
 from .asgi import (
     HTTPError,
     Receive,
@@ -90,6 +96,7 @@ class EngineSettings:
     num_blocks: int = 1024
     abort_timeout: float = 30.0
     ready_file: str = ""  # written with {"url": ...} once the engine accepts requests
+    tp_size: int = 1
 
 
 class OutOfBlocks(Exception):
@@ -130,10 +137,10 @@ class Engine:
     def __init__(self, settings: EngineSettings, model: TinyLlama) -> None:
         self.settings = settings
         self.model = model
-        self.cache = model.new_cache(settings.num_blocks)
+        self.cache = model.new_cache(settings.num_blocks, settings.tp_size)
         self.pool = BlockPool(settings.num_blocks)
         self.compute = trio.CapacityLimiter(1)
-        self.connector: Connector | None = None
+        self.connectors: list[Connector] = []  # one per rank, while serving
         self.nursery: trio.Nursery | None = None
         self.accepting = False
         self._ids = itertools.count()
@@ -156,7 +163,7 @@ class Engine:
             registry=self.registry,
         )
         free.set_function(lambda: self.pool.free)
-        self.registry.register(_ConnectorCollector(lambda: self.connector))
+        self.registry.register(_ConnectorCollector(lambda: self.connectors))
 
     def request_id(self) -> str:
         return f"cmpl-{self.settings.engine_id}-{next(self._ids)}"
@@ -168,22 +175,28 @@ class Engine:
 
     async def prefill_for_remote(self, request_id: str, prompt: list[int]) -> dict[str, Any]:
         """Compute the prompt's KV (all but the last token) and expose its blocks."""
-        connector = self._connector()
+        connectors = self._connectors()
         blocks = self.pool.allocate(self.model.config.blocks_for(len(prompt) - 1))
         try:
             if len(prompt) > 1:
                 await self.step(blocks, prompt[:-1], 0)
-            remote = connector.expose(request_id, blocks)
+            # Every rank exposes its head slice; rank 0's parameters go to the
+            # decode engine (they name the base port and the TP size).
+            exposed = [connector.expose(request_id, blocks) for connector in connectors]
+            remote = exposed[0]
         except BaseException:
             self.pool.release(blocks)
             raise
         assert self.nursery is not None
-        self.nursery.start_soon(self._release_when_read, request_id, blocks)
+        self.nursery.start_soon(self._release_when_read, connectors, request_id, blocks)
         return {**remote.to_kv_transfer_params(), "do_remote_prefill": True}
 
-    async def _release_when_read(self, request_id: str, blocks: list[int]) -> None:
+    async def _release_when_read(
+        self, connectors: list[Connector], request_id: str, blocks: list[int]
+    ) -> None:
         try:
-            await self._connector().wait_released(request_id)
+            for connector in connectors:
+                await connector.wait_released(request_id)
         finally:
             self.pool.release(blocks)
 
@@ -219,7 +232,7 @@ class Engine:
                 started = time.monotonic()
                 into = blocks[: len(remote.block_ids)]
                 try:
-                    await self._connector().pull(request_id, into, remote)
+                    await _pull_every_rank(self._connectors(), request_id, into, remote)
                 except TransferError as exc:
                     settled = exc.settled
                     raise
@@ -247,14 +260,31 @@ class Engine:
             position += 1
             yield token
 
-    def _connector(self) -> Connector:
-        if self.connector is None:
+    def _connectors(self) -> list[Connector]:
+        if not self.connectors:
             raise HTTPError(503, "the engine is not serving", "unavailable")
-        return self.connector
+        return self.connectors
+
+
+async def _pull_every_rank(
+    connectors: list[Connector], request_id: str, blocks: list[int], remote: RemoteBlocks
+) -> None:
+    """Each rank pulls its head slice (from the prefill ranks that hold it), at once.
+
+    The first failure cancels the others (a cancelled pull still lets its
+    running transfer end first) and propagates alone.
+    """
+    if len(connectors) == 1:
+        await connectors[0].pull(request_id, blocks, remote)
+        return
+    async with unwrapped_errors(), trio.open_nursery() as nursery:
+        for connector in connectors:
+            nursery.start_soon(connector.pull, request_id, blocks, remote)
 
 
 class _ConnectorCollector:
-    """The connector's statistics as Prometheus metrics, read at each scrape."""
+    """The connectors' statistics as Prometheus metrics (summed over the ranks),
+    read at each scrape."""
 
     GAUGES = frozenset(
         {
@@ -266,25 +296,30 @@ class _ConnectorCollector:
         }
     )
 
-    def __init__(self, connector: Callable[[], Connector | None]) -> None:
-        self._connector = connector
+    def __init__(self, connectors: Callable[[], list[Connector]]) -> None:
+        self._connectors = connectors
 
     def collect(self) -> list[Metric]:
-        connector = self._connector()
-        if connector is None:
+        connectors = self._connectors()
+        if not connectors:
             return []
-        stats = attrs.asdict(connector.statistics(), recurse=False)
+        stats = [attrs.asdict(c.statistics(), recurse=False) for c in connectors]
         out: list[Metric] = []
         causes = CounterMetricFamily(
             "trio_pd_handshake_failures_by_cause",
             "Failed handshakes by cause.",
             labels=["cause"],
         )
-        for cause, count in stats.pop("handshake_failures_by_cause").items():
+        by_cause: dict[str, int] = {}
+        for rank in stats:
+            for cause, count in rank.pop("handshake_failures_by_cause").items():
+                by_cause[cause] = by_cause.get(cause, 0) + count
+        for cause, count in by_cause.items():
             causes.add_metric([cause], count)
         out.append(causes)
-        for name, value in stats.items():
-            doc = f"trio_pd ConnectorStatistics.{name}"
+        for name in stats[0]:
+            value = sum(rank[name] for rank in stats)
+            doc = f"trio_pd ConnectorStatistics.{name}, summed over the ranks"
             if name in self.GAUGES:
                 out.append(GaugeMetricFamily(f"trio_pd_{name}", doc, value=value))
             else:
@@ -345,7 +380,7 @@ def parse_completion_request(body: dict[str, Any]) -> tuple[list[int], int, bool
 
 
 def build_app(engine: Engine) -> Callable[[Scope, Receive, Send], Any]:
-    """The engine's ASGI application (lifespan: the connector)."""
+    """The engine's ASGI application (lifespan: the connectors)."""
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -358,7 +393,7 @@ def build_app(engine: Engine) -> Callable[[Scope, Receive, Send], Any]:
             if route == ("POST", "/v1/completions"):
                 await _completions(engine, receive, send)
             elif route == ("GET", "/health"):
-                ok = engine.accepting and engine.connector is not None
+                ok = engine.accepting and bool(engine.connectors)
                 health = {"status": "ok" if ok else "draining", "pid": os.getpid()}
                 await send_json(send, 200 if ok else 503, health)
             elif route == ("GET", "/metrics"):
@@ -373,33 +408,42 @@ def build_app(engine: Engine) -> Callable[[Scope, Receive, Send], Any]:
 
 
 async def _lifespan(engine: Engine, receive: Receive, send: Send) -> None:
-    """Open the connector for the server's life; close it after the last request.
+    """Open the connectors for the server's life; close them after the last request.
 
     Inside it, a nursery holds the tasks that give exposed blocks back to the
     pool; at shutdown (hypercorn sends it once every request has drained)
-    they are cancelled first, then the connector closes.
+    they are cancelled first, then the connectors close.
     """
     message = await receive()
     assert message["type"] == "lifespan.startup"
     settings = engine.settings
     started = False
+    base_port = settings.side_channel_port
+    if settings.tp_size > 1 and not base_port:
+        base_port = free_port_range(settings.tp_size, settings.host)
     try:
-        async with (
-            open_connector(
-                settings.engine_id,
-                engine.cache,
-                host=settings.host,
-                port=settings.side_channel_port,
-                config=ConnectorConfig(abort_timeout=settings.abort_timeout),
-            ) as connector,
-            trio.open_nursery() as nursery,
-        ):
-            engine.connector, engine.nursery, engine.accepting = connector, nursery, True
+        async with AsyncExitStack() as stack:
+            connectors = [
+                await stack.enter_async_context(
+                    open_connector(
+                        settings.engine_id,
+                        regions,
+                        host=settings.host,
+                        port=base_port,
+                        config=ConnectorConfig(abort_timeout=settings.abort_timeout),
+                        tp_rank=rank,
+                        tp_size=settings.tp_size,
+                    )
+                )
+                for rank, regions in enumerate(engine.cache)
+            ]
+            nursery = await stack.enter_async_context(trio.open_nursery())
+            engine.connectors, engine.nursery, engine.accepting = connectors, nursery, True
             await send({"type": "lifespan.startup.complete"})
             started = True
             await receive()  # lifespan.shutdown
             engine.accepting = False
-            engine.connector = None
+            engine.connectors = []
             nursery.cancel_scope.cancel()
     except Exception as exc:
         logger.exception("engine %s: the connector failed", settings.engine_id)

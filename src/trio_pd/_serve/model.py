@@ -87,24 +87,42 @@ class TinyLlama:
             c.rope_theta ** (torch.arange(half, dtype=torch.float32, device=device) / half)
         )
 
-    def new_cache(self, num_blocks: int) -> list[torch.Tensor]:
-        """A zeroed KV cache of ``num_blocks`` blocks: ``[k0, v0, k1, v1, ...]``."""
+    def new_cache(self, num_blocks: int, tp_size: int = 1) -> list[list[torch.Tensor]]:
+        """A zeroed KV cache of ``num_blocks`` blocks, per tensor-parallel rank.
+
+        Rank ``r`` holds KV heads ``r*h .. r*h + h - 1`` (``h = kv_heads //
+        tp_size``) of every block: ``[k0, v0, k1, v1, ...]``, each
+        ``(num_blocks, h, block_size, head_dim)`` -- what a rank's connector
+        registers.
+
+        Raises:
+            ValueError: ``tp_size`` does not divide the KV heads.
+        """
         c = self.config
-        shape = (num_blocks, c.kv_heads, c.block_size, c.head_dim)
+        if tp_size < 1 or c.kv_heads % tp_size:
+            raise ValueError(f"tensor-parallel size {tp_size} must divide {c.kv_heads} KV heads")
+        shape = (num_blocks, c.kv_heads // tp_size, c.block_size, c.head_dim)
         return [
-            torch.zeros(shape, dtype=torch.float32, device=self.device) for _ in range(2 * c.layers)
+            [
+                torch.zeros(shape, dtype=torch.float32, device=self.device)
+                for _ in range(2 * c.layers)
+            ]
+            for _ in range(tp_size)
         ]
 
     def forward(
         self,
-        cache: Sequence[torch.Tensor],
+        cache: Sequence[Sequence[torch.Tensor]],
         block_table: Sequence[int],
         tokens: Sequence[int],
         start: int,
     ) -> int:
         """Run ``tokens`` at positions ``start, start+1, ...``; return the next token.
 
-        Writes their K and V into ``cache`` through ``block_table`` and
+        ``cache`` is :meth:`new_cache`'s, one list of regions per rank (the
+        ranks' head slices are written and read back together: one process
+        computes for every rank). Writes their K and V into it through
+        ``block_table`` and
         attends to every position before them (read from the cache), so the
         positions ``0 .. start-1`` must already be there -- computed here, or
         pulled from a prefill engine. Returns the greedy next token.
@@ -114,7 +132,7 @@ class TinyLlama:
 
     def _forward(
         self,
-        cache: Sequence[torch.Tensor],
+        cache: Sequence[Sequence[torch.Tensor]],
         block_table: Sequence[int],
         tokens: Sequence[int],
         start: int,
@@ -135,11 +153,17 @@ class TinyLlama:
             k = (h @ w["wk"]).view(count, c.kv_heads, c.head_dim)
             v = (h @ w["wv"]).view(count, c.kv_heads, c.head_dim)
             q, k = self._rope(q, positions), self._rope(k, positions)
-            k_cache, v_cache = cache[2 * layer], cache[2 * layer + 1]
-            k_cache[new_blocks, :, new_offsets] = k
-            v_cache[new_blocks, :, new_offsets] = v
-            keys = k_cache[all_blocks, :, all_offsets]  # (end, kv_heads, head_dim)
-            values = v_cache[all_blocks, :, all_offsets]
+            per_rank = c.kv_heads // len(cache)
+            for rank, regions in enumerate(cache):
+                heads = slice(rank * per_rank, (rank + 1) * per_rank)
+                regions[2 * layer][new_blocks, :, new_offsets] = k[:, heads]
+                regions[2 * layer + 1][new_blocks, :, new_offsets] = v[:, heads]
+            keys = torch.cat(  # (end, kv_heads, head_dim)
+                [regions[2 * layer][all_blocks, :, all_offsets] for regions in cache], dim=1
+            )
+            values = torch.cat(
+                [regions[2 * layer + 1][all_blocks, :, all_offsets] for regions in cache], dim=1
+            )
             group = c.heads // c.kv_heads
             keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # (heads, end, d)
             values = values.repeat_interleave(group, dim=1).transpose(0, 1)
