@@ -257,8 +257,12 @@ async def test_a_bug_in_the_driver_fails_every_job_instead_of_hanging_it(
                 transfers.submit(j)
             for j in jobs:
                 await j.finished.wait()
-    assert {j.outcome for j in jobs} == {Outcome.FAILED}
+            late = job([9], "late")  # submitted after the crash: fails at once
+            transfers.submit(late)
+            await late.finished.wait()
+    assert {j.outcome for j in [*jobs, late]} == {Outcome.FAILED}
     assert "the transfer driver crashed: DriverCrash: boom" in str(jobs[0].error)
+    assert late.error is jobs[0].error
     assert "transfer driver crashed" in caplog.text
 
 

@@ -172,6 +172,7 @@ class TransferDriver:
         )
         self._token: trio.lowlevel.TrioToken | None = None
         self.transfers_posted = 0  # (written by the thread; read anywhere)
+        self._crash: BackendError | None = None  # set (once) if the thread crashed
         # Driver thread only:
         self._jobs: collections.deque[Job] = collections.deque()  # not finished
         self._transfers: list[_Transfer] = []  # running (some only for finished jobs)
@@ -185,9 +186,17 @@ class TransferDriver:
         self._thread.start()
 
     def submit(self, job: Job) -> None:
-        """Hand ``job`` to the thread (never blocks)."""
+        """Hand ``job`` to the thread (never blocks).
+
+        If the thread has crashed (a bug), the job fails at once instead.
+        """
         job.submitted_at = time.monotonic()
         self._inbox.put(job)
+        if self._crash is not None:  # (nobody else will answer it: do it here)
+            for queued in self._drain_inbox():
+                queued.outcome, queued.error = Outcome.FAILED, self._crash
+                queued.finished.set()
+                queued.settled.set()
 
     def begin_close(self) -> None:
         """Stop every job (``Outcome.CLOSING``) at the thread's next turn."""
@@ -213,22 +222,27 @@ class TransferDriver:
         except BaseException as exc:  # noqa: ASYNC103
             logger.critical("transfer driver crashed: %s", describe(exc), exc_info=True)
             error = BackendError(f"the transfer driver crashed: {describe(exc)}")
+            self._crash = error  # (from now on, submit() fails new jobs itself)
             jobs = {id(job): job for job in self._jobs}
             for transfer in self._transfers:
                 jobs.update((id(job), job) for job in transfer.jobs)
-            while True:
-                try:
-                    item = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if item is not None:
-                    jobs[id(item)] = item
+            jobs.update((id(job), job) for job in self._drain_inbox())
             for job in jobs.values():
                 if job.outcome is None:
                     job.outcome, job.error = Outcome.FAILED, error
                     self._to_finish.append(job)
                 self._to_settle.append(job)
             self._deliver()
+
+    def _drain_inbox(self) -> list[Job]:
+        jobs: list[Job] = []
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return jobs
+            if item is not None:
+                jobs.append(item)
 
     def _loop(self) -> None:
         stopping = False
