@@ -27,7 +27,7 @@ from rich.console import Console
 from .._auth import generate_keypair
 from ..testing._hosts import TestHostsUnavailable
 from .demo import DemoOptions, format_summary, run_demo
-from .serve import ServeOptions, run_serve
+from .serve import ServeError, ServeOptions, run_serve
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -146,7 +146,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             serving.check()
         except ValueError as exc:
             sys.exit(f"trio-pd serve: {exc}")
-        trio.run(run_serve, serving, Console(stderr=True))
+        try:
+            trio.run(run_serve, serving, Console(stderr=True))
+        except ServeError as exc:
+            sys.exit(f"trio-pd serve: {exc}")
         return
     options = DemoOptions(
         prefill_engines=args.prefill_engines,

@@ -32,6 +32,10 @@ from .._serve.model import ModelConfig
 from .._serve.proxy import Proxy
 
 
+class ServeError(Exception):
+    """The deployment could not start (an engine failed before it was ready)."""
+
+
 @attrs.frozen
 class ServeOptions:
     """What ``trio-pd serve`` runs (its command-line options)."""
@@ -59,7 +63,11 @@ class ServeOptions:
 
 
 async def run_serve(options: ServeOptions, console: Console) -> None:
-    """Run the deployment until SIGINT or SIGTERM, then drain it."""
+    """Run the deployment until SIGINT or SIGTERM, then drain it.
+
+    Raises:
+        ServeError: an engine exited before it was ready.
+    """
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
@@ -144,7 +152,11 @@ async def run_serve(options: ServeOptions, console: Console) -> None:
 
 
 async def _engine_process(settings: EngineSettings, grace: float, console: Console) -> None:
-    """Run one engine process until cancelled, then SIGTERM it (SIGKILL after ``grace``)."""
+    """Run one engine process until cancelled, then SIGTERM it (SIGKILL after ``grace``).
+
+    Raises:
+        ServeError: it exited before it was ready (which stops the deployment).
+    """
 
     async def terminate(process: trio.Process) -> None:
         process.send_signal(signal.SIGTERM)
@@ -164,6 +176,11 @@ async def _engine_process(settings: EngineSettings, grace: float, console: Conso
     result = await trio.run_process(
         command, check=False, deliver_cancel=terminate, env=env, stdin=subprocess.DEVNULL
     )
+    if not await trio.Path(settings.ready_file).exists():
+        raise ServeError(
+            f"engine {settings.engine_id} exited with status {result.returncode} before it "
+            "accepted requests (its output is above)"
+        )
     console.print(f"[yellow]engine {settings.engine_id} exited with status {result.returncode}[/]")
 
 
