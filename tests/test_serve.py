@@ -210,7 +210,14 @@ async def test_bad_requests_get_clear_errors_and_the_engines_keep_serving(
             error = response.json()["error"]
             assert error["type"] == "HandshakeError"
             assert "prefill-gone" in error["message"]
-            # Parameters that do not fit the prompt are the client's error.
+            # Parameters that are malformed, or do not fit the prompt, are the
+            # client's error.
+            response = await client.post(
+                f"{decode}/v1/completions",
+                json={"prompt": "hi", "kv_transfer_params": {"do_remote_prefill": True}},
+            )
+            assert response.status_code == 400
+            assert "lacks" in response.json()["error"]["message"]
             response = await client.post(
                 f"{decode}/v1/completions",
                 json={

@@ -42,8 +42,8 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 from typing import Any
 
 import attrs
@@ -203,7 +203,7 @@ class Engine:
     @asynccontextmanager
     async def generation(
         self, request_id: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None
-    ) -> AsyncIterator[AsyncIterator[int]]:
+    ) -> AsyncIterator[AsyncGenerator[int, None]]:
         """Blocks for the whole request, the prompt's KV in them, and a token iterator.
 
         With ``params`` (from a prefill engine) the prompt's KV is pulled;
@@ -221,7 +221,10 @@ class Engine:
         try:
             before = len(prompt) - 1
             if params is not None:
-                remote = RemoteBlocks.from_kv_transfer_params(params)
+                try:
+                    remote = RemoteBlocks.from_kv_transfer_params(params)
+                except ValueError as exc:
+                    raise HTTPError(400, str(exc), "invalid_request_error") from None
                 if len(remote.block_ids) != config.blocks_for(before):
                     raise HTTPError(
                         400,
@@ -253,7 +256,7 @@ class Engine:
 
     async def _tokens(
         self, blocks: list[int], prompt: list[int], max_tokens: int
-    ) -> AsyncIterator[int]:
+    ) -> AsyncGenerator[int, None]:
         token, position = prompt[-1], len(prompt) - 1
         for _ in range(max_tokens):
             token = await self.step(blocks, [token], position)
@@ -513,7 +516,10 @@ async def _generate(
     params: dict[str, Any],
 ) -> None:
     remote = params if kind == "decode" else None
-    async with engine.generation(request_id, prompt, max_tokens, remote) as tokens:
+    async with (
+        engine.generation(request_id, prompt, max_tokens, remote) as generator,
+        aclosing(generator) as tokens,  # (closed even when the client hangs up)
+    ):
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         if not stream:
             ids = [token async for token in tokens]
