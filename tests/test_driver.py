@@ -104,6 +104,14 @@ async def driver(
             await transfers.stop()
 
 
+async def run_to_the_end(agent: ScriptedAgent, one: Job) -> None:
+    """Submit ``one`` to a fresh driver and wait until it finished."""
+    with trio.fail_after(5):
+        async with driver(agent) as transfers:
+            transfers.submit(one)
+            await one.finished.wait()
+
+
 def job(
     local: list[int],
     request_id: str = "r",
@@ -155,10 +163,7 @@ async def test_a_large_job_goes_in_chunks_and_notifies_after_the_last_one() -> N
     agent = ScriptedAgent()
     agent.script = lambda handle: setattr(handle, "polls", 3)
     large = job(list(range(10)), "large", chunk=3)
-    with trio.fail_after(5):
-        async with driver(agent) as transfers:
-            transfers.submit(large)
-            await large.finished.wait()
+    await run_to_the_end(agent, large)
     assert large.outcome is Outcome.DONE
     assert [h.local for h in agent.posted] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
     assert all(h.notification == b"" for h in agent.posted)
@@ -218,10 +223,7 @@ async def test_an_error_stops_the_job_once_its_running_chunks_have_ended() -> No
 
     agent.script = script
     failing = job(list(range(20)), "failing", chunk=2)
-    with trio.fail_after(5):
-        async with driver(agent) as transfers:
-            transfers.submit(failing)
-            await failing.finished.wait()
+    await run_to_the_end(agent, failing)
     assert failing.outcome is Outcome.FAILED
     assert isinstance(failing.error, BackendError)
     assert "transfer state ERR" in str(failing.error)
@@ -236,10 +238,7 @@ async def test_a_job_past_its_deadline_times_out() -> None:
     agent = ScriptedAgent()
     agent.script = lambda handle: setattr(handle, "polls", 10**9)  # (until released)
     late = job([1], "late", timeout=0.05)
-    with trio.fail_after(5):
-        async with driver(agent) as transfers:
-            transfers.submit(late)
-            await late.finished.wait()
+    await run_to_the_end(agent, late)
     assert late.outcome is Outcome.TIMED_OUT
     assert late.still_running  # (a transfer that never ends: kept until stop)
 

@@ -357,3 +357,29 @@ async def test_an_engine_that_cannot_start_stops_serve_at_once_with_the_reason(
     assert result.returncode != 0
     assert b"exited with status" in result.stderr
     assert b"before it accepted requests" in result.stderr
+
+
+async def test_a_decode_engine_that_died_is_skipped(tmp_path: Path) -> None:
+    with trio.fail_after(120):
+        async with (
+            open_deployment(tmp_path, "--decode", "2") as serving,
+            httpx2.AsyncClient(timeout=30) as client,
+        ):
+            proxy, [alive, dead] = serving["proxy"], serving["decode"]
+            pid = (await client.get(f"{dead}/health")).json()["pid"]
+            os.kill(pid, signal.SIGKILL)
+            with trio.fail_after(10):
+                while True:  # (until its port refuses connections)
+                    try:
+                        await client.get(f"{dead}/health")
+                    except httpx2.ConnectError:
+                        break
+                    except httpx2.TransportError:
+                        pass  # (its old connection was reset)
+                    await trio.sleep(0.05)
+            # Every request is served: the dead engine never saw one.
+            for i in range(6):
+                answer = await complete(client, proxy, prompt=f"still served {i}", max_tokens=4)
+                assert answer["usage"]["completion_tokens"] == 4
+            on_alive = await scrape(client, alive)
+            assert on_alive["trio_pd_serve_requests_total{kind=decode,outcome=ok}"] == 6

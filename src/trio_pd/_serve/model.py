@@ -122,21 +122,12 @@ class TinyLlama:
         ``cache`` is :meth:`new_cache`'s, one list of regions per rank (the
         ranks' head slices are written and read back together: one process
         computes for every rank). Writes their K and V into it through
-        ``block_table`` and
-        attends to every position before them (read from the cache), so the
-        positions ``0 .. start-1`` must already be there -- computed here, or
-        pulled from a prefill engine. Returns the greedy next token.
+        ``block_table`` and attends to every position before them (read from
+        the cache), so the positions ``0 .. start-1`` must already be there --
+        computed here, or pulled from a prefill engine. Returns the greedy
+        next token. (No tensor here requires gradients, so autograd records
+        nothing.)
         """
-        with torch.inference_mode():
-            return self._forward(cache, block_table, tokens, start)
-
-    def _forward(
-        self,
-        cache: Sequence[Sequence[torch.Tensor]],
-        block_table: Sequence[int],
-        tokens: Sequence[int],
-        start: int,
-    ) -> int:
         c = self.config
         count = len(tokens)
         end = start + count

@@ -10,8 +10,9 @@ streamed or not -- to the client.
 A client that disconnects cancels its request's scope: the request to the
 decode engine is closed, which cancels that engine's pull or decoding (the
 prefill engine's exposure is released when read, or expires). An engine that
-fails fails only the requests it held: the client gets a 502 with a JSON
-error that names the engine; the proxy goes on with the others.
+cannot be reached is skipped for a few seconds and the next one is tried; an
+engine that fails fails only the requests it held: the client gets a 502
+with a JSON error that names the engine; the proxy goes on with the others.
 """
 
 from __future__ import annotations
@@ -82,8 +83,26 @@ class Proxy:
             raise HTTPError(503, "the proxy is draining", "unavailable")
         async with cancel_on_disconnect(receive):
             kv = await self._prefill(body)
-            decode = self._decode_engines.next()
-            await self._decode_on(decode, {**body, "kv_transfer_params": kv}, send)
+            await self._decode({**body, "kv_transfer_params": kv}, send)
+
+    async def _decode(self, body: dict[str, Any], send: Send) -> None:
+        """Relay ``body``'s decoding from a decode engine that can be reached.
+
+        One that refuses the connection (it died, say) is skipped for a while
+        and the next one is tried: it never saw the request, and the prefill
+        engine's exposure is still there for another one to read.
+        """
+        unreachable: _Unreachable | None = None
+        for engine in self._decode_engines.up_to_all():
+            try:
+                await self._decode_on(engine, body, send)
+            except _Unreachable as exc:
+                self._decode_engines.down(engine)
+                unreachable = exc
+                continue
+            return
+        assert unreachable is not None
+        raise unreachable.error
 
     async def _prefill(self, body: dict[str, Any]) -> dict[str, Any]:
         """The KV of ``body``'s prompt, from a prefill engine that answers.
@@ -135,11 +154,21 @@ class Proxy:
                 await send({"type": "http.response.body", "body": b""})
         except httpx2.HTTPError as exc:
             reason = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, httpx2.ConnectError):
+                raise _Unreachable(_engine_failed("decode", engine, reason)) from None
             if not started:
                 raise _engine_failed("decode", engine, reason) from None
             # Mid-stream: the status is sent; end the stream with an error event.
             error = _engine_failed("decode", engine, reason)
             await send_event(send, json.dumps(error.body), last=True)
+
+
+class _Unreachable(Exception):
+    """A decode engine refused the connection (``error`` says so, for the client)."""
+
+    def __init__(self, error: HTTPError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class _RoundRobin:
@@ -151,9 +180,6 @@ class _RoundRobin:
         self._engines = list(engines)
         self._turn = itertools.count()
         self._down_until: dict[str, float] = {}
-
-    def next(self) -> str:
-        return next(iter(self.up_to_all()))
 
     def up_to_all(self) -> list[str]:
         """Every engine once, starting at the next turn, reachable ones first."""
