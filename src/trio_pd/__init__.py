@@ -13,6 +13,7 @@ from ._engines import EngineState, FailureCause
 from ._errors import (
     HandshakeError,
     IncompatibleEngineError,
+    ParamsRejectedError,
     TransferError,
     TrioPdError,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "IncompatibleEngineError",
     "KVLayout",
     "NixlBackend",
+    "ParamsRejectedError",
     "ProducerStatistics",
     "PullResult",
     "Released",

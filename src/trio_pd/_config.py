@@ -44,6 +44,11 @@ def _fraction(_instance: object, attribute: attrs.Attribute[Any], value: float) 
         raise ValueError(f"{attribute.name} must be a number in [0, 1], got {value!r}")
 
 
+def _optional_secret(_instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and not (isinstance(value, bytes) and len(value) >= 16):
+        raise ValueError(f"{attribute.name} must be None or at least 16 bytes")
+
+
 def _freeze_backend_params(
     params: Mapping[str, Mapping[str, str]],
 ) -> Mapping[str, Mapping[str, str]]:
@@ -71,10 +76,21 @@ class ConnectorConfig:
         transfer_timeout: how long one pull's transfers may take, counted from
             when they are handed to the transfer driver. Past it the pull
             raises :class:`~trio_pd.TransferError`. Default 30.0.
-        abort_timeout: how long the producer holds exposed blocks for their
-            consumers; after it the exposure resolves
+        abort_timeout: the longest the producer holds exposed blocks, however
+            often their lease is renewed; after it the exposure resolves
             :attr:`~trio_pd.Released.EXPIRED` and the blocks may be reused.
             Default 120.0.
+        lease_initial: how long an exposure is held before its first
+            renewal: it resolves :attr:`~trio_pd.Released.EXPIRED` after
+            this unless a consumer renews it (see
+            :meth:`~trio_pd.Connector.hold`), reads it, or abandons it.
+            Default 30.0.
+        lease_renewal: how far each heartbeat of a consumer that holds an
+            exposure extends its lease (from the heartbeat's arrival), up to
+            ``abort_timeout`` after it was exposed. Default 10.0.
+        heartbeat_interval: how often a consumer renews the leases of the
+            exposures it holds: one message per producer rank per interval,
+            naming all of them. Must be below ``lease_renewal``. Default 3.0.
         close_timeout: how long a transfer that must stop (its pull was
             cancelled or timed out, or the connector is closing) is waited for
             before its handle is released anyway; also bounds the wait at
@@ -128,6 +144,14 @@ class ConnectorConfig:
             shortened by, so that consumers do not retry in step. Default 0.2.
         auth: CURVE authentication of the side channel (see
             :class:`~trio_pd.CurveAuth`); ``None`` (default) for none.
+        exposure_secret: a secret shared by the engines of one deployment
+            (at least 16 bytes). A producer with one signs every exposure
+            (``remote_token`` in ``kv_transfer_params``); a consumer with
+            one reads only blocks whose token it can verify, so parameters
+            that no producer issued (other block ids, request id, engine,
+            address) fail their own request before anything is read.
+            ``None`` (default): no tokens are issued or checked. Hidden in
+            ``repr``.
         compatibility_key: a string that must be equal on producer and consumer
             (for example the model name and revision). It goes into the
             compatibility hash. Default ``""``.
@@ -150,6 +174,9 @@ class ConnectorConfig:
     handshake_timeout: float = attrs.field(default=5.0, validator=_positive)
     transfer_timeout: float = attrs.field(default=30.0, validator=_positive)
     abort_timeout: float = attrs.field(default=120.0, validator=_positive)
+    lease_initial: float = attrs.field(default=30.0, validator=_positive)
+    lease_renewal: float = attrs.field(default=10.0, validator=_positive)
+    heartbeat_interval: float = attrs.field(default=3.0, validator=_positive)
     close_timeout: float = attrs.field(default=5.0, validator=_positive)
     max_concurrent_fetches: int = attrs.field(default=8, validator=_at_least_one)
     max_message_bytes: int = attrs.field(default=1 << 20, validator=_at_least_one)
@@ -164,6 +191,9 @@ class ConnectorConfig:
     backoff_max: float = attrs.field(default=30.0, validator=_positive)
     backoff_jitter: float = attrs.field(default=0.2, validator=_fraction)
     auth: CurveAuth | None = None
+    exposure_secret: bytes | None = attrs.field(
+        default=None, validator=_optional_secret, repr=False
+    )
     compatibility_key: str = ""
     nixl_backends: tuple[str, ...] = attrs.field(default=("UCX",), converter=tuple)
     nixl_backend_params: Mapping[str, Mapping[str, str]] = attrs.field(
@@ -174,6 +204,13 @@ class ConnectorConfig:
     )
     nixl_num_threads: int = attrs.field(default=0, validator=_non_negative_int)
     nixl_progress_thread: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.heartbeat_interval >= self.lease_renewal:
+            raise ValueError(
+                f"heartbeat_interval ({self.heartbeat_interval:g} s) must be below "
+                f"lease_renewal ({self.lease_renewal:g} s), or leases lapse between heartbeats"
+            )
 
     @property
     def backoff(self) -> Backoff:

@@ -31,10 +31,11 @@ from ._backend import (
 )
 from ._config import ConnectorConfig
 from ._engines import EngineState
-from ._errors import IncompatibleEngineError, TransferError
+from ._errors import IncompatibleEngineError, ParamsRejectedError, TransferError
 from ._handshakes import ConsumerCounters, Handshakes, RemoteEngine
 from ._layout import BlockIds, KVLayout, as_block_ids
 from ._records import ConsumerStatistics, PullResult, RemoteBlocks
+from ._tokens import exposure_token, token_matches
 from ._tp import plan_pull, readers_per_remote_rank, sizes_mismatch
 
 
@@ -106,6 +107,7 @@ class Consumer:
                 f"{what}: {local_ids.size} local block ids for "
                 f"{len(remote.block_ids)} remote block ids"
             )
+        self._check_token(request_id, remote)
         mismatch = sizes_mismatch(self._tp_size, remote.tp_size)
         if mismatch is not None:
             raise IncompatibleEngineError(remote.engine_id, mismatch)
@@ -134,6 +136,33 @@ class Consumer:
         return PullResult(
             request_id, remote.engine_id, nbytes, trio.current_time() - started, handshake_wait
         )
+
+    def _check_token(self, request_id: str, remote: RemoteBlocks) -> None:
+        """With ``exposure_secret``: refuse parameters the producer did not sign."""
+        secret = self._config.exposure_secret
+        if secret is None:
+            return
+        if not remote.token:
+            raise ParamsRejectedError(
+                request_id, "remote_token", "missing (this deployment signs its exposures)"
+            )
+        expected = exposure_token(
+            secret,
+            engine_id=remote.engine_id,
+            host=remote.host,
+            port=remote.port,
+            incarnation=remote.incarnation,
+            tp_size=remote.tp_size,
+            request_id=remote.request_id,
+            block_ids=remote.block_ids,
+        )
+        if not token_matches(expected, remote.token):
+            raise ParamsRejectedError(
+                request_id,
+                "remote_token",
+                f"does not match the other parameters: engine {remote.engine_id!r} did not "
+                "expose these blocks for this request (or another secret signed them)",
+            )
 
     def _transfer_for(
         self,

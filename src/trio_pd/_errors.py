@@ -87,6 +87,36 @@ class TransferError(TrioPdError):
         return (type(self), (self.request_id, self.failed_block_ids, self.reason))
 
 
+class ParamsRejectedError(TrioPdError, ValueError):
+    """A request's ``kv_transfer_params`` claim something this connector refuses.
+
+    Raised by :meth:`~trio_pd.Connector.pull` before anything is read (and,
+    for claims checked against the producer's own answer, before anything
+    of this request is read): a ``remote_token`` that the producer did not
+    issue for exactly these parameters, remote block ids out of the
+    producer's range or repeated, an address or TP size that is not the
+    engine's. Only the request that made the claim fails; the engine's
+    state (its loaded agent, its handshakes) is untouched. A
+    :class:`ValueError`, so code that treats bad input as such keeps
+    working; a server answers it with a 4xx naming :attr:`field`.
+
+    Attributes:
+        request_id: the pulling request's id.
+        field: the ``kv_transfer_params`` key at fault (``"remote_token"``,
+            ``"remote_block_ids"``, ``"remote_host"``, ...).
+        reason: a one-line description.
+    """
+
+    def __init__(self, request_id: str, field: str, reason: str) -> None:
+        super().__init__(f"request {request_id!r}: kv_transfer_params[{field!r}]: {reason}")
+        self.request_id = request_id
+        self.field = field
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[type[ParamsRejectedError], tuple[str, str, str]]:
+        return (type(self), (self.request_id, self.field, self.reason))
+
+
 class ProtocolError(TrioPdError):
     """A side-channel message could not be decoded or broke the protocol.
 

@@ -27,6 +27,7 @@ from ._config import ConnectorConfig
 from ._exposures import ExposureTable, Notice, Released
 from ._layout import KVLayout, as_block_ids
 from ._records import ProducerStatistics, RemoteBlocks
+from ._tokens import exposure_token
 from ._zmq import TrioZmqSocket
 
 logger = logging.getLogger("trio_pd")
@@ -126,14 +127,30 @@ class Producer:
         self._exposure_added.set()
         self._backend.expect_reads()
         _, port = self.address
+        base_port = port - self._tp_rank  # the engine's base port, whichever rank exposes
+        block_list = ids.tolist()
+        secret = self._config.exposure_secret
+        token = ""
+        if secret is not None:
+            token = exposure_token(
+                secret,
+                engine_id=self._engine_id,
+                host=self._advertise_host,
+                port=base_port,
+                incarnation=self._incarnation,
+                tp_size=self._tp_size,
+                request_id=request_id,
+                block_ids=block_list,
+            )
         return RemoteBlocks(
             self._engine_id,
             self._advertise_host,
-            port - self._tp_rank,  # the engine's base port, whichever rank exposes
-            ids.tolist(),
+            base_port,
+            block_list,
             request_id,
             self._incarnation,
             self._tp_size,
+            token,
         )
 
     async def wait_released(self, request_id: str) -> Released:

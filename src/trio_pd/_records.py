@@ -37,6 +37,10 @@ class RemoteBlocks:
             producer that is not trio_pd); then no such check is possible.
             For a tensor-parallel engine, rank 0's incarnation.
         tp_size: the producer engine's tensor-parallel size (its ranks).
+        token: the producer's signature over all of the above (see
+            ``ConnectorConfig.exposure_secret``); empty when the producer
+            has no secret. A consumer with a secret reads only blocks whose
+            token matches.
     """
 
     engine_id: str
@@ -46,12 +50,14 @@ class RemoteBlocks:
     request_id: str
     incarnation: str = ""
     tp_size: int = 1
+    token: str = attrs.field(default="", repr=False)
 
     def to_kv_transfer_params(self) -> dict[str, Any]:
         """vLLM's ``kv_transfer_params`` keys, so a P/D proxy can pass them through.
 
-        trio_pd adds ``remote_incarnation``; proxies pass unknown keys along.
-        ``tp_size`` is vLLM's key for the producer's tensor-parallel size.
+        trio_pd adds ``remote_incarnation`` and ``remote_token``; proxies
+        pass unknown keys along. ``tp_size`` is vLLM's key for the
+        producer's tensor-parallel size.
         """
         return {
             "remote_engine_id": self.engine_id,
@@ -61,12 +67,15 @@ class RemoteBlocks:
             "remote_request_id": self.request_id,
             "remote_incarnation": self.incarnation,
             "tp_size": self.tp_size,
+            "remote_token": self.token,
         }
 
     @classmethod
     def from_kv_transfer_params(cls, params: Mapping[str, Any]) -> RemoteBlocks:
         """Inverse of :meth:`to_kv_transfer_params`; extra keys are ignored,
-        ``remote_incarnation`` is optional, an absent ``tp_size`` means 1.
+        ``remote_incarnation`` and ``remote_token`` are optional (``None``
+        counts as absent, as vLLM's proxy sends them), an absent ``tp_size``
+        means 1.
 
         Raises:
             ValueError: a key is missing or has the wrong type.
@@ -83,12 +92,16 @@ class RemoteBlocks:
             raise ValueError("remote_engine_id and remote_host must be strings")
         if not isinstance(request_id, str):
             raise ValueError("remote_request_id must be a string")
-        incarnation = params.get("remote_incarnation", "")
+        incarnation = params.get("remote_incarnation") or ""
         if not isinstance(incarnation, str):
             raise ValueError("remote_incarnation must be a string")
+        token = params.get("remote_token") or ""
+        if not isinstance(token, str):
+            raise ValueError("remote_token must be a string")
         if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
             raise ValueError(f"remote_port must be a TCP port, got {port!r}")
-        tp_size = params.get("tp_size", 1)
+        tp_size = params.get("tp_size")
+        tp_size = 1 if tp_size is None else tp_size
         if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
             raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
         if port + tp_size - 1 >= 65536:
@@ -97,7 +110,7 @@ class RemoteBlocks:
             isinstance(b, int) and not isinstance(b, bool) for b in block_ids
         ):
             raise ValueError("remote_block_ids must be a list of ints")
-        return cls(engine_id, host, port, block_ids, request_id, incarnation, tp_size)
+        return cls(engine_id, host, port, block_ids, request_id, incarnation, tp_size, token)
 
 
 @attrs.frozen
