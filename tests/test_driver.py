@@ -265,7 +265,9 @@ async def test_a_bug_in_the_driver_fails_every_job_instead_of_hanging_it(
     assert "transfer driver crashed" in caplog.text
 
 
-async def test_stopping_releases_what_still_runs_and_settles_its_jobs() -> None:
+async def test_stopping_keeps_what_still_runs_unreleased_and_unsettled() -> None:
+    # Releasing a handle does not stop a transfer NIXL cannot stop: its bytes
+    # would land in memory the caller believes free. So the driver keeps it.
     agent = ScriptedAgent()
     agent.script = lambda handle: setattr(handle, "forever", threading.Event())
     running = job([1], "running")
@@ -273,10 +275,24 @@ async def test_stopping_releases_what_still_runs_and_settles_its_jobs() -> None:
         async with driver(agent) as transfers:
             transfers.submit(running)
             await trio.to_thread.run_sync(agent.first_post.wait)
-        # (the driver stopped: closing, then close_timeout, then released)
-        await running.settled.wait()
+        # (the driver stopped: closing, then close_timeout, then kept)
+        await running.finished.wait()
     assert running.outcome is Outcome.CLOSING
-    assert agent.posted[0].released
+    assert running.still_running
+    assert not running.settled.is_set()
+    assert not agent.posted[0].released
+    assert transfers.transfers_kept == 1
+
+
+async def test_a_job_submitted_after_the_driver_stopped_ends_at_once() -> None:
+    with trio.fail_after(5):
+        async with driver(ScriptedAgent()) as transfers:
+            pass
+        late = job([1], "late")
+        transfers.submit(late)
+        await late.finished.wait()
+        await late.settled.wait()
+    assert late.outcome is Outcome.CLOSING
 
 
 # ---- the real path --------------------------------------------------------------

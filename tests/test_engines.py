@@ -10,12 +10,14 @@ import msgspec
 import pytest
 
 from trio_pd._engines import (
+    RETIRED_INCARNATIONS_KEPT,
     TRANSITIONS,
     Backoff,
     EngineEvent,
     EngineRecord,
     EngineState,
     InvalidTransition,
+    MetadataOutcome,
     PullAction,
 )
 from trio_pd._errors import HandshakeError
@@ -61,7 +63,7 @@ def record(state: EngineState = S.UNKNOWN, **fields: object) -> EngineRecord:
 
 def pull(rec: EngineRecord, now: float, incarnation: str = "") -> PullAction:
     """A pull for blocks of ``incarnation`` at the record's own address."""
-    return rec.on_pull(incarnation, "127.0.0.1", 5555, now)
+    return rec.on_pull(incarnation, now)
 
 
 def error(reason: str = "boom") -> HandshakeError:
@@ -134,10 +136,13 @@ def test_failed_state_no_longer_exists() -> None:
         (S.UNKNOWN, E.PULL),
         (S.STALE, E.PULL),
         (S.BACKOFF, E.PULL_AFTER_BACKOFF),
+        (S.READY, E.INCARNATION_MISMATCH),
     ],
     ids=str,
 )
-def test_entering_fetching_counts_an_attempt(state: EngineState, event: EngineEvent) -> None:
+def test_entering_fetching_or_verifying_counts_an_attempt(
+    state: EngineState, event: EngineEvent
+) -> None:
     rec = record(state, attempts=4)
     rec.apply(event)
     assert rec.attempts == 5
@@ -145,7 +150,11 @@ def test_entering_fetching_counts_an_attempt(state: EngineState, event: EngineEv
 
 @pytest.mark.parametrize(
     ("pair", "target"),
-    [(pair, target) for pair, target in TRANSITIONS.items() if target is not S.FETCHING],
+    [
+        (pair, target)
+        for pair, target in TRANSITIONS.items()
+        if target not in (S.FETCHING, S.VERIFYING)
+    ],
     ids=str,
 )
 def test_other_transitions_do_not_count_an_attempt(
@@ -309,7 +318,7 @@ def test_loaded_in_the_wrong_state_keeps_failures_and_error() -> None:
     assert (rec.state, rec.failures, rec.error) == (S.BACKOFF, 2, err)
 
 
-@pytest.mark.parametrize("event", [E.PEER_RESTARTED, E.PEER_DISCONNECTED], ids=str)
+@pytest.mark.parametrize("event", [E.PEER_DISCONNECTED], ids=str)
 def test_a_ready_engine_whose_peer_goes_away_becomes_stale_then_restarts(
     event: EngineEvent,
 ) -> None:
@@ -340,45 +349,101 @@ def ready(incarnation: str = OLD) -> EngineRecord:
     return rec
 
 
-def test_a_newer_incarnation_in_a_request_retires_the_loaded_one_and_starts() -> None:
+def test_another_incarnation_in_a_request_verifies_without_retiring_the_loaded_one() -> None:
     rec = ready(OLD)
-    assert pull(rec, 1.0, NEW) is PullAction.RETIRE_THEN_START
-    assert (rec.state, rec.attempts) == (S.FETCHING, 2)
-    assert rec.retired_incarnations == {OLD}
-    # Meanwhile: requests of the old incarnation are gone, new ones wait.
-    assert pull(rec, 1.0, OLD) is PullAction.GONE
+    assert pull(rec, 1.0, NEW) is PullAction.VERIFY
+    assert (rec.state, rec.attempts) == (S.VERIFYING, 2)
+    assert rec.retired_incarnations == {}
+    # Meanwhile: requests of the loaded incarnation go on, others wait.
+    assert pull(rec, 1.0, OLD) is PullAction.READY
+    assert pull(rec, 1.0) is PullAction.READY
     assert pull(rec, 1.0, NEW) is PullAction.WAIT
-    assert pull(rec, 1.0) is PullAction.WAIT
-    assert "now runs incarnation incarnation-1" not in rec.why_gone(OLD)
+    assert pull(rec, 1.0, "third") is PullAction.WAIT
 
 
-def test_gone_names_both_incarnations_once_the_new_one_is_loaded() -> None:
+def test_the_engine_answering_with_a_new_incarnation_retires_the_loaded_one() -> None:
     rec = ready(OLD)
     pull(rec, 1.0, NEW)
-    rec.metadata_received(metadata(NEW), LAYOUT)
+    assert rec.metadata_received(metadata(NEW), LAYOUT) is MetadataOutcome.RESTARTED
+    assert rec.state is S.LOADING
+    assert list(rec.retired_incarnations) == [OLD]
+    assert pull(rec, 1.0, OLD) is PullAction.GONE
+    assert pull(rec, 1.0, NEW) is PullAction.WAIT
     rec.loaded()
-    assert pull(rec, 2.0, OLD) is PullAction.GONE
-    reason = rec.why_gone(OLD)
-    assert "exposed by incarnation incarnation-1" in reason
-    assert "now runs incarnation incarnation-2" in reason
     assert pull(rec, 2.0, NEW) is PullAction.READY
+    reason = rec.why_gone(OLD)
+    assert "runs incarnation incarnation-2, not incarnation-1" in reason
 
 
-def test_restart_during_a_handshake_loads_the_old_one_then_the_request_retires_it() -> None:
+def test_the_engine_answering_with_the_loaded_incarnation_refutes_the_request() -> None:
+    # A forged (or garbled) incarnation: the engine still runs OLD. The
+    # loaded agent was never out of service; the claim fails its request.
+    rec = ready(OLD)
+    assert pull(rec, 1.0, "forged") is PullAction.VERIFY
+    assert rec.metadata_received(metadata(OLD), LAYOUT) is MetadataOutcome.SAME
+    assert rec.state is S.READY
+    assert pull(rec, 1.0, "forged") is PullAction.GONE
+    assert pull(rec, 1.0, OLD) is PullAction.READY
+    assert "runs incarnation incarnation-1, not forged" in rec.why_gone("forged")
+
+
+def test_at_most_one_verification_per_interval_however_many_claims() -> None:
+    rec = ready(OLD)
+    rec.verify_interval = 1.0
+    assert pull(rec, 1.0, "forged-1") is PullAction.VERIFY
+    rec.metadata_received(metadata(OLD), LAYOUT)
+    # New fake values within the interval: no handshake, the claim fails.
+    for n in range(2, 50):
+        assert pull(rec, 1.5, f"forged-{n}") is PullAction.GONE
+    assert rec.attempts == 2
+    assert pull(rec, 2.0, "forged-99") is PullAction.VERIFY  # the next interval
+
+
+def test_a_verification_without_an_answer_keeps_the_agent_and_fails_the_claims_fast() -> None:
+    rec = ready(OLD)
+    pull(rec, 1.0, NEW)
+    err = error("no reply")
+    rec.verification_failed(err)
+    assert rec.state is S.READY
+    assert rec.attempt_error(2) is None  # (waiters ask on_pull again)
+    assert pull(rec, 1.2, NEW) is PullAction.FAIL_FAST
+    assert rec.fail_fast_error() is err
+    assert pull(rec, 1.2, OLD) is PullAction.READY
+    assert pull(rec, 2.5, NEW) is PullAction.VERIFY  # asked again after the interval
+
+
+def test_a_peer_lost_during_a_verification_makes_the_engine_stale() -> None:
+    rec = ready(OLD)
+    pull(rec, 1.0, NEW)
+    assert rec.on_peer_lost(OLD) is True
+    assert rec.state is S.STALE
+    assert pull(rec, 1.0, NEW) is PullAction.START
+
+
+def test_retired_incarnations_are_bounded() -> None:
+    rec = ready(OLD)
+    rec.verify_interval = 0.0
+    for n in range(RETIRED_INCARNATIONS_KEPT + 10):
+        assert pull(rec, float(n), f"forged-{n}") is PullAction.VERIFY
+        rec.metadata_received(metadata(OLD), LAYOUT)
+    assert len(rec.retired_incarnations) == RETIRED_INCARNATIONS_KEPT
+
+
+def test_restart_during_a_handshake_loads_the_old_one_then_the_request_verifies() -> None:
     # A handshake started for a request without an incarnation loads OLD; a
     # request of NEW arrived while it ran and waited on it. When it wakes,
-    # the table says: retire OLD and handshake again.
+    # the table says: verify; the engine answers NEW: load it.
     rec = record()
     assert pull(rec, 0.0) is PullAction.START
     assert pull(rec, 0.0, NEW) is PullAction.WAIT
     rec.metadata_received(metadata(OLD), LAYOUT)
     rec.loaded()
     assert rec.attempt_error(1) is None  # the waiter's attempt succeeded: ask again
-    assert pull(rec, 0.1, NEW) is PullAction.RETIRE_THEN_START
-    rec.metadata_received(metadata(NEW), LAYOUT)
+    assert pull(rec, 0.1, NEW) is PullAction.VERIFY
+    assert rec.metadata_received(metadata(NEW), LAYOUT) is MetadataOutcome.RESTARTED
     rec.loaded()
     assert pull(rec, 0.2, NEW) is PullAction.READY
-    assert rec.retired_incarnations == {OLD}
+    assert list(rec.retired_incarnations) == [OLD]
 
 
 def test_a_request_of_an_incarnation_that_no_handshake_finds_is_gone_not_retried() -> None:
@@ -392,16 +457,16 @@ def test_a_request_of_an_incarnation_that_no_handshake_finds_is_gone_not_retried
     assert rec.attempts == 1
 
 
-def test_agent_retired_between_handshake_and_wake_up_makes_the_waiter_wait_again() -> None:
-    # Attempt 1 succeeds; before its waiter runs, another pull sees NEW and
-    # starts attempt 2. The waiter (no incarnation) is told to wait again.
+def test_a_verification_between_handshake_and_wake_up_lets_the_waiter_go_on() -> None:
+    # Attempt 1 succeeds; before its waiter runs, another pull names NEW and
+    # starts a verification. The waiter (no incarnation) reads at once.
     rec = record()
     pull(rec, 0.0)
     rec.metadata_received(metadata(OLD), LAYOUT)
     rec.loaded()
-    assert pull(rec, 0.0, NEW) is PullAction.RETIRE_THEN_START
+    assert pull(rec, 0.0, NEW) is PullAction.VERIFY
     assert rec.attempt_error(1) is None
-    assert pull(rec, 0.0) is PullAction.WAIT
+    assert pull(rec, 0.0) is PullAction.READY
     assert rec.attempts == 2
 
 
@@ -425,7 +490,7 @@ def test_a_lost_peer_retires_the_agent_but_not_its_incarnation() -> None:
     rec.metadata_received(metadata(OLD), LAYOUT)
     rec.loaded()
     assert pull(rec, 1.0, OLD) is PullAction.READY
-    assert rec.retired_incarnations == set()
+    assert rec.retired_incarnations == {}
 
 
 def test_a_lost_peer_that_comes_back_restarted_makes_old_requests_gone() -> None:
@@ -444,26 +509,16 @@ def test_a_peer_lost_report_for_another_incarnation_is_ignored() -> None:
     assert rec.state is S.READY
 
 
-def test_a_new_attempt_adopts_the_requests_address_a_running_one_keeps_its_own() -> None:
-    rec = record()
-    assert rec.on_pull("", "10.0.0.1", 7000, 0.0) is PullAction.START
-    assert (rec.host, rec.port) == ("10.0.0.1", 7000)
-    assert rec.on_pull("", "10.0.0.2", 7001, 0.0) is PullAction.WAIT
-    assert (rec.host, rec.port) == ("10.0.0.1", 7000)
-    rec.failed(error(), now=0.0, backoff=EXACT, rng=random.Random(0))
-    assert rec.on_pull("", "10.0.0.3", 7002, 5.0) is PullAction.START
-    assert (rec.host, rec.port) == ("10.0.0.3", 7002)
-
-
 def _gone() -> EngineRecord:
     rec = ready(OLD)
     pull(rec, 0.0, NEW)
+    rec.metadata_received(metadata(NEW), LAYOUT)
     return rec
 
 
 ACTION_EXAMPLES = {
     PullAction.START: (record, ""),
-    PullAction.RETIRE_THEN_START: (lambda: ready(OLD), NEW),
+    PullAction.VERIFY: (lambda: ready(OLD), NEW),
     PullAction.WAIT: (lambda: record(S.FETCHING), ""),
     PullAction.READY: (lambda: ready(OLD), OLD),
     PullAction.FAIL_FAST: (lambda: record(S.BACKOFF, retry_at=5.0, error=error()), ""),

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from ._layout import KVLayout
 
 __all__ = [
+    "NO_UNSETTLED",
     "BackendClosing",
     "BackendError",
     "BackendFactory",
@@ -73,6 +74,21 @@ class BackendError(TrioPdError):
 
 def _rebuild_backend_error(message: str, peer_lost: bool) -> BackendError:
     return BackendError(message, peer_lost=peer_lost)
+
+
+UnsettledHook = Callable[[], Callable[[], None]]
+"""``read(..., unsettled=hook)``: the backend calls ``hook()`` (on the trio
+thread, before ``read`` returns or raises) when the read leaves a transfer
+running that it could not stop, and calls the function ``hook`` returned
+(on the trio thread) once that transfer really ended."""
+
+
+def _no_unsettled() -> Callable[[], None]:
+    return lambda: None
+
+
+NO_UNSETTLED: UnsettledHook = _no_unsettled
+"""An :data:`UnsettledHook` for callers that track nothing."""
 
 
 class TransferTimeout(Exception):
@@ -156,6 +172,13 @@ class TransferBackend(Protocol):
         """Failed reads whose transfer could not be stopped and still runs."""
         ...
 
+    @property
+    def stuck_call(self) -> str:
+        """The call a remote-agent load is stuck in (abandoned past its
+        deadline, still running), with the agent and for how long; ``""``
+        when none. While it is set, :meth:`load_remote` may fail fast."""
+        ...
+
     def agent_metadata(self) -> bytes:
         """What a consumer needs to load this agent (sent over the side channel)."""
         ...
@@ -175,9 +198,17 @@ class TransferBackend(Protocol):
         reads come from, ``local_layout`` the local one (or view) they go to;
         both have the same regions and bytes per block.
 
+        Cancellation: the caller cancels a load at its handshake's deadline.
+        A backend whose calls cannot be interrupted abandons the call (it
+        releases whatever the call loads once it returns) and reports it in
+        :attr:`stuck_call` until it does.
+
         Raises:
             BackendError: the metadata or descriptors were rejected, or the
-                connection failed; nothing of that agent stays loaded.
+                connection failed (nothing of that agent stays loaded); or
+                an earlier load is stuck in a call that holds the backend
+                (NIXL's writer lock), so this one could not run either.
+            BackendClosing: the backend began closing.
         """
         ...
 
@@ -199,6 +230,7 @@ class TransferBackend(Protocol):
         local_indices: npt.NDArray[np.int32],
         remote_indices: npt.NDArray[np.int32],
         notification: bytes,
+        unsettled: UnsettledHook = NO_UNSETTLED,
     ) -> None:
         """READ remote descriptors into local ones, then deliver ``notification``.
 
@@ -207,9 +239,12 @@ class TransferBackend(Protocol):
 
         The backend's ``config.transfer_timeout`` counts from when the read
         is handed to the backend's data plane. When this returns or raises,
-        nothing writes into the local blocks any more -- except after a
-        :class:`BackendError` whose ``settled`` is an event: then a transfer
-        the backend could not stop may write them until that is set.
+        nothing writes into the local blocks any more -- except when a
+        transfer could not be stopped: then, whichever way this exits
+        (an error, a timeout, cancellation, closing), ``unsettled()`` was
+        called before, and the function it returned is called once that
+        transfer really ended. (A :class:`BackendError` raised then also
+        carries ``settled``, an event set at the same time.)
 
         Raises:
             BackendError: the backend reported an error (``peer_lost`` set

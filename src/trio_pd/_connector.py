@@ -144,12 +144,23 @@ class Connector:
         so if the producer died just before, the notification is lost and
         the producer's exposure (if it still exists) expires.
 
-        If ``remote.incarnation`` names another incarnation than the one this
-        connector knows, the engine restarted: its old agent is retired and a
-        fresh handshake runs first. Blocks exposed by an incarnation that is no
-        longer running are never read (:class:`TransferError`). After a lost
-        connection, the next pull handshakes again and reads only if the same
-        incarnation answers.
+        ``remote`` comes from the network and is checked before it is
+        trusted; a wrong claim fails this pull only:
+
+        * with ``config.exposure_secret``, its ``token`` must be the one the
+          producer issued for exactly these parameters
+          (:class:`ParamsRejectedError` before anything is sent);
+        * an address or TP size that is not the engine's gets a handshake of
+          its own, which fails for this request alone;
+        * an incarnation other than the loaded one makes the connector ask
+          the engine which one it runs (at most one such verification per
+          engine per ``backoff_initial``; pulls of the loaded incarnation go
+          on meanwhile). Only if the engine answers with a new incarnation
+          is the old agent retired and the new one loaded; otherwise the
+          request fails (:class:`TransferError`: those blocks are not
+          readable). Blocks exposed by an incarnation that is no longer
+          running are never read. After a lost connection, the next pull
+          handshakes again and reads only if the same incarnation answers.
 
         Transfers: the read goes to the connector's transfer driver, which
         may post it together with other small pulls to the same engine (one
@@ -161,19 +172,26 @@ class Connector:
         propagates, so nothing writes into the local blocks afterwards. The
         handshake itself goes on for other waiters. The exception: a
         transfer that does not stop within ``close_timeout`` (its peer
-        unreachable: NIXL cannot cancel it). Then the pull fails with a
-        :class:`TransferError` whose ``settled`` event is set only once that
-        transfer really ended; until then its blocks may still be written.
-        Keep them out of reuse until ``await error.settled.wait()``.
+        unreachable: NIXL cannot cancel it). Its local blocks are then in
+        :meth:`unsettled_blocks` until that transfer really ended, whichever
+        way the pull ends (an error, cancellation, a sibling part's failure,
+        close); a :class:`TransferError` also carries a ``settled`` event.
+        Before reusing the blocks of a pull that did not return, ``await
+        connector.wait_settled(local_block_ids)`` (at once in the normal
+        case).
 
         Raises:
             ValueError: before anything is sent: local and remote lengths
-                differ; a block id is out of range, repeated or not an int.
-                Remote ids are checked against the remote's size once the
-                handshake is done, still before any transfer.
+                differ; a local block id is out of range, repeated or not an int.
+            ParamsRejectedError: (a ``ValueError``) before anything of this
+                request is read: ``remote.token`` does not verify, or a
+                remote block id is out of the producer's range or repeated
+                (checked once the handshake is done).
             HandshakeError: the handshake failed (the same error for every
-                pull that waited on it), or the engine is in backoff after a
-                failed handshake (the same error again, at once);
+                pull that waited on it; a handshake, queued time and load
+                included, fails within ``config.handshake_timeout`` of its
+                start), or the engine is in backoff after a failed handshake
+                (the same error again, at once);
                 :class:`IncompatibleEngineError` if the engines cannot be
                 paired (for TP sizes that do not divide, before any traffic).
             TransferError: the backend reported an error, the transfer did
@@ -186,6 +204,31 @@ class Connector:
             trio.ClosedResourceError: the connector is (or got) closed.
         """
         return await self._consumer.pull(request_id, local_block_ids, remote)
+
+    def unsettled_blocks(self) -> frozenset[int]:
+        """Local block ids that a transfer whose pull already ended may still write.
+
+        Empty almost always. A block is here while a transfer NIXL could not
+        stop (its peer became unreachable mid-transfer) still runs, however
+        its pull ended: it returned an error, was cancelled (the client hung
+        up), failed because a sibling part (tensor parallelism) failed, or
+        the connector closed. Keep these blocks out of reuse; see
+        :meth:`wait_settled`. Keeps answering after close (the last state).
+        """
+        return self._consumer.unsettled_blocks()
+
+    async def wait_settled(self, block_ids: Sequence[int]) -> None:
+        """Return once none of ``block_ids`` can be written by a transfer any more.
+
+        Returns at once (after a checkpoint) when none is in
+        :meth:`unsettled_blocks` -- the normal case after any pull, however
+        it ended. Call it before giving a failed or cancelled pull's blocks
+        back to a pool. It may wait as long as a partition lasts: bound it
+        with a cancel scope if you must, and then keep the blocks out of
+        reuse. Works after close too (a transfer still running then keeps
+        its memory registered for the life of the process and never settles).
+        """
+        await self._consumer.wait_settled(block_ids)
 
     def statistics(self) -> ConnectorStatistics:
         """A snapshot of this connector's counters (both roles; see its ``consumer``

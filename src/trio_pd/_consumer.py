@@ -31,10 +31,11 @@ from ._backend import (
 )
 from ._config import ConnectorConfig
 from ._engines import EngineState
-from ._errors import IncompatibleEngineError, ParamsRejectedError, TransferError
+from ._errors import HandshakeError, IncompatibleEngineError, ParamsRejectedError, TransferError
 from ._handshakes import ConsumerCounters, Handshakes, RemoteEngine
 from ._layout import BlockIds, KVLayout, as_block_ids
 from ._records import ConsumerStatistics, PullResult, RemoteBlocks
+from ._settlement import UnsettledBlocks
 from ._tokens import exposure_token, token_matches
 from ._tp import plan_pull, readers_per_remote_rank, sizes_mismatch
 
@@ -78,6 +79,7 @@ class Consumer:
             engine_id, tp_size, layout, backend, zmq_context, config, nursery, self._counters
         )
         self._pulls_in_flight: AsyncValue = AsyncValue(0)
+        self._unsettled = UnsettledBlocks()
         self._closed = False
 
     async def run_handshakes(self) -> None:
@@ -107,14 +109,14 @@ class Consumer:
                 f"{what}: {local_ids.size} local block ids for "
                 f"{len(remote.block_ids)} remote block ids"
             )
-        self._check_token(request_id, remote)
-        mismatch = sizes_mismatch(self._tp_size, remote.tp_size)
-        if mismatch is not None:
-            raise IncompatibleEngineError(remote.engine_id, mismatch)
-        parts = plan_pull(self._tp_rank, self._tp_size, remote.tp_size)
-        handshakes = self._handshakes
-        engines = [handshakes.engine(remote, part) for part in parts]
         try:
+            self._check_token(request_id, remote)
+            mismatch = sizes_mismatch(self._tp_size, remote.tp_size)
+            if mismatch is not None:
+                raise IncompatibleEngineError(remote.engine_id, mismatch)
+            parts = plan_pull(self._tp_rank, self._tp_size, remote.tp_size)
+            handshakes = self._handshakes
+            engines = [handshakes.engine(remote, part) for part in parts]
             agents = await _each(
                 [
                     functools.partial(handshakes.ready_agent, e, request_id, local_ids, remote)
@@ -127,7 +129,10 @@ class Consumer:
                 for engine, agent in zip(engines, agents, strict=True)
             ]
             await _each(transfers)
-        except TransferError:
+        except ParamsRejectedError:
+            self._counters.pulls_rejected += 1
+            raise
+        except (HandshakeError, TransferError):
             self._counters.pulls_failed += 1
             raise
         nbytes = int(local_ids.size) * self._layout.bytes_per_block_id
@@ -177,11 +182,14 @@ class Consumer:
         notification = protocol.encode_notification(remote.request_id, readers)
         indices = None
         if local_ids.size:
-            remote_ids = as_block_ids(
-                remote.block_ids,
-                agent.layout.num_blocks,
-                f"remote block ids of request {request_id!r} (engine {remote.engine_id!r})",
-            )
+            try:
+                remote_ids = as_block_ids(
+                    remote.block_ids,
+                    agent.layout.num_blocks,
+                    f"remote block ids of engine {remote.engine_id!r}",
+                )
+            except ValueError as exc:
+                raise ParamsRejectedError(request_id, "remote_block_ids", str(exc)) from None
             indices = (
                 agent.local_layout.descriptor_indices(local_ids),
                 agent.layout.descriptor_indices(remote_ids),
@@ -192,6 +200,14 @@ class Consumer:
 
     def engine_state(self, engine_id: str, tp_rank: int | None = None) -> EngineState:
         return self._handshakes.engine_state(engine_id, tp_rank)
+
+    def unsettled_blocks(self) -> frozenset[int]:
+        """See :meth:`trio_pd.Connector.unsettled_blocks`."""
+        return self._unsettled.snapshot()
+
+    async def wait_settled(self, block_ids: Sequence[int]) -> None:
+        """See :meth:`trio_pd.Connector.wait_settled`."""
+        await self._unsettled.wait_settled(block_ids)
 
     def statistics(self) -> ConsumerStatistics:
         c = self._counters
@@ -213,6 +229,9 @@ class Consumer:
             remote_agents_loaded=self._backend.remote_agents_loaded,
             transfers_posted=self._backend.transfers_posted,
             transfers_unsettled=self._backend.transfers_unsettled,
+            pulls_rejected=c.pulls_rejected,
+            blocks_unsettled=len(self._unsettled),
+            backend_stuck_call=self._backend.stuck_call,
         )
 
     # ---- transfers -------------------------------------------------------
@@ -245,7 +264,8 @@ class Consumer:
                     if indices is None:
                         await self._backend.notify(agent, notification)
                     else:
-                        await self._backend.read(agent, *indices, notification)
+                        hold = functools.partial(self._unsettled.hold, local_ids.tolist())
+                        await self._backend.read(agent, *indices, notification, hold)
                 except BackendError as exc:
                     if exc.peer_lost and self._handshakes.peer_lost(engine, agent, request_id):
                         with trio.CancelScope(shield=True):

@@ -41,8 +41,9 @@ only after the driver has written the job's outcome.
 
 Ownership: the driver owns every transfer handle from posting to release.
 :meth:`TransferDriver.stop` ends the thread; transfers still running then
-are released anyway (the agent is about to be destroyed) and their jobs
-settled.
+are *not* released and their jobs stay unsettled (``transfers_kept`` says
+how many): the backend then keeps its agent and memory registered rather
+than free memory a transfer may still write.
 """
 
 from __future__ import annotations
@@ -172,7 +173,9 @@ class TransferDriver:
         )
         self._token: trio.lowlevel.TrioToken | None = None
         self.transfers_posted = 0  # (written by the thread; read anywhere)
+        self.transfers_kept = 0  # still running at stop (written by the thread before it ends)
         self._crash: BackendError | None = None  # set (once) if the thread crashed
+        self._ended = False  # set (once) when the thread stopped as asked
         # Driver thread only:
         self._jobs: collections.deque[Job] = collections.deque()  # not finished
         self._transfers: list[_Transfer] = []  # running (some only for finished jobs)
@@ -188,13 +191,17 @@ class TransferDriver:
     def submit(self, job: Job) -> None:
         """Hand ``job`` to the thread (never blocks).
 
-        If the thread has crashed (a bug), the job fails at once instead.
+        If the thread has crashed (a bug), the job fails at once instead; if
+        it has stopped, the job ends ``CLOSING`` at once.
         """
         job.submitted_at = time.monotonic()
         self._inbox.put(job)
-        if self._crash is not None:  # (nobody else will answer it: do it here)
+        if self._crash is not None or self._ended:  # (nobody else will answer it: do it here)
             for queued in self._drain_inbox():
-                queued.outcome, queued.error = Outcome.FAILED, self._crash
+                if self._crash is not None:
+                    queued.outcome, queued.error = Outcome.FAILED, self._crash
+                else:
+                    queued.outcome = Outcome.CLOSING
                 queued.finished.set()
                 queued.settled.set()
 
@@ -217,6 +224,12 @@ class TransferDriver:
     def _run(self) -> None:
         try:
             self._loop()
+            self._ended = True  # (from now on, submit() answers new jobs itself)
+            for job in self._drain_inbox():  # submitted during the last turn
+                job.outcome = Outcome.CLOSING
+                self._to_finish.append(job)
+                self._to_settle.append(job)
+            self._deliver()
         # A bug (whatever it raises: this is a plain thread, trio.Cancelled
         # cannot reach it): fail every job rather than hang its task.
         except BaseException as exc:  # noqa: ASYNC103
@@ -505,19 +518,21 @@ class TransferDriver:
             self._to_settle.append(job)
 
     def _release_all(self) -> None:
-        """At stop: release what still runs (the agent goes away next)."""
+        """At stop: release every handle, except those of transfers still running.
+
+        Those are kept, with their jobs unsettled: releasing a handle does
+        not stop a transfer NIXL cannot stop, so its bytes would land in
+        memory the caller believes free. :attr:`transfers_kept` tells the
+        backend to keep its memory registered.
+        """
+        self._poll_transfers()
         if self._transfers:
+            self.transfers_kept = len(self._transfers)
             logger.error(
-                "%d transfers still ran when the connector closed; released while running",
+                "%d transfers still ran when the connector closed (peer unreachable?): "
+                "kept, with their local memory registered, for the life of the process",
                 len(self._transfers),
             )
-        for transfer in self._transfers:
-            self._release(transfer.handle)
-            for job in transfer.jobs:
-                job.running -= 1
-                if job.still_running and job.running == 0:
-                    self._to_settle.append(job)
-        self._transfers = []
         for handle in self._stuck:
             try:
                 handle.release()

@@ -12,6 +12,7 @@ attempt. This module knows nothing of trio and takes the time as an argument.
 from __future__ import annotations
 
 import enum
+import math
 import random
 from typing import Final
 
@@ -33,6 +34,11 @@ class EngineState(enum.Enum):
     """Metadata received; queued for, or in, the handshake task (NIXL calls)."""
     READY = "ready"
     """Remote agent loaded and descriptor list prepared; pulls go straight through."""
+    VERIFYING = "verifying"
+    """A request named another incarnation than the loaded one: the engine is
+    asked which one it runs. Pulls of the loaded incarnation still go
+    straight through; the agent is retired only if the engine answers with a
+    new one."""
     BACKOFF = "backoff"
     """The last handshake failed; pulls fail fast with its error until the
     backoff elapses, and the first pull after that retries."""
@@ -52,6 +58,9 @@ class EngineEvent(enum.Enum):
     METADATA_RECEIVED = "metadata received"
     LOADED = "loaded"
     FAILED = "failed"
+    INCARNATION_MISMATCH = "incarnation mismatch"
+    VERIFIED_SAME = "verified same"
+    VERIFY_FAILED = "verify failed"
     PEER_RESTARTED = "peer restarted"
     PEER_DISCONNECTED = "peer disconnected"
     CONNECTOR_CLOSED = "connector closed"
@@ -68,8 +77,12 @@ TRANSITIONS: Final[dict[tuple[EngineState, EngineEvent], EngineState]] = {
     (S.FETCHING, E.FAILED): S.BACKOFF,
     (S.LOADING, E.LOADED): S.READY,
     (S.LOADING, E.FAILED): S.BACKOFF,
-    (S.READY, E.PEER_RESTARTED): S.STALE,
+    (S.READY, E.INCARNATION_MISMATCH): S.VERIFYING,
+    (S.VERIFYING, E.VERIFIED_SAME): S.READY,
+    (S.VERIFYING, E.VERIFY_FAILED): S.READY,
+    (S.VERIFYING, E.PEER_RESTARTED): S.LOADING,
     (S.READY, E.PEER_DISCONNECTED): S.STALE,
+    (S.VERIFYING, E.PEER_DISCONNECTED): S.STALE,
     **{(state, E.CONNECTOR_CLOSED): S.CLOSED for state in EngineState if state is not S.CLOSED},
 }
 """Every allowed (state, event) -> next state. Anything else is a bug."""
@@ -84,15 +97,18 @@ class PullAction(enum.Enum):
 
     START = "start"
     """A new handshake attempt began: start fetching, then wait for it."""
-    RETIRE_THEN_START = "retire then start"
-    """The request names a newer incarnation than the loaded one: the engine
-    restarted. Retire the loaded agent, then do as for ``START``."""
+    VERIFY = "verify"
+    """The request names another incarnation than the loaded one: fetch the
+    engine's metadata again (the loaded agent stays in service), then wait
+    for the answer. Only an answer with a new incarnation retires the agent
+    (see :meth:`EngineRecord.metadata_received`)."""
     WAIT = "wait"
     """An attempt is in progress: wait for it, then ask again."""
     READY = "ready"
     """The loaded agent serves this request: transfer now."""
     FAIL_FAST = "fail fast"
-    """In backoff: raise the last error (:attr:`EngineRecord.error`) now."""
+    """In backoff, or a verification just failed: raise
+    :meth:`EngineRecord.fail_fast_error` now."""
     GONE = "gone"
     """The request's blocks belong to an incarnation that no longer runs:
     fail it without reading (:meth:`EngineRecord.why_gone` says why)."""
@@ -131,9 +147,25 @@ class Backoff:
         return base * (1.0 - self.jitter * rng.random())
 
 
+RETIRED_INCARNATIONS_KEPT: Final = 256
+"""How many retired or refuted incarnations a record remembers (requests can
+name any string: the set must not grow without bound)."""
+
+
+class MetadataOutcome(enum.Enum):
+    """What an attempt's metadata means (see :meth:`EngineRecord.metadata_received`)."""
+
+    LOAD = "load"
+    """A first or fresh handshake: load the agent."""
+    SAME = "same"
+    """A verification found the loaded incarnation: nothing to load."""
+    RESTARTED = "restarted"
+    """A verification found a new incarnation: retire the loaded agent, load the new one."""
+
+
 @attrs.define
 class EngineRecord:
-    """What a consumer knows about one remote engine.
+    """What a consumer knows about one remote engine rank at one address.
 
     Attributes:
         engine_id: the remote engine's id.
@@ -143,11 +175,13 @@ class EngineRecord:
         error: the last handshake's error (kept through ``BACKOFF``).
         metadata: the current incarnation's metadata once received.
         layout: the layout that metadata describes.
-        attempts: handshakes started for this engine.
+        attempts: handshakes (and verifications) started for this engine.
         failures: consecutive failed handshakes (reset by success).
         retry_at: while ``BACKOFF``, when the next attempt is allowed.
         retired_incarnations: incarnations seen and replaced (the engine
-            restarted since): their blocks are gone for good.
+            restarted since), or named by requests and refuted by the
+            engine itself: their blocks are not readable. The most recent
+            :data:`RETIRED_INCARNATIONS_KEPT` are kept.
         sought_incarnation: the incarnation the pull that started the current
             attempt asked for (``""``: any).
         epoch: the incarnation that requests name when they are for what is
@@ -156,6 +190,13 @@ class EngineRecord:
             incarnation its requests named when it was loaded (requests carry
             rank 0's incarnation, as a vLLM proxy forwards rank 0's
             ``kv_transfer_params``; the ranks of an engine restart together).
+        verify_interval: the least time between two verifications (a
+            request naming an unknown incarnation costs at most one
+            handshake per interval, however many such requests come).
+        verify_again_at: when the next verification is allowed.
+        verify_error: the last verification's error, if the engine did not
+            answer it; pulls that need a verification fail fast with it
+            until ``verify_again_at``.
     """
 
     engine_id: str
@@ -168,9 +209,12 @@ class EngineRecord:
     attempts: int = 0
     failures: int = 0
     retry_at: float = 0.0
-    retired_incarnations: set[str] = attrs.field(factory=set)
+    retired_incarnations: dict[str, None] = attrs.field(factory=dict)
     sought_incarnation: str = ""
     epoch: str = ""
+    verify_interval: float = 1.0
+    verify_again_at: float = -math.inf
+    verify_error: HandshakeError | None = None
 
     @property
     def incarnation(self) -> str | None:
@@ -185,54 +229,67 @@ class EngineRecord:
             raise InvalidTransition(
                 f"engine {self.engine_id!r}: {event.value!r} in state {self.state.value!r}"
             ) from None
-        if new is EngineState.FETCHING:
+        if new in (EngineState.FETCHING, EngineState.VERIFYING):
             self.attempts += 1
         self.state = new
         return new
 
-    def on_pull(self, incarnation: str, host: str, port: int, now: float) -> PullAction:
+    def on_pull(self, incarnation: str, now: float) -> PullAction:
         """Account for a pull and say what it must do; the whole policy is here.
+
+        A request's claim hurts only that request: an incarnation other than
+        the loaded one starts at most one verification per
+        ``verify_interval``, during which pulls of the loaded incarnation go
+        on; the loaded agent is retired only if the engine itself answers
+        with a new incarnation.
 
         Args:
             incarnation: the incarnation that exposed the request's blocks
                 (``""`` when the producer does not say).
-            host, port: where the request says the engine listens. Adopted
-                when a new attempt starts; ignored while an attempt is under
-                way or the engine is ready (the shell may log the mismatch).
-            now: the current time (any clock, used for backoff only).
+            now: the current time (any clock).
         """
         if incarnation and incarnation in self.retired_incarnations:
             return PullAction.GONE
-        action = PullAction.START
-        if self.state is EngineState.READY:
+        state = self.state
+        if state is EngineState.READY or state is EngineState.VERIFYING:
             if not self.epoch:
                 self.epoch = incarnation  # a rank > 0 loaded for a request without one
             if not incarnation or incarnation == self.epoch:
                 return PullAction.READY
-            self.went_stale(EngineEvent.PEER_RESTARTED)
-            action = PullAction.RETIRE_THEN_START
-        elif self.state in (EngineState.FETCHING, EngineState.LOADING):
+            if state is EngineState.VERIFYING:
+                return PullAction.WAIT
+            if now < self.verify_again_at:
+                # Verified moments ago: the engine runs the epoch, or did not answer.
+                return PullAction.FAIL_FAST if self.verify_error else PullAction.GONE
+            self.apply(EngineEvent.INCARNATION_MISMATCH)
+            self.sought_incarnation = incarnation
+            self.verify_again_at = now + self.verify_interval
+            self.verify_error = None
+            return PullAction.VERIFY
+        if state in (EngineState.FETCHING, EngineState.LOADING):
             return PullAction.WAIT
-        elif self.state is EngineState.BACKOFF:
+        if state is EngineState.BACKOFF:
             if now < self.retry_at:
                 self.apply(EngineEvent.PULL_DURING_BACKOFF)
                 return PullAction.FAIL_FAST
             self.apply(EngineEvent.PULL_AFTER_BACKOFF)
-            self._begin_attempt(incarnation, host, port)
-            return action
-        self.apply(EngineEvent.PULL)
-        self._begin_attempt(incarnation, host, port)
-        return action
-
-    def _begin_attempt(self, incarnation: str, host: str, port: int) -> None:
-        self.host, self.port = host, port
+        else:
+            self.apply(EngineEvent.PULL)
         self.sought_incarnation = incarnation
+        return PullAction.START
+
+    def fail_fast_error(self) -> HandshakeError:
+        """The error a ``FAIL_FAST`` pull raises (a copy of it, by the shell)."""
+        error = self.error if self.state is EngineState.BACKOFF else self.verify_error
+        assert error is not None
+        return error
 
     def attempt_error(self, attempt: int) -> HandshakeError | None:
         """The error of handshake ``attempt`` if it is the latest and failed.
 
         A pull that waited on ``attempt`` raises this; ``None`` means "ask
-        :meth:`on_pull` again" (it succeeded, or a later attempt took over).
+        :meth:`on_pull` again" (it succeeded, or a later attempt took over,
+        or it was a verification: :meth:`on_pull` says what it found).
         """
         if attempt == self.attempts and self.state is EngineState.BACKOFF:
             return self.error
@@ -241,54 +298,84 @@ class EngineRecord:
     def why_gone(self, incarnation: str) -> str:
         """Why blocks of ``incarnation`` cannot be read (after ``GONE``)."""
         current = self.epoch
-        if self.state is EngineState.READY and current and current != incarnation:
-            running = f"which now runs incarnation {current}"
-        else:
-            running = "which no longer runs it"
+        if self.state in (EngineState.READY, EngineState.VERIFYING) and current:
+            return (
+                f"engine {self.engine_id!r} runs incarnation {current}, not {incarnation} "
+                "(it restarted since those blocks were exposed, or the parameters are "
+                "wrong): the blocks are gone"
+            )
         return (
             f"the blocks were exposed by incarnation {incarnation} of engine "
-            f"{self.engine_id!r}, {running}: it restarted and the blocks are gone"
+            f"{self.engine_id!r}, which no longer runs it: it restarted and the blocks are gone"
         )
 
     def on_peer_lost(self, incarnation: str) -> bool:
         """A transfer to ``incarnation`` reported its peer lost.
 
         Returns whether the shell must retire the loaded agent: only when that
-        incarnation is the loaded one and the engine is ``READY`` (otherwise
-        another pull already noticed). The incarnation is not retired: the
-        engine may have died, restarted, or lost a link. The next pull
-        handshakes again and finds out; its blocks are read only if the same
-        incarnation answers.
+        incarnation is the loaded one and the agent is in service
+        (otherwise another pull already noticed). The incarnation is not
+        retired: the engine may have died, restarted, or lost a link. The
+        next pull handshakes again and finds out; its blocks are read only
+        if the same incarnation answers.
         """
-        if self.state is not EngineState.READY or incarnation != self.incarnation:
+        if self.state not in (EngineState.READY, EngineState.VERIFYING):
+            return False
+        if incarnation != self.incarnation:
             return False
         self.apply(EngineEvent.PEER_DISCONNECTED)
         return True
 
-    def went_stale(self, event: EngineEvent) -> None:
-        """``PEER_RESTARTED``: the loaded incarnation (epoch) is over for good."""
-        self.apply(event)
-        if self.epoch:
-            self.retired_incarnations.add(self.epoch)
+    def _retire(self, incarnation: str) -> None:
+        if not incarnation:
+            return
+        self.retired_incarnations.pop(incarnation, None)
+        self.retired_incarnations[incarnation] = None
+        while len(self.retired_incarnations) > RETIRED_INCARNATIONS_KEPT:
+            del self.retired_incarnations[next(iter(self.retired_incarnations))]
 
-    def metadata_received(self, metadata: EngineMetadata, layout: KVLayout) -> None:
-        """The reply of the current attempt arrived and checked out.
+    def metadata_received(self, metadata: EngineMetadata, layout: KVLayout) -> MetadataOutcome:
+        """The reply of the current attempt arrived and checked out; say what it means.
 
-        If the pull that started the attempt wanted another incarnation than
-        the one that answered, that incarnation no longer runs: it is retired,
-        so its requests fail ``GONE`` instead of handshaking again.
+        * A handshake (``FETCHING``): load it. If the pull that started it
+          wanted another incarnation than the one that answered, that
+          incarnation no longer runs: it is retired, so its requests fail
+          ``GONE`` instead of handshaking again.
+        * A verification (``VERIFYING``) that finds the loaded incarnation:
+          the incarnation the request named is refuted (its requests fail
+          ``GONE``), and pulls go on with the loaded agent.
+        * A verification that finds a new incarnation: the engine restarted.
+          The loaded incarnation is retired and the new one is loaded.
         """
-        self.apply(EngineEvent.METADATA_RECEIVED)
+        if self.state is EngineState.VERIFYING:
+            if metadata.incarnation == self.incarnation:
+                self.apply(EngineEvent.VERIFIED_SAME)
+                self._retire(self.sought_incarnation)
+                return MetadataOutcome.SAME
+            self.apply(EngineEvent.PEER_RESTARTED)
+            self._retire(self.epoch)
+            outcome = MetadataOutcome.RESTARTED
+        else:
+            self.apply(EngineEvent.METADATA_RECEIVED)
+            outcome = MetadataOutcome.LOAD
         self.metadata = metadata
         self.layout = layout
         if metadata.tp_rank:  # requests name rank 0's incarnation: nothing to compare
             self.epoch = self.sought_incarnation
-            return
+            return outcome
         self.epoch = metadata.incarnation
-        self.retired_incarnations.discard(metadata.incarnation)
+        self.retired_incarnations.pop(metadata.incarnation, None)
         sought = self.sought_incarnation
         if sought and sought != metadata.incarnation:
-            self.retired_incarnations.add(sought)
+            self._retire(sought)
+        return outcome
+
+    def verification_failed(self, error: HandshakeError) -> None:
+        """The verification got no usable answer: keep the loaded agent in
+        service; pulls that need a verification fail fast with ``error``
+        until ``verify_again_at``."""
+        self.apply(EngineEvent.VERIFY_FAILED)
+        self.verify_error = error
 
     def loaded(self) -> None:
         self.apply(EngineEvent.LOADED)

@@ -261,11 +261,13 @@ async def fetch_engine_metadata(
     compat_hash: str,
     config: ConnectorConfig,
     limiter: trio.CapacityLimiter,
+    deadline: float,
 ) -> tuple[protocol.EngineMetadata, KVLayout]:
     """Fetch rank ``tp_rank`` of ``engine_id``'s metadata from ``host:port`` and check it.
 
-    The fetch, including the wait for a slot of ``limiter``, runs under
-    ``config.handshake_timeout``; then the reply is decoded and checked
+    The fetch, including the wait for a slot of ``limiter``, must end by
+    ``deadline`` (trio's clock: the handshake's start plus
+    ``config.handshake_timeout``); then the reply is decoded and checked
     (version, compatibility hash, engine id, rank and TP size, then the
     layout against ours, ``local_tp`` being our TP size).
 
@@ -277,7 +279,7 @@ async def fetch_engine_metadata(
     log = ConnectionLog(config.max_message_bytes)
     where = f"{host}:{port}" + (f" (rank {tp_rank} of {tp_size})" if tp_size > 1 else "")
     with _failures(engine_id, where, log, timeout):
-        with trio.fail_after(timeout):
+        with trio.fail_at(deadline):
             async with limiter:
                 data = await fetch_reply(
                     context,

@@ -30,9 +30,16 @@ import trio
 import zmq
 
 from . import _protocol as protocol
-from ._backend import BackendError, RemoteAgent, TransferBackend
+from ._backend import BackendClosing, BackendError, RemoteAgent, TransferBackend
 from ._config import ConnectorConfig
-from ._engines import EngineEvent, EngineRecord, EngineState, FailureCause, PullAction
+from ._engines import (
+    EngineEvent,
+    EngineRecord,
+    EngineState,
+    FailureCause,
+    MetadataOutcome,
+    PullAction,
+)
 from ._errors import HandshakeError, TransferError
 from ._fetch import FetchFailure, fetch_engine_metadata
 from ._layout import BlockIds, KVLayout
@@ -43,6 +50,9 @@ logger = logging.getLogger("trio_pd")
 
 HANDSHAKES_PER_PULL = 3
 """A pull gives up (``HandshakeError``) if its engine changed under this many handshakes."""
+
+MAX_RECORDS = 4096
+"""Remote engine records kept before idle ones (never answered, in backoff) are forgotten."""
 
 
 @attrs.define(eq=False)
@@ -55,8 +65,12 @@ class RemoteEngine:
             attempt gets a new event, so a waiter keeps the one it waited on.
         part: what this rank reads of that remote rank, and where it lands
             (from the latest request's TP sizes).
-        remote_tp: the remote engine's TP size, as the latest request says.
-        agent: the loaded remote agent while the record is ``READY``.
+        remote_tp: the remote engine's TP size, as this record's requests say.
+        agent: the loaded remote agent while the record is ``READY`` (or
+            ``VERIFYING``).
+        deadline: when the current attempt must be over (trio's clock):
+            ``handshake_timeout`` after it started, fetch, queue and load
+            together.
     """
 
     record: EngineRecord
@@ -64,6 +78,7 @@ class RemoteEngine:
     remote_tp: int = 1
     attempt_done: trio.Event = attrs.field(factory=trio.Event)
     agent: RemoteAgent | None = None
+    deadline: float = 0.0
 
     @property
     def rank_label(self) -> str:
@@ -80,6 +95,7 @@ class ConsumerCounters:
     handshake_failures: Counter[FailureCause] = attrs.field(factory=Counter)
     pulls_succeeded: int = 0
     pulls_failed: int = 0
+    pulls_rejected: int = 0
     pulls_rejected_in_backoff: int = 0
     restarts_detected: int = 0
     peers_disconnected: int = 0
@@ -125,31 +141,69 @@ class Handshakes:
         self._nursery = nursery
         self._counters = counters
         self._compat_hash = protocol.compatibility_hash(config.compatibility_key)
-        self._engines: dict[tuple[str, int], RemoteEngine] = {}
-        """Keyed by (engine id, rank): each remote rank is its own agent and record."""
+        self._engines: dict[tuple[str, str, int, int, int], RemoteEngine] = {}
+        """Keyed by (engine id, host, port, TP size, rank): each remote rank is
+        its own agent and record, and so is every address a request names."""
         self._fetch_limiter = trio.CapacityLimiter(config.max_concurrent_fetches)
         self._loads_send, self._loads_receive = trio.open_memory_channel[tuple[RemoteEngine, int]](
             math.inf
         )
         self._rng = random.Random()
         self._closed = False
+        self._loads_queued = 0
 
     def engine(self, remote: RemoteBlocks, part: PullPart) -> RemoteEngine:
-        """The record of the remote rank ``part`` reads (created on first use)."""
-        key = (remote.engine_id, part.remote_rank)
+        """The record of the remote rank ``part`` reads, at the address and TP
+        size ``remote`` names (created on first use).
+
+        Keyed by everything a request claims about where the engine is: a
+        request that names a wrong host, port or TP size gets a record of its
+        own, whose handshake fails (its own request only), and never changes
+        the record that valid requests use.
+        """
+        port = remote.port + part.remote_rank
+        key = (remote.engine_id, remote.host, port, remote.tp_size, part.remote_rank)
         engine = self._engines.get(key)
         if engine is None:
-            record = EngineRecord(remote.engine_id, remote.host, remote.port + part.remote_rank)
-            engine = self._engines[key] = RemoteEngine(record, part)
-        engine.part, engine.remote_tp = part, remote.tp_size
+            self._forget_idle_records()
+            record = EngineRecord(
+                remote.engine_id, remote.host, port, verify_interval=self._config.backoff_initial
+            )
+            engine = self._engines[key] = RemoteEngine(record, part, remote.tp_size)
         return engine
 
+    def _forget_idle_records(self) -> None:
+        """Bound the records (requests may name any engine or address): past
+        :data:`MAX_RECORDS`, forget those in backoff or never answered."""
+        if len(self._engines) < MAX_RECORDS:
+            return
+        idle = (EngineState.UNKNOWN, EngineState.BACKOFF, EngineState.CLOSED)
+        for key in [k for k, e in self._engines.items() if e.record.state in idle]:
+            del self._engines[key]
+
+    def _records_of(self, engine_id: str, tp_rank: int | None) -> list[RemoteEngine]:
+        found = [
+            e
+            for (eid, _h, _p, _tp, rank), e in self._engines.items()
+            if eid == engine_id and (tp_rank is None or rank == tp_rank)
+        ]
+        if tp_rank is None and found:
+            lowest = min(e.part.remote_rank for e in found)
+            found = [e for e in found if e.part.remote_rank == lowest]
+        return found
+
     def engine_state(self, engine_id: str, tp_rank: int | None = None) -> EngineState:
-        ranks = sorted(rank for eid, rank in self._engines if eid == engine_id)
-        if tp_rank is None and ranks:
-            tp_rank = ranks[0]
-        engine = self._engines.get((engine_id, tp_rank or 0))
-        return EngineState.UNKNOWN if engine is None else engine.record.state
+        """The state of ``engine_id`` (rank ``tp_rank``, default the lowest read).
+
+        If requests named it at several addresses or TP sizes, the record in
+        service wins (``READY`` or ``VERIFYING``), else the latest.
+        """
+        found = self._records_of(engine_id, tp_rank)
+        if not found:
+            return EngineState.UNKNOWN
+        in_service = (EngineState.READY, EngineState.VERIFYING)
+        serving = [e for e in found if e.record.state in in_service]
+        return (serving or found)[-1].record.state
 
     def ready_count(self) -> int:
         """Remote engine ranks ready for pulls now."""
@@ -160,18 +214,22 @@ class Handshakes:
     ) -> RemoteAgent:
         """The agent that serves ``remote``, handshaking as the record says.
 
+        Every wait here ends within ``handshake_timeout`` of its start: each
+        attempt (or verification) is failed by its watchdog at its deadline,
+        however long it queued.
+
         Raises:
             HandshakeError: the attempt this pull waited on failed; the engine
-                is in backoff; or it changed under ``HANDSHAKES_PER_PULL``
-                handshakes.
-            TransferError: the blocks belong to an incarnation that is gone.
+                is in backoff; a verification it needed got no answer; or it
+                changed under ``HANDSHAKES_PER_PULL`` handshakes.
+            TransferError: the blocks belong to an incarnation that is not
+                running (gone, or refuted by the engine itself).
         """
         record = engine.record
-        port = remote.port + engine.part.remote_rank
         waits = 0
         while True:
             now = trio.current_time()
-            action = record.on_pull(remote.incarnation, remote.host, port, now)
+            action = record.on_pull(remote.incarnation, now)
             if action is PullAction.READY:
                 assert engine.agent is not None
                 if not engine.agent.retired:
@@ -182,37 +240,21 @@ class Handshakes:
                 continue
             if action is PullAction.FAIL_FAST:
                 self._counters.pulls_rejected_in_backoff += 1
-                assert record.error is not None
-                raise _copy(record.error)
+                raise _copy(record.fail_fast_error())
             if action is PullAction.GONE:
                 reason = engine.rank_label + record.why_gone(remote.incarnation)
                 raise TransferError(request_id, local_ids.tolist(), reason)
-            if action is PullAction.RETIRE_THEN_START:
-                self._counters.restarts_detected += 1
-                logger.warning(
-                    "engine %s restarted (incarnation %s, seen in request %r): "
-                    "retiring its old agent and handshaking again",
+            if action is PullAction.VERIFY:
+                logger.info(
+                    "engine %s: request %r names incarnation %s, %s is loaded: asking the engine",
                     record.engine_id,
-                    remote.incarnation,
                     remote.request_id,
+                    remote.incarnation,
+                    record.epoch,
                 )
-                retired, engine.agent = engine.agent, None
                 self._start_attempt(engine)
-                if retired is not None:
-                    with trio.CancelScope(shield=True):
-                        await self._backend.retire(retired)
             elif action is PullAction.START:
                 self._start_attempt(engine)
-            elif (record.host, record.port) != (remote.host, port):
-                logger.warning(
-                    "engine %s is being reached at %s:%d; ignoring the address %s:%d of %r",
-                    record.engine_id,
-                    record.host,
-                    record.port,
-                    remote.host,
-                    port,
-                    remote.request_id,
-                )
             if waits == HANDSHAKES_PER_PULL:
                 reason = f"the engine changed during {HANDSHAKES_PER_PULL} handshakes"
                 raise HandshakeError(remote.engine_id, reason)
@@ -225,21 +267,33 @@ class Handshakes:
                 raise _copy(error)
 
     def _start_attempt(self, engine: RemoteEngine) -> None:
+        """Start the record's new attempt: its fetch task and its watchdog."""
         record = engine.record
         engine.attempt_done = trio.Event()
+        engine.deadline = trio.current_time() + self._config.handshake_timeout
         self._counters.handshakes_started += 1
+        verifying = record.state is EngineState.VERIFYING
         logger.info(
-            "engine %s: handshake %d started (%s:%d)",
+            "engine %s: %s %d started (%s:%d)",
             record.engine_id,
+            "verification" if verifying else "handshake",
             record.attempts,
             record.host,
             record.port,
         )
         self._nursery.start_soon(self._fetch_metadata, engine, record.attempts)
+        self._nursery.start_soon(self._attempt_deadline, engine, record.attempts)
+
+    def _current(self, engine: RemoteEngine, attempt: int, *states: EngineState) -> bool:
+        """Whether ``attempt`` is still the engine's current one, in one of ``states``."""
+        record = engine.record
+        return not self._closed and record.attempts == attempt and record.state in states
 
     async def _fetch_metadata(self, engine: RemoteEngine, attempt: int) -> None:
-        """Fetch and check ``engine``'s metadata, then queue it for the handshake task."""
+        """Fetch and check ``engine``'s metadata, then act on it: queue the load,
+        or end a verification."""
         record = engine.record
+        pending = (EngineState.FETCHING, EngineState.VERIFYING)
         try:
             metadata, layout = await fetch_engine_metadata(
                 self._zmq,
@@ -254,26 +308,52 @@ class Handshakes:
                 compat_hash=self._compat_hash,
                 config=self._config,
                 limiter=self._fetch_limiter,
+                deadline=engine.deadline,
             )
         except FetchFailure as failure:
-            if not self._closed:
+            if self._current(engine, attempt, *pending):
                 self._handshake_failed(engine, failure.cause, failure.error)
             return
-        if self._closed:
-            # The reply was taken from the socket just before the connector
-            # closed (a successful receive is not undone by cancellation).
+        # (A reply taken from the socket just before the connector closed, or
+        # after the watchdog or a lost peer ended the attempt, is dropped.)
+        if not self._current(engine, attempt, *pending):
             return
-        record.metadata_received(metadata, layout)
+        outcome = record.metadata_received(metadata, layout)
+        if outcome is MetadataOutcome.SAME:
+            logger.info(
+                "engine %s: still runs incarnation %s; request incarnation %s refuted",
+                record.engine_id,
+                metadata.incarnation,
+                record.sought_incarnation,
+            )
+            engine.attempt_done.set()
+            return
+        if outcome is MetadataOutcome.RESTARTED:
+            self._counters.restarts_detected += 1
+            logger.warning(
+                "engine %s restarted (now incarnation %s): retiring its old agent",
+                record.engine_id,
+                metadata.incarnation,
+            )
+            retired, engine.agent = engine.agent, None
+            if retired is not None:
+                with trio.CancelScope(shield=True):
+                    await self._backend.retire(retired)
+        self._loads_queued += 1
         self._loads_send.send_nowait((engine, attempt))
 
     async def _load(self, engine: RemoteEngine, attempt: int) -> None:
-        """Load one engine's agent; its waiters fail if that takes over ``handshake_timeout``.
+        """Load one engine's agent, giving up at the attempt's deadline.
 
-        The backend's call cannot be abandoned (NIXL calls are not
-        interruptible), so the deadline is kept by a watchdog that fails the
-        attempt; an agent that loads after it is retired at once.
+        The load is cancelled at the deadline, so one that never returns does
+        not hold up the loads queued behind it (a backend whose call cannot
+        be interrupted abandons it, and fails later loads fast while it is
+        stuck: see ``TransferBackend.load_remote``). An agent that loads
+        after its attempt ended is retired at once.
         """
         record = engine.record
+        if not self._current(engine, attempt, EngineState.LOADING):
+            return  # its attempt already failed (the watchdog) while it queued
         metadata, layout = record.metadata, record.layout
         assert metadata is not None
         assert layout is not None
@@ -281,8 +361,7 @@ class Handshakes:
         local_view, remote_view = part_layouts(self._layout, layout, engine.part)
         remote: RemoteAgent | None = None
         error: HandshakeError | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._load_deadline, engine, attempt)
+        with trio.move_on_at(engine.deadline):
             try:
                 remote = await self._backend.load_remote(
                     record.engine_id,
@@ -296,15 +375,17 @@ class Handshakes:
                 reason = f"{engine.rank_label}loading the remote agent: {exc}"
                 error = HandshakeError(record.engine_id, reason)
                 error.__cause__ = exc
-            nursery.cancel_scope.cancel()
-        if record.state is not EngineState.LOADING or record.attempts != attempt:
+            except BackendClosing:
+                return  # the connector is closing: its waiters are woken by begin_close
+        if not self._current(engine, attempt, EngineState.LOADING):
             if remote is not None:  # too late: its waiters already failed
                 await self._backend.retire(remote)
             return
-        if error is not None:
+        if remote is None:
+            if error is None:  # the deadline, at the same moment as the watchdog
+                error = self._deadline_error(engine)
             self._handshake_failed(engine, FailureCause.NIXL, error)
             return
-        assert remote is not None
         record.loaded()
         engine.agent = remote
         engine.attempt_done.set()
@@ -318,26 +399,52 @@ class Handshakes:
             (time.perf_counter() - started) * 1e3,
         )
 
-    async def _load_deadline(self, engine: RemoteEngine, attempt: int) -> None:
+    def _deadline_error(self, engine: RemoteEngine) -> HandshakeError:
         timeout = self._config.handshake_timeout
-        await trio.sleep(timeout)
-        if engine.record.state is EngineState.LOADING and engine.record.attempts == attempt:
-            reason = f"{engine.rank_label}loading the remote agent took longer than {timeout:g} s"
-            error = HandshakeError(engine.record.engine_id, reason)
-            self._handshake_failed(engine, FailureCause.NIXL, error)
+        phase = {
+            EngineState.FETCHING: "no metadata",
+            EngineState.VERIFYING: "no answer to the verification",
+            EngineState.LOADING: "the remote agent was not loaded",
+        }.get(engine.record.state, "not done")
+        queued = self._loads_queued
+        behind = f" ({queued} loads queued)" if queued else ""
+        stuck = self._backend.stuck_call
+        if stuck:
+            behind += f"; the transfer backend is stuck: {stuck}"
+        reason = f"{engine.rank_label}{phase} within {timeout:g} s of the handshake's start{behind}"
+        return HandshakeError(engine.record.engine_id, reason)
+
+    async def _attempt_deadline(self, engine: RemoteEngine, attempt: int) -> None:
+        """Fail ``attempt`` at its deadline if its agent is still queued for loading.
+
+        (The fetch keeps the same deadline itself, and reports why it failed;
+        a load under way is cancelled at it by :meth:`_load`.)
+        """
+        await trio.sleep_until(engine.deadline)
+        if self._current(engine, attempt, EngineState.LOADING):
+            self._handshake_failed(engine, FailureCause.NIXL, self._deadline_error(engine))
 
     def _handshake_failed(
         self, engine: RemoteEngine, cause: FailureCause, error: HandshakeError
     ) -> None:
-        delay = engine.record.failed(error, trio.current_time(), self._config.backoff, self._rng)
-        engine.attempt_done.set()
+        record = engine.record
         self._counters.handshake_failures[cause] += 1
+        if record.state is EngineState.VERIFYING:
+            record.verification_failed(error)
+            engine.attempt_done.set()
+            logger.warning("%s (verification; the loaded agent stays in service)", error)
+            return
+        delay = record.failed(error, trio.current_time(), self._config.backoff, self._rng)
+        engine.attempt_done.set()
         logger.warning("%s (next attempt allowed in %.2f s)", error, delay)
 
     async def run(self) -> None:
         """The handshake task: loads remote agents whose metadata arrived, in order."""
         async for engine, attempt in self._loads_receive:
-            await self._load(engine, attempt)
+            try:
+                await self._load(engine, attempt)
+            finally:
+                self._loads_queued -= 1
 
     def peer_lost(self, engine: RemoteEngine, agent: RemoteAgent, request_id: str) -> bool:
         """``agent`` is gone (NIXL said so, or the backend gave it up).
@@ -349,6 +456,7 @@ class Handshakes:
         if engine.agent is not agent or not engine.record.on_peer_lost(agent.incarnation):
             return False
         engine.agent = None
+        engine.attempt_done.set()  # (a verification's waiters ask again: a handshake is due)
         self._counters.peers_disconnected += 1
         logger.warning(
             "engine %s: peer lost during request %r; its agent will be removed and the "

@@ -43,11 +43,13 @@ import numpy.typing as npt
 import trio
 
 from ._backend import (
+    NO_UNSETTLED,
     BackendClosing,
     BackendError,
     RemoteAgent,
     RemoteAgents,
     TransferTimeout,
+    UnsettledHook,
 )
 from ._config import ConnectorConfig
 from ._driver import Job, Outcome, TransferDriver
@@ -64,6 +66,10 @@ logger = logging.getLogger("trio_pd.nixl")
 
 _T = TypeVar("_T")
 
+
+_KEPT_FOR_RUNNING_TRANSFERS: list[NixlBackend] = []
+"""Backends closed while a transfer NIXL could not stop still ran: kept alive
+(agent, registrations, the KV tensors) so that it never writes freed memory."""
 
 READS_EXPECTED_FOR = 0.5
 """How long after blocks are exposed, or a notification arrives, the producer
@@ -105,8 +111,10 @@ class NixlBackend:
         local_dlist: Any,
         layout: KVLayout,
         config: ConnectorConfig,
+        kv_caches: Sequence[torch.Tensor] = (),
     ) -> None:
         self.layout = layout
+        self._kv_caches = list(kv_caches)  # (referenced: kept alive while registered)
         self._agent_name: str = agent.name
         self._agent = agent
         self._registration = registration
@@ -125,6 +133,7 @@ class NixlBackend:
         self._expecting_until = 0.0
         self._reads_expected = threading.Event()
         self._unsettled = 0
+        self._stuck_load: _LoadProgress | None = None
         self.job_observer: Callable[[Job], None] | None = None
         """Called on the trio thread with every finished job (measurements:
         the benchmarks break a pull's time down with the job's timestamps)."""
@@ -157,7 +166,7 @@ class NixlBackend:
         except BackendError as exc:
             _drop_locals(exc)
             raise
-        return cls(*parts, layout, config)
+        return cls(*parts, layout, config, kv_caches)
 
     @property
     def agent_name(self) -> str:
@@ -192,6 +201,15 @@ class NixlBackend:
         """Failed reads whose transfer could not be stopped and still runs."""
         return self._unsettled
 
+    @property
+    def stuck_call(self) -> str:
+        """The NIXL call an abandoned load is still in (``""`` once it returned)."""
+        stuck = self._stuck_load
+        if stuck is None or stuck.finished:
+            return ""
+        age = time.monotonic() - stuck.started
+        return f"{stuck.call} for agent {stuck.agent_name!r} ({age:.1f} s)"
+
     def agent_metadata(self) -> bytes:
         data: bytes = self._live_agent().get_agent_metadata()
         return data
@@ -205,8 +223,10 @@ class NixlBackend:
         """Stop the driver, then release remote agents, descriptor lists and memory.
 
         Idempotent. Stopping the driver waits (at most ``close_timeout``) for
-        its running transfers to stop; what still runs then is released
-        anyway, since the agent goes away next. The releases run in a
+        its running transfers to stop. If one still runs then (NIXL cannot
+        stop it), nothing is released: the agent, its registrations and the
+        KV tensors are kept for the life of the process (logged as an
+        error), since a transfer may still write that memory. The releases run in a
         worker thread that is not abandoned (freeing registrations under a
         running NIXL call would crash); each takes
         milliseconds. The bookkeeping is dropped here, on the trio thread.
@@ -217,6 +237,18 @@ class NixlBackend:
             await trio.lowlevel.checkpoint()
             return
         await self._driver.stop()
+        if self._driver.transfers_kept:
+            # Deregistering (or letting the caller free the tensors) under a
+            # running transfer lets it write into freed memory: keep it all.
+            _KEPT_FOR_RUNNING_TRANSFERS.append(self)
+            logger.error(
+                "agent %s closed with %d transfers still running: its agent, remote agents "
+                "and KV-cache memory stay registered (and the tensors referenced) for the "
+                "life of the process",
+                self._agent_name,
+                self._driver.transfers_kept,
+            )
+            return
         remotes = self._remotes.all()
         for remote in remotes:
             self._remotes.discard(remote)
@@ -228,6 +260,7 @@ class NixlBackend:
         # Handle wrappers keep the agent alive: drop every reference to them.
         self._local_views.clear()
         self._local_dlist = self._registration = self._agent = None
+        self._kv_caches = []
         await trio.to_thread.run_sync(self._close_blocking, agent, handles, views, *owned)
 
     def _close_blocking(
@@ -287,10 +320,47 @@ class NixlBackend:
             await trio.lowlevel.checkpoint()
             logger.info("engine %s: agent %s still loaded; used again", engine_id, agent_name)
             return revived
+        stuck = self.stuck_call
+        if stuck:
+            await trio.lowlevel.checkpoint()
+            raise BackendError(
+                f"not loading agent {agent_name!r}: an earlier load is stuck in {stuck}, "
+                "and NIXL would queue this one behind it"
+            )
         local_dlist = await self._local_view(local_layout)
-        dlist = await self.run_blocking(
-            self._handshake_limiter, self._load_blocking, agent_name, agent_metadata, layout
-        )
+        progress = _LoadProgress(agent_name)
+        try:
+            dlist = await trio.to_thread.run_sync(
+                self._load_blocking,
+                agent_name,
+                agent_metadata,
+                layout,
+                progress,
+                limiter=self._handshake_limiter,
+                abandon_on_cancel=True,
+            )
+        except trio.Cancelled:
+            if progress.abandon():
+                self._stuck_load = progress
+                logger.error(
+                    "loading agent %s: abandoned at its handshake's deadline, still in %s; "
+                    "loads fail fast until it returns",
+                    agent_name,
+                    progress.call,
+                )
+            elif progress.result is not None:  # it loaded just as it was abandoned
+                with trio.move_on_after(self._config.close_timeout, shield=True):
+                    await self.run_blocking(
+                        self._handshake_limiter,
+                        _release_remote,
+                        self._agent,
+                        agent_name,
+                        progress.result,
+                    )
+            raise
+        except (BackendError, BackendClosing) as exc:
+            _drop_locals(exc)
+            raise
         remote = RemoteAgent(
             engine_id, incarnation, agent_name, layout, local_layout, dlist, local_dlist
         )
@@ -338,8 +408,13 @@ class NixlBackend:
         else:
             logger.info("engine %s: removed stale agent %s", remote.engine_id, remote.agent_name)
 
-    def _load_blocking(self, agent_name: str, agent_metadata: bytes, layout: KVLayout) -> Any:
+    def _load_blocking(
+        self, agent_name: str, agent_metadata: bytes, layout: KVLayout, progress: _LoadProgress
+    ) -> Any:
+        """Load, prepare and connect (a worker thread); if the trio side
+        abandoned it meanwhile, release what it loaded instead of returning it."""
         agent = self._live_agent()
+        progress.call = "add_remote_agent"
         with _nixl_errors("add_remote_agent"):
             loaded = agent.add_remote_agent(agent_metadata)
         loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
@@ -348,14 +423,18 @@ class NixlBackend:
                 raise BackendError(
                     f"metadata names agent {loaded_name!r}, reply said {agent_name!r}"
                 )
+            progress.call = "prep_xfer_dlist"
             with _nixl_errors("prep_xfer_dlist"):
                 dlist = agent.prep_xfer_dlist(
                     loaded_name, layout.strided_descriptors(), layout.mem_type
                 )
             try:
                 # Connect now (UCX wire-up) rather than in the first pull.
+                progress.call = "make_connection"
                 with _nixl_errors("make_connection"):
                     agent.make_connection(loaded_name)
+                if not progress.finish(dlist):  # abandoned by the trio side: nobody takes it
+                    raise BackendError("abandoned")
             except BaseException:
                 dlist.release()
                 raise
@@ -365,6 +444,8 @@ class NixlBackend:
             except Exception:
                 logger.exception("could not remove half-loaded agent %s", loaded_name)
             raise
+        finally:
+            progress.finish()
         return dlist
 
     # ---- data plane -----------------------------------------------------
@@ -375,6 +456,7 @@ class NixlBackend:
         local_indices: npt.NDArray[np.int32],
         remote_indices: npt.NDArray[np.int32],
         notification: bytes,
+        unsettled: UnsettledHook = NO_UNSETTLED,
     ) -> None:
         """READ the remote descriptors into the local ones, with a notification.
 
@@ -385,9 +467,11 @@ class NixlBackend:
         cancellation, timeout, close or an error the driver stops posting
         and waits (up to ``close_timeout``) for what runs to end. A transfer
         still running then (its peer unreachable: NIXL cannot cancel it) is
-        kept and polled until it really ends; the read raises
-        :class:`BackendError` with ``peer_lost`` and ``settled``, the
-        remote agent is retired, and it stays loaded (held) until then.
+        kept and polled until it really ends; ``unsettled`` is told (see
+        :meth:`TransferBackend.read`), whichever way this exits; unless the
+        caller was cancelled, the read raises :class:`BackendError` with
+        ``peer_lost`` and ``settled``; the remote agent is retired, and it
+        stays loaded (held) until then.
 
         Raises:
             BackendError: NIXL reported ERR or raised; or a transfer could
@@ -402,7 +486,7 @@ class NixlBackend:
             await self._run_job(job)
         finally:
             if job.still_running:  # give the agent up, but keep it loaded until then
-                self._hold_until_settled(remote, job)
+                self._hold_until_settled(remote, job, unsettled)
                 with trio.move_on_after(self._config.close_timeout, shield=True):
                     await self.retire(remote)
         if job.still_running:
@@ -493,8 +577,8 @@ class NixlBackend:
             raise BackendClosing
         raise BackendError(f"transfer ended {job.outcome}")  # (CANCELLED: cancel re-raised)
 
-    def _hold_until_settled(self, remote: RemoteAgent, job: Job) -> None:
-        """Keep ``remote`` loaded until ``job``'s last transfer ended.
+    def _hold_until_settled(self, remote: RemoteAgent, job: Job, unsettled: UnsettledHook) -> None:
+        """Keep ``remote`` loaded, and the caller told, until ``job``'s last transfer ended.
 
         Its descriptor lists are in use by that transfer: it is unloaded
         after it settles (at the next load or at close), not before.
@@ -502,11 +586,12 @@ class NixlBackend:
         if not job.settled.is_set():
             remote.users += 1
             self._unsettled += 1
-            job.on_settled = functools.partial(self._drop_hold, remote)
+            job.on_settled = functools.partial(self._drop_hold, remote, unsettled())
 
-    def _drop_hold(self, remote: RemoteAgent) -> None:
+    def _drop_hold(self, remote: RemoteAgent, settle: Callable[[], None]) -> None:
         remote.users -= 1  # (unloaded by the next load_remote or by aclose)
         self._unsettled -= 1
+        settle()
 
     def expect_reads(self) -> None:
         """Poll at full rate for the next ``READS_EXPECTED_FOR`` (0.5) s (see
@@ -602,6 +687,39 @@ class NixlBackend:
         if agent is None:
             raise BackendClosing
         return agent
+
+
+class _LoadProgress:
+    """Where a load's worker thread is, shared by that thread and the trio thread.
+
+    The thread names the NIXL call it is in (``call``). ``finish`` (thread)
+    and ``abandon`` (trio) race under a lock: exactly one wins, so a load
+    that returns just as it is abandoned is either taken or released, never
+    both or neither.
+    """
+
+    def __init__(self, agent_name: str) -> None:
+        self.agent_name = agent_name
+        self.call = "waiting for the handshake limiter"
+        self.started = time.monotonic()
+        self.finished = False
+        self.result: Any = None
+        self._abandoned = False
+        self._lock = threading.Lock()
+
+    def finish(self, result: Any = None) -> bool:
+        """(Thread) the load ended (with ``result``, the descriptor list, if it
+        loaded); False if the trio side had abandoned it first."""
+        with self._lock:
+            if not self.finished:
+                self.finished, self.result = True, result
+            return not self._abandoned
+
+    def abandon(self) -> bool:
+        """(Trio) give up on the load; False if it had already finished."""
+        with self._lock:
+            self._abandoned = True
+            return not self.finished
 
 
 def _release_remote(agent: Any, agent_name: str, dlist: Any) -> None:

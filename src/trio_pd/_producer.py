@@ -262,6 +262,7 @@ class Producer:
             except BackendError as exc:
                 logger.error("engine %s: %s", self._engine_id, exc)
                 batches = {}
+                await trio.sleep(config.idle_notification_poll_interval)  # (no busy loop)
             for consumer, messages in batches.items():
                 for message in messages:
                     self._count_notification(consumer, message)

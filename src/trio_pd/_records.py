@@ -151,6 +151,9 @@ class ConsumerStatistics:
     remote_agents_loaded: int
     transfers_posted: int
     transfers_unsettled: int
+    pulls_rejected: int = 0
+    blocks_unsettled: int = 0
+    backend_stuck_call: str = ""
 
 
 @attrs.frozen
@@ -196,10 +199,18 @@ class ConnectorStatistics:
             that reach it together share one, so ``pulls_succeeded /
             transfers_posted`` shows how much batching happens; a large pull
             posts several (one per ``max_bytes_per_transfer``).
-        transfers_unsettled: pulls that failed with a transfer that could not
-            be stopped (its peer unreachable) and that has not ended yet: their
-            local blocks may still be written (see
-            :class:`~trio_pd.TransferError`). Normally 0.
+        transfers_unsettled: pulls that ended (failed, cancelled) with a
+            transfer that could not be stopped (its peer unreachable) and
+            that has not ended yet: their local blocks may still be written
+            (see :meth:`~trio_pd.Connector.unsettled_blocks`). Normally 0.
+        pulls_rejected: pulls refused for their parameters
+            (:class:`~trio_pd.ParamsRejectedError`: a token that does not
+            verify, remote block ids out of range). Not in ``pulls_failed``.
+        blocks_unsettled: local blocks that such transfers may still write
+            (the size of :meth:`~trio_pd.Connector.unsettled_blocks`).
+        backend_stuck_call: the NIXL call a remote-agent load is stuck in,
+            with the agent and for how long (``""`` when none); while set,
+            handshakes fail fast rather than queue behind it.
         exposures_pending: producer side: exposures not resolved yet.
         exposures_released: exposures resolved ``READ``.
         exposures_expired: exposures resolved ``EXPIRED``.
@@ -232,6 +243,9 @@ class ConnectorStatistics:
     remote_agents_loaded: int = 0
     transfers_posted: int = 0
     transfers_unsettled: int = 0
+    pulls_rejected: int = 0
+    blocks_unsettled: int = 0
+    backend_stuck_call: str = ""
 
     @classmethod
     def of_roles(

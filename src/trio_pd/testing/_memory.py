@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING
 
@@ -30,11 +30,13 @@ import numpy.typing as npt
 import trio
 
 from .._backend import (
+    NO_UNSETTLED,
     BackendClosing,
     BackendError,
     RemoteAgent,
     RemoteAgents,
     TransferTimeout,
+    UnsettledHook,
 )
 from .._config import ConnectorConfig
 from .._layout import KVLayout
@@ -61,6 +63,13 @@ class MemoryFaults:
         load_delay: loading the engine's agent takes this long.
         load_error: if set, loading the engine's agent fails with this message.
         hang_loads: loading the engine's agent never completes.
+        unstoppable_reads: READs never complete *and cannot be stopped*, like
+            a NIXL transfer to a partitioned peer: told to stop (cancel,
+            timeout, close), one keeps running past ``close_timeout``, its
+            local blocks reported unsettled; when
+            :meth:`MemoryFabric.finish_unstoppable_reads` is called, each
+            copies the producer's blocks as they are *then* (a late write)
+            and delivers its notification; only then is it settled.
     """
 
     read_delay: float = 0.0
@@ -69,6 +78,16 @@ class MemoryFaults:
     load_delay: float = 0.0
     load_error: str | None = None
     hang_loads: bool = False
+    unstoppable_reads: bool = False
+
+
+@attrs.define(eq=False)
+class _UnstoppableRead:
+    """A READ under ``unstoppable_reads``: copies when finished, whenever that is."""
+
+    copy: Callable[[], None]
+    done: trio.Event = attrs.field(factory=trio.Event)
+    on_done: list[Callable[[], None]] = attrs.field(factory=list)
 
 
 class MemoryFabric:
@@ -86,6 +105,7 @@ class MemoryFabric:
         """READs that copied bytes, over the fabric's life."""
         self.backends: list[MemoryBackend] = []
         """Every backend this fabric made, in order (closed ones included)."""
+        self._unstoppable: dict[str, list[_UnstoppableRead]] = defaultdict(list)
 
     async def backend(
         self,
@@ -104,8 +124,17 @@ class MemoryFabric:
         return backend
 
     def faults(self, engine_id: str) -> MemoryFaults:
-        """The faults for calls that target ``engine_id`` (created on first use)."""
+        """The faults for calls that target ``engine_id`` (created on first use).
+
+        ``engine_id`` may also be one agent's name (``"{engine_id}#{incarnation}"``,
+        e.g. one rank of a tensor-parallel engine): its faults then apply to
+        that agent instead of the engine's.
+        """
         return self._faults[engine_id]
+
+    def _faults_for(self, remote: RemoteAgent) -> MemoryFaults:
+        by_agent = self._faults.get(remote.agent_name)
+        return by_agent if by_agent is not None else self._faults[remote.engine_id]
 
     def cut(self, engine_id: str) -> None:
         """Cut ``engine_id``'s data plane: its agents cannot be loaded or read."""
@@ -114,6 +143,21 @@ class MemoryFabric:
     def restore(self, engine_id: str) -> None:
         """Undo :meth:`cut`."""
         self._cut.discard(engine_id)
+
+    def unstoppable_reads_running(self, engine_id: str) -> int:
+        """READs from ``engine_id`` held by ``unstoppable_reads`` now."""
+        return len(self._unstoppable[engine_id])
+
+    def finish_unstoppable_reads(self, engine_id: str) -> int:
+        """Let every READ held by ``unstoppable_reads`` of ``engine_id`` end now:
+        each copies (late, if its pull already ended) and settles. Returns how many."""
+        reads, self._unstoppable[engine_id] = self._unstoppable[engine_id], []
+        for read in reads:
+            read.copy()
+            read.done.set()
+            for callback in read.on_done:
+                callback()
+        return len(reads)
 
     def _reach(self, agent_name: str) -> MemoryBackend | None:
         agent = self._agents.get(agent_name)
@@ -149,7 +193,9 @@ class MemoryBackend:
         self._notified = trio.Event()
         self._closing = trio.Event()
         self._transfer_timeout = config.transfer_timeout
+        self._close_timeout = config.close_timeout
         self._reads = 0
+        self._unsettled = 0
 
     @property
     def agent_name(self) -> str:
@@ -165,7 +211,11 @@ class MemoryBackend:
 
     @property
     def transfers_unsettled(self) -> int:
-        return 0  # (an in-memory read always stops when told to)
+        return self._unsettled
+
+    @property
+    def stuck_call(self) -> str:
+        return ""  # (a hung in-memory load is cancelled; it holds no lock)
 
     def remote_agents(self) -> list[RemoteAgent]:
         """The remote agents loaded now (for tests that act on them)."""
@@ -217,8 +267,14 @@ class MemoryBackend:
         local_indices: npt.NDArray[np.int32],
         remote_indices: npt.NDArray[np.int32],
         notification: bytes,
+        unsettled: UnsettledHook = NO_UNSETTLED,
     ) -> None:
-        faults = self._fabric.faults(remote.engine_id)
+        faults = self._fabric._faults_for(remote)
+        if faults.unstoppable_reads:
+            await self._unstoppable_read(
+                remote, local_indices, remote_indices, notification, unsettled
+            )
+            return
         with trio.move_on_after(self._transfer_timeout) as deadline:
             await self._wait(math.inf if faults.hang_reads else faults.read_delay)
         if deadline.cancelled_caught:
@@ -226,6 +282,16 @@ class MemoryBackend:
         peer = self._peer(remote)
         if faults.read_error is not None:
             raise BackendError(f"transfer: {faults.read_error}")
+        self._copy(peer, remote, local_indices, remote_indices)
+        peer._deliver(self._agent_name, notification)
+
+    def _copy(
+        self,
+        peer: MemoryBackend,
+        remote: RemoteAgent,
+        local_indices: npt.NDArray[np.int32],
+        remote_indices: npt.NDArray[np.int32],
+    ) -> None:
         _copy_blocks(
             _view_bytes(self._blocks, self._layout, remote.local_layout),
             local_indices,
@@ -234,7 +300,61 @@ class MemoryBackend:
         )
         self._fabric.reads += 1
         self._reads += 1
-        peer._deliver(self._agent_name, notification)
+
+    async def _unstoppable_read(
+        self,
+        remote: RemoteAgent,
+        local_indices: npt.NDArray[np.int32],
+        remote_indices: npt.NDArray[np.int32],
+        notification: bytes,
+        unsettled: UnsettledHook,
+    ) -> None:
+        """A READ that ends only when the fabric says so; stopping it does not
+        stop it (see ``MemoryFaults.unstoppable_reads``)."""
+        peer = self._peer(remote)
+
+        def copy() -> None:
+            self._copy(peer, remote, local_indices, remote_indices)
+            peer._deliver(self._agent_name, notification)
+
+        read = _UnstoppableRead(copy)
+        self._fabric._unstoppable[remote.engine_id].append(read)
+        closing = False
+        try:
+            with trio.move_on_after(self._transfer_timeout):
+                async with trio.open_nursery() as nursery:
+
+                    async def until_closing() -> None:
+                        nonlocal closing
+                        await self._closing.wait()
+                        closing = True
+                        nursery.cancel_scope.cancel()
+
+                    nursery.start_soon(until_closing)
+                    await read.done.wait()
+                    nursery.cancel_scope.cancel()
+                    return
+        finally:
+            if not read.done.is_set():  # told to stop: it goes on, as NIXL's would
+                with trio.move_on_after(self._close_timeout, shield=True):
+                    await read.done.wait()
+            if not read.done.is_set():
+                self._unsettled += 1
+                read.on_done += [self._one_settled, unsettled()]
+        if read.done.is_set():
+            return  # (it finished while being stopped)
+        settled = trio.Event()
+        read.on_done.append(settled.set)
+        why = "closing" if closing else "timed out"
+        raise BackendError(
+            f"a transfer from {remote.agent_name!r} did not stop ({why}); its blocks may "
+            "still be written until it ends",
+            peer_lost=True,
+            settled=settled,
+        )
+
+    def _one_settled(self) -> None:
+        self._unsettled -= 1
 
     async def notify(self, remote: RemoteAgent, message: bytes) -> None:
         await trio.lowlevel.checkpoint()
