@@ -57,7 +57,11 @@ class NixlOnEventLoop(trio_pd.NixlBackend):
     """NIXL calls on the trio thread: what the worker threads spare the loop."""
 
     async def run_blocking(
-        self, limiter: trio.CapacityLimiter, fn: Callable[..., _T], *args: Any
+        self,
+        limiter: trio.CapacityLimiter,
+        fn: Callable[..., _T],
+        *args: Any,
+        abandon_on_cancel: bool = False,
     ) -> _T:
         await trio.lowlevel.checkpoint()
         return fn(*args)

@@ -46,7 +46,7 @@ from comparison import (
 )
 
 import trio_pd
-from trio_pd._driver import Job
+from trio_pd._jobs import Job
 from trio_pd._protocol import decode_notification
 from trio_pd.testing import (
     LoopStallMonitor,

@@ -127,8 +127,8 @@ def test_the_state_diagram_is_drawn_from_the_transition_table() -> None:
     assert sorted(edges) == sorted(expected)
     # A different table gives a different picture: nothing is drawn by hand.
     fewer = dict(TRANSITIONS)
-    del fewer[EngineState.READY, EngineEvent.PEER_RESTARTED]
-    assert "peer restarted" not in diagrams.engine_state_dot(fewer)
+    del fewer[EngineState.READY, EngineEvent.INCARNATION_MISMATCH]
+    assert "incarnation mismatch" not in diagrams.engine_state_dot(fewer)
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 4), (4, 2), (2, 2)])

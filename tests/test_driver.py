@@ -23,7 +23,8 @@ import trio
 
 import trio_pd
 from trio_pd._backend import BackendError
-from trio_pd._driver import Job, Outcome, TransferDriver
+from trio_pd._driver import TransferDriver
+from trio_pd._jobs import Job, Outcome
 from trio_pd._protocol import decode_notification, encode_notification
 from trio_pd.testing import WorkerSpec, mismatched_blocks, open_prefill_worker
 

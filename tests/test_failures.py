@@ -44,7 +44,7 @@ async def test_a_restarted_producer_is_detected_and_handshaked_again() -> None:
                 assert await second.wait_released("r3") is trio_pd.Released.READ
                 # Blocks of the old incarnation are never read through new metadata.
                 with pytest.raises(
-                    trio_pd.TransferError, match="restarted and the blocks are gone"
+                    trio_pd.TransferError, match="restarted since those blocks were exposed"
                 ):
                     await decoder.pull("d2", [1], stale)
                 assert not local[0][1].any()

@@ -31,7 +31,12 @@ def test_remote_blocks_converts_block_ids_to_an_int_tuple() -> None:
 
 
 def test_kv_transfer_params_use_vllm_key_names_plus_the_incarnation() -> None:
-    assert BLOCKS.to_kv_transfer_params() == {**PARAMS, "remote_incarnation": "", "tp_size": 1}
+    assert BLOCKS.to_kv_transfer_params() == {
+        **PARAMS,
+        "remote_incarnation": "",
+        "tp_size": 1,
+        "remote_token": "",
+    }
 
 
 def test_kv_transfer_params_carry_the_tp_size_and_default_it_to_one() -> None:
@@ -244,3 +249,14 @@ def test_config_nixl_num_threads_rejects_bools_and_floats(value: object) -> None
 def test_config_nixl_num_threads_rejects_strings() -> None:
     with pytest.raises(ValueError, match="nixl_num_threads"):
         ConnectorConfig(nixl_num_threads="2")  # type: ignore[arg-type]
+
+
+def test_vllm_style_nulls_mean_absent_and_a_token_must_be_a_string() -> None:
+    params = {**PARAMS, "remote_incarnation": None, "remote_token": None, "tp_size": None}
+    parsed = RemoteBlocks.from_kv_transfer_params(params)
+    assert (parsed.incarnation, parsed.token, parsed.tp_size) == ("", "", 1)
+    signed = RemoteBlocks.from_kv_transfer_params({**PARAMS, "remote_token": "ab" * 16})
+    assert signed.token == "ab" * 16
+    assert RemoteBlocks.from_kv_transfer_params(signed.to_kv_transfer_params()) == signed
+    with pytest.raises(ValueError, match="remote_token"):
+        RemoteBlocks.from_kv_transfer_params({**PARAMS, "remote_token": 7})

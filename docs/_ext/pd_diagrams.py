@@ -41,6 +41,7 @@ _FILL = {
     EngineState.FETCHING: "#dbe9f8",
     EngineState.LOADING: "#dbe9f8",
     EngineState.READY: "#cdebc5",
+    EngineState.VERIFYING: "#e2f2d8",
     EngineState.BACKOFF: "#fbe3b8",
     EngineState.STALE: "#e4e4e4",
     EngineState.CLOSED: "#c9c9c9",

@@ -50,12 +50,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import enum
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -65,6 +63,7 @@ import trio
 
 from ._backend import BackendError
 from ._config import ConnectorConfig
+from ._jobs import Job, Outcome, wake
 from ._nixl_errors import backend_error, describe
 from ._protocol import join_notifications
 
@@ -80,72 +79,6 @@ JOBS_PER_BATCH = 128
 LINGER_POLL = 0.01
 """How often a transfer that could not be stopped is checked while nothing
 else runs (it waits for a partition to heal: no need to spin)."""
-
-
-class Outcome(enum.Enum):
-    """How a job ended."""
-
-    DONE = "done"
-    FAILED = "failed"  # ``Job.error`` says why
-    TIMED_OUT = "timed out"
-    CLOSING = "closing"
-    CANCELLED = "cancelled"
-
-
-@attrs.define(eq=False)
-class Job:
-    """One read of a pull's part (or, with no indices, one notification).
-
-    Built on the trio thread and handed to :meth:`TransferDriver.submit`.
-    The trio side may set ``cancel_requested`` and ``on_settled``; the driver
-    writes the rest and sets ``finished`` (then ``settled``) on the trio thread.
-
-    Attributes:
-        local_dlist, remote_dlist: prepared descriptor lists (cleared when finished).
-        local_indices, remote_indices: descriptor indices to read.
-        agent_name: the remote agent (the notification's destination).
-        notification: delivered to the remote once everything is read.
-        deadline: ``time.monotonic()`` by which the job must be done.
-        chunk: descriptors per posted transfer.
-        descriptor_bytes: bytes per descriptor (at most).
-        outcome: how it ended (set before ``finished``).
-        error: the failure, when ``outcome`` is FAILED.
-        still_running: it finished with transfers NIXL could not stop;
-            ``settled`` is set once they really ended.
-        on_settled: called on the trio thread right after ``settled`` is set.
-    """
-
-    local_dlist: Any
-    remote_dlist: Any
-    local_indices: npt.NDArray[np.int32]
-    remote_indices: npt.NDArray[np.int32]
-    agent_name: str
-    notification: bytes
-    deadline: float
-    chunk: int
-    descriptor_bytes: int
-    finished: trio.Event = attrs.field(factory=trio.Event)
-    settled: trio.Event = attrs.field(factory=trio.Event)
-    cancel_requested: bool = False
-    outcome: Outcome | None = None
-    error: BackendError | None = None
-    still_running: bool = False
-    on_settled: Callable[[], None] | None = None
-    # When (``time.monotonic()``): handed to the driver, first posted, finished
-    # by the driver, and its task woken (for measurements: see job_observer).
-    submitted_at: float = 0.0
-    posted_at: float = 0.0
-    finished_at: float = 0.0
-    woken_at: float = 0.0
-    # The driver's own bookkeeping.
-    posted: int = 0  # descriptors posted (-1: a notify-only job, sent)
-    running: int = 0  # its transfers still running
-    stopping: Outcome | None = None
-    stop_by: float = 0.0
-
-    @property
-    def size(self) -> int:
-        return len(self.local_indices)
 
 
 @attrs.define(eq=False)
@@ -557,14 +490,4 @@ class TransferDriver:
         settled, self._to_settle = self._to_settle, []
         assert self._token is not None
         with contextlib.suppress(trio.RunFinishedError):  # (the run ended: nobody waits)
-            self._token.run_sync_soon(_wake, finished, settled)
-
-
-def _wake(finished: list[Job], settled: list[Job]) -> None:
-    """On the trio thread: set the jobs' events (in this order)."""
-    for job in finished:
-        job.finished.set()
-    for job in settled:
-        job.settled.set()
-        if job.on_settled is not None:
-            job.on_settled()
+            self._token.run_sync_soon(wake, finished, settled)

@@ -35,7 +35,7 @@ class EngineState(enum.Enum):
     READY = "ready"
     """Remote agent loaded and descriptor list prepared; pulls go straight through."""
     VERIFYING = "verifying"
-    """A request named another incarnation than the loaded one: the engine is
+    """A request named another incarnation than the loaded one, and the engine is
     asked which one it runs. Pulls of the loaded incarnation still go
     straight through; the agent is retired only if the engine answers with a
     new one."""

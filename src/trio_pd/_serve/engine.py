@@ -306,7 +306,14 @@ class _ConnectorCollector:
         connectors = self._connectors()
         if not connectors:
             return []
-        stats = [attrs.asdict(c.statistics(), recurse=False) for c in connectors]
+        stats = [
+            {
+                name: value
+                for name, value in attrs.asdict(c.statistics(), recurse=False).items()
+                if not isinstance(value, str)  # (backend_stuck_call: /health says it)
+            }
+            for c in connectors
+        ]
         out: list[Metric] = []
         causes = CounterMetricFamily(
             "trio_pd_handshake_failures_by_cause",

@@ -74,12 +74,26 @@ class TestHost:
             )  # fmt: skip
 
     async def cut(self) -> None:
-        """Take the link down (a partition): nothing crosses it until :meth:`restore`."""
-        await _run("ip", "link", "set", self.link, "down")
+        """Partition the host: packets to it vanish silently until :meth:`restore`.
+
+        The host's end of the link goes down. The root end keeps its route
+        and a permanent neighbour entry for the host, so traffic to the host
+        is dropped on the link (as a partition drops it) instead of failing
+        fast, or -- with the route gone -- following the default route off
+        the machine.
+        """
+        await _run("ip", "-n", self.netns, "link", "set", self.peer, "down")
 
     async def restore(self) -> None:
-        """Bring the link back up after :meth:`cut`."""
-        await _run("ip", "link", "set", self.link, "up")
+        """Bring the host's end of the link back up after :meth:`cut`."""
+        await _run("ip", "-n", self.netns, "link", "set", self.peer, "up")
+
+
+async def _output(*command: str) -> str:
+    result = await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False)
+    if result.returncode:
+        raise RuntimeError(f"{' '.join(command)}: {result.stderr.decode().strip()}")
+    return result.stdout.decode()
 
 
 async def _run(*command: str) -> None:
@@ -146,6 +160,14 @@ async def _make(host: TestHost) -> None:
     await _run(*netns, "addr", "add", f"{host.address}/24", "dev", host.peer)
     await _run(*netns, "link", "set", host.peer, "up")
     await _run(*netns, "link", "set", "lo", "up")
+    # Permanent neighbour entries: a cut (the host's end down) then drops
+    # packets silently, with no ARP failure, and nothing is routed elsewhere.
+    peer_mac = (await _output(*netns, "-br", "link", "show", host.peer)).split()[2]
+    root_mac = (await _output("ip", "-br", "link", "show", host.link)).split()[2]
+    await _run("ip", "neigh", "replace", host.address, "lladdr", peer_mac, "dev", host.link,
+               "nud", "permanent")  # fmt: skip
+    await _run(*netns, "neigh", "replace", host.root_address, "lladdr", root_mac, "dev",
+               host.peer, "nud", "permanent")  # fmt: skip
 
 
 async def _remove(hosts: Sequence[TestHost]) -> None:
