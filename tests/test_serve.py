@@ -192,8 +192,9 @@ async def test_bad_requests_get_clear_errors_and_the_engines_keep_serving(
             assert response.status_code == 400
             assert (await client.get(f"{proxy}/v2/nothing")).status_code == 404
 
-            # A decode request for blocks of an engine that does not exist:
-            # a 502 that names the engine and the cause.
+            # A decode request for blocks that no prefill engine of this
+            # deployment exposed (no token, an engine that does not exist):
+            # a 400 naming the field, before anything is sent.
             gone = {
                 "do_remote_prefill": True,
                 "remote_engine_id": "prefill-gone",
@@ -206,10 +207,10 @@ async def test_bad_requests_get_clear_errors_and_the_engines_keep_serving(
                 f"{decode}/v1/completions",
                 json={"prompt": "y" * (BLOCK + 1), "kv_transfer_params": gone},
             )
-            assert response.status_code == 502
+            assert response.status_code == 400
             error = response.json()["error"]
-            assert error["type"] == "HandshakeError"
-            assert "prefill-gone" in error["message"]
+            assert error["param"] == "kv_transfer_params.remote_token"
+            assert "'remote_token'" in error["message"]
             # Parameters that are malformed, or do not fit the prompt, are the
             # client's error.
             response = await client.post(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -27,7 +28,12 @@ import trio
 from rich.console import Console
 from rich.table import Table
 
-from .._serve.engine import EngineSettings, write_json_atomically
+from .._serve.engine import (
+    EXPOSURE_SECRET_ENV,
+    MAX_MODEL_LEN,
+    EngineSettings,
+    write_json_atomically,
+)
 from .._serve.model import ModelConfig
 from .._serve.proxy import Proxy
 
@@ -51,6 +57,10 @@ class ServeOptions:
     num_blocks: int = 1024
     start_timeout: float = 120.0
 
+    def max_model_len(self) -> int:
+        """What every engine can hold: the model's context, or the pool if smaller."""
+        return min(MAX_MODEL_LEN, self.num_blocks * ModelConfig().block_size)
+
     def check(self) -> None:
         if self.prefill < 1 or self.decode < 1:
             raise ValueError("--prefill and --decode need at least one engine each")
@@ -71,6 +81,7 @@ async def run_serve(options: ServeOptions, console: Console) -> None:
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
+    secret = secrets.token_bytes(32)  # this deployment's exposure secret
     roles = [("prefill", i) for i in range(options.prefill)]
     roles += [("decode", i) for i in range(options.decode)]
     with (
@@ -110,7 +121,7 @@ async def run_serve(options: ServeOptions, console: Console) -> None:
                                 else options.decode_tp,
                             )
                             engine_nursery.start_soon(
-                                _engine_process, settings, options.grace, console
+                                _engine_process, settings, options.grace, console, secret
                             )
                 draining.set()  # (no engine is left: nothing to serve)
                 watcher.cancel()
@@ -128,7 +139,7 @@ async def run_serve(options: ServeOptions, console: Console) -> None:
                 httpx2.AsyncClient(timeout=httpx2.Timeout(60.0, connect=5.0)) as client,
                 trio.open_nursery() as proxy_nursery,
             ):
-                proxy = Proxy(prefill, decode, client)
+                proxy = Proxy(prefill, decode, client, max_model_len=options.max_model_len())
                 config = Config()
                 config.bind = [f"{options.host}:{options.port}"]
                 config.graceful_timeout = options.grace
@@ -151,7 +162,9 @@ async def run_serve(options: ServeOptions, console: Console) -> None:
     console.print("[bold]stopped[/]")
 
 
-async def _engine_process(settings: EngineSettings, grace: float, console: Console) -> None:
+async def _engine_process(
+    settings: EngineSettings, grace: float, console: Console, secret: bytes
+) -> None:
     """Run one engine process until cancelled, then SIGTERM it (SIGKILL after ``grace``).
 
     Raises:
@@ -172,7 +185,11 @@ async def _engine_process(settings: EngineSettings, grace: float, console: Conso
         "trio_pd._serve.engine",
         json.dumps(attrs.asdict(settings)),
     ]
-    env = {**os.environ, "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN")}
+    env = {
+        **os.environ,
+        "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN"),
+        EXPOSURE_SECRET_ENV: secret.hex(),  # (the engines of this deployment share it)
+    }
     result = await trio.run_process(
         command, check=False, deliver_cancel=terminate, env=env, stdin=subprocess.DEVNULL
     )

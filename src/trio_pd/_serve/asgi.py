@@ -25,12 +25,20 @@ Send = Callable[[Message], Awaitable[None]]
 
 
 class HTTPError(Exception):
-    """An error reply: ``status`` and a JSON body ``{"error": {...}}``."""
+    """An error reply: ``status`` and a JSON body ``{"error": {...}}``.
 
-    def __init__(self, status: int, message: str, kind: str, **extra: Any) -> None:
+    ``retry_after`` (seconds) becomes a ``Retry-After`` header (for 503s).
+    """
+
+    def __init__(
+        self, status: int, message: str, kind: str, *, retry_after: int | None = None, **extra: Any
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.body = {"error": {"message": message, "type": kind, **extra}}
+        self.headers: list[tuple[bytes, bytes]] = []
+        if retry_after is not None:
+            self.headers.append((b"retry-after", str(retry_after).encode()))
 
 
 async def read_json(receive: Receive, limit: int = 1 << 20) -> dict[str, Any]:
@@ -58,13 +66,15 @@ async def read_json(receive: Receive, limit: int = 1 << 20) -> dict[str, Any]:
     return data
 
 
-async def send_json(send: Send, status: int, data: Any) -> None:
+async def send_json(
+    send: Send, status: int, data: Any, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
     body = json.dumps(data).encode()
     await send(
         {
             "type": "http.response.start",
             "status": status,
-            "headers": [(b"content-type", b"application/json")],
+            "headers": [(b"content-type", b"application/json"), *(headers or [])],
         }
     )
     await send({"type": "http.response.body", "body": body})

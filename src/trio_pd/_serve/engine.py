@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import collections
+import contextlib
 import functools
 import itertools
 import json
@@ -61,7 +63,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from .._config import ConnectorConfig
 from .._connector import Connector, open_connector
-from .._errors import HandshakeError, TransferError
+from .._errors import HandshakeError, ParamsRejectedError, TransferError
 from .._groups import unwrapped_errors
 from .._records import RemoteBlocks
 from ..testing import free_port_range
@@ -83,6 +85,8 @@ logger = logging.getLogger("trio_pd.serve")
 
 MODEL_NAME = "trio-pd-tiny"
 MAX_TOKENS = 1024
+MAX_MODEL_LEN = 2048
+"""Prompt plus generated tokens (bytes): attention is quadratic in it."""
 
 
 @attrs.frozen
@@ -97,32 +101,95 @@ class EngineSettings:
     abort_timeout: float = 30.0
     ready_file: str = ""  # written with {"url": ...} once the engine accepts requests
     tp_size: int = 1
+    max_model_len: int = MAX_MODEL_LEN
+    admission_timeout: float = 10.0  # how long a request waits for free KV blocks
+
+
+EXPOSURE_SECRET_ENV = "TRIO_PD_EXPOSURE_SECRET"
+"""The environment variable that hands an engine its deployment's exposure
+secret (hex): not on the command line, where ``ps`` shows it."""
 
 
 class OutOfBlocks(Exception):
-    """The KV-cache pool has too few free blocks for a request."""
+    """The KV-cache pool did not have enough free blocks in time."""
+
+
+@attrs.define(eq=False)
+class _Turn:
+    """A request waiting for blocks; ``blocks`` are set aside for it when granted."""
+
+    count: int
+    granted: trio.Event = attrs.field(factory=trio.Event)
+    blocks: list[int] = attrs.field(factory=list)
 
 
 class BlockPool:
-    """The free KV-cache blocks of an engine (trio thread only)."""
+    """The free KV-cache blocks of an engine, handed out first come, first served.
+
+    Trio thread only. A request that needs more blocks than are free waits
+    (in order: a large request is not starved by small ones) until enough
+    are released or its deadline passes. Blocks are set aside for a waiter
+    when it is granted, so nobody takes them before it runs.
+    """
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
+        self._waiters: collections.deque[_Turn] = collections.deque()
 
     @property
     def free(self) -> int:
         return len(self._free)
 
-    def allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise OutOfBlocks(f"{count} KV blocks needed, {len(self._free)} free")
-        taken = self._free[len(self._free) - count :]
-        del self._free[len(self._free) - count :]
-        return taken[::-1]
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    async def allocate(self, count: int, *, deadline: float) -> list[int]:
+        """``count`` blocks, waiting until ``deadline`` (trio's clock) for them.
+
+        Raises:
+            ValueError: ``count`` is more than the whole pool.
+            OutOfBlocks: not enough were free by ``deadline``.
+        """
+        if count > self.num_blocks:
+            raise ValueError(f"{count} KV blocks needed, the pool has {self.num_blocks}")
+        turn = _Turn(count)
+        self._waiters.append(turn)
+        self._grant()
+        try:
+            with trio.move_on_at(deadline):
+                await turn.granted.wait()
+        except BaseException:  # cancelled (the client left): give back or step out
+            self._withdraw(turn)
+            raise
+        if not turn.granted.is_set():
+            self._withdraw(turn)
+            raise OutOfBlocks(
+                f"{count} KV blocks needed, {len(self._free)} free after waiting "
+                f"({len(self._waiters)} requests still waiting)"
+            )
+        return turn.blocks
 
     def release(self, blocks: Sequence[int]) -> None:
         self._free.extend(blocks)
+        self._grant()
+
+    def _withdraw(self, turn: _Turn) -> None:
+        if turn.granted.is_set():
+            self.release(turn.blocks)
+        else:
+            self._waiters.remove(turn)
+            self._grant()  # (the next one may fit now)
+
+    def _grant(self) -> None:
+        """Set blocks aside for the waiters at the head of the line, in order."""
+        while self._waiters and self._waiters[0].count <= len(self._free):
+            turn = self._waiters.popleft()
+            taken = self._free[len(self._free) - turn.count :]
+            del self._free[len(self._free) - turn.count :]
+            turn.blocks = taken[::-1]
+            turn.granted.set()
 
 
 class Engine:
@@ -173,10 +240,48 @@ class Engine:
             self.model.forward, self.cache, table, tokens, start, limiter=self.compute
         )
 
+    def admission_deadline(self) -> float:
+        return trio.current_time() + self.settings.admission_timeout
+
+    def check_fits(self, prompt: list[int], max_tokens: int) -> None:
+        """A 400 for a request that could never run here, before any work.
+
+        Raises:
+            HTTPError: prompt plus ``max_tokens`` is over ``max_model_len``, or
+                needs more KV blocks than the whole pool has.
+        """
+        total = len(prompt) + max_tokens
+        if total > self.settings.max_model_len:
+            raise HTTPError(
+                400,
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = {total} tokens, "
+                f"over this model's context of {self.settings.max_model_len}",
+                "invalid_request_error",
+                param="max_tokens",
+            )
+        needed = self.model.config.blocks_for(total)
+        if needed > self.pool.num_blocks:
+            raise HTTPError(
+                400,
+                f"the request needs {needed} KV blocks; engine {self.settings.engine_id} has "
+                f"{self.pool.num_blocks} in all: it can never run here",
+                "invalid_request_error",
+                param="max_tokens",
+            )
+
     async def prefill_for_remote(self, request_id: str, prompt: list[int]) -> dict[str, Any]:
-        """Compute the prompt's KV (all but the last token) and expose its blocks."""
+        """Compute the prompt's KV (all but the last token) and expose its blocks.
+
+        The blocks go back to the pool once every rank's exposure resolved
+        (read, abandoned or expired).
+
+        Raises:
+            OutOfBlocks: not enough blocks freed within ``admission_timeout``.
+        """
         connectors = self._connectors()
-        blocks = self.pool.allocate(self.model.config.blocks_for(len(prompt) - 1))
+        blocks = await self.pool.allocate(
+            self.model.config.blocks_for(len(prompt) - 1), deadline=self.admission_deadline()
+        )
         try:
             if len(prompt) > 1:
                 await self.step(blocks, prompt[:-1], 0)
@@ -188,15 +293,28 @@ class Engine:
             self.pool.release(blocks)
             raise
         assert self.nursery is not None
-        self.nursery.start_soon(self._release_when_read, connectors, request_id, blocks)
+        self.nursery.start_soon(self._release_when_released, connectors, request_id, blocks)
         return {**remote.to_kv_transfer_params(), "do_remote_prefill": True}
 
-    async def _release_when_read(
+    async def _release_when_released(
         self, connectors: list[Connector], request_id: str, blocks: list[int]
     ) -> None:
-        try:
-            for connector in connectors:
+        """Give ``blocks`` back once every rank's exposure of ``request_id`` resolved.
+
+        The ranks are waited on together: waited one after another, a
+        rank's outcome could leave its bounded history while an earlier rank
+        was still pending (a ``KeyError`` then). Cancelled at shutdown, when
+        the connectors close and the pool goes with them.
+        """
+
+        async def released(connector: Connector) -> None:
+            with contextlib.suppress(KeyError):  # (resolved long ago: forgotten)
                 await connector.wait_released(request_id)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for connector in connectors:
+                    nursery.start_soon(released, connector)
         finally:
             self.pool.release(blocks)
 
@@ -207,52 +325,59 @@ class Engine:
         """Blocks for the whole request, the prompt's KV in them, and a token iterator.
 
         With ``params`` (from a prefill engine) the prompt's KV is pulled;
-        without, computed here. The blocks go back to the pool when the
-        block exits -- unless a pull failed with a transfer still running
-        (``TransferError.settled``): then only once it has settled.
+        without, computed here. Waits up to ``admission_timeout`` for free
+        blocks. The blocks go back to the pool when the block exits --
+        unless a transfer that could not be stopped may still write them
+        (``Connector.unsettled_blocks``, whichever way the pull ended): then
+        only once it has settled.
 
         Raises:
             HandshakeError, TransferError: the pull failed.
-            HTTPError: ``params`` do not match the prompt.
+            ParamsRejectedError: ``params`` claim what the producer did not issue.
+            HTTPError: ``params`` are malformed or do not match the prompt.
+            OutOfBlocks: not enough blocks freed within ``admission_timeout``.
         """
         config = self.model.config
-        blocks = self.pool.allocate(config.blocks_for(len(prompt) + max_tokens))
-        settled: trio.Event | None = None
+        before = len(prompt) - 1
+        remote: RemoteBlocks | None = None
+        if params is not None:
+            remote = parse_remote_blocks(params, config.blocks_for(before), len(prompt))
+        connectors = self._connectors()
+        blocks = await self.pool.allocate(
+            config.blocks_for(len(prompt) + max_tokens), deadline=self.admission_deadline()
+        )
         try:
-            before = len(prompt) - 1
-            if params is not None:
-                try:
-                    remote = RemoteBlocks.from_kv_transfer_params(params)
-                except ValueError as exc:
-                    raise HTTPError(400, str(exc), "invalid_request_error") from None
-                if len(remote.block_ids) != config.blocks_for(before):
-                    raise HTTPError(
-                        400,
-                        f"kv_transfer_params hold {len(remote.block_ids)} blocks, a prompt of "
-                        f"{len(prompt)} tokens needs {config.blocks_for(before)}",
-                        "invalid_request_error",
-                    )
+            if remote is not None:
                 started = time.monotonic()
                 into = blocks[: len(remote.block_ids)]
-                try:
-                    await _pull_every_rank(self._connectors(), request_id, into, remote)
-                except TransferError as exc:
-                    settled = exc.settled
-                    raise
+                await _pull_every_rank(connectors, request_id, into, remote)
                 self.pull_seconds.observe(time.monotonic() - started)
             elif before > 0:
                 await self.step(blocks, prompt[:-1], 0)
             yield self._tokens(blocks, prompt, max_tokens)
         finally:
-            if settled is None:
-                self.pool.release(blocks)
-            else:  # its blocks may still be written: not before that transfer ended
-                assert self.nursery is not None
-                self.nursery.start_soon(self._release_when_settled, settled, blocks)
+            self._release_when_settled(connectors, blocks)
 
-    async def _release_when_settled(self, settled: trio.Event, blocks: list[int]) -> None:
-        await settled.wait()
-        self.pool.release(blocks)
+    def _release_when_settled(self, connectors: list[Connector], blocks: list[int]) -> None:
+        """Give ``blocks`` back now, or -- if a transfer may still write one of
+        them -- once every rank's transfers into them have settled."""
+        if all(connector.unsettled_blocks().isdisjoint(blocks) for connector in connectors):
+            self.pool.release(blocks)
+            return
+        logger.warning(
+            "engine %s: %d KV blocks kept out of the pool until a transfer that could not "
+            "be stopped ends",
+            self.settings.engine_id,
+            len(blocks),
+        )
+
+        async def when_settled() -> None:
+            for connector in connectors:
+                await connector.wait_settled(blocks)
+            self.pool.release(blocks)
+
+        assert self.nursery is not None
+        self.nursery.start_soon(when_settled)
 
     async def _tokens(
         self, blocks: list[int], prompt: list[int], max_tokens: int
@@ -364,6 +489,46 @@ def completion(
     }
 
 
+def exposure_secret_from_env() -> bytes | None:
+    """The deployment's exposure secret from :data:`EXPOSURE_SECRET_ENV` (``None`` if unset).
+
+    Raises:
+        ValueError: it is set but not hex, or shorter than 16 bytes.
+    """
+    text = os.environ.get(EXPOSURE_SECRET_ENV, "")
+    if not text:
+        return None
+    try:
+        secret = bytes.fromhex(text)
+    except ValueError:
+        raise ValueError(f"{EXPOSURE_SECRET_ENV} must be hex") from None
+    if len(secret) < 16:
+        raise ValueError(f"{EXPOSURE_SECRET_ENV} must hold at least 16 bytes")
+    return secret
+
+
+def parse_remote_blocks(params: dict[str, Any], blocks: int, prompt_tokens: int) -> RemoteBlocks:
+    """The decode request's ``kv_transfer_params`` as :class:`RemoteBlocks`, or a 400.
+
+    ``blocks``: how many KV blocks the prompt's KV fills.
+    """
+    try:
+        remote = RemoteBlocks.from_kv_transfer_params(params)
+    except ValueError as exc:
+        raise HTTPError(
+            400, str(exc), "invalid_request_error", param="kv_transfer_params"
+        ) from None
+    if len(remote.block_ids) != blocks:
+        raise HTTPError(
+            400,
+            f"kv_transfer_params hold {len(remote.block_ids)} blocks, a prompt of "
+            f"{prompt_tokens} tokens needs {blocks}",
+            "invalid_request_error",
+            param="kv_transfer_params.remote_block_ids",
+        )
+    return remote
+
+
 def parse_completion_request(body: dict[str, Any]) -> tuple[list[int], int, bool, dict[str, Any]]:
     """``(prompt tokens, max_tokens, stream, kv_transfer_params)``, or a 400."""
     prompt = body.get("prompt")
@@ -403,18 +568,30 @@ def build_app(engine: Engine) -> Callable[[Scope, Receive, Send], Any]:
             if route == ("POST", "/v1/completions"):
                 await _completions(engine, receive, send)
             elif route == ("GET", "/health"):
-                ok = engine.accepting and bool(engine.connectors)
-                health = {"status": "ok" if ok else "draining", "pid": os.getpid()}
-                await send_json(send, 200 if ok else 503, health)
+                await _health(engine, send)
             elif route == ("GET", "/metrics"):
                 text = generate_latest(engine.registry).decode()
                 await send_text(send, 200, text, "text/plain; version=0.0.4")
             else:
                 raise HTTPError(404, f"no route {scope['method']} {scope['path']}", "not_found")
         except HTTPError as exc:
-            await send_json(send, exc.status, exc.body)
+            await send_json(send, exc.status, exc.body, exc.headers)
 
     return app
+
+
+async def _health(engine: Engine, send: Send) -> None:
+    """200 while the engine serves; 503 draining, or while NIXL is stuck in a load."""
+    stuck = [c.statistics().backend_stuck_call for c in engine.connectors]
+    stuck = [call for call in stuck if call]
+    health: dict[str, Any] = {"pid": os.getpid()}
+    if stuck:
+        health.update(status="stuck", stuck_call=stuck[0])
+    elif engine.accepting and engine.connectors:
+        health.update(status="ok")
+    else:
+        health.update(status="draining")
+    await send_json(send, 200 if health["status"] == "ok" else 503, health)
 
 
 async def _lifespan(engine: Engine, receive: Receive, send: Send) -> None:
@@ -440,7 +617,10 @@ async def _lifespan(engine: Engine, receive: Receive, send: Send) -> None:
                         regions,
                         host=settings.host,
                         port=base_port,
-                        config=ConnectorConfig(abort_timeout=settings.abort_timeout),
+                        config=ConnectorConfig(
+                            abort_timeout=settings.abort_timeout,
+                            exposure_secret=exposure_secret_from_env(),
+                        ),
                         tp_rank=rank,
                         tp_size=settings.tp_size,
                     )
@@ -469,7 +649,7 @@ async def _completions(engine: Engine, receive: Receive, send: Send) -> None:
     body = await read_json(receive)
     prompt, max_tokens, stream, params = parse_completion_request(body)
     if not engine.accepting:
-        raise HTTPError(503, "the engine is draining", "unavailable")
+        raise HTTPError(503, "the engine is draining", "unavailable", retry_after=1)
     request_id = engine.request_id()
     if params.get("do_remote_decode"):
         kind = "prefill"
@@ -477,6 +657,7 @@ async def _completions(engine: Engine, receive: Receive, send: Send) -> None:
         kind = "decode"
     else:
         kind = "whole"
+    engine.check_fits(prompt, max_tokens)
     outcome, answered = "error", False
 
     async def send_tracked(message: dict[str, Any]) -> None:
@@ -497,7 +678,16 @@ async def _completions(engine: Engine, receive: Receive, send: Send) -> None:
                 )
         outcome = "ok" if answered else "disconnected"
     except OutOfBlocks as exc:
-        raise HTTPError(503, f"engine {engine.settings.engine_id}: {exc}", "overloaded") from None
+        raise HTTPError(
+            503, f"engine {engine.settings.engine_id}: {exc}", "overloaded", retry_after=1
+        ) from None
+    except ParamsRejectedError as exc:
+        raise HTTPError(
+            400,
+            f"engine {engine.settings.engine_id}: {exc}",
+            "invalid_request_error",
+            param=f"kv_transfer_params.{exc.field}",
+        ) from None
     except (HandshakeError, TransferError) as exc:
         source = params.get("remote_engine_id")
         raise HTTPError(

@@ -45,11 +45,21 @@ class Proxy:
     Args:
         prefill, decode: the engines' base URLs.
         client: the HTTP client (owned by the caller: close it after the proxy).
+        max_model_len: the most tokens (prompt plus ``max_tokens``) every
+            engine can hold: longer requests are a 400 before any prefill.
     """
 
-    def __init__(self, prefill: Sequence[str], decode: Sequence[str], client: httpx2.AsyncClient):
+    def __init__(
+        self,
+        prefill: Sequence[str],
+        decode: Sequence[str],
+        client: httpx2.AsyncClient,
+        *,
+        max_model_len: int | None = None,
+    ):
         if not prefill or not decode:
             raise ValueError("the proxy needs at least one prefill and one decode engine")
+        self._max_model_len = max_model_len
         self._prefill_engines = _RoundRobin(prefill)
         self._decode_engines = _RoundRobin(decode)
         self._client = client
@@ -72,13 +82,23 @@ class Proxy:
                 else:
                     raise HTTPError(404, f"no route {scope['method']} {scope['path']}", "not_found")
             except HTTPError as exc:
-                await send_json(send, exc.status, exc.body)
+                await send_json(send, exc.status, exc.body, exc.headers)
 
         return app
 
     async def _completions(self, receive: Receive, send: Send) -> None:
         body = await read_json(receive)
-        parse_completion_request(body)  # a bad request is a 400 here, not at an engine
+        # A bad request is a 400 here, before any engine does work for it.
+        prompt, max_tokens, _, _ = parse_completion_request(body)
+        total = len(prompt) + max_tokens
+        if self._max_model_len is not None and total > self._max_model_len:
+            raise HTTPError(
+                400,
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = {total} tokens, "
+                f"over the deployment's context of {self._max_model_len}",
+                "invalid_request_error",
+                param="max_tokens",
+            )
         if not self.accepting:
             raise HTTPError(503, "the proxy is draining", "unavailable")
         async with cancel_on_disconnect(receive):
@@ -125,7 +145,7 @@ class Proxy:
                 failure = _engine_failed("prefill", engine, f"{type(exc).__name__}: {exc}")
                 continue
             if response.status_code != 200:
-                raise _engine_failed("prefill", engine, f"{response.status_code} {response.text}")
+                raise _relayed("prefill", engine, response.status_code, response.text)
             kv: dict[str, Any] = response.json()["kv_transfer_params"]
             return kv
         assert failure is not None
@@ -139,7 +159,7 @@ class Proxy:
             ) as response:
                 if response.status_code != 200:
                     text = (await response.aread()).decode(errors="replace")
-                    raise _engine_failed("decode", engine, f"{response.status_code} {text}")
+                    raise _relayed("decode", engine, response.status_code, text)
                 await send(
                     {
                         "type": "http.response.start",
@@ -190,6 +210,30 @@ class _RoundRobin:
 
     def down(self, engine: str) -> None:
         self._down_until[engine] = trio.current_time() + self.DOWN_FOR
+
+
+def _relayed(role: str, engine: str, status: int, text: str) -> HTTPError:
+    """An engine's error answer, for the client.
+
+    A 4xx is the request's fault: relayed as is (the engine named). A 503
+    (the engine is overloaded or draining) stays a 503 with ``Retry-After``:
+    the client may retry. Anything else is the engine failing: a 502.
+    """
+    try:
+        error = json.loads(text)["error"]
+        message = str(error["message"])
+    except (ValueError, KeyError, TypeError):
+        error, message = {}, text
+    if 400 <= status < 500 or status == 503:
+        extra = {k: v for k, v in error.items() if k not in ("message", "type")}
+        return HTTPError(
+            status,
+            f"{role} engine {engine}: {message}",
+            str(error.get("type", f"{role}_failed")),
+            retry_after=1 if status == 503 else None,
+            **{"engine": engine, **extra},
+        )
+    return _engine_failed(role, engine, f"{status} {message}")
 
 
 def _engine_failed(role: str, engine: str, reason: str) -> HTTPError:
