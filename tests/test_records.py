@@ -31,7 +31,12 @@ def test_remote_blocks_converts_block_ids_to_an_int_tuple() -> None:
 
 
 def test_kv_transfer_params_use_vllm_key_names_plus_the_incarnation() -> None:
-    assert BLOCKS.to_kv_transfer_params() == {**PARAMS, "remote_incarnation": "", "tp_size": 1}
+    assert BLOCKS.to_kv_transfer_params() == {
+        **PARAMS,
+        "remote_incarnation": "",
+        "tp_size": 1,
+        "remote_token": "",
+    }
 
 
 def test_kv_transfer_params_carry_the_tp_size_and_default_it_to_one() -> None:

@@ -22,26 +22,26 @@ SIGNED = trio_pd.ConnectorConfig(
 
 
 def test_the_token_covers_every_field() -> None:
-    base = dict(
-        engine_id="p",
-        host="10.0.0.1",
-        port=5600,
-        incarnation="abc",
-        tp_size=1,
-        request_id="r",
-        block_ids=[1, 2],
-    )
+    base = {
+        "engine_id": "p",
+        "host": "10.0.0.1",
+        "port": 5600,
+        "incarnation": "abc",
+        "tp_size": 1,
+        "request_id": "r",
+        "block_ids": [1, 2],
+    }
     token = exposure_token(SECRET, **base)  # type: ignore[arg-type]
     assert len(token) == 32
-    changes = dict(
-        engine_id="q",
-        host="10.0.0.2",
-        port=5601,
-        incarnation="abd",
-        tp_size=2,
-        request_id="s",
-        block_ids=[1, 3],
-    )
+    changes = {
+        "engine_id": "q",
+        "host": "10.0.0.2",
+        "port": 5601,
+        "incarnation": "abd",
+        "tp_size": 2,
+        "request_id": "s",
+        "block_ids": [1, 3],
+    }
     for key, value in changes.items():
         other = exposure_token(SECRET, **{**base, key: value})  # type: ignore[arg-type]
         assert not token_matches(token, other), key
@@ -60,7 +60,9 @@ async def test_forged_parameters_fail_before_any_read(memory_fabric: MemoryFabri
     with trio.fail_after(10):
         prefill_kv, local = kv_cache(blocks=16), kv_cache(blocks=16)
         async with (
-            trio_pd.open_connector("p", prefill_kv, config=SIGNED, backend=memory_fabric.backend) as p,
+            trio_pd.open_connector(
+                "p", prefill_kv, config=SIGNED, backend=memory_fabric.backend
+            ) as p,
             trio_pd.open_connector("d", local, config=SIGNED, backend=memory_fabric.backend) as d,
         ):
             fill_blocks(prefill_kv, [3, 4], seed=1)
