@@ -151,6 +151,10 @@ class ConsumerStatistics:
     remote_agents_loaded: int
     transfers_posted: int
     transfers_unsettled: int
+    holds_active: int = 0
+    heartbeats_sent: int = 0
+    abandons_sent: int = 0
+    abandons_failed: int = 0
 
 
 @attrs.frozen
@@ -160,6 +164,9 @@ class ProducerStatistics:
     exposures_pending: int
     exposures_released: int
     exposures_expired: int
+    exposures_abandoned: int
+    leases_renewed: int
+    leases_refused: int
     notifications_ignored: int
     listener_requests: int
     listener_rejects: int
@@ -200,9 +207,23 @@ class ConnectorStatistics:
             be stopped (its peer unreachable) and that has not ended yet: their
             local blocks may still be written (see
             :class:`~trio_pd.TransferError`). Normally 0.
+        holds_active: requests held now (see :meth:`~trio_pd.Connector.hold`).
+        heartbeats_sent: lease renewal messages sent: one per producer rank
+            per ``heartbeat_interval``, naming every request held there (so
+            this grows with producers and time, not with holds).
+        abandons_sent: abandon messages sent (one per producer rank read),
+            by :meth:`~trio_pd.Connector.abandon` or by a hold left without
+            a successful pull.
+        abandons_failed: abandon messages that got no answer in time (or an
+            error reply); their exposures expire when their leases run out.
         exposures_pending: producer side: exposures not resolved yet.
         exposures_released: exposures resolved ``READ``.
         exposures_expired: exposures resolved ``EXPIRED``.
+        exposures_abandoned: exposures resolved ``ABANDONED``.
+        leases_renewed: lease renewals applied (one per held request per
+            heartbeat that reached it).
+        leases_refused: lease entries (renewals or abandons) refused because
+            their token did not verify (with ``exposure_secret`` only).
         notifications_ignored: late, duplicate or unknown notifications.
         listener_requests: side-channel requests answered with metadata.
         listener_rejects: side-channel requests rejected (malformed, wrong
@@ -232,6 +253,13 @@ class ConnectorStatistics:
     remote_agents_loaded: int = 0
     transfers_posted: int = 0
     transfers_unsettled: int = 0
+    holds_active: int = 0
+    heartbeats_sent: int = 0
+    abandons_sent: int = 0
+    abandons_failed: int = 0
+    exposures_abandoned: int = 0
+    leases_renewed: int = 0
+    leases_refused: int = 0
 
     @classmethod
     def of_roles(
