@@ -98,7 +98,7 @@ class ParamsRejectedError(TrioPdError, ValueError):
     engine's. Only the request that made the claim fails; the engine's
     state (its loaded agent, its handshakes) is untouched. A
     :class:`ValueError`, so code that treats bad input as such keeps
-    working; a server answers it with a 4xx naming :attr:`field`.
+    working; a server answers it with a 4xx naming ``field``.
 
     Attributes:
         request_id: the pulling request's id.
