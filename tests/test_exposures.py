@@ -1,11 +1,16 @@
-"""Producer-side exposure bookkeeping: consumers, deadlines, history (no I/O)."""
+"""Producer-side exposure bookkeeping: consumers, leases, abandons, history (no I/O)."""
 
 from __future__ import annotations
 
+from fractions import Fraction
+from typing import Any
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from trio_pd._exposures import ExposureTable, Notice, Released
+from trio_pd._exposures import ExposureTable, Notice, Released, lease_window
 
 BLOCKS = np.array([3, 1, 4], dtype=np.int64)
 
@@ -220,3 +225,201 @@ def test_an_engine_with_three_readers_is_read_only_when_all_three_notified() -> 
         Notice.COUNTED,
         Notice.RELEASED,
     ]
+
+
+# ---- leases -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("initial", "cap", "window"),
+    [(30.0, 120.0, (130.0, 220.0)), (30.0, 10.0, (110.0, 110.0)), (5.0, 5.0, (105.0, 105.0))],
+)
+def test_the_first_deadline_is_the_initial_lease_never_past_the_cap(
+    initial: float, cap: float, window: tuple[float, float]
+) -> None:
+    assert lease_window(100.0, initial, cap) == window
+
+
+def test_a_renewal_extends_the_deadline_from_its_arrival() -> None:
+    t = table()
+    t.expose("r1", BLOCKS, consumers=1, deadline=30.0, limit=120.0)
+    assert t.renew("r1", now=25.0, extension=10.0)
+    assert t.pending_exposure("r1") is not None
+    assert t.next_deadline() == 35.0
+    assert t.expire(34.9) == []
+    assert [e.request_id for e in t.expire(35.0)] == ["r1"]
+    assert t.outcome("r1") is Released.EXPIRED
+    assert t.renewed == 1
+
+
+def test_a_renewal_never_shortens_the_lease() -> None:
+    t = table()
+    exposure = t.expose("r1", BLOCKS, consumers=1, deadline=30.0, limit=120.0)
+    t.renew("r1", now=1.0, extension=10.0)
+    assert exposure.deadline == 30.0
+    assert t.expire(29.0) == []
+    assert t.expire(30.0) == [exposure]
+
+
+def test_renewals_never_pass_the_cap() -> None:
+    t = table()
+    exposure = t.expose("r1", BLOCKS, consumers=1, deadline=30.0, limit=120.0)
+    for now in range(0, 200, 3):
+        if t.outcome("r1") is not None:
+            break
+        t.expire(float(now))
+        t.renew("r1", now=float(now), extension=10.0)
+        assert exposure.deadline <= 120.0
+    assert exposure.outcome is Released.EXPIRED
+    assert exposure.deadline == 120.0
+
+
+def test_a_renewal_of_what_is_not_pending_does_nothing() -> None:
+    t = table()
+    t.expose("r1", BLOCKS, consumers=1, deadline=30.0, limit=120.0)
+    t.notify("r1", "a")
+    assert not t.renew("r1", now=1.0, extension=10.0)
+    assert not t.renew("never", now=1.0, extension=10.0)
+    assert t.renewed == 0
+
+
+def test_without_a_limit_an_exposure_cannot_be_renewed() -> None:
+    t = table()
+    exposure = t.expose("r1", BLOCKS, consumers=1, deadline=30.0)
+    assert exposure.limit == 30.0
+    t.renew("r1", now=25.0, extension=10.0)
+    assert exposure.deadline == 30.0
+
+
+def test_a_limit_before_the_deadline_is_an_error() -> None:
+    with pytest.raises(ValueError, match="before deadline"):
+        table().expose("r1", BLOCKS, consumers=1, deadline=30.0, limit=20.0)
+
+
+def test_the_issued_token_is_kept_with_the_exposure() -> None:
+    t = table()
+    t.expose("r1", BLOCKS, consumers=1, deadline=30.0, token="abc")
+    exposure = t.pending_exposure("r1")
+    assert exposure is not None
+    assert exposure.token == "abc"
+    assert "abc" not in repr(exposure)
+
+
+def test_one_consumers_abandon_resolves_it_abandoned_at_once() -> None:
+    t = table()
+    exposure = t.expose("r1", BLOCKS, consumers=1, deadline=30.0)
+    assert t.abandon("r1", "decode#a") is Notice.RELEASED
+    assert exposure.outcome is Released.ABANDONED
+    assert t.outcome("r1") is Released.ABANDONED
+    assert (t.pending, t.released, t.expired, t.abandoned) == (0, 0, 0, 1)
+    assert t.next_deadline() is None
+    assert t.abandon("r1", "decode#a") is Notice.LATE
+    assert t.notify("r1", "decode#a") is Notice.LATE
+
+
+def test_an_exposure_resolves_when_every_consumer_read_or_abandoned() -> None:
+    t = table()
+    t.expose("r1", BLOCKS, consumers=2, deadline=30.0)
+    assert t.abandon("r1", "a") is Notice.COUNTED
+    assert t.outcome("r1") is None
+    assert t.notify("r1", "b") is Notice.RELEASED
+    assert t.outcome("r1") is Released.ABANDONED
+    t.expose("r2", BLOCKS, consumers=2, deadline=30.0)
+    assert t.notify("r2", "a") is Notice.COUNTED
+    assert t.abandon("r2", "b") is Notice.RELEASED
+    assert t.outcome("r2") is Released.ABANDONED
+    assert (t.released, t.abandoned) == (0, 2)
+
+
+def test_an_agent_that_read_or_abandoned_is_counted_once() -> None:
+    t = table()
+    t.expose("r1", BLOCKS, consumers=3, deadline=30.0)
+    assert t.notify("r1", "a") is Notice.COUNTED
+    assert t.abandon("r1", "a") is Notice.DUPLICATE
+    assert t.abandon("r1", "b") is Notice.COUNTED
+    assert t.abandon("r1", "b") is Notice.DUPLICATE
+    assert t.notify("r1", "b") is Notice.DUPLICATE
+    assert t.outcome("r1") is None
+    assert t.abandon("r1", "c") is Notice.RELEASED
+    assert t.abandon("unknown", "a") is Notice.UNKNOWN
+
+
+def test_abandoning_ranks_count_as_fractions_of_their_engine() -> None:
+    # Decode TP 2 reading prefill TP 1: both decode ranks must abandon.
+    t = table()
+    t.expose("r1", BLOCKS, consumers=1, deadline=30.0)
+    assert t.abandon("r1", "d0", readers=2) is Notice.COUNTED
+    assert t.outcome("r1") is None
+    assert t.abandon("r1", "d1", readers=2) is Notice.RELEASED
+    assert t.outcome("r1") is Released.ABANDONED
+
+
+def test_an_abandoned_exposure_does_not_expire_later() -> None:
+    t = table()
+    t.expose("r1", BLOCKS, consumers=1, deadline=30.0, limit=120.0)
+    t.renew("r1", now=25.0, extension=10.0)
+    t.abandon("r1", "a")
+    assert t.expire(1000.0) == []
+    assert (t.abandoned, t.expired) == (1, 0)
+
+
+# A random life of one exposure against a model of the rules: heartbeats,
+# reads and abandons of a few agents, and the clock, in any order.
+_steps = st.lists(
+    st.one_of(
+        st.tuples(st.just("renew"), st.floats(0, 5), st.floats(0.1, 20)),
+        st.tuples(st.just("notify"), st.sampled_from(["a", "b", "c"]), st.sampled_from([1, 2])),
+        st.tuples(st.just("abandon"), st.sampled_from(["a", "b", "c"]), st.sampled_from([1, 2])),
+        st.tuples(st.just("tick"), st.floats(0, 10), st.just(0)),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    steps=_steps,
+    consumers=st.integers(1, 2),
+    initial=st.floats(0.1, 30),
+    cap=st.floats(0.1, 60),
+)
+def test_an_exposure_follows_the_lease_rules(
+    steps: list[tuple[str, Any, Any]], consumers: int, initial: float, cap: float
+) -> None:
+    t = table()
+    now = 0.0
+    deadline, limit = lease_window(now, initial, cap)
+    exposure = t.expose("r", BLOCKS, consumers, deadline, limit=limit)
+    read: dict[str, Fraction] = {}
+    abandoned: dict[str, Fraction] = {}
+    outcome: Released | None = None
+    renewals = 0
+    for op, x, y in steps:
+        if op in ("renew", "tick"):
+            now += x
+            if outcome is None and deadline <= now:
+                outcome = Released.EXPIRED
+            t.expire(now)
+        if op == "renew":
+            assert t.renew("r", now, y) is (outcome is None)
+            if outcome is None:
+                renewals += 1
+                deadline = max(deadline, min(now + y, limit))
+        elif op in ("notify", "abandon"):
+            notice = t.notify("r", x, y) if op == "notify" else t.abandon("r", x, y)
+            if outcome is not None:
+                assert notice is Notice.LATE
+            elif x in read or x in abandoned:
+                assert notice is Notice.DUPLICATE
+            else:
+                (read if op == "notify" else abandoned)[x] = Fraction(1, y)
+                if sum(read.values()) + sum(abandoned.values()) >= consumers:
+                    outcome = Released.ABANDONED if abandoned else Released.READ
+                    assert notice is Notice.RELEASED
+                else:
+                    assert notice is Notice.COUNTED
+        assert exposure.deadline == deadline <= limit <= cap
+        assert t.outcome("r") is outcome
+    assert t.renewed == renewals
+    if outcome is None:
+        assert t.next_deadline() == deadline

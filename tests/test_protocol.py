@@ -11,23 +11,28 @@ from hypothesis import strategies as st
 
 from trio_pd._errors import HandshakeError, IncompatibleEngineError, ProtocolError
 from trio_pd._layout import KVLayout
+from trio_pd._listener import Rejected, parse_request, serve_lease_request
 from trio_pd._protocol import (
     NOTIFICATION_PREFIX,
     PROTOCOL_VERSION,
     EngineMetadata,
     ErrorReply,
+    LeaseEntry,
+    LeaseReply,
+    LeaseRequest,
     MetadataRequest,
     compatibility_hash,
+    decode_lease_reply,
     decode_notification,
     decode_reply,
     decode_request,
+    encode_lease_request,
     encode_message,
     encode_notification,
     encode_request,
     error_reply,
     join_notifications,
     metadata_reply,
-    serve_request,
 )
 
 ENGINE = "prefill-0"
@@ -66,7 +71,15 @@ def decode(data: bytes, *, engine_id: str = ENGINE, max_bytes: int = LIMIT) -> E
 
 
 def serve(data: bytes, *, max_bytes: int = LIMIT) -> tuple[bytes, str | None]:
-    return serve_request(data, engine_id=ENGINE, encoded_reply=b"REPLY", max_bytes=max_bytes)
+    """The listener's decision with ``b"REPLY"`` as the metadata and nothing pending."""
+    request = parse_request(data, engine_id=ENGINE, max_bytes=max_bytes)
+    if isinstance(request, Rejected):
+        return request.reply, request.reason
+    if isinstance(request, LeaseRequest):
+        reply, apply, _ = serve_lease_request(request, pending=lambda _: False, verify=None)
+        assert apply == []
+        return reply, None
+    return b"REPLY", None
 
 
 def as_error_reply(data: bytes) -> ErrorReply:
@@ -281,7 +294,7 @@ def test_every_reply_error_names_the_expected_engine(data: bytes) -> None:
     assert "'decode-target-42'" in str(info.value)
 
 
-# --- serve_request -------------------------------------------------------------
+# --- the listener's decision ----------------------------------------------------
 
 
 def test_serve_valid_request_returns_the_encoded_reply() -> None:
@@ -360,10 +373,125 @@ def test_deeply_nested_reply_is_a_handshake_error() -> None:
         decode(data)
 
 
+# --- leases --------------------------------------------------------------------
+
+ENTRIES = [
+    LeaseEntry(request_id="r1", token="t" * 32, readers=1, abandon=False, incarnation="inc0"),
+    LeaseEntry(request_id="日本", token="", readers=2, abandon=True),
+]
+
+
+def lease_request(entries: list[LeaseEntry] = ENTRIES, engine_id: str = ENGINE) -> bytes:
+    return encode_lease_request(engine_id, "decode-7", "decode-7#abc", entries)
+
+
+def test_lease_request_round_trips() -> None:
+    assert decode_request(lease_request(), LIMIT) == LeaseRequest(
+        protocol_version=PROTOCOL_VERSION,
+        engine_id=ENGINE,
+        consumer_engine_id="decode-7",
+        consumer_agent="decode-7#abc",
+        entries=ENTRIES,
+    )
+
+
+def test_lease_request_is_tagged_msgpack() -> None:
+    entry = {"request_id": "r1", "token": "t" * 32, "readers": 1, "abandon": False}
+    assert msgspec.msgpack.decode(lease_request(ENTRIES[:1])) == {
+        "type": "lease",
+        "protocol_version": PROTOCOL_VERSION,
+        "engine_id": ENGINE,
+        "consumer_engine_id": "decode-7",
+        "consumer_agent": "decode-7#abc",
+        "entries": [{**entry, "incarnation": "inc0"}],
+    }
+    # An entry without an incarnation (a consumer that knows none) decodes too.
+    data = encode({**msgspec.msgpack.decode(lease_request(ENTRIES[:1])), "entries": [entry]})
+    request = decode_request(data, LIMIT)
+    assert isinstance(request, LeaseRequest)
+    assert request.entries[0].incarnation == ""
+
+
+def test_lease_reply_round_trips_and_is_tagged_msgpack() -> None:
+    reply = LeaseReply(protocol_version=PROTOCOL_VERSION, unknown=["a"], refused=["b", "c"])
+    data = encode_message(reply)
+    assert decode_lease_reply(data, LIMIT) == reply
+    assert msgspec.msgpack.decode(data) == {
+        "type": "lease_reply",
+        "protocol_version": PROTOCOL_VERSION,
+        "unknown": ["a"],
+        "refused": ["b", "c"],
+    }
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (b"\xc1", "undecodable lease reply"),
+        (encode({"type": "lease_reply", "protocol_version": 3}), "protocol version 3, local"),
+        (encode({"type": "lease_reply", "protocol_version": PROTOCOL_VERSION}), "invalid"),
+        (encode_message(error_reply("wrong_engine", "not me")), r"\(wrong_engine\): not me"),
+        (reply_bytes(), "invalid lease reply"),
+    ],
+)
+def test_a_bad_lease_reply_is_a_protocol_error(data: bytes, match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        decode_lease_reply(data, LIMIT)
+
+
+def test_an_oversized_lease_reply_is_a_protocol_error() -> None:
+    data = encode_message(LeaseReply(protocol_version=PROTOCOL_VERSION, unknown=[], refused=[]))
+    with pytest.raises(ProtocolError, match="over the"):
+        decode_lease_reply(data, len(data) - 1)
+
+
+def test_serve_lease_request_applies_pending_entries_and_names_the_rest() -> None:
+    entries = [
+        LeaseEntry(request_id=rid, token=token, readers=1, abandon=rid == "gone")
+        for rid, token in [("ok", "good"), ("gone", "good"), ("forged", "bad"), ("ok", "good")]
+    ]
+    request = parse_request(lease_request(entries), engine_id=ENGINE, max_bytes=LIMIT)
+    assert isinstance(request, LeaseRequest)
+    reply, apply, refused = serve_lease_request(
+        request,
+        pending=lambda rid: rid != "gone",
+        verify=lambda entry: entry.token == "good",
+    )
+    assert decode_lease_reply(reply, LIMIT) == LeaseReply(
+        protocol_version=PROTOCOL_VERSION, unknown=["gone"], refused=["forged"]
+    )
+    assert [e.request_id for e in apply] == ["ok", "ok"]
+    assert refused == ["forged"]
+    # Without a secret nothing is verified: every pending entry is applied.
+    reply, apply, refused = serve_lease_request(request, pending=lambda _: True, verify=None)
+    assert [e.request_id for e in apply] == ["ok", "gone", "forged", "ok"]
+    assert (decode_lease_reply(reply, LIMIT).unknown, refused) == ([], [])
+
+
+@pytest.mark.parametrize(
+    ("data", "code"),
+    [
+        (lease_request(engine_id="prefill-9"), "wrong_engine"),
+        (lease_request([LeaseEntry("r", "", readers=0, abandon=True)]), "bad_request"),
+        (lease_request([LeaseEntry("r", "", readers=-1, abandon=False)]), "bad_request"),
+        (encode({"type": "lease", "protocol_version": PROTOCOL_VERSION}), "bad_request"),
+        (
+            encode({"type": "lease", "protocol_version": 3, "engine_id": ENGINE, "entries": []}),
+            "unsupported_version",
+        ),
+    ],
+)
+def test_a_lease_request_that_cannot_be_served_is_rejected(data: bytes, code: str) -> None:
+    rejected = parse_request(data, engine_id=ENGINE, max_bytes=LIMIT)
+    assert isinstance(rejected, Rejected)
+    assert as_error_reply(rejected.reply).code == code
+    assert as_error_reply(rejected.reply).reason == rejected.reason
+
+
 # --- notifications -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("request_id", ["r1", "", "cmpl-é-日本", "a:b:c", "trio_pd:3:1:1:x"])
+@pytest.mark.parametrize("request_id", ["r1", "", "cmpl-é-日本", "a:b:c", "trio_pd:4:1:1:x"])
 @pytest.mark.parametrize("readers", [1, 2, 16])
 def test_notification_round_trips(request_id: str, readers: int) -> None:
     message = encode_notification(request_id, readers)
@@ -384,17 +512,18 @@ def test_joined_notifications_carry_every_pull_in_order() -> None:
     [
         b"",
         b"r1",
-        b"trio_pd:3:",  # no entry
+        b"trio_pd:4:",  # no entry
         b"trio_pd:2:1:r1",  # protocol version 2
-        b"trio_pd:3:r1",  # no readers count
-        b"trio_pd:3:1:r1",  # no length
-        b"trio_pd:3:0:2:r1",  # zero readers
-        b"trio_pd:3:-1:2:r1",
-        b"trio_pd:3:1:3:r1",  # shorter than its length
-        b"trio_pd:3:1:2:r1x",  # trailing bytes that are not an entry
-        b"trio_pd:3:1:2:r11:",  # a second entry cut short
-        b"xtrio_pd:3:1:2:r1",
-        b"TRIO_PD:3:1:2:r1",
+        b"trio_pd:3:1:2:r1",  # protocol version 3 (no leases)
+        b"trio_pd:4:r1",  # no readers count
+        b"trio_pd:4:1:r1",  # no length
+        b"trio_pd:4:0:2:r1",  # zero readers
+        b"trio_pd:4:-1:2:r1",
+        b"trio_pd:4:1:3:r1",  # shorter than its length
+        b"trio_pd:4:1:2:r1x",  # trailing bytes that are not an entry
+        b"trio_pd:4:1:2:r11:",  # a second entry cut short
+        b"xtrio_pd:4:1:2:r1",
+        b"TRIO_PD:4:1:2:r1",
     ],
 )
 def test_foreign_notification_is_not_ours(message: bytes) -> None:
@@ -417,9 +546,9 @@ def test_notification_ids_are_exact_not_prefixes_or_substrings() -> None:
 
 def test_compatibility_hash_is_stable() -> None:
     # Pinned: peers of the same protocol version must agree on it across
-    # releases (the version is part of the recipe: this is version 3's).
+    # releases (the version is part of the recipe: this is version 4's).
     assert compatibility_hash("model-a") == (
-        "0735db60bfd2c6cca695079bb48e94ebf35e646f62e30720671873e5d0096df1"
+        "fbcdb4526da43f4b0bd09262f52943d9920fc35e8f8e9d9c68ac4211d75758ab"
     )
     assert compatibility_hash("model-a") == HASH
 
@@ -450,15 +579,34 @@ _GOOD_FIELDS: dict[str, Any] = {
     "engine_metadata": encode(_GOOD_INNER),
     "code": "wrong_engine",
     "reason": "r",
+    "consumer_agent": "decode-0#a",
+    "entries": [{"request_id": "r", "token": "", "readers": 1, "abandon": True}],
+    "unknown": ["r"],
+    "refused": [],
 }
 _TYPED_FIELDS: dict[str, st.SearchStrategy[Any]] = {
-    "protocol_version": st.integers(-3, 3),
+    "protocol_version": st.integers(-1, PROTOCOL_VERSION + 1),
     "engine_id": st.sampled_from([ENGINE, "prefill-1", ""]),
     "consumer_engine_id": st.text(max_size=10),
     "compatibility_hash": st.sampled_from([HASH, compatibility_hash("other")]),
     "engine_metadata": st.binary(max_size=20),
     "code": st.sampled_from(["bad_request", "unsupported_version", "wrong_engine", "x"]),
     "reason": st.text(max_size=10),
+    "consumer_agent": st.text(max_size=10),
+    "entries": st.lists(
+        st.fixed_dictionaries(
+            {
+                "request_id": st.text(max_size=5),
+                "token": st.text(max_size=5),
+                "readers": st.integers(-1, 3),
+                "abandon": st.booleans(),
+            },
+            optional={"incarnation": _values},
+        ),
+        max_size=3,
+    ),
+    "unknown": st.lists(st.text(max_size=5), max_size=2),
+    "refused": st.lists(_values, max_size=2),
 }
 _modes = st.sampled_from(["good", "good", "good", "typed", "any", "absent"])
 
@@ -467,7 +615,9 @@ _modes = st.sampled_from(["good", "good", "good", "typed", "any", "absent"])
 def _messages(draw: st.DrawFn) -> bytes:
     """An encoded dict with a message ``type`` and random, partly valid fields."""
     message: dict[str, Any] = {
-        "type": draw(st.sampled_from(["metadata_reply", "metadata_request", "error"]))
+        "type": draw(
+            st.sampled_from(["metadata_reply", "metadata_request", "error", "lease", "lease_reply"])
+        )
     }
     for name, good in _GOOD_FIELDS.items():
         mode = draw(_modes)
@@ -503,11 +653,21 @@ def test_decode_reply_raises_only_handshake_errors(data: bytes, max_bytes: int) 
 
 @settings(max_examples=200, deadline=None)
 @given(data=_payloads, max_bytes=_limits)
-def test_serve_request_never_raises(data: bytes, max_bytes: int) -> None:
+def test_the_listener_decision_never_raises(data: bytes, max_bytes: int) -> None:
     reply, reason = serve(data, max_bytes=max_bytes)
     if reason is None:
-        assert reply == b"REPLY"
+        assert reply == b"REPLY" or decode_lease_reply(reply, LIMIT).unknown is not None
     else:
         error = as_error_reply(reply)
         assert error.reason == reason
         assert error.protocol_version == PROTOCOL_VERSION
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=_payloads, max_bytes=_limits)
+def test_decode_lease_reply_raises_only_protocol_errors(data: bytes, max_bytes: int) -> None:
+    try:
+        reply = decode_lease_reply(data, max_bytes)
+    except ProtocolError:
+        return
+    assert all(isinstance(rid, str) for rid in [*reply.unknown, *reply.refused])

@@ -10,11 +10,13 @@ inside it as well::
     |-- notification task    producer: counts notifications, expires exposures
     |-- handshake task       consumer: loads remote agents, one at a time
     |-- fetch tasks          consumer: one per handshake attempt
-    `-- the async with body  your code: pull / expose / wait_released
+    |-- heartbeat task       consumer: renews the leases of held requests
+    `-- the async with body  your code: pull / hold / expose / wait_released
 
 :class:`Connector` is a facade over the two roles (``_producer.Producer``,
-``_consumer.Consumer``, whose remote engines are ``_handshakes.Handshakes``),
-built with everything passed to constructors.
+``_consumer.Consumer``, whose remote engines are ``_handshakes.Handshakes``,
+and the consumer's holds, ``_leases.Leases``), built with everything passed
+to constructors.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
+import attrs
 import trio
 import zmq
 
@@ -36,6 +39,7 @@ from ._engines import EngineState
 from ._exposures import Released
 from ._groups import unwrapped_errors
 from ._layout import KVLayout, layout_of_tensors
+from ._leases import Leases
 from ._nixl import NixlBackend
 from ._producer import Producer
 from ._records import ConnectorStatistics, PullResult, RemoteBlocks, unbracket
@@ -55,21 +59,29 @@ class Connector:
 
     Create it with :func:`open_connector`, which owns its tasks and resources.
     A prefill engine calls :meth:`expose` and :meth:`wait_released`; a decode
-    engine calls :meth:`pull`. All methods are safe to call from many tasks.
+    engine calls :meth:`pull`, inside :meth:`hold` while the request may
+    wait before it pulls. All methods are safe to call from many tasks.
 
-    After the connector closes, :meth:`expose`, :meth:`wait_released` and
-    :meth:`pull` raise :class:`trio.ClosedResourceError`; :meth:`statistics`,
+    After the connector closes, :meth:`expose`, :meth:`wait_released`,
+    :meth:`pull`, :meth:`hold` and :meth:`abandon` raise
+    :class:`trio.ClosedResourceError`; :meth:`statistics`,
     :meth:`engine_state` and the properties keep answering (the final
     counters; every engine reads ``CLOSED``), as trio's own objects do.
     """
 
     def __init__(
-        self, engine_id: str, layout: KVLayout, producer: Producer, consumer: Consumer
+        self,
+        engine_id: str,
+        layout: KVLayout,
+        producer: Producer,
+        consumer: Consumer,
+        leases: Leases,
     ) -> None:
         self._engine_id = engine_id
         self._layout = layout
         self._producer = producer
         self._consumer = consumer
+        self._leases = leases
 
     @property
     def engine_id(self) -> str:
@@ -96,9 +108,17 @@ class Connector:
         The blocks must already hold the request's KV data and must not be
         reused until :meth:`wait_released` says so. The returned record goes to
         the decoder (via :meth:`RemoteBlocks.to_kv_transfer_params` through a
-        P/D proxy). The exposure resolves :attr:`Released.READ` when
-        ``consumers`` distinct decode engines have read and notified, or
-        :attr:`Released.EXPIRED` after ``config.abort_timeout``.
+        P/D proxy).
+
+        The exposure is held under a *lease* of ``config.lease_initial``
+        seconds; each heartbeat of a consumer that holds it (:meth:`hold`)
+        extends it to ``config.lease_renewal`` seconds from the heartbeat's
+        arrival, never beyond ``config.abort_timeout`` after this call. It
+        resolves :attr:`Released.READ` when ``consumers`` distinct decode
+        engines have read and notified; :attr:`Released.ABANDONED` once
+        every consumer engine has read or abandoned it (:meth:`abandon`, or
+        a hold left without a pull) and at least one abandoned; or
+        :attr:`Released.EXPIRED` when its lease runs out first.
 
         Raises:
             ValueError: ``request_id`` is already pending; block ids out of
@@ -110,6 +130,9 @@ class Connector:
     async def wait_released(self, request_id: str) -> Released:
         """Wait until the exposure of ``request_id`` resolves; return how.
 
+        :attr:`Released.READ`, :attr:`Released.ABANDONED` (a consumer said
+        it will not read: the blocks are free at once) or
+        :attr:`Released.EXPIRED` (the lease ran out); see :meth:`expose`.
         Returns at once if it already resolved (outcomes are remembered for
         the last ``config.resolved_history`` exposures).
 
@@ -203,7 +226,69 @@ class Connector:
                 engine has several.
             trio.ClosedResourceError: the connector is (or got) closed.
         """
-        return await self._consumer.pull(request_id, local_block_ids, remote)
+        result = await self._consumer.pull(request_id, local_block_ids, remote)
+        self._leases.pulled(remote)
+        return result
+
+    @asynccontextmanager
+    async def hold(self, remote: RemoteBlocks) -> AsyncIterator[None]:
+        """Keep ``remote``'s exposure alive while the body runs (consumer side).
+
+        Use it around everything from receiving ``remote`` to the
+        :meth:`pull` of it -- a decode request waiting in a queue, say::
+
+            async with connector.hold(remote):
+                await wait_for_my_turn()
+                await connector.pull(request_id, local_block_ids, remote)
+
+        While the body runs, the connector's heartbeat task renews the
+        exposure's lease every ``config.heartbeat_interval`` on each
+        producer rank this rank reads, up to the producer's
+        ``abort_timeout``. Heartbeats are batched: one message per producer
+        rank per interval names every request held there. A producer that
+        does not answer delays no other (each message has its own deadline
+        of one interval); one that answers that it does not hold the request
+        (it expired, or its token was refused) ends the renewals of that
+        hold, with a warning: a pull may still try, and fail if the blocks
+        are gone.
+
+        How it ends: a successful pull of ``remote`` inside the body
+        completes the hold (the pull's notification releases the exposure).
+        Leaving the body without one -- it raised, was cancelled, or never
+        pulled -- *abandons* it: the producer ranks are told, best effort
+        (shielded, each message bounded by ``config.handshake_timeout``),
+        so they free the blocks at once (:attr:`Released.ABANDONED`) rather
+        than when the lease runs out. The exit raises nothing but the
+        body's own exception; a failed abandon is logged and counted
+        (``abandons_failed``).
+
+        Raises:
+            ValueError: ``remote`` is already held by this connector.
+            IncompatibleEngineError: the TP sizes do not divide.
+            trio.ClosedResourceError: the connector is closed (on entry;
+                holds that end after close send nothing).
+        """
+        async with self._leases.hold(remote):
+            yield
+
+    async def abandon(self, remote: RemoteBlocks) -> None:
+        """Tell the producer that this consumer will not read ``remote`` (consumer side).
+
+        Sends one abandon per producer rank this rank reads, concurrently,
+        each bounded by ``config.handshake_timeout``; the producer counts it
+        as this engine's read would count (so with ``consumers=1`` the
+        exposure resolves :attr:`Released.ABANDONED` at once). If ``remote``
+        is held, its renewals stop and leaving the hold sends nothing more.
+        A producer that cannot be reached is logged (naming engine and
+        request) and counted in ``abandons_failed``, not raised: the lease
+        then expires on its own. With ``exposure_secret`` the producer
+        applies it only if ``remote.token`` is the one it issued.
+
+        Raises:
+            IncompatibleEngineError: the TP sizes do not divide.
+            trio.ClosedResourceError: the connector is closed.
+        """
+        await self._leases.abandon(remote)
 
     def unsettled_blocks(self) -> frozenset[int]:
         """Local block ids that a transfer whose pull already ended may still write.
@@ -233,9 +318,13 @@ class Connector:
     def statistics(self) -> ConnectorStatistics:
         """A snapshot of this connector's counters (both roles; see its ``consumer``
         and ``producer`` properties for one role alone)."""
-        return ConnectorStatistics.of_roles(
-            self._consumer.statistics(), self._producer.statistics()
+        leases = self._leases
+        consumer = attrs.evolve(
+            self._consumer.statistics(),
+            holds_active=leases.holds_active,
+            **attrs.asdict(leases.counters),
         )
+        return ConnectorStatistics.of_roles(consumer, self._producer.statistics())
 
     def engine_state(self, engine_id: str, tp_rank: int | None = None) -> EngineState:
         """Where the handshake with ``engine_id`` stands (``UNKNOWN`` if never seen).
@@ -249,6 +338,7 @@ class Connector:
         """Refuse new calls and wake every waiter; in-flight transfers stop."""
         self._producer.begin_close()
         self._consumer.begin_close()
+        self._leases.begin_close()
 
 
 def bind_and_advertised_hosts(host: str, advertise_host: str | None) -> tuple[str, str]:
@@ -285,8 +375,8 @@ async def open_connector(
 
     Registers ``kv_caches`` with a new transfer backend (a NIXL agent), binds
     the side channel on ``host:port`` (``port=0`` picks a free port; see
-    :attr:`Connector.address`) and starts the listener, the handshake task
-    and the notification task in an internal nursery. Returns once the
+    :attr:`Connector.address`) and starts the listener, the handshake task,
+    the heartbeat task and the notification task in an internal nursery. Returns once the
     listener is bound, so :meth:`Connector.expose` hands out a working
     address at once.
 
@@ -384,7 +474,8 @@ async def open_connector(
             consumer = Consumer(
                 engine_id, tp_rank, tp_size, layout, transfers, context, config, nursery
             )
-            connector = Connector(engine_id, layout, producer, consumer)
+            leases = Leases(engine_id, transfers.agent_name, tp_rank, tp_size, context, config)
+            connector = Connector(engine_id, layout, producer, consumer, leases)
             try:
                 if config.auth is not None:
                     allowed = config.auth.allowed_consumers
@@ -392,6 +483,7 @@ async def open_connector(
                 rank_port = port + tp_rank if port else 0
                 address = await nursery.start(producer.serve_listener, host, rank_port)
                 nursery.start_soon(consumer.run_handshakes)
+                nursery.start_soon(leases.run)
                 nursery.start_soon(producer.collect_notifications)
                 logger.info(
                     "engine %s rank %d/%d: connector open on %s:%d (%d regions x %d blocks)",

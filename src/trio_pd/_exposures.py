@@ -1,11 +1,19 @@
-"""Producer-side bookkeeping of exposed blocks (no I/O).
+"""Producer-side bookkeeping of exposed blocks and their leases (no I/O).
 
-An *exposure* is a request's blocks held for ``consumers`` decode engines. It
-resolves :attr:`Released.READ` once that many consumer engines have sent
-their transfer notifications (an engine whose ``k`` ranks read this producer
-rank sends ``k``, each counting ``1/k``), or :attr:`Released.EXPIRED` when its deadline
-passes first. Resolved outcomes are remembered (up to a bound) so that a
-caller who asks after the fact still gets the answer.
+An *exposure* is a request's blocks held for ``consumers`` decode engines.
+Every consumer engine is accounted for once it has read (its transfer
+notifications: an engine whose ``k`` ranks read this producer rank sends
+``k``, each counting ``1/k``) or *abandoned* (said it will not read, counted
+the same way). Once all are, the exposure resolves :attr:`Released.READ` if
+none abandoned, else :attr:`Released.ABANDONED`. It resolves
+:attr:`Released.EXPIRED` when its deadline passes first.
+
+The deadline is a *lease*: :func:`lease_window` gives the first one and the
+cap (``abort_timeout`` after the exposure) that no renewal goes past;
+:meth:`ExposureTable.renew` extends it when a consumer's heartbeat arrives.
+Every rule is a function of the ``now`` it is given. Resolved outcomes are
+remembered (up to a bound) so that a caller who asks after the fact still gets
+the answer.
 """
 
 from __future__ import annotations
@@ -26,7 +34,10 @@ class Released(enum.Enum):
     READ = "read"
     """Every consumer read the blocks and said so."""
     EXPIRED = "expired"
-    """The abort timeout passed first; a late reader may see reused blocks."""
+    """The lease ran out (or ``abort_timeout`` passed) first; a late reader
+    may see reused blocks."""
+    ABANDONED = "abandoned"
+    """Every consumer is accounted for and at least one said it will not read."""
 
 
 class Notice(enum.Enum):
@@ -35,13 +46,23 @@ class Notice(enum.Enum):
     COUNTED = "counted"
     """One more consumer of a pending exposure."""
     RELEASED = "released"
-    """The last consumer: the exposure resolved READ."""
+    """The last consumer: the exposure resolved (READ, or ABANDONED if any abandoned)."""
     DUPLICATE = "duplicate"
-    """That consumer had already been counted."""
+    """That consumer had already been counted (as a reader or as abandoning)."""
     LATE = "late"
     """The exposure had already resolved (usually EXPIRED)."""
     UNKNOWN = "unknown"
     """No exposure with that request id."""
+
+
+def lease_window(now: float, lease_initial: float, abort_timeout: float) -> tuple[float, float]:
+    """``(deadline, limit)`` of an exposure made at ``now``.
+
+    The first deadline is ``lease_initial`` away, never past the limit;
+    the limit, ``abort_timeout`` away, is the cap no renewal goes past.
+    """
+    limit = now + abort_timeout
+    return min(now + lease_initial, limit), limit
 
 
 @attrs.define
@@ -50,14 +71,29 @@ class Exposure:
     block_ids: BlockIds
     consumers: int
     deadline: float
+    limit: float
+    """No renewal moves ``deadline`` past this (exposed at + ``abort_timeout``)."""
+    token: str = attrs.field(default="", repr=False)
+    """The token issued for it (empty without an exposure secret)."""
     readers: dict[str, int] = attrs.field(factory=dict)
     """Consumer agents that notified, and how many readers each one's engine has."""
+    abandoned: dict[str, int] = attrs.field(factory=dict)
+    """Consumer agents that abandoned, and how many readers each one's engine has."""
     outcome: Released | None = None
 
     @property
     def engines_read(self) -> Fraction:
         """Consumer engines that have read: each notifying rank is ``1/readers`` of one."""
-        return sum((Fraction(1, n) for n in self.readers.values()), Fraction(0))
+        return _engines(self.readers)
+
+    @property
+    def engines_accounted(self) -> Fraction:
+        """Consumer engines that have read or abandoned."""
+        return _engines(self.readers) + _engines(self.abandoned)
+
+
+def _engines(agents: dict[str, int]) -> Fraction:
+    return sum((Fraction(1, n) for n in agents.values()), Fraction(0))
 
 
 @attrs.define
@@ -74,15 +110,31 @@ class ExposureTable:
     _deadlines: list[tuple[float, str]] = attrs.field(factory=list, init=False)
     released: int = attrs.field(default=0, init=False)
     expired: int = attrs.field(default=0, init=False)
+    abandoned: int = attrs.field(default=0, init=False)
+    renewed: int = attrs.field(default=0, init=False)
 
     @property
     def pending(self) -> int:
         return len(self._pending)
 
+    def pending_exposure(self, request_id: str) -> Exposure | None:
+        """The pending exposure of ``request_id``, ``None`` if it is not pending."""
+        return self._pending.get(request_id)
+
     def expose(
-        self, request_id: str, block_ids: BlockIds, consumers: int, deadline: float
+        self,
+        request_id: str,
+        block_ids: BlockIds,
+        consumers: int,
+        deadline: float,
+        *,
+        limit: float | None = None,
+        token: str = "",
     ) -> Exposure:
-        """Record an exposure.
+        """Record an exposure that expires at ``deadline`` unless renewed.
+
+        ``limit`` (default: ``deadline``) caps renewals (see
+        :func:`lease_window`); ``token`` is what was issued for it.
 
         Raises:
             ValueError: ``request_id`` is already pending, or ``consumers < 1``.
@@ -91,11 +143,41 @@ class ExposureTable:
             raise ValueError(f"request {request_id!r} is already exposed and pending")
         if consumers < 1:
             raise ValueError(f"request {request_id!r}: consumers must be >= 1, got {consumers}")
+        limit = deadline if limit is None else limit
+        if limit < deadline:
+            raise ValueError(f"request {request_id!r}: limit {limit} is before deadline {deadline}")
         self._resolved.pop(request_id, None)
-        exposure = Exposure(request_id, block_ids, consumers, deadline)
+        exposure = Exposure(request_id, block_ids, consumers, deadline, limit, token)
         self._pending[request_id] = exposure
         heapq.heappush(self._deadlines, (deadline, request_id))
         return exposure
+
+    def renew(self, request_id: str, now: float, extension: float) -> bool:
+        """A consumer's heartbeat for ``request_id`` arrived at ``now``.
+
+        The deadline becomes ``now + extension`` if that is later, but never
+        later than the exposure's limit. Counted in ``renewed``.
+
+        Returns:
+            whether ``request_id`` is pending (only then is it renewed).
+        """
+        exposure = self._pending.get(request_id)
+        if exposure is None:
+            return False
+        self.renewed += 1
+        deadline = max(exposure.deadline, min(now + extension, exposure.limit))
+        if deadline != exposure.deadline:
+            exposure.deadline = deadline
+            heapq.heappush(self._deadlines, (deadline, request_id))
+        return True
+
+    def abandon(self, request_id: str, consumer: str, readers: int = 1) -> Notice:
+        """``consumer`` will not read ``request_id``: account for it without a read.
+
+        ``consumer`` and ``readers`` count exactly as in :meth:`notify`; an
+        agent already counted (read or abandoned) is a duplicate.
+        """
+        return self._account(request_id, consumer, readers, abandon=True)
 
     def notify(self, request_id: str, consumer: str, readers: int = 1) -> Notice:
         """Count ``consumer``'s notification for ``request_id``.
@@ -103,15 +185,18 @@ class ExposureTable:
         ``consumer`` is the notifying agent; ``readers`` how many ranks of its
         engine read this exposure (each counts as ``1/readers`` of an engine).
         """
+        return self._account(request_id, consumer, readers, abandon=False)
+
+    def _account(self, request_id: str, consumer: str, readers: int, *, abandon: bool) -> Notice:
         exposure = self._pending.get(request_id)
         if exposure is None:
             return Notice.LATE if request_id in self._resolved else Notice.UNKNOWN
-        if consumer in exposure.readers:
+        if consumer in exposure.readers or consumer in exposure.abandoned:
             return Notice.DUPLICATE
-        exposure.readers[consumer] = readers
-        if exposure.engines_read < exposure.consumers:
+        (exposure.abandoned if abandon else exposure.readers)[consumer] = readers
+        if exposure.engines_accounted < exposure.consumers:
             return Notice.COUNTED
-        self._resolve(exposure, Released.READ)
+        self._resolve(exposure, Released.ABANDONED if exposure.abandoned else Released.READ)
         return Notice.RELEASED
 
     def expire(self, now: float) -> list[Exposure]:
@@ -157,5 +242,7 @@ class ExposureTable:
             self._resolved.popitem(last=False)
         if outcome is Released.READ:
             self.released += 1
+        elif outcome is Released.ABANDONED:
+            self.abandoned += 1
         else:
             self.expired += 1

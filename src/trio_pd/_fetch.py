@@ -287,7 +287,7 @@ async def fetch_engine_metadata(
                     protocol.encode_request(engine_id, consumer_engine_id),
                     log,
                     ipv6=":" in host,
-                    curve=_curve_client(config, engine_id),
+                    curve=curve_client(config, engine_id),
                 )
         metadata = protocol.decode_reply(
             data,
@@ -311,7 +311,12 @@ async def fetch_engine_metadata(
     return metadata, layout
 
 
-def _curve_client(config: ConnectorConfig, engine_id: str) -> CurveClient | None:
+def curve_client(config: ConnectorConfig, engine_id: str) -> CurveClient | None:
+    """Our CURVE keys for reaching ``engine_id``'s side channel (``None`` without auth).
+
+    Raises:
+        FetchRefused: no public key is configured for that producer.
+    """
     auth = config.auth
     if auth is None:
         return None

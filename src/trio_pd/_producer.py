@@ -1,11 +1,12 @@
-"""The producer role (prefill side): exposures, the side-channel listener, notifications.
+"""The producer role (prefill side): exposures, leases, the side-channel listener, notifications.
 
-The bookkeeping of exposures is in ``_exposures`` and the listener's decision
-for one request in ``_protocol`` (both free of I/O); this module is the trio
-shell around them. Its tasks run in the connector's nursery:
+The bookkeeping of exposures and their leases is in ``_exposures`` and the
+listener's decision for one request in ``_listener`` (both free of I/O); this
+module is the trio shell around them. Its tasks run in the connector's nursery:
 
 * the *listener* (:meth:`Producer.serve_listener`): a ROUTER socket that
-  answers every metadata request;
+  answers every metadata request, and every lease request (consumers'
+  heartbeats and abandons) by renewing or abandoning exposures;
 * the *notification task* (:meth:`Producer.collect_notifications`): counts
   consumers' notifications, resolves exposures, expires overdue ones;
 * with CURVE auth, the ZAP handler (``_auth.serve_zap``), started by
@@ -21,13 +22,14 @@ import attrs
 import trio
 import zmq
 
+from . import _listener as listener
 from . import _protocol as protocol
 from ._backend import BackendError, TransferBackend
 from ._config import ConnectorConfig
-from ._exposures import ExposureTable, Notice, Released
+from ._exposures import ExposureTable, Notice, Released, lease_window
 from ._layout import KVLayout, as_block_ids
 from ._records import ProducerStatistics, RemoteBlocks
-from ._tokens import exposure_token
+from ._tokens import exposure_token, token_matches
 from ._zmq import TrioZmqSocket
 
 logger = logging.getLogger("trio_pd")
@@ -39,6 +41,7 @@ class _Counters:
     listener_requests: int = 0
     listener_rejects: int = 0
     listener_auth_failures: int = 0
+    leases_refused: int = 0
 
 
 class Producer:
@@ -121,36 +124,46 @@ class Producer:
         ids = as_block_ids(
             block_ids, self._layout.num_blocks, f"block ids of request {request_id!r}"
         )
-        deadline = trio.current_time() + self._config.abort_timeout
-        self._exposures.expose(request_id, ids, consumers, deadline)
+        config = self._config
+        block_list = ids.tolist()
+        token = self._token(request_id, block_list, self._incarnation)
+        deadline, limit = lease_window(
+            trio.current_time(), config.lease_initial, config.abort_timeout
+        )
+        self._exposures.expose(request_id, ids, consumers, deadline, limit=limit, token=token)
         self._release_events[request_id] = trio.Event()
         self._exposure_added.set()
         self._backend.expect_reads()
-        _, port = self.address
-        base_port = port - self._tp_rank  # the engine's base port, whichever rank exposes
-        block_list = ids.tolist()
-        secret = self._config.exposure_secret
-        token = ""
-        if secret is not None:
-            token = exposure_token(
-                secret,
-                engine_id=self._engine_id,
-                host=self._advertise_host,
-                port=base_port,
-                incarnation=self._incarnation,
-                tp_size=self._tp_size,
-                request_id=request_id,
-                block_ids=block_list,
-            )
         return RemoteBlocks(
             self._engine_id,
             self._advertise_host,
-            base_port,
+            self._base_port,
             block_list,
             request_id,
             self._incarnation,
             self._tp_size,
             token,
+        )
+
+    @property
+    def _base_port(self) -> int:
+        """The engine's base port, whichever rank this is."""
+        return self.address[1] - self._tp_rank
+
+    def _token(self, request_id: str, block_ids: list[int], incarnation: str) -> str:
+        """The exposure token of these blocks (empty without a secret)."""
+        secret = self._config.exposure_secret
+        if secret is None:
+            return ""
+        return exposure_token(
+            secret,
+            engine_id=self._engine_id,
+            host=self._advertise_host,
+            port=self._base_port,
+            incarnation=incarnation,
+            tp_size=self._tp_size,
+            request_id=request_id,
+            block_ids=block_ids,
         )
 
     async def wait_released(self, request_id: str) -> Released:
@@ -172,6 +185,9 @@ class Producer:
             exposures_pending=self._exposures.pending,
             exposures_released=self._exposures.released,
             exposures_expired=self._exposures.expired,
+            exposures_abandoned=self._exposures.abandoned,
+            leases_renewed=self._exposures.renewed,
+            leases_refused=c.leases_refused,
             notifications_ignored=c.notifications_ignored,
             listener_requests=c.listener_requests,
             listener_rejects=c.listener_rejects,
@@ -189,8 +205,10 @@ class Producer:
     ) -> None:
         """Bind the ROUTER socket, report the address, answer requests until cancelled.
 
-        Every request gets a reply: the metadata, or an error reply saying why
-        (counted in ``listener_rejects``). Messages without a request envelope
+        Every request gets a reply: the metadata; for a lease request, the
+        lease reply, once its entries are applied (see :meth:`_serve_leases`);
+        or an error reply saying why not (counted in ``listener_rejects``).
+        Messages without a request envelope
         are dropped and counted. Messages over ``max_message_bytes`` never
         reach us: ZeroMQ closes that connection. With CURVE auth, consumers
         the ZAP handler refuses never reach us either. Sends never block:
@@ -223,18 +241,80 @@ class Producer:
                     self._counters.listener_rejects += 1
                     logger.debug("listener: dropped a message of %d frames", len(frames))
                     continue
-                reply, reject = protocol.serve_request(
+                request = listener.parse_request(
                     frames[2],
                     engine_id=self._engine_id,
-                    encoded_reply=self._encoded_reply,
                     max_bytes=self._config.max_message_bytes,
                 )
-                if reject is None:
-                    self._counters.listener_requests += 1
-                else:
+                if isinstance(request, listener.Rejected):
                     self._counters.listener_rejects += 1
-                    logger.debug("listener: rejected a request: %s", reject)
+                    logger.debug("listener: rejected a request: %s", request.reason)
+                    reply = request.reply
+                elif isinstance(request, protocol.LeaseRequest):
+                    reply = self._serve_leases(request)
+                else:
+                    self._counters.listener_requests += 1
+                    reply = self._encoded_reply
                 await socket.send_multipart([frames[0], b"", reply])
+
+    def _serve_leases(self, request: protocol.LeaseRequest) -> bytes:
+        """Renew or abandon what a lease request names; the reply to send.
+
+        Without an exposure secret every pending entry is applied; with one,
+        only those whose token verifies (the others are refused: counted in
+        ``leases_refused``, logged at debug).
+        """
+        verify = None if self._config.exposure_secret is None else self._token_verifies
+        reply, apply, refused = listener.serve_lease_request(
+            request,
+            pending=lambda request_id: self._exposures.pending_exposure(request_id) is not None,
+            verify=verify,
+        )
+        if refused:
+            self._counters.leases_refused += len(refused)
+            logger.debug(
+                "engine %s: refused lease entries of %s (agent %s) whose token does not verify: %s",
+                self._engine_id,
+                request.consumer_engine_id,
+                request.consumer_agent,
+                refused,
+            )
+        now = trio.current_time()
+        extension = self._config.lease_renewal
+        for entry in apply:
+            if not entry.abandon:
+                self._exposures.renew(entry.request_id, now, extension)
+                continue
+            notice = self._exposures.abandon(
+                entry.request_id, request.consumer_agent, entry.readers
+            )
+            logger.debug(
+                "engine %s: %s abandoned request %r (%s)",
+                self._engine_id,
+                request.consumer_agent,
+                entry.request_id,
+                notice.value,
+            )
+            if notice is Notice.RELEASED:
+                self._release_events.pop(entry.request_id).set()
+        return reply
+
+    def _token_verifies(self, entry: protocol.LeaseEntry) -> bool:
+        """Whether ``entry`` carries the token issued for its (pending) exposure.
+
+        Rank 0 (and an engine of one rank) compares with the token it issued.
+        Another rank of a tensor-parallel engine never issued the token that
+        consumers hold (rank 0's, signed with rank 0's incarnation): it checks
+        the signature over its own exposure's fields with the incarnation
+        the entry names.
+        """
+        exposure = self._exposures.pending_exposure(entry.request_id)
+        assert exposure is not None
+        if self._tp_rank == 0 or entry.incarnation == self._incarnation:
+            return token_matches(exposure.token, entry.token)
+        block_ids = exposure.block_ids.tolist()
+        expected = self._token(entry.request_id, block_ids, entry.incarnation)
+        return token_matches(expected, entry.token)
 
     def auth_refused(self, reason: str) -> None:
         """The ZAP handler refused a consumer (its callback)."""
@@ -267,11 +347,13 @@ class Producer:
                 for message in messages:
                     self._count_notification(consumer, message)
             for exposure in self._exposures.expire(trio.current_time()):
+                capped = exposure.deadline >= exposure.limit
                 logger.warning(
-                    "engine %s: request %r expired after %g s with %.3g of %d consumers read",
+                    "engine %s: request %r expired after %g s (%s) with %.3g of %d consumers read",
                     self._engine_id,
                     exposure.request_id,
-                    config.abort_timeout,
+                    exposure.deadline - exposure.limit + config.abort_timeout,  # since exposed
+                    "abort_timeout" if capped else "lease not renewed",
                     float(exposure.engines_read),
                     exposure.consumers,
                 )

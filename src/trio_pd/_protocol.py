@@ -1,18 +1,24 @@
 """The side-channel wire protocol (no I/O).
 
-One request/reply exchange per handshake, msgpack-encoded with msgspec, over a
-ZeroMQ ROUTER socket on the producer (REQ-style envelope: an empty delimiter
-frame, then one payload frame). Nothing is ever unpickled.
+Request/reply exchanges, msgpack-encoded with msgspec, over a ZeroMQ ROUTER
+socket on the producer (REQ-style envelope: an empty delimiter frame, then one
+payload frame): one per handshake, and the lease exchanges. Nothing is ever
+unpickled.
 
-Consumer -> producer::
+Consumer -> producer, one of::
 
     MetadataRequest {type: "metadata_request", protocol_version, engine_id,
                      consumer_engine_id}
+    LeaseRequest    {type: "lease", protocol_version, engine_id,
+                     consumer_engine_id, consumer_agent,
+                     entries: [LeaseEntry {request_id, token, readers,
+                                           abandon, incarnation}]}
 
 Producer -> consumer, one of::
 
     MetadataReply {type: "metadata_reply", protocol_version, compatibility_hash,
                    engine_metadata: bytes}      # msgpack EngineMetadata
+    LeaseReply    {type: "lease_reply", protocol_version, unknown, refused}
     ErrorReply    {type: "error", protocol_version, code, reason}
 
 A reply is decoded in three steps, each a clear error if it fails: the
@@ -28,26 +34,29 @@ rank (vLLM's ``"{request_id}:{count}"``). A consumer's transfer driver posts
 small pulls that arrive together as one transfer, and their notifications as
 one message of several entries. They are parsed exactly, never by substring.
 
+What the producer's listener does with a request is decided (without I/O)
+in ``_listener``.
+
 Version 2 added the tensor-parallel fields of :class:`EngineMetadata`
 (``tp_rank``, ``tp_size``, ``kv_heads``) and the readers count; version 3
-made a notification a list of entries.
+made a notification a list of entries; version 4 added the lease exchange.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Final, Literal
+from typing import Annotated, Final, Literal
 
 import msgspec
 
 from ._errors import HandshakeError, IncompatibleEngineError, ProtocolError
 from ._layout import KVLayout
 
-PROTOCOL_VERSION: Final = 3
+PROTOCOL_VERSION: Final = 4
 """Bumped on any incompatible change to the messages below."""
 
-NOTIFICATION_PREFIX: Final = b"trio_pd:3:"
+NOTIFICATION_PREFIX: Final = b"trio_pd:4:"
 
 ErrorCode = Literal["bad_request", "unsupported_version", "wrong_engine"]
 
@@ -59,6 +68,45 @@ class MetadataRequest(msgspec.Struct, tag="metadata_request", tag_field="type", 
     engine_id: str
     """The engine the consumer expects to reach."""
     consumer_engine_id: str
+
+
+class LeaseEntry(msgspec.Struct, frozen=True):
+    """One held request in a :class:`LeaseRequest`."""
+
+    request_id: str
+    """The producer's request id (``remote_request_id``)."""
+    token: str
+    """The exposure's token as the consumer received it (``remote_token``)."""
+    readers: Annotated[int, msgspec.Meta(ge=1)]
+    """Ranks of the consumer's engine that read this producer rank (as in a notification)."""
+    abandon: bool
+    """``False``: renew the lease; ``True``: this consumer will not read."""
+    incarnation: str = ""
+    """The incarnation the consumer's parameters name (``remote_incarnation``:
+    rank 0's), so that another rank of a tensor-parallel engine can check a
+    token that rank 0 issued."""
+
+
+class LeaseRequest(msgspec.Struct, tag="lease", tag_field="type", frozen=True):
+    """Renew or abandon a consumer's leases on a producer rank's exposures."""
+
+    protocol_version: int
+    engine_id: str
+    """The producer engine the consumer expects to reach."""
+    consumer_engine_id: str
+    consumer_agent: str
+    """The consumer's transfer agent: an abandon counts for it as its notification would."""
+    entries: list[LeaseEntry]
+
+
+class LeaseReply(msgspec.Struct, tag="lease_reply", tag_field="type", frozen=True):
+    """The producer applied every entry of a lease request except these."""
+
+    protocol_version: int
+    unknown: list[str]
+    """Request ids not pending here: expired, resolved, or never exposed."""
+    refused: list[str]
+    """Request ids whose token did not verify."""
 
 
 class MetadataReply(msgspec.Struct, tag="metadata_reply", tag_field="type", frozen=True):
@@ -131,8 +179,9 @@ _UNDECODABLE = (msgspec.DecodeError, RecursionError)
 
 _encoder = msgspec.msgpack.Encoder()
 _envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
-_request_decoder = msgspec.msgpack.Decoder(MetadataRequest)
+_request_decoder = msgspec.msgpack.Decoder(MetadataRequest | LeaseRequest)
 _reply_decoder = msgspec.msgpack.Decoder(MetadataReply | ErrorReply)
+_lease_reply_decoder = msgspec.msgpack.Decoder(LeaseReply | ErrorReply)
 _metadata_decoder = msgspec.msgpack.Decoder(EngineMetadata)
 
 
@@ -168,12 +217,12 @@ def encode_request(engine_id: str, consumer_engine_id: str) -> bytes:
     )
 
 
-def decode_request(data: bytes, max_bytes: int) -> MetadataRequest | ErrorReply:
+def decode_request(data: bytes, max_bytes: int) -> MetadataRequest | LeaseRequest | ErrorReply:
     """Decode a request; a request this engine cannot serve becomes the reply to send.
 
     Returns:
-        the request, or the :class:`ErrorReply` for a request of another
-        protocol version.
+        the request (metadata or lease), or the :class:`ErrorReply` for a
+        request of another protocol version.
 
     Raises:
         ProtocolError: oversized or undecodable input (no reply is owed).
@@ -196,7 +245,7 @@ def error_reply(code: ErrorCode, reason: str) -> ErrorReply:
     return ErrorReply(protocol_version=PROTOCOL_VERSION, code=code, reason=reason)
 
 
-def encode_message(message: MetadataReply | ErrorReply) -> bytes:
+def encode_message(message: MetadataReply | LeaseReply | ErrorReply) -> bytes:
     return _encoder.encode(message)
 
 
@@ -300,26 +349,41 @@ def decode_notification(message: bytes) -> list[tuple[str, int]] | None:
     return entries or None
 
 
-def serve_request(
-    data: bytes, *, engine_id: str, encoded_reply: bytes, max_bytes: int
-) -> tuple[bytes, str | None]:
-    """The listener's whole decision for one request payload.
+def encode_lease_request(
+    engine_id: str, consumer_engine_id: str, consumer_agent: str, entries: Sequence[LeaseEntry]
+) -> bytes:
+    return _encoder.encode(
+        LeaseRequest(
+            protocol_version=PROTOCOL_VERSION,
+            engine_id=engine_id,
+            consumer_engine_id=consumer_engine_id,
+            consumer_agent=consumer_agent,
+            entries=list(entries),
+        )
+    )
 
-    Returns:
-        ``(reply, reject_reason)``: the bytes to send back, and ``None`` for a
-        served request or a one-line reason for a rejected one.
+
+def decode_lease_reply(data: bytes, max_bytes: int) -> LeaseReply:
+    """Decode a producer's answer to a lease request.
+
+    Raises:
+        ProtocolError: oversized, undecodable, another protocol version, or
+            an error reply (its code and reason named).
     """
+    _check_size(data, max_bytes, "lease reply")
+    envelope = _envelope(data, "lease reply")
+    if envelope.protocol_version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"remote speaks protocol version {envelope.protocol_version}, "
+            f"local speaks {PROTOCOL_VERSION}"
+        )
     try:
-        request = decode_request(data, max_bytes)
-    except ProtocolError as exc:
-        reason = str(exc)
-        return encode_message(error_reply("bad_request", reason)), reason
-    if isinstance(request, ErrorReply):
-        return encode_message(request), request.reason
-    if request.engine_id != engine_id:
-        reason = f"this is engine {engine_id!r}, not {request.engine_id!r}"
-        return encode_message(error_reply("wrong_engine", reason)), reason
-    return encoded_reply, None
+        reply = _lease_reply_decoder.decode(data)
+    except _UNDECODABLE as exc:
+        raise ProtocolError(f"invalid lease reply: {exc}") from None
+    if isinstance(reply, ErrorReply):
+        raise ProtocolError(f"remote refused ({reply.code}): {reply.reason}")
+    return reply
 
 
 def endpoint(host: str, port: int | str) -> str:

@@ -154,6 +154,10 @@ class ConsumerStatistics:
     pulls_rejected: int = 0
     blocks_unsettled: int = 0
     backend_stuck_call: str = ""
+    holds_active: int = 0
+    heartbeats_sent: int = 0
+    abandons_sent: int = 0
+    abandons_failed: int = 0
 
 
 @attrs.frozen
@@ -163,6 +167,9 @@ class ProducerStatistics:
     exposures_pending: int
     exposures_released: int
     exposures_expired: int
+    exposures_abandoned: int
+    leases_renewed: int
+    leases_refused: int
     notifications_ignored: int
     listener_requests: int
     listener_rejects: int
@@ -211,9 +218,23 @@ class ConnectorStatistics:
         backend_stuck_call: the NIXL call a remote-agent load is stuck in,
             with the agent and for how long (``""`` when none); while set,
             handshakes fail fast rather than queue behind it.
+        holds_active: requests held now (see :meth:`~trio_pd.Connector.hold`).
+        heartbeats_sent: lease renewal messages sent: one per producer rank
+            per ``heartbeat_interval``, naming every request held there (so
+            this grows with producers and time, not with holds).
+        abandons_sent: abandon messages sent (one per producer rank read),
+            by :meth:`~trio_pd.Connector.abandon` or by a hold left without
+            a successful pull.
+        abandons_failed: abandon messages that got no answer in time (or an
+            error reply); their exposures expire when their leases run out.
         exposures_pending: producer side: exposures not resolved yet.
         exposures_released: exposures resolved ``READ``.
         exposures_expired: exposures resolved ``EXPIRED``.
+        exposures_abandoned: exposures resolved ``ABANDONED``.
+        leases_renewed: lease renewals applied (one per held request per
+            heartbeat that reached it).
+        leases_refused: lease entries (renewals or abandons) refused because
+            their token did not verify (with ``exposure_secret`` only).
         notifications_ignored: late, duplicate or unknown notifications.
         listener_requests: side-channel requests answered with metadata.
         listener_rejects: side-channel requests rejected (malformed, wrong
@@ -246,6 +267,13 @@ class ConnectorStatistics:
     pulls_rejected: int = 0
     blocks_unsettled: int = 0
     backend_stuck_call: str = ""
+    holds_active: int = 0
+    heartbeats_sent: int = 0
+    abandons_sent: int = 0
+    abandons_failed: int = 0
+    exposures_abandoned: int = 0
+    leases_renewed: int = 0
+    leases_refused: int = 0
 
     @classmethod
     def of_roles(

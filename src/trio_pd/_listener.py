@@ -1,0 +1,87 @@
+"""The side-channel listener's decisions (no I/O).
+
+What the producer's ROUTER socket does with one request payload, in two
+steps: :func:`parse_request` says what it asks (or rejects it with the error
+reply to send: size, version, type, engine id); for a lease request,
+:func:`serve_lease_request` decides which entries to apply and which are
+unknown or refused, given lookups into the producer's exposures. The
+producer (``_producer``) is the shell that receives, applies and sends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+
+from . import _protocol as protocol
+from ._errors import ProtocolError
+
+
+@attrs.frozen
+class Rejected:
+    """A request the listener does not serve: the error reply to send, and why."""
+
+    reply: bytes
+    reason: str
+
+
+def parse_request(
+    data: bytes, *, engine_id: str, max_bytes: int
+) -> protocol.MetadataRequest | protocol.LeaseRequest | Rejected:
+    """The listener's first step for one request payload: what it asks, or why not.
+
+    Never raises: oversized, undecodable or mistyped requests, requests of
+    another protocol version and requests for another engine are
+    :class:`Rejected` with the error reply (``bad_request``,
+    ``unsupported_version``, ``wrong_engine``).
+    """
+    try:
+        request = protocol.decode_request(data, max_bytes)
+    except ProtocolError as exc:
+        reason = str(exc)
+        return Rejected(
+            protocol.encode_message(protocol.error_reply("bad_request", reason)), reason
+        )
+    if isinstance(request, protocol.ErrorReply):
+        return Rejected(protocol.encode_message(request), request.reason)
+    if request.engine_id != engine_id:
+        reason = f"this is engine {engine_id!r}, not {request.engine_id!r}"
+        return Rejected(
+            protocol.encode_message(protocol.error_reply("wrong_engine", reason)), reason
+        )
+    return request
+
+
+def serve_lease_request(
+    request: protocol.LeaseRequest,
+    *,
+    pending: Callable[[str], bool],
+    verify: Callable[[protocol.LeaseEntry], bool] | None,
+) -> tuple[bytes, list[protocol.LeaseEntry], list[str]]:
+    """The listener's decision for a lease request: which entries to apply.
+
+    An entry whose request is not ``pending`` is *unknown*; else, with
+    ``verify`` (the producer has an exposure secret), one whose token does
+    not verify is *refused*; every other entry is to be applied (renewed,
+    or abandoned for ``request.consumer_agent``). A request id named twice
+    is decided (and applied) twice: renewing or abandoning is idempotent.
+
+    Returns:
+        ``(reply, apply, refused)``: the encoded :class:`LeaseReply`, the
+        entries to apply in order, and the refused request ids.
+    """
+    unknown: list[str] = []
+    refused: list[str] = []
+    apply: list[protocol.LeaseEntry] = []
+    for entry in request.entries:
+        if not pending(entry.request_id):
+            unknown.append(entry.request_id)
+        elif verify is not None and not verify(entry):
+            refused.append(entry.request_id)
+        else:
+            apply.append(entry)
+    reply = protocol.LeaseReply(
+        protocol_version=protocol.PROTOCOL_VERSION, unknown=unknown, refused=refused
+    )
+    return protocol.encode_message(reply), apply, refused

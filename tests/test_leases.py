@@ -1,0 +1,433 @@
+"""Leases: exposures held by consumers' heartbeats, abandoned, expired, capped.
+
+The data plane is the in-memory one (``trio_pd.testing.MemoryFabric``); the
+side channel, where heartbeats and abandons travel, is real ZeroMQ on
+loopback. Durations are short (a lease of 0.6 s renewed by 0.5 s every 0.1 s)
+and every bound leaves room for a busy machine without hiding the behaviour:
+"at once" means well under one lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import attrs
+import msgspec
+import pytest
+import torch
+import trio
+import zmq
+
+import trio_pd
+from trio_pd import _protocol as protocol
+from trio_pd._zmq import TrioZmqSocket
+from trio_pd.testing import MemoryFabric, fill_blocks, free_port_range, mismatched_blocks
+
+from .conftest import kv_cache
+
+pytest_plugins = ["trio_pd.testing.fixtures"]
+
+LEASES = trio_pd.ConnectorConfig(
+    handshake_timeout=0.5,
+    transfer_timeout=2.0,
+    close_timeout=1.0,
+    abort_timeout=10.0,
+    lease_initial=0.6,
+    lease_renewal=0.5,
+    heartbeat_interval=0.1,
+)
+SECRET = b"leases-test-secret-0123456789"
+AT_ONCE = 0.3
+"""How soon "at once" must happen: half of ``lease_initial``."""
+
+
+@asynccontextmanager
+async def engine(
+    fabric: MemoryFabric,
+    engine_id: str,
+    config: trio_pd.ConnectorConfig = LEASES,
+    **kwargs: object,
+) -> AsyncIterator[tuple[trio_pd.Connector, list[torch.Tensor]]]:
+    kv = kv_cache(blocks=64)
+    async with trio_pd.open_connector(
+        engine_id, kv, config=config, backend=fabric.backend, **kwargs
+    ) as conn:
+        yield conn, kv
+
+
+async def wait_timed(conn: trio_pd.Connector, request_id: str) -> tuple[trio_pd.Released, float]:
+    started = trio.current_time()
+    outcome = await conn.wait_released(request_id)
+    return outcome, trio.current_time() - started
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+async def test_an_exposure_nobody_holds_expires_after_the_initial_lease(
+    memory_fabric: MemoryFabric,
+) -> None:
+    with trio.fail_after(5):
+        async with engine(memory_fabric, "p") as (p, _):
+            p.expose("r", [1, 2])
+            outcome, waited = await wait_timed(p, "r")
+            assert outcome is trio_pd.Released.EXPIRED
+            assert LEASES.lease_initial <= waited < LEASES.lease_initial + AT_ONCE
+            stats = p.statistics()
+            assert (stats.exposures_expired, stats.leases_renewed) == (1, 0)
+
+
+async def test_a_held_exposure_outlives_the_initial_lease_and_is_read_inside_the_hold(
+    memory_fabric: MemoryFabric,
+) -> None:
+    with trio.fail_after(10):
+        async with engine(memory_fabric, "p") as (p, kv), engine(memory_fabric, "d") as (d, local):
+            fill_blocks(kv, [3, 9, 4], seed=11)
+            remote = p.expose("r", [3, 9, 4])
+            async with d.hold(remote):
+                assert d.statistics().holds_active == 1
+                await trio.sleep(3 * LEASES.lease_initial)
+                assert p.statistics().exposures_pending == 1
+                await d.pull("r", [0, 1, 2], remote)
+            assert mismatched_blocks(local, [0, 1, 2], seed=11) == []
+            assert await p.wait_released("r") is trio_pd.Released.READ
+            stats = d.statistics()
+            assert stats.holds_active == 0
+            assert stats.heartbeats_sent >= 10
+            assert (stats.abandons_sent, stats.abandons_failed) == (0, 0)
+            assert p.statistics().leases_renewed >= 10
+
+
+async def test_a_hold_left_without_a_pull_abandons_its_exposure_at_once(
+    memory_fabric: MemoryFabric,
+) -> None:
+    with trio.fail_after(10):
+        async with engine(memory_fabric, "p") as (p, _), engine(memory_fabric, "d") as (d, _):
+            # The body ends without a pull ...
+            async with d.hold(p.expose("quiet", [1])):
+                await trio.sleep(2 * LEASES.heartbeat_interval)
+            outcome, waited = await wait_timed(p, "quiet")
+            assert (outcome, waited < AT_ONCE) == (trio_pd.Released.ABANDONED, True)
+            # ... raises (the exception comes out unchanged) ...
+            with pytest.raises(KeyError, match="body"):
+                async with d.hold(p.expose("raised", [2])):
+                    raise KeyError("body")
+            assert await p.wait_released("raised") is trio_pd.Released.ABANDONED
+            # ... or is cancelled.
+            with trio.move_on_after(0.2):
+                async with d.hold(p.expose("cancelled", [3])):
+                    await trio.sleep_forever()
+            outcome, waited = await wait_timed(p, "cancelled")
+            assert (outcome, waited < AT_ONCE) == (trio_pd.Released.ABANDONED, True)
+            # A pull that failed does not complete the hold either.
+            remote = p.expose("failed", [4])
+            memory_fabric.faults("p").read_error = "boom"
+            async with d.hold(remote):
+                with pytest.raises(trio_pd.TransferError):
+                    await d.pull("failed", [0], remote)
+            assert await p.wait_released("failed") is trio_pd.Released.ABANDONED
+            assert d.statistics().abandons_sent == 4
+            assert p.statistics().exposures_abandoned == 4
+
+
+async def test_abandon_resolves_the_exposure_abandoned_at_once(
+    memory_fabric: MemoryFabric,
+) -> None:
+    with trio.fail_after(10):
+        async with engine(memory_fabric, "p") as (p, _), engine(memory_fabric, "d") as (d, _):
+            remote = p.expose("r", [1])
+            await d.abandon(remote)
+            outcome, waited = await wait_timed(p, "r")
+            assert (outcome, waited < 0.05) == (trio_pd.Released.ABANDONED, True)
+            # Inside a hold: renewals stop, and leaving it sends nothing more.
+            held = p.expose("held", [2])
+            async with d.hold(held):
+                await d.abandon(held)
+                assert await p.wait_released("held") is trio_pd.Released.ABANDONED
+            stats = d.statistics()
+            assert (stats.abandons_sent, stats.abandons_failed) == (2, 0)
+            # Two consumers: one abandon is not enough; the other's read ends it.
+            two = p.expose("two", [3], consumers=2)
+            await d.abandon(two)
+            assert p.statistics().exposures_pending == 1
+            await d.abandon(two)  # the same agent again counts once
+            assert p.statistics().exposures_pending == 1
+            async with engine(memory_fabric, "d2") as (d2, _):
+                await d2.pull("two", [0], two)
+            assert await p.wait_released("two") is trio_pd.Released.ABANDONED
+
+
+async def test_a_hold_never_outlives_abort_timeout(
+    memory_fabric: MemoryFabric, caplog: pytest.LogCaptureFixture
+) -> None:
+    capped = attrs.evolve(LEASES, abort_timeout=1.0)
+    with trio.fail_after(10):
+        async with (
+            engine(memory_fabric, "p", capped) as (p, _),
+            engine(memory_fabric, "d", capped) as (d, _),
+        ):
+            remote = p.expose("r", [1])
+            with caplog.at_level(logging.WARNING, logger="trio_pd"):
+                async with d.hold(remote):
+                    outcome, waited = await wait_timed(p, "r")
+                    assert outcome is trio_pd.Released.EXPIRED
+                    assert capped.abort_timeout <= waited < capped.abort_timeout + AT_ONCE
+                    # The next heartbeat learns it is gone; the hold stops renewing.
+                    await trio.sleep(3 * capped.heartbeat_interval)
+            assert "the hold on request 'r' is lost" in caplog.text
+            assert d.statistics().abandons_sent == 0  # nothing left to abandon
+
+
+async def test_heartbeats_are_batched_one_message_per_producer_per_interval(
+    memory_fabric: MemoryFabric,
+) -> None:
+    with trio.fail_after(15):
+        async with engine(memory_fabric, "p") as (p, _), engine(memory_fabric, "d") as (d, _):
+            remotes = [p.expose(f"r{i}", [i]) for i in range(50)]
+            async with AsyncExitStack() as stack:
+                for remote in remotes:
+                    await stack.enter_async_context(d.hold(remote))
+                before, renewed = d.statistics().heartbeats_sent, p.statistics().leases_renewed
+                started = trio.current_time()
+                await trio.sleep(2 * LEASES.lease_initial)
+                rounds = (trio.current_time() - started) / LEASES.heartbeat_interval
+                sent = d.statistics().heartbeats_sent - before
+                assert 0.5 * rounds <= sent <= rounds + 2
+                assert p.statistics().leases_renewed - renewed >= 50 * (sent - 1)
+                assert p.statistics().exposures_pending == 50
+                assert d.statistics().holds_active == 50
+                with pytest.raises(ValueError, match="'r0' of 'p' is held"):
+                    async with d.hold(remotes[0]):
+                        pass  # pragma: no cover
+            assert p.statistics().exposures_abandoned == 50
+
+
+async def test_a_batch_over_the_message_size_limit_is_split(memory_fabric: MemoryFabric) -> None:
+    small = attrs.evolve(LEASES, max_message_bytes=2048)
+    with trio.fail_after(15):
+        async with (
+            engine(memory_fabric, "p", small) as (p, _),
+            engine(memory_fabric, "d", small) as (d, _),
+        ):
+            remotes = [p.expose(f"request-{i:04}", [i]) for i in range(60)]
+            async with AsyncExitStack() as stack:
+                for remote in remotes:
+                    await stack.enter_async_context(d.hold(remote))
+                started = trio.current_time()
+                sent, renewed = d.statistics().heartbeats_sent, p.statistics().leases_renewed
+                await trio.sleep(2 * LEASES.lease_initial)
+                rounds = (trio.current_time() - started) / LEASES.heartbeat_interval
+                sent = d.statistics().heartbeats_sent - sent
+                renewed = p.statistics().leases_renewed - renewed
+                # About 80 bytes an entry: 60 need several messages, each one accepted.
+                assert 2 * 0.5 * rounds <= sent <= 8 * (rounds + 2)
+                assert renewed >= 60 * 0.5 * rounds
+                assert p.statistics().exposures_pending == 60
+                assert p.statistics().listener_rejects == 0
+
+
+async def test_a_dead_producer_does_not_delay_renewals_of_another(
+    memory_fabric: MemoryFabric, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Two dead producers: a port nobody listens on, and a side channel that
+    # accepts and never answers (each of its heartbeats waits the whole interval).
+    context = zmq.Context()
+    silent = TrioZmqSocket(context.socket(zmq.ROUTER))
+    try:
+        silent.zmq_socket.setsockopt(zmq.LINGER, 0)
+        silent.zmq_socket.bind("tcp://127.0.0.1:*")
+        silent_port = int(silent.zmq_socket.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":")[-1])
+        with trio.fail_after(15), caplog.at_level(logging.WARNING, logger="trio_pd"):
+            async with (
+                engine(memory_fabric, "p") as (p, kv),
+                engine(memory_fabric, "d") as (d, local),
+            ):
+                fill_blocks(kv, [5], seed=3)
+                alive = p.expose("r", [5])
+                refused = trio_pd.RemoteBlocks("gone", "127.0.0.1", free_port(), [1], "x")
+                hung = trio_pd.RemoteBlocks("hung", "127.0.0.1", silent_port, [1], "y")
+                async with d.hold(refused), d.hold(hung), d.hold(alive):
+                    started, renewed = trio.current_time(), p.statistics().leases_renewed
+                    await trio.sleep(3 * LEASES.lease_initial)
+                    rounds = (trio.current_time() - started) / LEASES.heartbeat_interval
+                    assert p.statistics().leases_renewed - renewed >= 0.5 * rounds
+                    assert p.statistics().exposures_pending == 1
+                    await d.pull("r", [0], alive)
+                assert mismatched_blocks(local, [0], seed=3) == []
+                assert await p.wait_released("r") is trio_pd.Released.READ
+                # The dead ones' abandons failed within their deadline, logged, counted.
+                stats = d.statistics()
+                assert (stats.abandons_sent, stats.abandons_failed) == (2, 2)
+        assert "engine gone: lease heartbeat to 127.0.0.1" in caplog.text
+        assert "engine hung: could not abandon request 'y'" in caplog.text
+    finally:
+        silent.close()
+        context.destroy(linger=0)
+
+
+async def test_a_forged_abandon_is_refused_and_the_victim_still_reads(
+    memory_fabric: MemoryFabric,
+) -> None:
+    signed = attrs.evolve(LEASES, exposure_secret=SECRET)
+    with trio.fail_after(10):
+        async with (
+            engine(memory_fabric, "p", signed) as (p, kv),
+            engine(memory_fabric, "victim", signed) as (victim, local),
+            engine(memory_fabric, "attacker", signed) as (attacker, _),
+        ):
+            fill_blocks(kv, [7, 8], seed=5)
+            remote = p.expose("r", [7, 8])
+            assert len(remote.token) == 32
+            await attacker.abandon(attrs.evolve(remote, token="0" * 32))
+            await attacker.abandon(attrs.evolve(remote, token=""))
+            stats = p.statistics()
+            assert (stats.leases_refused, stats.exposures_pending) == (2, 1)
+            async with victim.hold(remote):
+                await trio.sleep(2 * LEASES.lease_initial)  # renewals verify
+                await victim.pull("r", [0, 1], remote)
+            assert mismatched_blocks(local, [0, 1], seed=5) == []
+            assert await p.wait_released("r") is trio_pd.Released.READ
+            assert p.statistics().leases_refused == 2
+
+
+async def test_tensor_parallel_holds_renew_every_rank_read_with_rank_zeros_token(
+    memory_fabric: MemoryFabric,
+) -> None:
+    # Prefill TP 2, decode TP 1: the decode rank reads (and holds) both prefill
+    # ranks, with the parameters (and the token) of rank 0 alone.
+    signed = attrs.evolve(LEASES, exposure_secret=SECRET)
+    base = free_port_range(2)
+    with trio.fail_after(15):
+        async with AsyncExitStack() as stack:
+            ranks = []
+            for rank in range(2):
+                kv = [torch.zeros((16, 2, 8), dtype=torch.float16) for _ in range(2)]
+                conn = await stack.enter_async_context(
+                    trio_pd.open_connector(
+                        "p",
+                        kv,
+                        port=base,
+                        config=signed,
+                        tp_rank=rank,
+                        tp_size=2,
+                        backend=memory_fabric.backend,
+                    )
+                )
+                ranks.append((conn, kv))
+            exposed = [conn.expose("r", [3]) for conn, _ in ranks]
+            assert exposed[0].token != exposed[1].token  # each rank signs its incarnation
+            local = [torch.zeros((16, 4, 8), dtype=torch.float16) for _ in range(2)]
+            d = await stack.enter_async_context(
+                trio_pd.open_connector("d", local, config=signed, backend=memory_fabric.backend)
+            )
+            async with d.hold(exposed[0]):
+                await trio.sleep(2 * LEASES.lease_initial)
+                assert [c.statistics().exposures_pending for c, _ in ranks] == [1, 1]
+                await d.pull("r", [5], exposed[0])
+            for conn, _ in ranks:
+                assert await conn.wait_released("r") is trio_pd.Released.READ
+                assert conn.statistics().leases_refused == 0
+            # Abandons reach every rank read, each with rank 0's token.
+            second = [conn.expose("s", [4]) for conn, _ in ranks]
+            await d.abandon(second[0])
+            assert await ranks[0][0].wait_released("s") is trio_pd.Released.ABANDONED
+            assert await ranks[1][0].wait_released("s") is trio_pd.Released.ABANDONED
+
+
+async def test_a_malformed_lease_frame_gets_an_error_reply_and_the_listener_keeps_serving(
+    memory_fabric: MemoryFabric,
+) -> None:
+    encode = msgspec.msgpack.encode
+    good_entry = {"request_id": "r", "token": "", "readers": 1, "abandon": False}
+    head = {"type": "lease", "protocol_version": protocol.PROTOCOL_VERSION}
+    lease = {**head, "engine_id": "p", "consumer_engine_id": "x", "consumer_agent": "x#1"}
+    hostile = [
+        encode(head),  # fields missing
+        encode({**lease, "entries": "not a list"}),
+        encode({**lease, "entries": [{**good_entry, "readers": 0}]}),  # would divide by zero
+        encode({**lease, "entries": [{**good_entry, "abandon": "yes"}]}),
+        encode({**lease, "engine_id": "other", "entries": [good_entry]}),
+        encode({**lease, "protocol_version": 3, "entries": [good_entry]}),
+        b"\xc1 not msgpack",
+    ]
+    with trio.fail_after(10):
+        async with engine(memory_fabric, "p") as (p, kv), engine(memory_fabric, "d") as (d, local):
+            fill_blocks(kv, [6], seed=8)
+            remote = p.expose("r", [6])
+            host, port = p.address
+            with zmq.Context() as context:
+                dealer = TrioZmqSocket(context.socket(zmq.DEALER))
+                async with dealer:
+                    dealer.zmq_socket.setsockopt(zmq.LINGER, 0)
+                    dealer.zmq_socket.connect(f"tcp://{host}:{port}")
+                    codes = []
+                    for frame in hostile:
+                        await dealer.send_multipart([b"", frame])
+                        empty, reply = await dealer.receive_multipart()
+                        assert empty == b""
+                        codes.append(msgspec.msgpack.decode(reply, type=protocol.ErrorReply).code)
+                    # A valid one from the same socket is served.
+                    await dealer.send_multipart([b"", encode({**lease, "entries": [good_entry]})])
+                    _, reply = await dealer.receive_multipart()
+            assert codes == ["bad_request"] * 4 + ["wrong_engine", "unsupported_version"] + [
+                "bad_request"
+            ]
+            assert protocol.decode_lease_reply(reply, 1 << 20).unknown == []
+            stats = p.statistics()
+            assert (stats.listener_rejects, stats.leases_renewed) == (len(hostile), 1)
+            assert stats.exposures_pending == 1
+            await d.pull("r", [0], remote)
+            assert mismatched_blocks(local, [0], seed=8) == []
+
+
+async def test_hold_and_abandon_after_close_raise_closed_resource_error(
+    memory_fabric: MemoryFabric,
+) -> None:
+    with trio.fail_after(10):
+        async with engine(memory_fabric, "p") as (p, _):
+            remote = p.expose("r", [1])
+            async with engine(memory_fabric, "d") as (d, _):
+                pass
+            with pytest.raises(trio.ClosedResourceError):
+                async with d.hold(remote):
+                    pass  # pragma: no cover
+            with pytest.raises(trio.ClosedResourceError):
+                await d.abandon(remote)
+            assert d.statistics().holds_active == 0
+
+
+async def test_heartbeats_and_abandons_travel_over_curve_and_strangers_get_nowhere(
+    memory_fabric: MemoryFabric,
+) -> None:
+    producer_keys, friend, stranger = (trio_pd.generate_keypair() for _ in range(3))
+
+    def consumer_config(keys: tuple[str, str]) -> trio_pd.ConnectorConfig:
+        auth = trio_pd.CurveAuth(
+            public_key=keys[0], secret_key=keys[1], producer_keys={"*": producer_keys[0]}
+        )
+        return attrs.evolve(LEASES, auth=auth)
+
+    producer_auth = trio_pd.CurveAuth(
+        public_key=producer_keys[0], secret_key=producer_keys[1], allowed_consumers={friend[0]}
+    )
+    with trio.fail_after(15):
+        async with (
+            engine(memory_fabric, "p", attrs.evolve(LEASES, auth=producer_auth)) as (p, _),
+            engine(memory_fabric, "d", consumer_config(friend)) as (d, _),
+            engine(memory_fabric, "x", consumer_config(stranger)) as (x, _),
+        ):
+            remote = p.expose("r", [1])
+            await x.abandon(remote)  # refused by CURVE: logged, counted, not raised
+            assert x.statistics().abandons_failed == 1
+            async with d.hold(remote):
+                await trio.sleep(2 * LEASES.lease_initial)
+                assert p.statistics().exposures_pending == 1
+            assert await p.wait_released("r") is trio_pd.Released.ABANDONED
+            assert p.statistics().listener_auth_failures >= 1
