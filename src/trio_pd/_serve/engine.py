@@ -103,6 +103,11 @@ class EngineSettings:
     tp_size: int = 1
     max_model_len: int = MAX_MODEL_LEN
     admission_timeout: float = 10.0  # how long a request waits for free KV blocks
+    # Exposures: held 5 s unless the decode engine holds them (it renews every
+    # second while the request waits for its blocks), 30 s at most.
+    lease_initial: float = 5.0
+    lease_renewal: float = 3.0
+    heartbeat_interval: float = 1.0
 
 
 EXPOSURE_SECRET_ENV = "TRIO_PD_EXPOSURE_SECRET"
@@ -279,6 +284,7 @@ class Engine:
             OutOfBlocks: not enough blocks freed within ``admission_timeout``.
         """
         connectors = self._connectors()
+        self.check_fits(prompt, 1)
         blocks = await self.pool.allocate(
             self.model.config.blocks_for(len(prompt) - 1), deadline=self.admission_deadline()
         )
@@ -326,7 +332,10 @@ class Engine:
 
         With ``params`` (from a prefill engine) the prompt's KV is pulled;
         without, computed here. Waits up to ``admission_timeout`` for free
-        blocks. The blocks go back to the pool when the block exits --
+        blocks; meanwhile every rank *holds* the prefill's blocks (renewing
+        their lease), and if the request fails or is cancelled before its
+        pull, leaving the hold gives them back to the prefill engine at once.
+        The blocks go back to the pool when the block exits --
         unless a transfer that could not be stopped may still write them
         (``Connector.unsettled_blocks``, whichever way the pull ended): then
         only once it has settled.
@@ -341,22 +350,40 @@ class Engine:
         before = len(prompt) - 1
         remote: RemoteBlocks | None = None
         if params is not None:
-            remote = parse_remote_blocks(params, config.blocks_for(before), len(prompt))
+            remote = parse_remote_blocks(params)
         connectors = self._connectors()
-        blocks = await self.pool.allocate(
-            config.blocks_for(len(prompt) + max_tokens), deadline=self.admission_deadline()
-        )
+        blocks: list[int] | None = None
         try:
-            if remote is not None:
-                started = time.monotonic()
-                into = blocks[: len(remote.block_ids)]
-                await _pull_every_rank(connectors, request_id, into, remote)
-                self.pull_seconds.observe(time.monotonic() - started)
-            elif before > 0:
-                await self.step(blocks, prompt[:-1], 0)
+            async with AsyncExitStack() as holds:
+                if remote is not None:
+                    # Every rank holds the prefill's blocks until its pull: the
+                    # producer keeps them however long admission takes, and
+                    # frees them at once if this request fails or its client
+                    # leaves before the pull (leaving a hold abandons it).
+                    for connector in connectors:
+                        try:
+                            await holds.enter_async_context(connector.hold(remote))
+                        except ValueError as exc:  # (the same parameters in two requests)
+                            raise HTTPError(
+                                409, str(exc), "invalid_request_error", param="kv_transfer_params"
+                            ) from None
+                if remote is not None:
+                    check_prompt_blocks(remote, config.blocks_for(before), len(prompt))
+                self.check_fits(prompt, max_tokens)
+                blocks = await self.pool.allocate(
+                    config.blocks_for(len(prompt) + max_tokens), deadline=self.admission_deadline()
+                )
+                if remote is not None:
+                    started = time.monotonic()
+                    into = blocks[: len(remote.block_ids)]
+                    await _pull_every_rank(connectors, request_id, into, remote)
+                    self.pull_seconds.observe(time.monotonic() - started)
+                elif before > 0:
+                    await self.step(blocks, prompt[:-1], 0)
             yield self._tokens(blocks, prompt, max_tokens)
         finally:
-            self._release_when_settled(connectors, blocks)
+            if blocks is not None:
+                self._release_when_settled(connectors, blocks)
 
     def _release_when_settled(self, connectors: list[Connector], blocks: list[int]) -> None:
         """Give ``blocks`` back now, or -- if a transfer may still write one of
@@ -421,6 +448,8 @@ class _ConnectorCollector:
             "remote_agents_loaded",
             "exposures_pending",
             "transfers_unsettled",
+            "blocks_unsettled",
+            "holds_active",
         }
     )
 
@@ -507,17 +536,18 @@ def exposure_secret_from_env() -> bytes | None:
     return secret
 
 
-def parse_remote_blocks(params: dict[str, Any], blocks: int, prompt_tokens: int) -> RemoteBlocks:
-    """The decode request's ``kv_transfer_params`` as :class:`RemoteBlocks`, or a 400.
-
-    ``blocks``: how many KV blocks the prompt's KV fills.
-    """
+def parse_remote_blocks(params: dict[str, Any]) -> RemoteBlocks:
+    """The decode request's ``kv_transfer_params`` as :class:`RemoteBlocks`, or a 400."""
     try:
-        remote = RemoteBlocks.from_kv_transfer_params(params)
+        return RemoteBlocks.from_kv_transfer_params(params)
     except ValueError as exc:
         raise HTTPError(
             400, str(exc), "invalid_request_error", param="kv_transfer_params"
         ) from None
+
+
+def check_prompt_blocks(remote: RemoteBlocks, blocks: int, prompt_tokens: int) -> None:
+    """A 400 unless ``remote`` holds the ``blocks`` that the prompt's KV fills."""
     if len(remote.block_ids) != blocks:
         raise HTTPError(
             400,
@@ -526,7 +556,6 @@ def parse_remote_blocks(params: dict[str, Any], blocks: int, prompt_tokens: int)
             "invalid_request_error",
             param="kv_transfer_params.remote_block_ids",
         )
-    return remote
 
 
 def parse_completion_request(body: dict[str, Any]) -> tuple[list[int], int, bool, dict[str, Any]]:
@@ -534,6 +563,12 @@ def parse_completion_request(body: dict[str, Any]) -> tuple[list[int], int, bool
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise HTTPError(400, "prompt must be a non-empty string", "invalid_request_error")
+    try:
+        prompt.encode()
+    except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800" in the JSON)
+        raise HTTPError(
+            400, f"prompt is not valid Unicode: {exc.reason}", "invalid_request_error"
+        ) from None
     max_tokens = body.get("max_tokens", 16)
     if (
         not isinstance(max_tokens, int)
@@ -619,6 +654,9 @@ async def _lifespan(engine: Engine, receive: Receive, send: Send) -> None:
                         port=base_port,
                         config=ConnectorConfig(
                             abort_timeout=settings.abort_timeout,
+                            lease_initial=settings.lease_initial,
+                            lease_renewal=settings.lease_renewal,
+                            heartbeat_interval=settings.heartbeat_interval,
                             exposure_secret=exposure_secret_from_env(),
                         ),
                         tp_rank=rank,
@@ -657,7 +695,6 @@ async def _completions(engine: Engine, receive: Receive, send: Send) -> None:
         kind = "decode"
     else:
         kind = "whole"
-    engine.check_fits(prompt, max_tokens)
     outcome, answered = "error", False
 
     async def send_tracked(message: dict[str, Any]) -> None:
