@@ -436,3 +436,23 @@ async def test_a_pull_waiting_on_a_queued_load_gets_its_error_within_the_timeout
             assert max(took) < QUICK.handshake_timeout + 0.15
             assert errors, "four 0.3 s loads cannot all fit in 0.5 s"
             assert all("queued" in e or "not loaded within" in e for e in errors)
+
+
+async def test_a_failing_notification_poll_is_retried_at_a_pace_not_in_a_busy_loop(
+    memory_fabric: MemoryFabric, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = attrs.evolve(QUICK, idle_notification_poll_interval=0.05)
+    with trio.fail_after(10):
+        async with trio_pd.open_connector(
+            "p", kv_cache(blocks=16), config=config, backend=memory_fabric.backend
+        ) as p:
+            p.expose("pending", [1])
+            backend = memory_fabric.backends[-1]
+            memory_fabric.faults("p").notification_error = "NIXL_ERR_BACKEND"
+            before = backend.notification_polls
+            await trio.sleep(0.5)
+            polls = backend.notification_polls - before
+            assert 3 <= polls <= 0.5 / 0.05 + 3, polls  # (about one per interval)
+            assert "NIXL_ERR_BACKEND" in caplog.text
+            memory_fabric.faults("p").notification_error = None
+            assert p.statistics().exposures_pending == 1  # (nothing lost meanwhile)

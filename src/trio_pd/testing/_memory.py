@@ -70,6 +70,9 @@ class MemoryFaults:
             :meth:`MemoryFabric.finish_unstoppable_reads` is called, each
             copies the producer's blocks as they are *then* (a late write)
             and delivers its notification; only then is it settled.
+        notification_error: if set, the engine's *own* polls for
+            notifications fail with :class:`~trio_pd.BackendError` carrying
+            this message (a producer whose agent misbehaves).
     """
 
     read_delay: float = 0.0
@@ -79,6 +82,7 @@ class MemoryFaults:
     load_error: str | None = None
     hang_loads: bool = False
     unstoppable_reads: bool = False
+    notification_error: str | None = None
 
 
 @attrs.define(eq=False)
@@ -196,6 +200,8 @@ class MemoryBackend:
         self._close_timeout = config.close_timeout
         self._reads = 0
         self._unsettled = 0
+        self.notification_polls = 0
+        """Calls of :meth:`notifications` so far (tests of the producer's pacing)."""
 
     @property
     def agent_name(self) -> str:
@@ -364,6 +370,11 @@ class MemoryBackend:
         pass  # (nothing to drive in memory)
 
     async def notifications(self, wait: float) -> dict[str, list[bytes]]:
+        self.notification_polls += 1
+        error = self._fabric.faults(self.engine_id).notification_error
+        if error is not None:
+            await trio.lowlevel.checkpoint()
+            raise BackendError(f"get_new_notifs: {error}")
         if not self._inbox:
             with trio.move_on_after(wait):
                 await self._notified.wait()

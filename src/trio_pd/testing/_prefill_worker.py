@@ -34,7 +34,6 @@ import trio
 from .._auth import CurveAuth
 from .._config import ConnectorConfig
 from .._connector import Connector, open_connector
-from .._errors import TransferError
 from .._exposures import Released
 from .._groups import unwrapped_errors
 from .._records import RemoteBlocks
@@ -152,7 +151,7 @@ async def _child_main(spec: WorkerSpec, protocol_fd: int) -> None:
     stdout = trio.lowlevel.FdStream(protocol_fd)
     write_lock = trio.Lock()
     engines: list[tuple[Connector, list[Any]]] = []
-    unsettled: dict[str, TransferError] = {}  # failed pulls whose transfer still runs
+    unsettled: dict[str, list[int]] = {}  # the local block ids of each pull, by request
 
     async def reply(message: dict[str, Any]) -> None:
         async with write_lock:
@@ -221,7 +220,7 @@ async def _run_command(
     kv_caches: Sequence[Any],
     command: dict[str, Any],
     spec: WorkerSpec,
-    unsettled: dict[str, TransferError],
+    unsettled: dict[str, list[int]],
 ) -> dict[str, Any]:
     op = command.get("op")
     if op == "expose":
@@ -244,23 +243,18 @@ async def _run_command(
     if op == "pull":  # this engine as a consumer: pull, then check the bytes
         remote = RemoteBlocks.from_kv_transfer_params(command["kv_transfer_params"])
         local_ids = command["local_block_ids"]
-        try:
-            result = await conn.pull(command["request_id"], local_ids, remote)
-        except TransferError as exc:
-            if exc.settled is not None:
-                unsettled[command["request_id"]] = exc
-            raise
+        unsettled[command["request_id"]] = local_ids  # (whichever way the pull ends)
+        result = await conn.pull(command["request_id"], local_ids, remote)
         seed = int(command["seed"])
         if spec.payload == "heads":
             bad = mismatched_heads(kv_caches, spec.tp_rank, local_ids, remote.block_ids, seed)
         else:
             bad = mismatched_blocks(kv_caches, local_ids, seed)
         return {"bytes": result.bytes, "seconds": result.seconds, "mismatched": bad}
-    if op == "wait_settled":  # a failed pull's transfer that could not be stopped
-        error = unsettled.pop(command["request_id"])
-        assert error.settled is not None
-        await error.settled.wait()
-        return {"mismatched": mismatched_blocks(kv_caches, error.failed_block_ids, command["seed"])}
+    if op == "wait_settled":  # a pull's transfer that could not be stopped
+        local_ids = unsettled.pop(command["request_id"])
+        await conn.wait_settled(local_ids)
+        return {"mismatched": mismatched_blocks(kv_caches, local_ids, command["seed"])}
 
     raise ValueError(f"unknown op {op!r}")
 
@@ -374,12 +368,13 @@ class PrefillWorker:
         )
 
     async def wait_settled(self, request_id: str, seed: int) -> list[int]:
-        """Wait until a pull of this worker that failed with a transfer still
-        running (``TransferError.settled``) has settled; return the local
-        block ids whose bytes differ from what ``seed`` stands for.
+        """Wait until no transfer of this worker's pull ``request_id`` can
+        write its local blocks (``Connector.wait_settled``: at once unless
+        a transfer could not be stopped); return the local block ids whose
+        bytes differ from what ``seed`` stands for.
 
         Raises:
-            WorkerError: no such pull failed here (``KeyError``).
+            WorkerError: this worker never pulled ``request_id`` (``KeyError``).
         """
         reply = await self._call(op="wait_settled", request_id=request_id, seed=seed)
         mismatched: list[int] = reply["mismatched"]
