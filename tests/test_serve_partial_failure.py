@@ -54,7 +54,8 @@ async def test_overload_and_impossible_requests_strand_nothing(tmp_path: Path) -
                 statuses: list[int] = []
 
                 async def one(i: int) -> None:
-                    body = {"prompt": f"client {i} " * 8, "max_tokens": 200 + i}
+                    # 800-900 tokens of prompt: two requests fill the decode pool
+                    body = {"prompt": f"client {i:02d} " * (80 + i % 5), "max_tokens": 20 + i}
                     response = await client.post(f"{proxy}/v1/completions", json=body)
                     statuses.append(response.status_code)
                     if response.status_code == 503:
