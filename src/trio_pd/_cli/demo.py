@@ -42,8 +42,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from .._config import ConnectorConfig
 from .._connector import Connector, open_connector
 from .._groups import unwrapped_errors
+from .._ports import free_port_range
 from .._records import RemoteBlocks
-from ..testing._child import free_port_range
 from ..testing._hosts import TestHost, open_test_hosts
 from ..testing._payload import mismatched_blocks, mismatched_heads
 from ..testing._prefill_worker import PrefillWorker, WorkerError, WorkerSpec, open_prefill_workers

@@ -1,7 +1,7 @@
 """``trio-pd serve``: prefill and decode engine processes behind a P/D proxy.
 
 The command's nursery owns everything: one task per engine process (each an
-HTTP server with its own connector, see ``trio_pd._serve.engine``) and the
+HTTP server with its own connector, see ``trio_pd._serve.process``) and the
 proxy's HTTP server in this process. SIGINT or SIGTERM drains it in order:
 the proxy stops accepting and finishes its in-flight requests (at most
 ``--grace`` s), then every engine gets SIGTERM and drains the same way
@@ -28,13 +28,10 @@ import trio
 from rich.console import Console
 from rich.table import Table
 
-from .._serve.engine import (
-    EXPOSURE_SECRET_ENV,
-    MAX_MODEL_LEN,
-    EngineSettings,
-    write_json_atomically,
-)
+from .._serve.engine import EXPOSURE_SECRET_ENV, EngineSettings
 from .._serve.model import ModelConfig
+from .._serve.openai import MAX_MODEL_LEN
+from .._serve.process import write_json_atomically
 from .._serve.proxy import Proxy
 
 
@@ -182,7 +179,7 @@ async def _engine_process(
     command = [
         sys.executable,
         "-m",
-        "trio_pd._serve.engine",
+        "trio_pd._serve.process",
         json.dumps(attrs.asdict(settings)),
     ]
     env = {

@@ -31,62 +31,37 @@ is Prometheus text (the connector's statistics, requests, pull latency).
 
 from __future__ import annotations
 
-import argparse
-import codecs
-import collections
 import contextlib
-import functools
 import itertools
-import json
 import logging
 import math
 import os
-import signal
-import sys
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from contextlib import AsyncExitStack, aclosing, asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import attrs
-import torch
 import trio
 from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
-    disable_created_metrics,
-    generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from .._config import ConnectorConfig
-from .._connector import Connector, open_connector
-from .._errors import HandshakeError, ParamsRejectedError, TransferError
+from .._connector import Connector
 from .._groups import unwrapped_errors
 from .._records import RemoteBlocks
-from ..testing import free_port_range
 from .asgi import (
     HTTPError,
-    Receive,
-    Scope,
-    Send,
-    cancel_on_disconnect,
-    read_json,
-    send_event,
-    send_json,
-    send_text,
-    start_events,
 )
-from .model import ModelConfig, TinyLlama, tokenize
+from .metrics import ConnectorCollector
+from .model import TinyLlama
+from .openai import MAX_MODEL_LEN, check_prompt_blocks, parse_remote_blocks
+from .pool import BlockPool
 
 logger = logging.getLogger("trio_pd.serve")
-
-MODEL_NAME = "trio-pd-tiny"
-MAX_TOKENS = 1024
-MAX_MODEL_LEN = 2048
-"""Prompt plus generated tokens (bytes): attention is quadratic in it."""
 
 
 @attrs.frozen
@@ -113,88 +88,6 @@ class EngineSettings:
 EXPOSURE_SECRET_ENV = "TRIO_PD_EXPOSURE_SECRET"
 """The environment variable that hands an engine its deployment's exposure
 secret (hex): not on the command line, where ``ps`` shows it."""
-
-
-class OutOfBlocks(Exception):
-    """The KV-cache pool did not have enough free blocks in time."""
-
-
-@attrs.define(eq=False)
-class _Turn:
-    """A request waiting for blocks; ``blocks`` are set aside for it when granted."""
-
-    count: int
-    granted: trio.Event = attrs.field(factory=trio.Event)
-    blocks: list[int] = attrs.field(factory=list)
-
-
-class BlockPool:
-    """The free KV-cache blocks of an engine, handed out first come, first served.
-
-    Trio thread only. A request that needs more blocks than are free waits
-    (in order: a large request is not starved by small ones) until enough
-    are released or its deadline passes. Blocks are set aside for a waiter
-    when it is granted, so nobody takes them before it runs.
-    """
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))
-        self._waiters: collections.deque[_Turn] = collections.deque()
-
-    @property
-    def free(self) -> int:
-        return len(self._free)
-
-    @property
-    def waiting(self) -> int:
-        return len(self._waiters)
-
-    async def allocate(self, count: int, *, deadline: float) -> list[int]:
-        """``count`` blocks, waiting until ``deadline`` (trio's clock) for them.
-
-        Raises:
-            ValueError: ``count`` is more than the whole pool.
-            OutOfBlocks: not enough were free by ``deadline``.
-        """
-        if count > self.num_blocks:
-            raise ValueError(f"{count} KV blocks needed, the pool has {self.num_blocks}")
-        turn = _Turn(count)
-        self._waiters.append(turn)
-        self._grant()
-        try:
-            with trio.move_on_at(deadline):
-                await turn.granted.wait()
-        except BaseException:  # cancelled (the client left): give back or step out
-            self._withdraw(turn)
-            raise
-        if not turn.granted.is_set():
-            self._withdraw(turn)
-            raise OutOfBlocks(
-                f"{count} KV blocks needed, {len(self._free)} free after waiting "
-                f"({len(self._waiters)} requests still waiting)"
-            )
-        return turn.blocks
-
-    def release(self, blocks: Sequence[int]) -> None:
-        self._free.extend(blocks)
-        self._grant()
-
-    def _withdraw(self, turn: _Turn) -> None:
-        if turn.granted.is_set():
-            self.release(turn.blocks)
-        else:
-            self._waiters.remove(turn)
-            self._grant()  # (the next one may fit now)
-
-    def _grant(self) -> None:
-        """Set blocks aside for the waiters at the head of the line, in order."""
-        while self._waiters and self._waiters[0].count <= len(self._free):
-            turn = self._waiters.popleft()
-            taken = self._free[len(self._free) - turn.count :]
-            del self._free[len(self._free) - turn.count :]
-            turn.blocks = taken[::-1]
-            turn.granted.set()
 
 
 class Engine:
@@ -235,7 +128,7 @@ class Engine:
             registry=self.registry,
         )
         free.set_function(lambda: self.pool.free)
-        self.registry.register(_ConnectorCollector(lambda: self.connectors))
+        self.registry.register(ConnectorCollector(lambda: self.connectors))
 
     def request_id(self) -> str:
         return f"cmpl-{self.settings.engine_id}-{next(self._ids)}"
@@ -437,87 +330,6 @@ async def _pull_every_rank(
             nursery.start_soon(connector.pull, request_id, blocks, remote)
 
 
-class _ConnectorCollector:
-    """The connectors' statistics as Prometheus metrics (summed over the ranks),
-    read at each scrape."""
-
-    GAUGES = frozenset(
-        {
-            "engines_ready",
-            "pulls_in_flight",
-            "remote_agents_loaded",
-            "exposures_pending",
-            "transfers_unsettled",
-            "blocks_unsettled",
-            "holds_active",
-        }
-    )
-
-    def __init__(self, connectors: Callable[[], list[Connector]]) -> None:
-        self._connectors = connectors
-
-    def collect(self) -> list[Metric]:
-        connectors = self._connectors()
-        if not connectors:
-            return []
-        stats = [
-            {
-                name: value
-                for name, value in attrs.asdict(c.statistics(), recurse=False).items()
-                if not isinstance(value, str)  # (backend_stuck_call: /health says it)
-            }
-            for c in connectors
-        ]
-        out: list[Metric] = []
-        causes = CounterMetricFamily(
-            "trio_pd_handshake_failures_by_cause",
-            "Failed handshakes by cause.",
-            labels=["cause"],
-        )
-        by_cause: dict[str, int] = {}
-        for rank in stats:
-            for cause, count in rank.pop("handshake_failures_by_cause").items():
-                by_cause[cause] = by_cause.get(cause, 0) + count
-        for cause, count in by_cause.items():
-            causes.add_metric([cause], count)
-        out.append(causes)
-        for name in stats[0]:
-            value = sum(rank[name] for rank in stats)
-            doc = f"trio_pd ConnectorStatistics.{name}, summed over the ranks"
-            if name in self.GAUGES:
-                out.append(GaugeMetricFamily(f"trio_pd_{name}", doc, value=value))
-            else:
-                out.append(CounterMetricFamily(f"trio_pd_{name}", doc, value=value))
-        return out
-
-
-def completion(
-    request_id: str, text: str, token_ids: list[int], prompt_tokens: int, **extra: Any
-) -> dict[str, Any]:
-    """An OpenAI completions response body (``token_ids``: vLLM's addition)."""
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": MODEL_NAME,
-        "choices": [
-            {
-                "index": 0,
-                "text": text,
-                "token_ids": token_ids,
-                "logprobs": None,
-                "finish_reason": "length",
-            }
-        ],
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": len(token_ids),
-            "total_tokens": prompt_tokens + len(token_ids),
-        },
-        **extra,
-    }
-
-
 def exposure_secret_from_env() -> bytes | None:
     """The deployment's exposure secret from :data:`EXPOSURE_SECRET_ENV` (``None`` if unset).
 
@@ -534,295 +346,3 @@ def exposure_secret_from_env() -> bytes | None:
     if len(secret) < 16:
         raise ValueError(f"{EXPOSURE_SECRET_ENV} must hold at least 16 bytes")
     return secret
-
-
-def parse_remote_blocks(params: dict[str, Any]) -> RemoteBlocks:
-    """The decode request's ``kv_transfer_params`` as :class:`RemoteBlocks`, or a 400."""
-    try:
-        return RemoteBlocks.from_kv_transfer_params(params)
-    except ValueError as exc:
-        raise HTTPError(
-            400, str(exc), "invalid_request_error", param="kv_transfer_params"
-        ) from None
-
-
-def check_prompt_blocks(remote: RemoteBlocks, blocks: int, prompt_tokens: int) -> None:
-    """A 400 unless ``remote`` holds the ``blocks`` that the prompt's KV fills."""
-    if len(remote.block_ids) != blocks:
-        raise HTTPError(
-            400,
-            f"kv_transfer_params hold {len(remote.block_ids)} blocks, a prompt of "
-            f"{prompt_tokens} tokens needs {blocks}",
-            "invalid_request_error",
-            param="kv_transfer_params.remote_block_ids",
-        )
-
-
-def parse_completion_request(body: dict[str, Any]) -> tuple[list[int], int, bool, dict[str, Any]]:
-    """``(prompt tokens, max_tokens, stream, kv_transfer_params)``, or a 400."""
-    prompt = body.get("prompt")
-    if not isinstance(prompt, str) or not prompt:
-        raise HTTPError(400, "prompt must be a non-empty string", "invalid_request_error")
-    try:
-        prompt.encode()
-    except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800" in the JSON)
-        raise HTTPError(
-            400, f"prompt is not valid Unicode: {exc.reason}", "invalid_request_error"
-        ) from None
-    max_tokens = body.get("max_tokens", 16)
-    if (
-        not isinstance(max_tokens, int)
-        or isinstance(max_tokens, bool)
-        or not (1 <= max_tokens <= MAX_TOKENS)
-    ):
-        raise HTTPError(
-            400, f"max_tokens must be an int in [1, {MAX_TOKENS}]", "invalid_request_error"
-        )
-    if body.get("temperature", 0) not in (0, 0.0):
-        raise HTTPError(400, "only temperature 0 (greedy) is supported", "invalid_request_error")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise HTTPError(400, "stream must be true or false", "invalid_request_error")
-    params = body.get("kv_transfer_params") or {}
-    if not isinstance(params, dict):
-        raise HTTPError(400, "kv_transfer_params must be an object", "invalid_request_error")
-    return tokenize(prompt), max_tokens, stream, params
-
-
-def build_app(engine: Engine) -> Callable[[Scope, Receive, Send], Any]:
-    """The engine's ASGI application (lifespan: the connectors)."""
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await _lifespan(engine, receive, send)
-            return
-        if scope["type"] != "http":
-            return
-        route = (scope["method"], scope["path"])
-        try:
-            if route == ("POST", "/v1/completions"):
-                await _completions(engine, receive, send)
-            elif route == ("GET", "/health"):
-                await _health(engine, send)
-            elif route == ("GET", "/metrics"):
-                text = generate_latest(engine.registry).decode()
-                await send_text(send, 200, text, "text/plain; version=0.0.4")
-            else:
-                raise HTTPError(404, f"no route {scope['method']} {scope['path']}", "not_found")
-        except HTTPError as exc:
-            await send_json(send, exc.status, exc.body, exc.headers)
-
-    return app
-
-
-async def _health(engine: Engine, send: Send) -> None:
-    """200 while the engine serves; 503 draining, or while NIXL is stuck in a load."""
-    stuck = [c.statistics().backend_stuck_call for c in engine.connectors]
-    stuck = [call for call in stuck if call]
-    health: dict[str, Any] = {"pid": os.getpid()}
-    if stuck:
-        health.update(status="stuck", stuck_call=stuck[0])
-    elif engine.accepting and engine.connectors:
-        health.update(status="ok")
-    else:
-        health.update(status="draining")
-    await send_json(send, 200 if health["status"] == "ok" else 503, health)
-
-
-async def _lifespan(engine: Engine, receive: Receive, send: Send) -> None:
-    """Open the connectors for the server's life; close them after the last request.
-
-    Inside it, a nursery holds the tasks that give exposed blocks back to the
-    pool; at shutdown (hypercorn sends it once every request has drained)
-    they are cancelled first, then the connectors close.
-    """
-    message = await receive()
-    assert message["type"] == "lifespan.startup"
-    settings = engine.settings
-    started = False
-    base_port = settings.side_channel_port
-    if settings.tp_size > 1 and not base_port:
-        base_port = free_port_range(settings.tp_size, settings.host)
-    try:
-        async with AsyncExitStack() as stack:
-            connectors = [
-                await stack.enter_async_context(
-                    open_connector(
-                        settings.engine_id,
-                        regions,
-                        host=settings.host,
-                        port=base_port,
-                        config=ConnectorConfig(
-                            abort_timeout=settings.abort_timeout,
-                            lease_initial=settings.lease_initial,
-                            lease_renewal=settings.lease_renewal,
-                            heartbeat_interval=settings.heartbeat_interval,
-                            exposure_secret=exposure_secret_from_env(),
-                        ),
-                        tp_rank=rank,
-                        tp_size=settings.tp_size,
-                    )
-                )
-                for rank, regions in enumerate(engine.cache)
-            ]
-            nursery = await stack.enter_async_context(trio.open_nursery())
-            engine.connectors, engine.nursery, engine.accepting = connectors, nursery, True
-            await send({"type": "lifespan.startup.complete"})
-            started = True
-            await receive()  # lifespan.shutdown
-            engine.accepting = False
-            engine.connectors = []
-            nursery.cancel_scope.cancel()
-    except Exception as exc:
-        logger.exception("engine %s: the connector failed", settings.engine_id)
-        if not started:
-            await send({"type": "lifespan.startup.failed", "message": str(exc)})
-            return
-        await send({"type": "lifespan.shutdown.failed", "message": str(exc)})
-        return
-    await send({"type": "lifespan.shutdown.complete"})
-
-
-async def _completions(engine: Engine, receive: Receive, send: Send) -> None:
-    body = await read_json(receive)
-    prompt, max_tokens, stream, params = parse_completion_request(body)
-    if not engine.accepting:
-        raise HTTPError(503, "the engine is draining", "unavailable", retry_after=1)
-    request_id = engine.request_id()
-    if params.get("do_remote_decode"):
-        kind = "prefill"
-    elif params.get("do_remote_prefill"):
-        kind = "decode"
-    else:
-        kind = "whole"
-    outcome, answered = "error", False
-
-    async def send_tracked(message: dict[str, Any]) -> None:
-        nonlocal answered
-        if message["type"] == "http.response.body" and not message.get("more_body"):
-            answered = True  # (the client may disconnect right after: still answered)
-        await send(message)
-
-    try:
-        async with cancel_on_disconnect(receive):
-            if kind == "prefill":
-                kv = await engine.prefill_for_remote(request_id, prompt)
-                body = completion(request_id, "", [], len(prompt), kv_transfer_params=kv)
-                await send_json(send_tracked, 200, body)
-            else:
-                await _generate(
-                    engine, send_tracked, request_id, prompt, max_tokens, stream, kind, params
-                )
-        outcome = "ok" if answered else "disconnected"
-    except OutOfBlocks as exc:
-        raise HTTPError(
-            503, f"engine {engine.settings.engine_id}: {exc}", "overloaded", retry_after=1
-        ) from None
-    except ParamsRejectedError as exc:
-        raise HTTPError(
-            400,
-            f"engine {engine.settings.engine_id}: {exc}",
-            "invalid_request_error",
-            param=f"kv_transfer_params.{exc.field}",
-        ) from None
-    except (HandshakeError, TransferError) as exc:
-        source = params.get("remote_engine_id")
-        raise HTTPError(
-            502,
-            f"engine {engine.settings.engine_id}: pulling the KV cache from engine "
-            f"{source!r} failed: {exc}",
-            type(exc).__name__,
-            engine=engine.settings.engine_id,
-            remote_engine=source,
-        ) from None
-    finally:
-        engine.requests.labels(kind, outcome).inc()
-
-
-async def _generate(
-    engine: Engine,
-    send: Send,
-    request_id: str,
-    prompt: list[int],
-    max_tokens: int,
-    stream: bool,
-    kind: str,
-    params: dict[str, Any],
-) -> None:
-    remote = params if kind == "decode" else None
-    async with (
-        engine.generation(request_id, prompt, max_tokens, remote) as generator,
-        aclosing(generator) as tokens,  # (closed even when the client hangs up)
-    ):
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        if not stream:
-            ids = [token async for token in tokens]
-            text = decoder.decode(bytes(ids), final=True)
-            await send_json(send, 200, completion(request_id, text, ids, len(prompt)))
-            return
-        await start_events(send)
-        async for token in tokens:
-            chunk = completion(request_id, decoder.decode(bytes([token])), [token], len(prompt))
-            del chunk["usage"]
-            chunk["choices"][0]["finish_reason"] = None
-            await send_event(send, chunk)
-        await send_event(send, "[DONE]", last=True)
-
-
-# ---- the engine process -------------------------------------------------------
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m trio_pd._serve.engine SETTINGS_JSON``: run one engine until SIGTERM/SIGINT."""
-    parser = argparse.ArgumentParser(prog="trio_pd._serve.engine")
-    parser.add_argument("settings", help="EngineSettings as JSON")
-    args = parser.parse_args(argv)
-    settings = EngineSettings(**json.loads(args.settings))
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    torch.set_num_threads(1)
-    trio.run(serve_engine, settings)
-
-
-async def serve_engine(settings: EngineSettings, grace: float = 10.0) -> None:
-    """Serve until SIGTERM or SIGINT, then drain: stop accepting, let requests
-    finish (at most ``grace`` s), close the connector."""
-    from hypercorn.config import Config
-    from hypercorn.trio import serve
-
-    disable_created_metrics()  # type: ignore[no-untyped-call]  # (a process of its own)
-    engine = Engine(settings, TinyLlama(ModelConfig()))
-    config = Config()
-    config.bind = [f"{settings.host}:{settings.http_port}"]
-    config.graceful_timeout = grace
-    config.accesslog = None
-    stop = trio.Event()
-    app: Any = build_app(engine)  # (hypercorn's ASGI types are stricter than plain dicts)
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async with trio.open_nursery() as nursery:
-
-            async def until_signal() -> None:
-                async for _ in signals:
-                    engine.accepting = False
-                    stop.set()
-                    return
-
-            nursery.start_soon(until_signal)
-            binds = await nursery.start(
-                functools.partial(serve, app, config, shutdown_trigger=stop.wait)
-            )
-            if settings.ready_file:
-                write_json_atomically(settings.ready_file, {"url": binds[0]})
-            await stop.wait()
-            # (serve drains and returns; until_signal has returned)
-
-
-def write_json_atomically(path: str, data: Any) -> None:
-    """Write ``data`` as JSON to ``path`` so that a reader never sees half of it."""
-    temporary = f"{path}.tmp"
-    with open(temporary, "w") as f:
-        json.dump(data, f)
-    os.replace(temporary, path)
-
-
-if __name__ == "__main__":
-    main()

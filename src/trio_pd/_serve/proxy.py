@@ -36,7 +36,7 @@ from .asgi import (
     send_event,
     send_json,
 )
-from .engine import parse_completion_request
+from .openai import parse_completion_request
 
 
 class Proxy:

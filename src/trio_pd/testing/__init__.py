@@ -27,8 +27,8 @@
   with ``pytest_plugins = ["trio_pd.testing.fixtures"]`` in a ``conftest.py``.
 """
 
+from .._ports import free_port_range
 from .._protocol import encode_notification
-from ._child import free_port_range
 from ._hosts import TestHost, TestHostsUnavailable, open_test_hosts
 from ._memory import MemoryBackend, MemoryFabric, MemoryFaults
 from ._payload import (

@@ -70,36 +70,3 @@ async def read_lines(stream: trio.abc.ReceiveStream) -> AsyncGenerator[bytes, No
         for line in lines:
             if line.strip():
                 yield line
-
-
-def free_port_range(count: int, host: str = "127.0.0.1") -> int:
-    """A base port ``p`` such that ``p .. p + count - 1`` were free just now.
-
-    For tensor-parallel engines in tests (rank ``r`` binds ``p + r``). Like
-    any "find a free port" helper it can race with other processes; it
-    tries up to 50 bases.
-
-    Raises:
-        OSError: no such range was found.
-    """
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind((host, 0))
-            base = int(probe.getsockname()[1])
-        if base + count > 65536:
-            continue
-        sockets = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket()
-                sockets.append(sock)
-                sock.bind((host, port))
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
-        return base
-    raise OSError(f"no {count} consecutive free ports found on {host}")
