@@ -1,30 +1,55 @@
 """The disaggregation proxy: prefill on one engine, decode on another, on trio.
 
 It plays vLLM's P/D proxy. For each ``POST /v1/completions`` it sends the
-request to a prefill engine (round robin) with ``max_tokens: 1`` and
+request to a prefill engine with ``max_tokens: 1`` and
 ``kv_transfer_params: {"do_remote_decode": true}``, takes the
 ``kv_transfer_params`` of the answer, and forwards the original request with
-them to a decode engine (round robin), relaying the decode engine's answer --
-streamed or not -- to the client.
+them to a decode engine, relaying the decode engine's answer -- streamed or
+not -- to the client.
+
+An operator can run it (see docs/serving.md):
+
+* **Routing**: each request goes to the engine of its role with the fewest
+  requests in flight (``_serve.routing``); the engine sets can change while
+  it runs (:meth:`Proxy.set_engines`: membership).
+* **Retries only where the request cannot have had an effect**: an engine
+  that refuses the connection never saw the request, so the next one is
+  tried (and the refusing one is tried last for a few seconds); so is a
+  prefill engine that answers 503 (draining or out of blocks: it did no
+  work). A timeout or a broken connection after the request was sent is not
+  retried (the work may have been done) and does not mark the engine down
+  (a busy engine is slow, not gone). A decode engine's 503 is not retried
+  either: it abandoned the prefill's blocks when it gave up.
+* **Per-phase deadlines** (:class:`ProxyTimeouts`): connecting, the prefill,
+  the decode's first byte, and the gaps in the stream; each passes as a 504
+  that names the phase and the engine.
+* **Request ids**: ``X-Request-Id`` is taken from the client (if printable
+  and short) or minted, sent to both engines, returned in the response, and
+  in every log line about the request.
+* ``GET /metrics``: requests by outcome, time to first byte and end to end,
+  requests in flight, engine errors by role, engine and kind.
 
 A client that disconnects cancels its request's scope: the request to the
-decode engine is closed, which cancels that engine's pull or decoding (the
-prefill engine's exposure is released when read, or expires). An engine that
-cannot be reached is skipped for a few seconds and the next one is tried; an
-engine that fails fails only the requests it held: the client gets a 502
-with a JSON error that names the engine; the proxy goes on with the others.
+decode engine is closed, which cancels that engine's pull or decoding (before
+the pull, the decode engine abandons the prefill's blocks). An engine that
+fails fails only the requests it held: the client gets a JSON error that
+names the engine; the proxy goes on with the others.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
+import logging
+import math
+import secrets
 from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from typing import Any
 
+import attrs
 import httpx2
 import trio
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from .asgi import (
     HTTPError,
@@ -35,18 +60,96 @@ from .asgi import (
     read_json,
     send_event,
     send_json,
+    send_text,
 )
 from .openai import parse_completion_request
+from .routing import EngineSet
+
+logger = logging.getLogger("trio_pd.proxy")
+
+REQUEST_ID_HEADER = "x-request-id"
+MAX_REQUEST_ID = 128
+
+
+@attrs.frozen(kw_only=True)
+class ProxyTimeouts:
+    """The proxy's per-phase deadlines, in seconds.
+
+    Attributes:
+        connect: connecting to an engine (a connection refused or not made
+            in time: the next engine is tried).
+        prefill: the whole prefill request, from sending it to its answer.
+        first_byte: a decode request, from sending it until its response
+            starts (for a request that does not stream, the whole answer).
+        idle: the longest gap between two chunks of a decode stream.
+    """
+
+    connect: float = 5.0
+    prefill: float = 60.0
+    first_byte: float = 120.0
+    idle: float = 60.0
+
+
+def open_client(timeouts: ProxyTimeouts = ProxyTimeouts()) -> httpx2.AsyncClient:
+    """The proxy's HTTP client: no cap on connections (the engines' own
+    admission decides what they take), its timeouts from ``timeouts``."""
+    return httpx2.AsyncClient(
+        timeout=httpx2.Timeout(
+            connect=timeouts.connect, read=timeouts.idle, write=timeouts.idle, pool=None
+        ),
+        limits=httpx2.Limits(max_connections=None, max_keepalive_connections=512),
+    )
+
+
+class ProxyMetrics:
+    """The proxy's Prometheus metrics (its own registry)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "trio_pd_proxy_requests",
+            "Completion requests by outcome.",
+            ["outcome"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "trio_pd_proxy_requests_in_flight", "Requests in flight.", registry=r
+        )
+        buckets = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, math.inf)
+        self.first_byte = Histogram(
+            "trio_pd_proxy_time_to_first_byte_seconds",
+            "From the request to the decode answer's first byte (first token when streaming).",
+            registry=r,
+            buckets=buckets,
+        )
+        self.seconds = Histogram(
+            "trio_pd_proxy_request_seconds",
+            "From the request to the end of its answer.",
+            registry=r,
+            buckets=buckets,
+        )
+        self.engine_errors = Counter(
+            "trio_pd_proxy_engine_errors",
+            "Failed requests to engines, by role, engine and kind "
+            "(refused, timeout, transport, status).",
+            ["role", "engine", "kind"],
+            registry=r,
+        )
 
 
 class Proxy:
-    """Round robin over prefill and decode engines, with one HTTP client.
+    """The P/D proxy's ASGI application and its routing state.
 
     Args:
-        prefill, decode: the engines' base URLs.
-        client: the HTTP client (owned by the caller: close it after the proxy).
+        prefill, decode: the engines' base URLs (may start empty and change:
+            :meth:`set_engines`).
+        client: the HTTP client (owned by the caller: close it after the
+            proxy); :func:`open_client` makes a suitable one.
         max_model_len: the most tokens (prompt plus ``max_tokens``) every
             engine can hold: longer requests are a 400 before any prefill.
+        timeouts: the per-phase deadlines (the client's own timeouts should
+            match: :func:`open_client`).
     """
 
     def __init__(
@@ -56,14 +159,23 @@ class Proxy:
         client: httpx2.AsyncClient,
         *,
         max_model_len: int | None = None,
+        timeouts: ProxyTimeouts = ProxyTimeouts(),
     ):
-        if not prefill or not decode:
-            raise ValueError("the proxy needs at least one prefill and one decode engine")
         self._max_model_len = max_model_len
-        self._prefill_engines = _RoundRobin(prefill)
-        self._decode_engines = _RoundRobin(decode)
+        self._engines = {"prefill": EngineSet(prefill), "decode": EngineSet(decode)}
         self._client = client
+        self._timeouts = timeouts
+        self.metrics = ProxyMetrics()
         self.accepting = True
+        self.membership_problem: str | None = None
+        """Set by whoever keeps the engine sets (etcd): shown by /health."""
+
+    def set_engines(self, role: str, engines: Sequence[str]) -> None:
+        """Route ``role``'s requests to ``engines`` from now on."""
+        self._engines[role].update(engines)
+
+    def engines(self, role: str) -> list[str]:
+        return self._engines[role].engines
 
     def app(self) -> Callable[[Scope, Receive, Send], Any]:
         async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -73,62 +185,87 @@ class Proxy:
             if scope["type"] != "http":
                 return
             route = (scope["method"], scope["path"])
+            request_id = _request_id(scope)
+            headers = [(REQUEST_ID_HEADER.encode(), request_id.encode())]
             try:
                 if route == ("POST", "/v1/completions"):
-                    await self._completions(receive, send)
+                    await self._completions(request_id, receive, send)
                 elif route == ("GET", "/health"):
-                    health = {"status": "ok" if self.accepting else "draining"}
-                    await send_json(send, 200 if self.accepting else 503, health)
+                    await self._health(send)
+                elif route == ("GET", "/metrics"):
+                    text = generate_latest(self.metrics.registry).decode()
+                    await send_text(send, 200, text, "text/plain; version=0.0.4")
+                elif scope["path"] in ("/v1/completions", "/health", "/metrics"):
+                    raise HTTPError(405, f"{scope['method']} not allowed", "method_not_allowed")
                 else:
                     raise HTTPError(404, f"no route {scope['method']} {scope['path']}", "not_found")
             except HTTPError as exc:
-                await send_json(send, exc.status, exc.body, exc.headers)
+                await send_json(send, exc.status, exc.body, [*exc.headers, *headers])
 
         return app
 
-    async def _completions(self, receive: Receive, send: Send) -> None:
-        body = await read_json(receive)
-        # A bad request is a 400 here, before any engine does work for it.
-        prompt, max_tokens, _, _ = parse_completion_request(body)
-        total = len(prompt) + max_tokens
-        if self._max_model_len is not None and total > self._max_model_len:
-            raise HTTPError(
-                400,
-                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = {total} tokens, "
-                f"over the deployment's context of {self._max_model_len}",
-                "invalid_request_error",
-                param="max_tokens",
-            )
-        if not self.accepting:
-            raise HTTPError(503, "the proxy is draining", "unavailable")
-        async with cancel_on_disconnect(receive):
-            kv = await self._prefill(body)
-            await self._decode({**body, "kv_transfer_params": kv}, send)
+    async def _health(self, send: Send) -> None:
+        health: dict[str, Any] = {
+            "status": "ok" if self.accepting else "draining",
+            "prefill": len(self.engines("prefill")),
+            "decode": len(self.engines("decode")),
+        }
+        if self.membership_problem is not None:
+            health["membership"] = self.membership_problem
+        ok = self.accepting and all(health[role] for role in ("prefill", "decode"))
+        if self.accepting and not ok:
+            health["status"] = "no engines"
+        await send_json(send, 200 if ok else 503, health)
 
-    async def _decode(self, body: dict[str, Any], send: Send) -> None:
-        """Relay ``body``'s decoding from a decode engine that can be reached.
+    async def _completions(self, request_id: str, receive: Receive, send: Send) -> None:
+        started = trio.current_time()
+        outcome = "error"
+        self.metrics.in_flight.inc()
+        try:
+            body = await read_json(receive)
+            # A bad request is a 400 here, before any engine does work for it.
+            prompt, max_tokens, _, _ = parse_completion_request(body)
+            total = len(prompt) + max_tokens
+            if self._max_model_len is not None and total > self._max_model_len:
+                raise HTTPError(
+                    400,
+                    f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = {total} "
+                    f"tokens, over the deployment's context of {self._max_model_len}",
+                    "invalid_request_error",
+                    param="max_tokens",
+                )
+            if not self.accepting:
+                raise HTTPError(503, "the proxy is draining", "unavailable", retry_after=1)
+            outcome = "disconnected"
 
-        One that refuses the connection (it died, say) is skipped for a while
-        and the next one is tried: it never saw the request, and the prefill
-        engine's exposure is still there for another one to read.
-        """
-        unreachable: _Unreachable | None = None
-        for engine in self._decode_engines.up_to_all():
-            try:
-                await self._decode_on(engine, body, send)
-            except _Unreachable as exc:
-                self._decode_engines.down(engine)
-                unreachable = exc
-                continue
-            return
-        assert unreachable is not None
-        raise unreachable.error
+            async def send_tracked(message: dict[str, Any]) -> None:
+                nonlocal outcome
+                if message["type"] == "http.response.body" and not message.get("more_body"):
+                    # Answered: hypercorn reports the end of the exchange as a
+                    # disconnect, which may cancel this very send.
+                    outcome = "ok"
+                await send(message)
 
-    async def _prefill(self, body: dict[str, Any]) -> dict[str, Any]:
+            async with cancel_on_disconnect(receive):
+                kv = await self._prefill(request_id, body)
+                await self._decode(
+                    request_id, {**body, "kv_transfer_params": kv}, send_tracked, started
+                )
+        except HTTPError as exc:
+            outcome = _outcome(exc.status)
+            logger.warning("request %s: %d %s", request_id, exc.status, exc)
+            raise
+        finally:
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(outcome).inc()
+            self.metrics.seconds.observe(trio.current_time() - started)
+
+    async def _prefill(self, request_id: str, body: dict[str, Any]) -> dict[str, Any]:
         """The KV of ``body``'s prompt, from a prefill engine that answers.
 
-        An engine that cannot be reached (it died, say) is skipped for a
-        while and the next one is tried: the request had not started there.
+        An engine that refuses the connection, or answers 503 (it did no
+        work), is passed over for the next; any other failure is this
+        request's (see the module docstring).
         """
         request = {
             **body,
@@ -136,54 +273,133 @@ class Proxy:
             "stream": False,
             "kv_transfer_params": {"do_remote_decode": True},
         }
+        engines = self._engines["prefill"]
         failure: HTTPError | None = None
-        for engine in self._prefill_engines.up_to_all():
-            try:
-                response = await self._client.post(f"{engine}/v1/completions", json=request)
-            except httpx2.TransportError as exc:
-                self._prefill_engines.down(engine)
-                failure = _engine_failed("prefill", engine, f"{type(exc).__name__}: {exc}")
+        for engine in engines.candidates(trio.current_time()):
+            with engines.attempt(engine):
+                try:
+                    with trio.fail_after(self._timeouts.prefill):
+                        response = await self._client.post(
+                            f"{engine}/v1/completions",
+                            json=request,
+                            headers={REQUEST_ID_HEADER: request_id},
+                        )
+                except (httpx2.ConnectError, httpx2.ConnectTimeout) as exc:
+                    engines.refused(engine, trio.current_time())
+                    failure = self._engine_error("prefill", engine, "refused", exc)
+                    continue
+                except trio.TooSlowError:
+                    raise self._timed_out("prefill", engine, self._timeouts.prefill) from None
+                except httpx2.TransportError as exc:
+                    raise self._engine_error("prefill", engine, "transport", exc) from None
+            if response.status_code == 503:
+                failure = _relayed("prefill", engine, response.status_code, response.text)
                 continue
             if response.status_code != 200:
+                self._count_status("prefill", engine, response.status_code)
                 raise _relayed("prefill", engine, response.status_code, response.text)
             kv: dict[str, Any] = response.json()["kv_transfer_params"]
             return kv
-        assert failure is not None
-        raise failure
+        raise failure or HTTPError(503, "no prefill engine", "unavailable", retry_after=1)
 
-    async def _decode_on(self, engine: str, body: dict[str, Any], send: Send) -> None:
-        started = False
+    async def _decode(
+        self, request_id: str, body: dict[str, Any], send: Send, started: float
+    ) -> None:
+        """Relay ``body``'s decoding from a decode engine that can be reached.
+
+        One that refuses the connection (it died, say) is passed over for
+        the next: it never saw the request, and the prefill engine's
+        exposure is still there for another one to read.
+        """
+        engines = self._engines["decode"]
+        failure: HTTPError | None = None
+        for engine in engines.candidates(trio.current_time()):
+            with engines.attempt(engine):
+                try:
+                    await self._decode_on(engine, request_id, body, send, started)
+                except _Refused as exc:
+                    engines.refused(engine, trio.current_time())
+                    failure = exc.error
+                    continue
+            return
+        raise failure or HTTPError(503, "no decode engine", "unavailable", retry_after=1)
+
+    async def _decode_on(
+        self, engine: str, request_id: str, body: dict[str, Any], send: Send, started: float
+    ) -> None:
+        streaming = False
+        request = self._client.build_request(
+            "POST", f"{engine}/v1/completions", json=body, headers={REQUEST_ID_HEADER: request_id}
+        )
+        response: httpx2.Response | None = None
         try:
-            async with self._client.stream(
-                "POST", f"{engine}/v1/completions", json=body
-            ) as response:
-                if response.status_code != 200:
-                    text = (await response.aread()).decode(errors="replace")
-                    raise _relayed("decode", engine, response.status_code, text)
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": 200,
-                        "headers": [(b"content-type", response.headers["content-type"].encode())],
-                    }
-                )
-                started = True
-                async with aclosing(response.aiter_raw()) as chunks:
-                    async for chunk in chunks:
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await send({"type": "http.response.body", "body": b""})
+            with trio.fail_after(self._timeouts.first_byte):
+                response = await self._client.send(request, stream=True)
+            if response.status_code != 200:
+                self._count_status("decode", engine, response.status_code)
+                text = (await response.aread()).decode(errors="replace")
+                raise _relayed("decode", engine, response.status_code, text)
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", response.headers["content-type"].encode()),
+                        (REQUEST_ID_HEADER.encode(), request_id.encode()),
+                    ],
+                }
+            )
+            streaming = True
+            first = True
+            async with aclosing(response.aiter_raw()) as chunks:
+                async for chunk in chunks:
+                    if first:
+                        self.metrics.first_byte.observe(trio.current_time() - started)
+                        first = False
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        except (httpx2.ConnectError, httpx2.ConnectTimeout) as exc:
+            raise _Refused(self._engine_error("decode", engine, "refused", exc)) from None
+        except trio.TooSlowError:
+            raise self._timed_out("decode", engine, self._timeouts.first_byte) from None
         except httpx2.HTTPError as exc:
-            reason = f"{type(exc).__name__}: {exc}"
-            if isinstance(exc, httpx2.ConnectError):
-                raise _Unreachable(_engine_failed("decode", engine, reason)) from None
-            if not started:
-                raise _engine_failed("decode", engine, reason) from None
+            kind = "timeout" if isinstance(exc, httpx2.TimeoutException) else "transport"
+            error = self._engine_error("decode", engine, kind, exc)
+            if not streaming:
+                raise error from None
             # Mid-stream: the status is sent; end the stream with an error event.
-            error = _engine_failed("decode", engine, reason)
             await send_event(send, json.dumps(error.body), last=True)
+        finally:
+            if response is not None:
+                with trio.CancelScope(shield=True):
+                    await response.aclose()
+
+    def _engine_error(self, role: str, engine: str, kind: str, exc: BaseException) -> HTTPError:
+        self.metrics.engine_errors.labels(role, engine, kind).inc()
+        status = 504 if kind == "timeout" else 502
+        return HTTPError(
+            status,
+            f"{role} engine {engine} failed: {type(exc).__name__}: {exc}",
+            f"{role}_failed",
+            engine=engine,
+        )
+
+    def _timed_out(self, role: str, engine: str, seconds: float) -> HTTPError:
+        self.metrics.engine_errors.labels(role, engine, "timeout").inc()
+        phase = "no answer" if role == "prefill" else "not even the first byte of an answer"
+        return HTTPError(
+            504,
+            f"{role} engine {engine}: {phase} within {seconds:g} s",
+            f"{role}_timeout",
+            engine=engine,
+        )
+
+    def _count_status(self, role: str, engine: str, status: int) -> None:
+        if status >= 500:
+            self.metrics.engine_errors.labels(role, engine, "status").inc()
 
 
-class _Unreachable(Exception):
+class _Refused(Exception):
     """A decode engine refused the connection (``error`` says so, for the client)."""
 
     def __init__(self, error: HTTPError) -> None:
@@ -191,25 +407,25 @@ class _Unreachable(Exception):
         self.error = error
 
 
-class _RoundRobin:
-    """Engines in turn, skipping for :data:`DOWN_FOR` s one that could not be reached."""
+def _request_id(scope: Scope) -> str:
+    """The client's ``X-Request-Id`` if it is printable and short, else a new one."""
+    for name, value in scope.get("headers", []):
+        if name.lower() == REQUEST_ID_HEADER.encode():
+            text: str = bytes(value).decode("latin-1")
+            if 0 < len(text) <= MAX_REQUEST_ID and all(0x21 <= ord(c) <= 0x7E for c in text):
+                return text
+            break
+    return f"trio-pd-{secrets.token_hex(8)}"
 
-    DOWN_FOR = 5.0
 
-    def __init__(self, engines: Sequence[str]) -> None:
-        self._engines = list(engines)
-        self._turn = itertools.count()
-        self._down_until: dict[str, float] = {}
-
-    def up_to_all(self) -> list[str]:
-        """Every engine once, starting at the next turn, reachable ones first."""
-        start = next(self._turn) % len(self._engines)
-        order = self._engines[start:] + self._engines[:start]
-        now = trio.current_time()
-        return sorted(order, key=lambda engine: self._down_until.get(engine, 0.0) > now)
-
-    def down(self, engine: str) -> None:
-        self._down_until[engine] = trio.current_time() + self.DOWN_FOR
+def _outcome(status: int) -> str:
+    if status == 503:
+        return "overloaded"
+    if status == 504:
+        return "timeout"
+    if 400 <= status < 500:
+        return "client_error"
+    return "engine_error"
 
 
 def _relayed(role: str, engine: str, status: int, text: str) -> HTTPError:
@@ -233,12 +449,8 @@ def _relayed(role: str, engine: str, status: int, text: str) -> HTTPError:
             retry_after=1 if status == 503 else None,
             **{"engine": engine, **extra},
         )
-    return _engine_failed(role, engine, f"{status} {message}")
-
-
-def _engine_failed(role: str, engine: str, reason: str) -> HTTPError:
     return HTTPError(
-        502, f"{role} engine {engine} failed: {reason}", f"{role}_failed", engine=engine
+        502, f"{role} engine {engine} failed: {status} {message}", f"{role}_failed", engine=engine
     )
 
 

@@ -1,0 +1,257 @@
+"""The P/D proxy's routing, retries, deadlines, request ids and metrics.
+
+The proxy's contract is HTTP, so its engines here are small scripted HTTP
+servers (hypercorn's trio worker, in this process): each answers a prefill
+or a decode request after a delay or with a status the test sets, and
+records what it saw. The proxy runs in this process too, behind its own
+hypercorn server, and the client is a real HTTP client. The real engines
+are tested through the proxy in ``tests/test_serve.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import httpx2
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+from prometheus_client.parser import text_string_to_metric_families
+
+from trio_pd._serve.asgi import read_json, send_json
+from trio_pd._serve.proxy import Proxy, ProxyTimeouts, open_client
+
+KV = {"remote_engine_id": "p", "remote_block_ids": [1], "do_remote_prefill": True}
+
+
+@attrs.define
+class Scripted:
+    """An engine whose answers the test sets; it records what it saw."""
+
+    delay: float = 0.0
+    status: int = 200
+    seen: list[dict[str, Any]] = attrs.field(factory=list)
+    request_ids: list[str] = attrs.field(factory=list)
+    in_flight: int = 0
+    most_in_flight: int = 0
+
+    async def app(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                kind = message["type"].removeprefix("lifespan.")
+                await send({"type": f"lifespan.{kind}.complete"})
+                if kind == "shutdown":
+                    return
+        body = await read_json(receive)
+        self.seen.append(body)
+        headers = dict(scope["headers"])
+        self.request_ids.append(headers.get(b"x-request-id", b"").decode())
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await trio.sleep(self.delay)
+        finally:
+            self.in_flight -= 1
+        if self.status != 200:
+            error = {"error": {"message": f"scripted {self.status}", "type": "scripted"}}
+            await send_json(send, self.status, error)
+        elif body.get("kv_transfer_params", {}).get("do_remote_decode"):
+            await send_json(send, 200, {"kv_transfer_params": KV})
+        else:
+            await send_json(send, 200, {"choices": [{"text": "ok"}]})
+
+
+async def start_http(nursery: trio.Nursery, app: Any) -> str:
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    binds = await nursery.start(functools.partial(serve, app, config))
+    return str(binds[0])
+
+
+def closed_port_url() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return f"http://127.0.0.1:{port}"  # (nothing listens: connection refused)
+
+
+@asynccontextmanager
+async def proxy_for(
+    prefill: list[str], decode: list[str], timeouts: ProxyTimeouts | None = None
+) -> AsyncIterator[tuple[Proxy, str]]:
+    timeouts = timeouts or ProxyTimeouts()
+    async with open_client(timeouts) as client, trio.open_nursery() as nursery:
+        proxy = Proxy(prefill, decode, client, timeouts=timeouts)
+        url = await start_http(nursery, proxy.app())
+        yield proxy, url
+        nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def engines(count: int) -> AsyncIterator[tuple[list[Scripted], list[str]]]:
+    scripted = [Scripted() for _ in range(count)]
+    async with trio.open_nursery() as nursery:
+        urls = [await start_http(nursery, engine.app) for engine in scripted]
+        yield scripted, urls
+        nursery.cancel_scope.cancel()
+
+
+def metrics(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
+
+
+BODY = {"prompt": "hello", "max_tokens": 2}
+
+
+async def test_requests_go_to_the_engine_with_fewest_in_flight() -> None:
+    with trio.fail_after(30):
+        async with (
+            engines(3) as ([prefill, slow, fast], urls),
+            proxy_for(urls[:1], urls[1:]) as (
+                _,
+                proxy,
+            ),
+        ):
+            slow.delay = 0.5
+            async with httpx2.AsyncClient(timeout=10) as client, trio.open_nursery() as nursery:
+                for _ in range(20):
+                    nursery.start_soon(
+                        functools.partial(client.post, f"{proxy}/v1/completions", json=BODY)
+                    )
+                    await trio.sleep(0.02)
+            # The slow engine keeps its requests longer: the fast one gets most.
+            assert len(slow.seen) + len(fast.seen) == 20
+            assert len(fast.seen) >= 15, (len(slow.seen), len(fast.seen))
+            assert len(prefill.seen) == 20
+
+
+async def test_a_request_id_is_passed_on_returned_and_minted_when_missing() -> None:
+    with trio.fail_after(30):
+        async with (
+            engines(2) as ([prefill, decode], urls),
+            proxy_for(urls[:1], urls[1:]) as (
+                _,
+                proxy,
+            ),
+        ):
+            async with httpx2.AsyncClient(timeout=10) as client:
+                url = f"{proxy}/v1/completions"
+                response = await client.post(url, json=BODY, headers={"X-Request-Id": "abc-123"})
+                assert response.headers["x-request-id"] == "abc-123"
+                for bad in ("", "with space", "x" * 200):
+                    response = await client.post(url, json=BODY, headers={"X-Request-Id": bad})
+                    assert response.headers["x-request-id"].startswith("trio-pd-")
+                response = await client.post(url, json={"prompt": ""})  # errors carry it too
+                assert response.status_code == 400
+                assert response.headers["x-request-id"].startswith("trio-pd-")
+            assert prefill.request_ids[0] == decode.request_ids[0] == "abc-123"
+            assert prefill.request_ids[1:] == decode.request_ids[1:]
+            assert len(set(prefill.request_ids)) == 4
+
+
+async def test_an_engine_that_refuses_is_passed_over_and_counted() -> None:
+    with trio.fail_after(30):
+        refusing = closed_port_url()
+        async with (
+            engines(2) as ([prefill, decode], urls),
+            proxy_for([refusing, urls[0]], [refusing, urls[1]]) as (_, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            for _ in range(4):
+                response = await client.post(f"{proxy}/v1/completions", json=BODY)
+                assert response.status_code == 200, response.text
+            assert (len(prefill.seen), len(decode.seen)) == (4, 4)
+            while True:  # (each request is counted as its handler ends, just after it answered)
+                counted = metrics((await client.get(f"{proxy}/metrics")).text)
+                if counted.get("trio_pd_proxy_requests_total{outcome=ok}") == 4:
+                    break
+                await trio.sleep(0.01)
+            refused = "trio_pd_proxy_engine_errors_total{engine=%s,kind=refused,role=%s}"
+            assert counted[refused % (refusing, "prefill")] >= 1
+            assert counted[refused % (refusing, "decode")] >= 1
+            assert counted["trio_pd_proxy_requests_total{outcome=ok}"] == 4
+            assert counted["trio_pd_proxy_request_seconds_count"] == 4
+            assert counted["trio_pd_proxy_time_to_first_byte_seconds_count"] == 4
+            assert counted["trio_pd_proxy_requests_in_flight"] == 0
+
+
+async def test_a_slow_engine_is_a_504_naming_the_phase_and_is_not_retried() -> None:
+    timeouts = ProxyTimeouts(prefill=0.3, first_byte=0.3, idle=0.3)
+    with trio.fail_after(30):
+        async with (
+            engines(3) as ([slow, other, decode], urls),
+            proxy_for(urls[:2], urls[2:], timeouts) as (_, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            slow.delay = other.delay = 1.0
+            response = await client.post(f"{proxy}/v1/completions", json=BODY)
+            assert response.status_code == 504
+            error = response.json()["error"]
+            assert error["message"].endswith("no answer within 0.3 s")
+            # Sent once: the work may have been done; not passed to the other.
+            assert len(slow.seen) + len(other.seen) == 1
+            slow.delay = other.delay = 0.0
+            decode.delay = 1.0
+            response = await client.post(f"{proxy}/v1/completions", json=BODY)
+            assert response.status_code == 504
+            assert "not even the first byte" in response.json()["error"]["message"]
+            assert len(decode.seen) == 1
+            # A busy engine is not marked down: the next request still goes there.
+            decode.delay = 0.0
+            assert (await client.post(f"{proxy}/v1/completions", json=BODY)).status_code == 200
+
+
+async def test_503s_are_503s_a_prefill_503_is_tried_elsewhere_a_decode_503_is_not() -> None:
+    with trio.fail_after(30):
+        async with (
+            engines(4) as ([draining, prefill, full, decode], urls),
+            proxy_for(urls[:2], urls[2:]) as (_, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            draining.status = 503
+            full.status = 503
+            statuses = []
+            for _ in range(6):
+                response = await client.post(f"{proxy}/v1/completions", json=BODY)
+                statuses.append(response.status_code)
+                if response.status_code == 503:
+                    assert response.headers["retry-after"] == "1"
+                    assert json.loads(response.text)["error"]["engine"] == urls[2]
+            assert len(prefill.seen) == 6  # every prefill 503 was tried elsewhere
+            assert len(full.seen) + len(decode.seen) == 6  # decode: once each
+            assert 200 in statuses
+            assert 503 in statuses
+            assert 502 not in statuses
+
+
+async def test_health_and_engine_sets_that_change() -> None:
+    with trio.fail_after(30):
+        async with (
+            engines(2) as (_, urls),
+            proxy_for([], []) as (router, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            health = await client.get(f"{proxy}/health")
+            assert health.status_code == 503
+            assert health.json()["status"] == "no engines"
+            response = await client.post(f"{proxy}/v1/completions", json=BODY)
+            assert response.status_code == 503
+            router.set_engines("prefill", urls[:1])
+            router.set_engines("decode", urls[1:])
+            assert (await client.get(f"{proxy}/health")).status_code == 200
+            assert (await client.post(f"{proxy}/v1/completions", json=BODY)).status_code == 200
+            assert (await client.get(f"{proxy}/v1/completions")).status_code == 405
+            assert (await client.get(f"{proxy}/nothing")).status_code == 404
