@@ -723,14 +723,16 @@ async def bench_producer_cpu(quick: bool) -> Result:
 
 async def bench_serve(quick: bool) -> Result:
     """``trio-pd serve``: time to first token and tokens/s through the P/D proxy
-    against one engine serving the whole request, the same prompts, interleaved."""
+    against one engine serving the whole request, the same prompts, at 1, 8
+    and 32 clients; both targets measured in turn within each client count."""
     import tempfile
     from contextlib import aclosing
 
     import httpx2
 
     prompts = [f"request {i}: " + "tell me about trio nurseries " * (1 + i % 9) for i in range(32)]
-    max_tokens, concurrent = (16, 4) if quick else (32, 8)
+    max_tokens = 16 if quick else 32
+    client_counts = (1, 8) if quick else (1, 8, 32)
     if quick:
         prompts = prompts[:12]
     with tempfile.TemporaryDirectory() as scratch:
@@ -749,7 +751,8 @@ async def bench_serve(quick: bool) -> Result:
                     await trio.sleep(0.05)
             urls = json.loads(ready.read_text())
             targets = {"proxy (P/D)": urls["proxy"], "one engine": urls["decode"][0]}
-            async with httpx2.AsyncClient(timeout=60) as client:
+            limits = httpx2.Limits(max_connections=None)
+            async with httpx2.AsyncClient(timeout=60, limits=limits) as client:
 
                 async def one(url: str, prompt: str) -> tuple[float, float, int]:
                     body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True}
@@ -766,39 +769,117 @@ async def bench_serve(quick: bool) -> Result:
 
                 for url in targets.values():  # warm-up: handshakes, first allocations
                     await one(url, prompts[0])
-                ttft: dict[str, list[float]] = {name: [] for name in targets}
-                for prompt in prompts:  # one request at a time: latency
+                rows: dict[int, dict[str, dict[str, float]]] = {}
+                for clients in client_counts:
+                    rows[clients] = {}
                     for name, url in targets.items():
-                        ttft[name].append((await one(url, prompt))[0])
-                rates: dict[str, float] = {}
+                        limiter = trio.CapacityLimiter(clients)
+                        first_tokens: list[float] = []
+                        counted: list[int] = []
 
-                async def client_request(
-                    url: str, prompt: str, limiter: trio.CapacityLimiter, counted: list[int]
-                ) -> None:
-                    async with limiter:
-                        counted.append((await one(url, prompt))[2])
+                        async def client_request(
+                            url: str = url,
+                            limiter: trio.CapacityLimiter = limiter,
+                            first_tokens: list[float] = first_tokens,
+                            counted: list[int] = counted,
+                            prompt: str = "",
+                        ) -> None:
+                            async with limiter:
+                                first, _, tokens = await one(url, prompt)
+                                first_tokens.append(first)
+                                counted.append(tokens)
 
-                for name, url in targets.items():  # `concurrent` clients: throughput
-                    limiter = trio.CapacityLimiter(concurrent)
-                    counted: list[int] = []
-                    started = time.perf_counter()
-                    async with trio.open_nursery() as nursery:
-                        for prompt in prompts:
-                            nursery.start_soon(client_request, url, prompt, limiter, counted)
-                    rates[name] = sum(counted) / (time.perf_counter() - started)
+                        started = time.perf_counter()
+                        async with trio.open_nursery() as nursery:
+                            for prompt in prompts:
+                                nursery.start_soon(functools.partial(client_request, prompt=prompt))
+                        elapsed = time.perf_counter() - started
+                        rows[clients][name] = {
+                            "ttft_p50_ms": ms(statistics.median(first_tokens)),
+                            "tokens_per_s": round(sum(counted) / elapsed),
+                        }
         finally:
             process.send_signal(signal.SIGTERM)
             with trio.move_on_after(30, shield=True):
                 await process.wait()
-    p50 = {name: statistics.median(v) for name, v in ttft.items()}
+    proxy, one_engine = "proxy (P/D)", "one engine"
     return {
         "prompts": len(prompts),
         "max_tokens": max_tokens,
-        "concurrent_clients": concurrent,
-        "ttft_p50_ms": {name: ms(v) for name, v in p50.items()},
-        "ttft_ratio": round(p50["proxy (P/D)"] / p50["one engine"], 2),
-        "tokens_per_s": {name: round(v) for name, v in rates.items()},
-        "tokens_per_s_ratio": round(rates["proxy (P/D)"] / rates["one engine"], 2),
+        "by_clients": {str(c): r for c, r in rows.items()},
+        "ttft_ratio": {
+            str(c): round(r[proxy]["ttft_p50_ms"] / r[one_engine]["ttft_p50_ms"], 2)
+            for c, r in rows.items()
+        },
+        "tokens_per_s_ratio": {
+            str(c): round(r[proxy]["tokens_per_s"] / r[one_engine]["tokens_per_s"], 2)
+            for c, r in rows.items()
+        },
+    }
+
+
+# ---- 12. the proxy's own cost ---------------------------------------------------
+
+
+async def bench_proxy_overhead(quick: bool) -> Result:
+    """What the P/D proxy adds by itself: requests to a do-nothing upstream (it
+    answers prefill and decode at once), through the proxy and straight to the
+    upstream's decode route, interleaved; the proxy does two upstream requests
+    (prefill, then decode) where the direct client does one."""
+    import httpx2
+    from hypercorn.config import Config
+    from hypercorn.trio import serve
+
+    from trio_pd._serve.asgi import read_json, send_json
+    from trio_pd._serve.proxy import Proxy, open_client
+
+    async def do_nothing(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                kind = (await receive())["type"].removeprefix("lifespan.")
+                await send({"type": f"lifespan.{kind}.complete"})
+                if kind == "shutdown":
+                    return
+        body = await read_json(receive)
+        if body.get("kv_transfer_params", {}).get("do_remote_decode"):
+            await send_json(send, 200, {"kv_transfer_params": {"do_remote_prefill": True}})
+        else:
+            await send_json(send, 200, {"choices": [{"text": "ok", "index": 0}]})
+
+    async def start(nursery: trio.Nursery, app: Any) -> str:
+        config = Config()
+        config.bind = ["127.0.0.1:0"]
+        config.accesslog = None
+        config.errorlog = None
+        return str((await nursery.start(functools.partial(serve, app, config)))[0])
+
+    requests = 200 if quick else 1000
+    body = {"prompt": "hello", "max_tokens": 4}
+    async with open_client() as upstream_client, trio.open_nursery() as nursery:
+        engine = await start(nursery, do_nothing)
+        proxy = await start(nursery, Proxy([engine], [engine], upstream_client).app())
+        async with httpx2.AsyncClient(timeout=30) as client:
+            times: dict[str, list[float]] = {"direct": [], "proxy": []}
+            targets = {"direct": engine, "proxy": proxy}
+            for _ in range(20):  # warm-up: connections
+                for url in targets.values():
+                    await client.post(f"{url}/v1/completions", json=body)
+            for _ in range(requests):
+                for name, url in targets.items():
+                    started = time.perf_counter()
+                    response = await client.post(f"{url}/v1/completions", json=body)
+                    times[name].append(time.perf_counter() - started)
+                    assert response.status_code == 200, response.text
+        nursery.cancel_scope.cancel()
+    direct, via = (sorted(times[name]) for name in ("direct", "proxy"))
+    return {
+        "requests": requests,
+        "direct_p50_ms": ms(pct(direct, 50)),
+        "direct_p99_ms": ms(pct(direct, 99)),
+        "proxy_p50_ms": ms(pct(via, 50)),
+        "proxy_p99_ms": ms(pct(via, 99)),
+        "added_p50_ms": ms(pct(via, 50) - pct(direct, 50)),
+        "added_p99_ms": ms(pct(via, 99) - pct(direct, 99)),
     }
 
 
@@ -813,6 +894,7 @@ BENCHMARKS: dict[str, Callable[[bool], Awaitable[Result]]] = {
     "concurrent_pulls": bench_concurrent_pulls,
     "producer_cpu": bench_producer_cpu,
     "serve": bench_serve,
+    "proxy_overhead": bench_proxy_overhead,
     "scale": bench_scale,
 }
 

@@ -171,11 +171,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         options.check()
     except ValueError as exc:
         sys.exit(f"trio-pd demo: {exc}")
+    if args.json:  # stdout is for the JSON alone: what else prints (UCX's C code) goes to stderr
+        sys.stdout.flush()
+        json_out = os.fdopen(os.dup(1), "w")
+        os.dup2(2, 1)
     try:
         summary = trio.run(run_demo, options)
     except TestHostsUnavailable as exc:
         sys.exit(f"trio-pd demo --hosts: {exc}")
-    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    if args.json:
+        with json_out:
+            json_out.write(json.dumps(summary, indent=2) + "\n")
+    else:
+        print(format_summary(summary))
     sys.exit(0 if summary["verified"] else 1)
 
 
