@@ -413,14 +413,14 @@ def test_lease_request_is_tagged_msgpack() -> None:
 
 
 def test_lease_reply_round_trips_and_is_tagged_msgpack() -> None:
-    reply = LeaseReply(protocol_version=PROTOCOL_VERSION, unknown=["a"], refused=["b", "c"])
+    reply = LeaseReply(protocol_version=PROTOCOL_VERSION, unknown=[0], refused=[1, 2])
     data = encode_message(reply)
     assert decode_lease_reply(data, LIMIT) == reply
     assert msgspec.msgpack.decode(data) == {
         "type": "lease_reply",
         "protocol_version": PROTOCOL_VERSION,
-        "unknown": ["a"],
-        "refused": ["b", "c"],
+        "unknown": [0],
+        "refused": [1, 2],
     }
 
 
@@ -458,7 +458,7 @@ def test_serve_lease_request_applies_pending_entries_and_names_the_rest() -> Non
         verify=lambda entry: entry.token == "good",
     )
     assert decode_lease_reply(reply, LIMIT) == LeaseReply(
-        protocol_version=PROTOCOL_VERSION, unknown=["gone"], refused=["forged"]
+        protocol_version=PROTOCOL_VERSION, unknown=[1], refused=[2]
     )
     assert [e.request_id for e in apply] == ["ok", "ok"]
     assert refused == ["forged"]
@@ -670,4 +670,4 @@ def test_decode_lease_reply_raises_only_protocol_errors(data: bytes, max_bytes: 
         reply = decode_lease_reply(data, max_bytes)
     except ProtocolError:
         return
-    assert all(isinstance(rid, str) for rid in [*reply.unknown, *reply.refused])
+    assert all(isinstance(position, int) for position in [*reply.unknown, *reply.refused])

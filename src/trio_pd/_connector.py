@@ -458,6 +458,7 @@ async def open_connector(
         context.destroy(linger=0)
         raise
     consumer: Consumer | None = None
+    leases: Leases | None = None
     try:
         async with unwrapped_errors(), trio.open_nursery() as nursery:
             producer = Producer(
@@ -502,20 +503,23 @@ async def open_connector(
         transfers.begin_close()  # (again: the nursery may have failed to start)
         # close_timeout bounds the wait for pulls; the backend's releases take ms.
         with trio.move_on_after(2 * config.close_timeout, shield=True):
-            await _release(engine_id, transfers, consumer, context, config)
+            await _release(engine_id, transfers, consumer, leases, context, config)
 
 
 async def _release(
     engine_id: str,
     transfers: TransferBackend,
     consumer: Consumer | None,
+    leases: Leases | None,
     context: zmq.Context[zmq.Socket[bytes]],
     config: ConnectorConfig,
 ) -> None:
     """Wait (bounded) for pulls in other tasks, then release the backend and ZeroMQ.
 
     Called once, shielded, when the nursery has exited: no task of ours
-    uses the backend or ZeroMQ any more, only pulls in callers' tasks may.
+    uses the backend or ZeroMQ any more, only pulls and abandons in
+    callers' tasks may (abandons were cancelled by ``begin_close``: their
+    sockets close within a checkpoint or two).
     """
     try:
         if consumer is not None:
@@ -532,4 +536,7 @@ async def _release(
                 return
         await transfers.aclose()
     finally:
+        if leases is not None:
+            with trio.move_on_after(config.close_timeout):
+                await leases.wait_idle()
         context.destroy(linger=0)

@@ -30,6 +30,7 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 import zmq
+from trio_util import AsyncValue
 
 from . import _protocol as protocol
 from ._config import ConnectorConfig
@@ -99,6 +100,8 @@ class Leases:
         self._hold_added = trio.Event()
         self._failing: set[Rank] = set()
         self._closed = False
+        self._abandoning: set[trio.CancelScope] = set()
+        self._abandons_in_flight: AsyncValue = AsyncValue(0)
         self.counters = LeaseCounters()
 
     @property
@@ -148,8 +151,21 @@ class Leases:
         await self._abandon(remote, ranks)
 
     def begin_close(self) -> None:
-        """Refuse new holds and abandons; holds that end from now on send nothing."""
+        """Refuse new holds and abandons; holds that end from now on send nothing;
+        abandons in flight in callers' tasks stop (see :meth:`wait_idle`)."""
         self._closed = True
+        for scope in self._abandoning:
+            scope.cancel()
+
+    async def wait_idle(self) -> None:
+        """Until no abandon runs in a caller's task (their sockets are closed).
+
+        The connector waits for this before it destroys the ZeroMQ context:
+        destroying it under a socket in use closes that socket's fd behind
+        trio's back, and the fd number, reused by the next socket, then
+        confuses trio's I/O in another task (found by the chaos suite).
+        """
+        await self._abandons_in_flight.wait_value(lambda n: n == 0)
 
     # ---- the heartbeat task ----------------------------------------------
 
@@ -174,18 +190,17 @@ class Leases:
     async def _renew(self, rank: Rank, holds: list[_Hold]) -> None:
         """One round's heartbeat to one producer rank, within ``heartbeat_interval``."""
         interval = self._config.heartbeat_interval
-        entries = [hold.entries[rank] for hold in holds]
         log = ConnectionLog(self._config.max_message_bytes)
         failure: str | None = None
         with trio.move_on_after(interval) as scope:
-            for request in self._requests(rank, entries):
+            for request, batch in self._requests(rank, holds):
                 self.counters.heartbeats_sent += 1
                 log = ConnectionLog(self._config.max_message_bytes)
                 reply = await self._exchange(rank, request, log)
                 if isinstance(reply, str):
                     failure = reply
                     break
-                self._mark_lost(rank, holds, reply)
+                self._mark_lost(rank, batch, reply)
         if scope.cancelled_caught:
             failure = f"no reply within {interval:g} s: {log.diagnosis()}"
         if failure is None:
@@ -203,14 +218,19 @@ class Leases:
             )
 
     def _mark_lost(self, rank: Rank, holds: list[_Hold], reply: protocol.LeaseReply) -> None:
-        """Stop renewing what the producer rank does not hold (any more) for us."""
+        """Stop renewing what the producer rank does not hold (any more) for us.
+
+        ``holds`` are the request's entries, in order: the reply names
+        entries by position (a request id may be held twice, under a real
+        and a forged token: only the refused one is lost).
+        """
         why = dict.fromkeys(reply.unknown, "not pending there (expired, read or never exposed)")
         why.update(dict.fromkeys(reply.refused, "its token was refused"))
-        if not why:
-            return
-        for hold in holds:
-            reason = why.get(hold.remote.request_id)
-            if reason is None or hold.done or rank in hold.lost:
+        for position, reason in why.items():
+            if not 0 <= position < len(holds):
+                continue  # (a confused producer: ignore what names no entry of ours)
+            hold = holds[position]
+            if hold.done or rank in hold.lost:
                 continue
             hold.lost.add(rank)
             self._unindex(hold, [rank])
@@ -231,9 +251,18 @@ class Leases:
         and counted (``abandons_failed``).
         """
         entries = self._entries(remote, abandon=True)
-        async with trio.open_nursery() as nursery:
-            for rank in ranks:
-                nursery.start_soon(self._abandon_one, rank, entries[rank])
+        with trio.CancelScope() as scope:  # (cancelled by begin_close)
+            self._abandoning.add(scope)
+            self._abandons_in_flight.value += 1
+            if self._closed:
+                scope.cancel()
+            try:
+                async with trio.open_nursery() as nursery:
+                    for rank in ranks:
+                        nursery.start_soon(self._abandon_one, rank, entries[rank])
+            finally:
+                self._abandoning.discard(scope)
+                self._abandons_in_flight.value -= 1
 
     async def _abandon_one(self, rank: Rank, entry: protocol.LeaseEntry) -> None:
         self.counters.abandons_sent += 1
@@ -248,7 +277,15 @@ class Leases:
                 reply = f"{type(exc).__name__}: {exc}"
         if scope.cancelled_caught:
             reply = f"no reply within {limit:g} s: {log.diagnosis()}"
-        if isinstance(reply, str):
+        if isinstance(reply, str) and self._closed:
+            self.counters.abandons_failed += 1
+            logger.info(
+                "engine %s: abandon of request %r at %s stopped: the connector closed",
+                rank[0],
+                entry.request_id,
+                _where(rank),
+            )
+        elif isinstance(reply, str):
             self.counters.abandons_failed += 1
             logger.warning(
                 "engine %s: could not abandon request %r at %s: %s (its lease expires on its own)",
@@ -296,13 +333,15 @@ class Leases:
         except (FetchRefused, ProtocolError, ValueError, zmq.ZMQError) as exc:
             return str(exc)
 
-    def _requests(self, rank: Rank, entries: list[protocol.LeaseEntry]) -> list[bytes]:
-        """Lease requests naming ``entries``: one, unless that is over ``max_message_bytes``."""
+    def _requests(self, rank: Rank, holds: list[_Hold]) -> list[tuple[bytes, list[_Hold]]]:
+        """Lease requests renewing ``holds`` at ``rank``, each with the holds it
+        names (in order): one, unless that is over ``max_message_bytes``."""
+        entries = [hold.entries[rank] for hold in holds]
         request = protocol.encode_lease_request(rank[0], self._engine_id, self._agent_name, entries)
-        if len(request) <= self._config.max_message_bytes or len(entries) == 1:
-            return [request]
-        half = len(entries) // 2
-        return self._requests(rank, entries[:half]) + self._requests(rank, entries[half:])
+        if len(request) <= self._config.max_message_bytes or len(holds) == 1:
+            return [(request, holds)]
+        half = len(holds) // 2
+        return self._requests(rank, holds[:half]) + self._requests(rank, holds[half:])
 
     # ---- bookkeeping ------------------------------------------------------
 

@@ -68,20 +68,22 @@ def serve_lease_request(
     is decided (and applied) twice: renewing or abandoning is idempotent.
 
     Returns:
-        ``(reply, apply, refused)``: the encoded :class:`LeaseReply`, the
-        entries to apply in order, and the refused request ids.
+        ``(reply, apply, refused)``: the encoded :class:`LeaseReply` (which
+        names unknown and refused entries by their position), the entries to
+        apply in order, and the refused request ids.
     """
-    unknown: list[str] = []
-    refused: list[str] = []
+    unknown: list[int] = []
+    refused: list[int] = []
     apply: list[protocol.LeaseEntry] = []
-    for entry in request.entries:
+    for position, entry in enumerate(request.entries):
         if not pending(entry.request_id):
-            unknown.append(entry.request_id)
+            unknown.append(position)
         elif verify is not None and not verify(entry):
-            refused.append(entry.request_id)
+            refused.append(position)
         else:
             apply.append(entry)
     reply = protocol.LeaseReply(
         protocol_version=protocol.PROTOCOL_VERSION, unknown=unknown, refused=refused
     )
-    return protocol.encode_message(reply), apply, refused
+    refused_ids = [request.entries[position].request_id for position in refused]
+    return protocol.encode_message(reply), apply, refused_ids

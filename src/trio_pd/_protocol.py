@@ -103,10 +103,13 @@ class LeaseReply(msgspec.Struct, tag="lease_reply", tag_field="type", frozen=Tru
     """The producer applied every entry of a lease request except these."""
 
     protocol_version: int
-    unknown: list[str]
-    """Request ids not pending here: expired, resolved, or never exposed."""
-    refused: list[str]
-    """Request ids whose token did not verify."""
+    unknown: list[int]
+    """Entries (positions in the request's ``entries``) whose request is not
+    pending here: expired, resolved, or never exposed."""
+    refused: list[int]
+    """Entries (positions) whose token did not verify. Positions, not request
+    ids: a consumer may hold the same request id under two tokens (one of
+    them forged), and only the refused one's hold is lost."""
 
 
 class MetadataReply(msgspec.Struct, tag="metadata_reply", tag_field="type", frozen=True):
