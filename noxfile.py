@@ -27,6 +27,7 @@ STARTABLE = ",".join(
         "serve_delay_relay",
         "serve_zap",
         "_serve_replies",
+        "_keep_watching",
     ]
 )
 
@@ -46,10 +47,20 @@ def install_graphviz(session: nox.Session) -> None:
     session.run(*sudo, "apt-get", "install", "-y", "graphviz", external=True)
 
 
+def install_etcd(session: nox.Session) -> None:
+    """A real etcd for tests/test_membership.py: Debian's ``etcd-server``, if missing."""
+    if shutil.which("etcd") is not None or os.access("/usr/bin/etcd", os.X_OK):
+        return
+    sudo = ["sudo"] if os.geteuid() != 0 and shutil.which("sudo") else []
+    session.run(*sudo, "apt-get", "update", external=True)
+    session.run(*sudo, "apt-get", "install", "-y", "etcd-server", external=True)
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The test suite: real NIXL agents, real ZeroMQ sockets, real processes."""
+    """The test suite: real NIXL agents, real ZeroMQ sockets, real processes, real etcd."""
     install_graphviz(session)  # tests/test_docs.py builds the docs
+    install_etcd(session)  # tests/test_membership.py runs etcd
     install_project(session, "test")
     session.run("pytest", *session.posargs, env={"NIXL_LOG_LEVEL": "WARN"})
 

@@ -14,6 +14,9 @@
 * :func:`open_test_hosts`, :class:`TestHost`: network namespaces joined by
   veth links (root only), with rate limits and partitions; run a worker
   inside one with ``WorkerSpec(netns=host.netns)``.
+* :func:`open_etcd`, :class:`EtcdServer`, :class:`EtcdUnavailable`: a real
+  etcd server on free loopback ports in a temporary directory, which a test
+  can kill, stop and start again (same ports, same data) to make outages.
 * :class:`LoopStallMonitor`: a trio instrument measuring the longest loop stall.
 * :func:`fill_blocks`, :func:`expected_blocks`, :func:`mismatched_blocks`:
   seeded block contents, verified byte for byte across processes;
@@ -29,6 +32,7 @@
 
 from .._ports import free_port_range
 from .._protocol import encode_notification
+from ._etcd import EtcdServer, EtcdUnavailable, open_etcd
 from ._hosts import TestHost, TestHostsUnavailable, open_test_hosts
 from ._memory import MemoryBackend, MemoryFabric, MemoryFaults
 from ._payload import (
@@ -50,6 +54,8 @@ from ._relay import open_delay_relays, serve_delay_relay
 from ._stall import LoopStallMonitor
 
 __all__ = [
+    "EtcdServer",
+    "EtcdUnavailable",
     "LoopStallMonitor",
     "MemoryBackend",
     "MemoryFabric",
@@ -68,6 +74,7 @@ __all__ = [
     "mismatched_blocks",
     "mismatched_heads",
     "open_delay_relays",
+    "open_etcd",
     "open_prefill_worker",
     "open_prefill_workers",
     "open_test_hosts",
