@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -114,6 +114,14 @@ def metrics(text: str) -> dict[str, float]:
 
 
 BODY = {"prompt": "hello", "max_tokens": 2}
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Until ``condition()`` holds (another task makes it so; bound it with a scope)."""
+    while True:
+        if condition():
+            return
+        await trio.sleep(0.01)
 
 
 async def test_requests_go_to_the_engine_with_fewest_in_flight() -> None:
@@ -255,3 +263,50 @@ async def test_health_and_engine_sets_that_change() -> None:
             assert (await client.post(f"{proxy}/v1/completions", json=BODY)).status_code == 200
             assert (await client.get(f"{proxy}/v1/completions")).status_code == 405
             assert (await client.get(f"{proxy}/nothing")).status_code == 404
+
+
+async def test_the_proxy_follows_engines_registered_on_etcd_and_outlives_etcd() -> None:
+    from trio_pd._membership import Member, register, watch_members
+    from trio_pd._serve.cluster import follow_cluster
+    from trio_pd.testing import open_etcd
+
+    with trio.fail_after(20):
+        async with (
+            open_etcd() as etcd,
+            engines(3) as ([prefill, decode, late], urls),
+            proxy_for([], []) as (router, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+
+            def member(role: str, url: str) -> Member:
+                return Member(role, f"{role}-{url.rsplit(':', 1)[1]}", url, "127.0.0.1:1")
+
+            async with (
+                register(etcd.url, member("prefill", urls[0]), ttl=2.0),
+                register(etcd.url, member("decode", urls[1]), ttl=2.0),
+                watch_members(etcd.url) as view,
+                trio.open_nursery() as nursery,
+            ):
+                nursery.start_soon(follow_cluster, router, view)
+                await until(lambda: bool(router.engines("prefill") and router.engines("decode")))
+                assert (await client.post(f"{proxy}/v1/completions", json=BODY)).is_success
+                # A decode engine that registers later is used without a restart.
+                async with register(etcd.url, member("decode", urls[2]), ttl=2.0):
+                    await until(lambda: len(router.engines("decode")) == 2)
+                    for _ in range(6):
+                        response = await client.post(f"{proxy}/v1/completions", json=BODY)
+                        assert response.is_success
+                    assert late.seen
+                # etcd goes away: the proxy keeps its last view and says so.
+                await etcd.kill()
+                await until(lambda: router.membership_problem is not None)
+                health = await client.get(f"{proxy}/health")
+                assert health.status_code == 200
+                assert "etcd unreachable" in health.json()["membership"]
+                assert (await client.post(f"{proxy}/v1/completions", json=BODY)).is_success
+                await etcd.start()
+                await until(lambda: router.membership_problem is None)
+                assert "membership" not in (await client.get(f"{proxy}/health")).json()
+                nursery.cancel_scope.cancel()
+            assert prefill.seen
+            assert decode.seen
