@@ -313,6 +313,21 @@ def test_the_request_id_comes_from_x_request_id_when_usable() -> None:
     assert request_id_from_headers([]) != request_id_from_headers([])
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from([b"x-request-id", b"X-Request-ID", b"other"]), st.binary()),
+        max_size=3,
+    )
+)
+def test_any_headers_give_a_usable_request_id(headers: list[tuple[bytes, bytes]]) -> None:
+    request_id = request_id_from_headers(headers)
+    assert 0 < len(request_id) <= 128
+    assert request_id.isascii()
+    assert request_id.isprintable()
+    assert " " not in request_id
+
+
 # ---- the fuzz: any body is a valid parse or a 4xx, never another exception ----------
 
 _ints = st.one_of(st.integers(), st.sampled_from([0, 1, 16, 2**64, -(2**63), 10**100, 10**4000]))
