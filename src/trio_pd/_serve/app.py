@@ -146,12 +146,12 @@ class _Response:
 
     def __init__(self, send: Send, request_id: str) -> None:
         self._send = send
-        self._request_id = request_id.encode()
+        self._request_id = request_id
         self.started = self.finished = False
 
     async def send(self, message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start":
-            headers = [*message.get("headers", ()), (b"x-request-id", self._request_id)]
+            headers = [*message.get("headers", ()), (b"x-request-id", self._request_id.encode())]
             message = {**message, "headers": headers}
             self.started = True
         elif message["type"] == "http.response.body" and not message.get("more_body"):
