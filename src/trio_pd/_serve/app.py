@@ -1,5 +1,18 @@
 """The engine's ASGI application: routes, the lifespan that owns the connectors,
-and the completions handler (errors mapped to HTTP statuses here)."""
+and the generation handlers (errors mapped to HTTP statuses here).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET
+/v1/models`` (and ``/v1/models/{id}``), ``GET /health``, ``GET /metrics``. A
+known path with another method is a 405 with ``Allow``; any other path a
+404. Every error is OpenAI's JSON error body; an exception that escapes a
+handler -- none should, for any input -- is logged and answered with a 500
+of the same shape.
+
+Each request is named by its ``X-Request-Id`` header when it has a usable
+one, else by a fresh id; the response carries it back in ``X-Request-Id``,
+the engine's request id (the response's ``id``, the connector's request id)
+contains it, and so do the log lines. ``Authorization`` is ignored.
+"""
 
 from __future__ import annotations
 
@@ -30,10 +43,26 @@ from .asgi import (
     start_events,
 )
 from .engine import Engine, exposure_secret_from_env
-from .openai import completion, parse_completion_request
+from .openai import (
+    MODEL_NAME,
+    GenerationRequest,
+    parse_chat_request,
+    parse_completions_request,
+    request_id_from_headers,
+)
 from .pool import OutOfBlocks
+from .responses import Shapes, model_card, model_list
 
 logger = logging.getLogger("trio_pd.serve")
+
+ROUTES: dict[str, tuple[str, ...]] = {
+    "/v1/completions": ("POST",),
+    "/v1/chat/completions": ("POST",),
+    "/v1/models": ("GET",),
+    "/health": ("GET",),
+    "/metrics": ("GET",),
+}
+"""The engine's paths and the methods each takes."""
 
 
 def build_app(engine: Engine) -> Callable[[Scope, Receive, Send], Any]:
@@ -45,21 +74,99 @@ def build_app(engine: Engine) -> Callable[[Scope, Receive, Send], Any]:
             return
         if scope["type"] != "http":
             return
-        route = (scope["method"], scope["path"])
+        request_id = request_id_from_headers(scope.get("headers", ()))
+        response = _Response(send, request_id)
         try:
-            if route == ("POST", "/v1/completions"):
-                await _completions(engine, receive, send)
-            elif route == ("GET", "/health"):
-                await _health(engine, send)
-            elif route == ("GET", "/metrics"):
-                text = generate_latest(engine.registry).decode()
-                await send_text(send, 200, text, "text/plain; version=0.0.4")
-            else:
-                raise HTTPError(404, f"no route {scope['method']} {scope['path']}", "not_found")
+            await _route(engine, scope, receive, response.send, request_id)
         except HTTPError as exc:
-            await send_json(send, exc.status, exc.body, exc.headers)
+            level = logging.WARNING if exc.status >= 500 else logging.INFO
+            logger.log(level, "request %s: %d %s", request_id, exc.status, exc)
+            await response.error(exc)
+        except Exception:
+            logger.exception(
+                "request %s: %s %s failed unexpectedly",
+                request_id,
+                scope["method"],
+                scope["path"][:200],
+            )
+            await response.error(
+                HTTPError(500, f"internal error (request {request_id}; logged)", "server_error")
+            )
 
     return app
+
+
+async def _route(engine: Engine, scope: Scope, receive: Receive, send: Send, rid: str) -> None:
+    method, path = scope["method"], scope["path"]
+    if path.startswith("/v1/models/"):
+        _allow(method, path, ("GET",))
+        if path.removeprefix("/v1/models/") != MODEL_NAME:
+            raise HTTPError(
+                404,
+                f"The model `{path[11:200]}` does not exist",
+                "invalid_request_error",
+                param="model",
+                code="model_not_found",
+            )
+        await send_json(send, 200, model_card(engine.max_model_len()))
+        return
+    allowed = ROUTES.get(path)
+    if allowed is None:
+        raise HTTPError(404, f"Invalid URL ({method} {path[:200]})", "invalid_request_error")
+    _allow(method, path, allowed)
+    if path == "/v1/completions":
+        await _generation(engine, receive, send, rid, chat=False)
+    elif path == "/v1/chat/completions":
+        await _generation(engine, receive, send, rid, chat=True)
+    elif path == "/v1/models":
+        await send_json(send, 200, model_list(engine.max_model_len()))
+    elif path == "/health":
+        await _health(engine, send)
+    else:
+        text = generate_latest(engine.registry).decode()
+        await send_text(send, 200, text, "text/plain; version=0.0.4")
+
+
+def _allow(method: str, path: str, allowed: tuple[str, ...]) -> None:
+    """A 405 (with ``Allow``) unless ``method`` is one that ``path`` takes."""
+    if method not in allowed:
+        error = HTTPError(
+            405,
+            f"{method[:20]} is not allowed on {path}: use {', '.join(allowed)}",
+            "invalid_request_error",
+            code="method_not_allowed",
+        )
+        error.headers.append((b"allow", ", ".join(allowed).encode()))
+        raise error
+
+
+class _Response:
+    """The ASGI ``send`` of one request: adds ``X-Request-Id`` to the response,
+    and knows how far the response got (for an error that comes late)."""
+
+    def __init__(self, send: Send, request_id: str) -> None:
+        self._send = send
+        self._request_id = request_id
+        self.started = self.finished = False
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            headers = [*message.get("headers", ()), (b"x-request-id", self._request_id.encode())]
+            message = {**message, "headers": headers}
+            self.started = True
+        elif message["type"] == "http.response.body" and not message.get("more_body"):
+            self.finished = True
+        await self._send(message)
+
+    async def error(self, error: HTTPError) -> None:
+        """Answer with ``error``; mid-stream, end the stream with it as an event."""
+        if not self.started:
+            await send_json(self.send, error.status, error.body, error.headers)
+        elif not self.finished:
+            try:
+                await send_event(self.send, error.body, last=True)
+            except Exception:  # (the client is gone: nothing more to tell it)
+                logger.debug("request %s: the error event was not sent", self._request_id)
 
 
 async def _health(engine: Engine, send: Send) -> None:
@@ -130,18 +237,17 @@ async def _lifespan(engine: Engine, receive: Receive, send: Send) -> None:
     await send({"type": "lifespan.shutdown.complete"})
 
 
-async def _completions(engine: Engine, receive: Receive, send: Send) -> None:
+async def _generation(engine: Engine, receive: Receive, send: Send, rid: str, chat: bool) -> None:
+    """``POST /v1/completions`` or ``/v1/chat/completions``: prefill, decode or both."""
     body = await read_json(receive)
-    prompt, max_tokens, stream, params = parse_completion_request(body)
+    request = parse_chat_request(body) if chat else parse_completions_request(body)
+    if request.ignored:
+        ignored = ", ".join(request.ignored)
+        logger.warning("request %s: unknown fields ignored: %s", rid, ignored[:500])
     if not engine.accepting:
         raise HTTPError(503, "the engine is draining", "unavailable", retry_after=1)
-    request_id = engine.request_id()
-    if params.get("do_remote_decode"):
-        kind = "prefill"
-    elif params.get("do_remote_prefill"):
-        kind = "decode"
-    else:
-        kind = "whole"
+    request_id = engine.request_id(rid, "chatcmpl" if chat else "cmpl")
+    shapes = Shapes(request_id, chat, len(request.prompt))
     outcome, answered = "error", False
 
     async def send_tracked(message: dict[str, Any]) -> None:
@@ -150,16 +256,14 @@ async def _completions(engine: Engine, receive: Receive, send: Send) -> None:
             answered = True  # (the client may disconnect right after: still answered)
         await send(message)
 
+    params = request.kv_transfer_params
     try:
         async with cancel_on_disconnect(receive):
-            if kind == "prefill":
-                kv = await engine.prefill_for_remote(request_id, prompt)
-                body = completion(request_id, "", [], len(prompt), kv_transfer_params=kv)
-                await send_json(send_tracked, 200, body)
+            if request.kind == "prefill":
+                kv = await engine.prefill_for_remote(request_id, request.prompt)
+                await send_json(send_tracked, 200, shapes.whole("", [], kv_transfer_params=kv))
             else:
-                await _generate(
-                    engine, send_tracked, request_id, prompt, max_tokens, stream, kind, params
-                )
+                await _generate(engine, send_tracked, shapes, request)
         outcome = "ok" if answered else "disconnected"
     except OutOfBlocks as exc:
         raise HTTPError(
@@ -183,37 +287,41 @@ async def _completions(engine: Engine, receive: Receive, send: Send) -> None:
             remote_engine=source,
         ) from None
     finally:
-        engine.requests.labels(kind, outcome).inc()
+        engine.requests.labels(request.kind, outcome).inc()
+        logger.info(
+            "request %s: %s, %s (%d prompt tokens, max_tokens %d)",
+            request_id,
+            request.kind,
+            outcome,
+            len(request.prompt),
+            request.max_tokens,
+        )
 
 
-async def _generate(
-    engine: Engine,
-    send: Send,
-    request_id: str,
-    prompt: list[int],
-    max_tokens: int,
-    stream: bool,
-    kind: str,
-    params: dict[str, Any],
-) -> None:
-    remote = params if kind == "decode" else None
+async def _generate(engine: Engine, send: Send, shapes: Shapes, request: GenerationRequest) -> None:
+    """Generate ``request``'s tokens (pulling its prompt's KV if it is a decode
+    request) and send them, whole or as server-sent events."""
+    remote = request.kv_transfer_params if request.kind == "decode" else None
     async with (
-        engine.generation(request_id, prompt, max_tokens, remote) as generator,
-        aclosing(generator) as tokens,  # (closed even when the client hangs up)
+        engine.generation(shapes.request_id, request.prompt, request.max_tokens, remote) as tokens_,
+        aclosing(tokens_) as tokens,  # (closed even when the client hangs up)
     ):
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        if not stream:
+        if not request.stream:
             ids = [token async for token in tokens]
             text = decoder.decode(bytes(ids), final=True)
-            await send_json(send, 200, completion(request_id, text, ids, len(prompt)))
+            await send_json(send, 200, shapes.whole(text, ids))
             return
         await start_events(send)
+        first = shapes.first_chunk()
+        if first is not None:
+            await send_event(send, first)
+        count = 0
         async for token in tokens:
-            chunk = completion(request_id, decoder.decode(bytes([token])), [token], len(prompt))
-            del chunk["usage"]
-            chunk["choices"][0]["finish_reason"] = None
-            await send_event(send, chunk)
+            count += 1
+            last = count == request.max_tokens
+            text = decoder.decode(bytes([token]), final=last)
+            await send_event(send, shapes.chunk(text, [token], last, request.include_usage))
+        if request.include_usage:
+            await send_event(send, shapes.usage_chunk(count))
         await send_event(send, "[DONE]", last=True)
-
-
-# ---- the engine process -------------------------------------------------------

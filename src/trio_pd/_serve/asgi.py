@@ -25,17 +25,31 @@ Send = Callable[[Message], Awaitable[None]]
 
 
 class HTTPError(Exception):
-    """An error reply: ``status`` and a JSON body ``{"error": {...}}``.
+    """An error reply: ``status`` and OpenAI's JSON error body,
+    ``{"error": {"message", "type", "param", "code", ...extra}}``.
 
-    ``retry_after`` (seconds) becomes a ``Retry-After`` header (for 503s).
+    ``param`` names the request's field at fault; ``code`` is OpenAI's
+    machine-readable reason (``"model_not_found"``...), both ``null`` when
+    there is none. ``retry_after`` (seconds) becomes a ``Retry-After``
+    header (for 503s).
     """
 
     def __init__(
-        self, status: int, message: str, kind: str, *, retry_after: int | None = None, **extra: Any
+        self,
+        status: int,
+        message: str,
+        kind: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
+        **extra: Any,
     ) -> None:
         super().__init__(message)
         self.status = status
-        self.body = {"error": {"message": message, "type": kind, **extra}}
+        self.body = {
+            "error": {"message": message, "type": kind, "param": param, "code": code, **extra}
+        }
         self.headers: list[tuple[bytes, bytes]] = []
         if retry_after is not None:
             self.headers.append((b"retry-after", str(retry_after).encode()))
@@ -61,6 +75,8 @@ async def read_json(receive: Receive, limit: int = 1 << 20) -> dict[str, Any]:
         data = json.loads(body)
     except ValueError as exc:
         raise HTTPError(400, f"body is not JSON: {exc}", "invalid_request_error") from None
+    except RecursionError:
+        raise HTTPError(400, "body is nested too deeply", "invalid_request_error") from None
     if not isinstance(data, dict):
         raise HTTPError(400, "body must be a JSON object", "invalid_request_error")
     return data

@@ -9,8 +9,9 @@ after the last one drained. (The ranks share this process: the model
 computes for all of them; their KV caches and connectors are separate, as on
 a real tensor-parallel engine.)
 
-``POST /v1/completions`` follows OpenAI's completions API and vLLM's P/D
-conventions (``kv_transfer_params``):
+``POST /v1/completions`` and ``POST /v1/chat/completions`` follow OpenAI's
+API (:mod:`trio_pd._serve.openai`; a chat's prompt is its templated
+conversation) and vLLM's P/D conventions (``kv_transfer_params``):
 
 * ``{"do_remote_decode": true}``: prefill only. The engine computes the
   prompt's KV cache (all but its last token) into blocks, exposes them, and
@@ -51,6 +52,7 @@ from prometheus_client import (
 )
 
 from .._connector import Connector
+from .._errors import IncompatibleEngineError
 from .._groups import unwrapped_errors
 from .._records import RemoteBlocks
 from .asgi import (
@@ -130,8 +132,16 @@ class Engine:
         free.set_function(lambda: self.pool.free)
         self.registry.register(ConnectorCollector(lambda: self.connectors))
 
-    def request_id(self) -> str:
-        return f"cmpl-{self.settings.engine_id}-{next(self._ids)}"
+    def request_id(self, base: str, prefix: str = "cmpl") -> str:
+        """A request id unique in this engine that contains ``base`` (the
+        request's ``X-Request-Id``: clients and proxies may repeat one)."""
+        return f"{prefix}-{base}-{self.settings.engine_id}-{next(self._ids)}"
+
+    def max_model_len(self) -> int:
+        """The most tokens (prompt plus generated) one request can hold here:
+        ``max_model_len``, or the whole KV pool if that is smaller."""
+        pool = self.pool.num_blocks * self.model.config.block_size
+        return min(self.settings.max_model_len, pool)
 
     async def step(self, table: Sequence[int], tokens: Sequence[int], start: int) -> int:
         return await trio.to_thread.run_sync(
@@ -156,6 +166,7 @@ class Engine:
                 f"over this model's context of {self.settings.max_model_len}",
                 "invalid_request_error",
                 param="max_tokens",
+                code="context_length_exceeded",
             )
         needed = self.model.config.blocks_for(total)
         if needed > self.pool.num_blocks:
@@ -236,7 +247,8 @@ class Engine:
         Raises:
             HandshakeError, TransferError: the pull failed.
             ParamsRejectedError: ``params`` claim what the producer did not issue.
-            HTTPError: ``params`` are malformed or do not match the prompt.
+            HTTPError: ``params`` are malformed, do not match the prompt, or
+                name a TP size that this engine cannot read from (400).
             OutOfBlocks: not enough blocks freed within ``admission_timeout``.
         """
         config = self.model.config
@@ -259,6 +271,13 @@ class Engine:
                         except ValueError as exc:  # (the same parameters in two requests)
                             raise HTTPError(
                                 409, str(exc), "invalid_request_error", param="kv_transfer_params"
+                            ) from None
+                        except IncompatibleEngineError as exc:  # (before any I/O: the params')
+                            raise HTTPError(
+                                400,
+                                f"engine {self.settings.engine_id} cannot read these blocks: {exc}",
+                                "invalid_request_error",
+                                param="kv_transfer_params.tp_size",
                             ) from None
                 if remote is not None:
                     check_prompt_blocks(remote, config.blocks_for(before), len(prompt))
