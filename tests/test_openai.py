@@ -776,6 +776,9 @@ async def test_a_deployment_serves_the_openai_surface_and_disaggregated_chat(
                     "min_completion_tokens": None,
                 }
                 assert await chat(client, decode, second, headers) == (whole, usage)
+                # And through the deployment's own P/D proxy.
+                proxied = streaming if i % 2 else body
+                assert await chat(client, serving["proxy"], proxied, headers) == (whole, usage)
 
             async with trio.open_nursery() as nursery:
                 for i in range(len(CONVERSATIONS)):

@@ -41,7 +41,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import secrets
 from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from typing import Any
@@ -62,13 +61,23 @@ from .asgi import (
     send_json,
     send_text,
 )
-from .openai import parse_completion_request
+from .openai import (
+    GenerationRequest,
+    parse_chat_request,
+    parse_completions_request,
+    request_id_from_headers,
+)
 from .routing import EngineSet
 
 logger = logging.getLogger("trio_pd.proxy")
 
 REQUEST_ID_HEADER = "x-request-id"
-MAX_REQUEST_ID = 128
+
+ROUTES = {
+    "/v1/completions": parse_completions_request,
+    "/v1/chat/completions": parse_chat_request,
+}
+"""The generation routes the proxy disaggregates, and how each body is checked."""
 
 
 @attrs.frozen(kw_only=True)
@@ -184,19 +193,24 @@ class Proxy:
                 return
             if scope["type"] != "http":
                 return
-            route = (scope["method"], scope["path"])
-            request_id = _request_id(scope)
+            method, path = scope["method"], scope["path"]
+            request_id = request_id_from_headers(scope.get("headers", []))
             headers = [(REQUEST_ID_HEADER.encode(), request_id.encode())]
             try:
-                if route == ("POST", "/v1/completions"):
-                    await self._completions(request_id, receive, send)
-                elif route == ("GET", "/health"):
+                if method == "POST" and path in ROUTES:
+                    await self._generate(path, request_id, receive, send)
+                elif (method, path) == ("GET", "/health"):
                     await self._health(send)
-                elif route == ("GET", "/metrics"):
+                elif (method, path) == ("GET", "/metrics"):
                     text = generate_latest(self.metrics.registry).decode()
                     await send_text(send, 200, text, "text/plain; version=0.0.4")
-                elif scope["path"] in ("/v1/completions", "/health", "/metrics"):
-                    raise HTTPError(405, f"{scope['method']} not allowed", "method_not_allowed")
+                elif path in (*ROUTES, "/health", "/metrics"):
+                    allowed = "POST" if path in ROUTES else "GET"
+                    error = HTTPError(
+                        405, f"{method} {path} is not allowed (use {allowed})", "method_not_allowed"
+                    )
+                    error.headers.append((b"allow", allowed.encode()))
+                    raise error
                 else:
                     raise HTTPError(404, f"no route {scope['method']} {scope['path']}", "not_found")
             except HTTPError as exc:
@@ -217,14 +231,16 @@ class Proxy:
             health["status"] = "no engines"
         await send_json(send, 200 if ok else 503, health)
 
-    async def _completions(self, request_id: str, receive: Receive, send: Send) -> None:
+    async def _generate(self, path: str, request_id: str, receive: Receive, send: Send) -> None:
+        """A completions or chat request: prefill on one engine, decode on another."""
         started = trio.current_time()
         outcome = "error"
         self.metrics.in_flight.inc()
         try:
             body = await read_json(receive)
             # A bad request is a 400 here, before any engine does work for it.
-            prompt, max_tokens, _, _ = parse_completion_request(body)
+            parsed: GenerationRequest = ROUTES[path](body)
+            prompt, max_tokens = parsed.prompt, parsed.max_tokens
             total = len(prompt) + max_tokens
             if self._max_model_len is not None and total > self._max_model_len:
                 raise HTTPError(
@@ -247,9 +263,9 @@ class Proxy:
                 await send(message)
 
             async with cancel_on_disconnect(receive):
-                kv = await self._prefill(request_id, body)
+                kv = await self._prefill(path, request_id, body)
                 await self._decode(
-                    request_id, {**body, "kv_transfer_params": kv}, send_tracked, started
+                    path, request_id, {**body, "kv_transfer_params": kv}, send_tracked, started
                 )
         except HTTPError as exc:
             outcome = _outcome(exc.status)
@@ -260,7 +276,7 @@ class Proxy:
             self.metrics.requests.labels(outcome).inc()
             self.metrics.seconds.observe(trio.current_time() - started)
 
-    async def _prefill(self, request_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _prefill(self, path: str, request_id: str, body: dict[str, Any]) -> dict[str, Any]:
         """The KV of ``body``'s prompt, from a prefill engine that answers.
 
         An engine that refuses the connection, or answers 503 (it did no
@@ -273,6 +289,8 @@ class Proxy:
             "stream": False,
             "kv_transfer_params": {"do_remote_decode": True},
         }
+        if "max_completion_tokens" in body:  # (chat: it wins over max_tokens)
+            request["max_completion_tokens"] = 1
         engines = self._engines["prefill"]
         failure: HTTPError | None = None
         for engine in engines.candidates(trio.current_time()):
@@ -280,7 +298,7 @@ class Proxy:
                 try:
                     with trio.fail_after(self._timeouts.prefill):
                         response = await self._client.post(
-                            f"{engine}/v1/completions",
+                            f"{engine}{path}",
                             json=request,
                             headers={REQUEST_ID_HEADER: request_id},
                         )
@@ -303,7 +321,7 @@ class Proxy:
         raise failure or HTTPError(503, "no prefill engine", "unavailable", retry_after=1)
 
     async def _decode(
-        self, request_id: str, body: dict[str, Any], send: Send, started: float
+        self, path: str, request_id: str, body: dict[str, Any], send: Send, started: float
     ) -> None:
         """Relay ``body``'s decoding from a decode engine that can be reached.
 
@@ -316,7 +334,7 @@ class Proxy:
         for engine in engines.candidates(trio.current_time()):
             with engines.attempt(engine):
                 try:
-                    await self._decode_on(engine, request_id, body, send, started)
+                    await self._decode_on(engine, path, request_id, body, send, started)
                 except _Refused as exc:
                     engines.refused(engine, trio.current_time())
                     failure = exc.error
@@ -325,11 +343,17 @@ class Proxy:
         raise failure or HTTPError(503, "no decode engine", "unavailable", retry_after=1)
 
     async def _decode_on(
-        self, engine: str, request_id: str, body: dict[str, Any], send: Send, started: float
+        self,
+        engine: str,
+        path: str,
+        request_id: str,
+        body: dict[str, Any],
+        send: Send,
+        started: float,
     ) -> None:
         streaming = False
         request = self._client.build_request(
-            "POST", f"{engine}/v1/completions", json=body, headers={REQUEST_ID_HEADER: request_id}
+            "POST", f"{engine}{path}", json=body, headers={REQUEST_ID_HEADER: request_id}
         )
         response: httpx2.Response | None = None
         try:
@@ -405,17 +429,6 @@ class _Refused(Exception):
     def __init__(self, error: HTTPError) -> None:
         super().__init__(str(error))
         self.error = error
-
-
-def _request_id(scope: Scope) -> str:
-    """The client's ``X-Request-Id`` if it is printable and short, else a new one."""
-    for name, value in scope.get("headers", []):
-        if name.lower() == REQUEST_ID_HEADER.encode():
-            text: str = bytes(value).decode("latin-1")
-            if 0 < len(text) <= MAX_REQUEST_ID and all(0x21 <= ord(c) <= 0x7E for c in text):
-                return text
-            break
-    return f"trio-pd-{secrets.token_hex(8)}"
 
 
 def _outcome(status: int) -> str:
