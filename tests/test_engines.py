@@ -530,3 +530,17 @@ ACTION_EXAMPLES = {
 def test_every_action_has_an_example(action: PullAction) -> None:
     make, incarnation = ACTION_EXAMPLES[action]
     assert pull(make(), 1.0, incarnation) is action
+
+
+def test_a_record_of_another_rank_judges_no_request_incarnation() -> None:
+    # Requests carry rank 0's incarnation: a stale or forged one must not
+    # poison a rank-1 record (it once became the record's epoch, and every
+    # valid request after it failed as "gone").
+    rec = EngineRecord(engine_id="prefill-0", host="127.0.0.1", port=5556, rank=1)
+    assert rec.on_pull("stale-or-forged", 0.0) is PullAction.START
+    rec.metadata_received(msgspec.structs.replace(metadata(OLD), tp_rank=1), LAYOUT)
+    rec.loaded()
+    for incarnation in ("", OLD, NEW, "stale-or-forged"):
+        assert rec.on_pull(incarnation, 1.0) is PullAction.READY
+    assert rec.retired_incarnations == {}
+    assert rec.state is S.READY

@@ -280,7 +280,9 @@ async def test_a_forged_abandon_is_refused_and_the_victim_still_reads(
         async with (
             engine(memory_fabric, "p", signed) as (p, kv),
             engine(memory_fabric, "victim", signed) as (victim, local),
-            engine(memory_fabric, "attacker", signed) as (attacker, _),
+            # (an attacker without the secret: a consumer with it refuses to
+            # send a forged abandon at all, see test_partial_failure)
+            engine(memory_fabric, "attacker", LEASES) as (attacker, _),
         ):
             fill_blocks(kv, [7, 8], seed=5)
             remote = p.expose("r", [7, 8])

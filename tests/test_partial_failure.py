@@ -13,6 +13,7 @@ plays a NIXL transfer to a partitioned peer); the side channel is real.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import attrs
@@ -456,3 +457,179 @@ async def test_a_failing_notification_poll_is_retried_at_a_pace_not_in_a_busy_lo
             assert "NIXL_ERR_BACKEND" in caplog.text
             memory_fabric.faults("p").notification_error = None
             assert p.statistics().exposures_pending == 1  # (nothing lost meanwhile)
+
+
+# ---- found by review: each a repro first ---------------------------------------------
+
+SIGNED = attrs.evolve(QUICK, exposure_secret=b"deployment secret, 32 bytes long")
+
+
+async def open_tp2_producer(
+    fabric: MemoryFabric, base: int, stack: contextlib.AsyncExitStack
+) -> list[trio_pd.Connector]:
+    """Both ranks of a TP-2 prefill engine "p" on ``base`` (and ``base + 1``)."""
+    return [
+        await stack.enter_async_context(
+            trio_pd.open_connector(
+                "p",
+                kv_cache(blocks=16, block_shape=(8, 64)),
+                port=base,
+                tp_rank=rank,
+                tp_size=2,
+                config=QUICK,
+                backend=fabric.backend,
+            )
+        )
+        for rank in range(2)
+    ]
+
+
+def expose_all(
+    ranks: list[trio_pd.Connector], request_id: str, ids: list[int]
+) -> trio_pd.RemoteBlocks:
+    """Every rank exposes; rank 0's parameters go to the decoder (as a proxy forwards them)."""
+    exposed = [rank.expose(request_id, ids) for rank in ranks]
+    return exposed[0]
+
+
+async def test_a_stale_first_request_does_not_poison_another_ranks_record(
+    memory_fabric: MemoryFabric,
+) -> None:
+    # Requests prefilled before a TP-2 engine restarted reach the decoder
+    # after it: they fail, and they must not make later valid requests fail
+    # (a rank-1 record once took its epoch from the first request).
+    with trio.fail_after(15):
+        async with trio_pd.open_connector(
+            "probe", kv_cache(blocks=16), config=QUICK, backend=memory_fabric.backend
+        ) as probe:
+            base = probe.address[1] + 1
+        async with trio_pd.open_connector(
+            "d",
+            kv_cache(blocks=16, block_shape=(16, 64)),
+            config=QUICK,
+            backend=memory_fabric.backend,
+        ) as d:
+            async with contextlib.AsyncExitStack() as stack:
+                ranks = await open_tp2_producer(memory_fabric, base, stack)
+                await d.pull("w", [0], expose_all(ranks, "w", [0]))
+                stale = [expose_all(ranks, f"s{i}", [1 + i]) for i in range(2)]
+            async with contextlib.AsyncExitStack() as stack:
+                ranks = await open_tp2_producer(memory_fabric, base, stack)
+                for i in range(2):
+                    with pytest.raises(trio_pd.TrioPdError):
+                        await d.pull(f"s{i}", [1 + i], stale[i])
+                forged = attrs.evolve(ranks[0].expose("f", [4]), incarnation="0" * 16)
+                ranks[1].expose("f", [4])
+                with pytest.raises(trio_pd.TransferError):
+                    await d.pull("f", [4], forged)
+                for n in range(3):
+                    await trio.sleep(QUICK.backoff_initial)
+                    valid = expose_all(ranks, f"ok{n}", [5 + n])
+                    await d.pull(f"ok{n}", [5 + n], valid)
+
+
+async def test_a_replay_of_parameters_whose_exposure_is_over_reads_nothing(
+    memory_fabric: MemoryFabric,
+) -> None:
+    config = attrs.evolve(SIGNED, heartbeat_interval=0.05)
+    with trio.fail_after(10):
+        prefill_kv, local = kv_cache(blocks=16), kv_cache(blocks=16)
+        async with (
+            trio_pd.open_connector(
+                "p", prefill_kv, config=config, backend=memory_fabric.backend
+            ) as p,
+            trio_pd.open_connector("d", local, config=config, backend=memory_fabric.backend) as d,
+        ):
+            mine = p.expose("attacker", [3])
+            await d.pull("attacker", [1], mine)
+            assert await p.wait_released("attacker") is trio_pd.Released.READ
+            fill_blocks(prefill_kv, [3], seed=7)  # block 3 holds a victim's KV now
+            p.expose("victim", [3])
+            async with d.hold(mine):
+                await trio.sleep(0.2)  # the heartbeat hears: not pending there
+                with pytest.raises(trio_pd.TransferError, match="no longer holds"):
+                    await d.pull("replay", [2], mine)
+            assert not local[0][2].any()
+
+
+async def test_a_forged_hold_is_refused_before_any_message(memory_fabric: MemoryFabric) -> None:
+    with trio.fail_after(10):
+        async with (
+            trio_pd.open_connector(
+                "p", kv_cache(blocks=16), config=SIGNED, backend=memory_fabric.backend
+            ) as p,
+            trio_pd.open_connector(
+                "d", kv_cache(blocks=16), config=SIGNED, backend=memory_fabric.backend
+            ) as d,
+        ):
+            forged = attrs.evolve(p.expose("x", [1]), request_id="victim", token="0" * 32)
+            with pytest.raises(trio_pd.ParamsRejectedError):
+                async with d.hold(forged):
+                    await trio.sleep(0.3)
+            with pytest.raises(trio_pd.ParamsRejectedError):
+                await d.abandon(forged)
+            stats = d.statistics()
+            assert (stats.heartbeats_sent, stats.abandons_sent) == (0, 0)
+
+
+async def test_several_ranks_failing_at_once_is_one_error(memory_fabric: MemoryFabric) -> None:
+    # Every decode rank refuses a forged token before its first checkpoint:
+    # serve got an ExceptionGroup (a 500); it is one ParamsRejectedError.
+    from trio_pd._serve.engine import _pull_every_rank
+
+    with trio.fail_after(10):
+        async with trio_pd.open_connector(
+            "p", kv_cache(blocks=16, block_shape=(16, 64)), config=SIGNED,
+            backend=memory_fabric.backend,
+        ) as p:  # fmt: skip
+            base = p.address[1] + 1
+            forged = attrs.evolve(p.expose("x", [1]), token="0" * 32)
+            options = {"port": base, "tp_size": 2, "config": SIGNED}
+            async with (
+                trio_pd.open_connector(
+                    "d", kv_cache(blocks=16, block_shape=(8, 64)), tp_rank=0,
+                    backend=memory_fabric.backend, **options,  # type: ignore[arg-type]
+                ) as d0,
+                trio_pd.open_connector(
+                    "d", kv_cache(blocks=16, block_shape=(8, 64)), tp_rank=1,
+                    backend=memory_fabric.backend, **options,  # type: ignore[arg-type]
+                ) as d1,
+            ):  # fmt: skip
+                with pytest.raises(trio_pd.ParamsRejectedError):
+                    await _pull_every_rank([d0, d1], "r", [1], forged)
+
+
+async def test_closing_while_a_restart_retires_the_old_agent_raises_nothing(
+    memory_fabric: MemoryFabric,
+) -> None:
+    # A verification finds a restart and retires the old agent (NIXL: a
+    # thread call); the connector closes meanwhile. Before: the handshake
+    # task's queue was closed under it and ClosedResourceError escaped.
+    memory_fabric.faults("p").unload_delay = 0.2
+    with trio.fail_after(10):
+        async with trio_pd.open_connector(
+            "p", kv_cache(blocks=16), config=QUICK, backend=memory_fabric.backend
+        ) as first:
+            port = first.address[1]
+        async with (
+            trio.open_nursery() as outer,
+            trio_pd.open_connector(
+                "d", kv_cache(blocks=16), config=QUICK, backend=memory_fabric.backend
+            ) as d,
+        ):
+            async with trio_pd.open_connector(
+                "p", kv_cache(blocks=16), port=port, config=QUICK,
+                backend=memory_fabric.backend,
+            ) as old:  # fmt: skip
+                await d.pull("a", [0], old.expose("a", [0]))
+            async with trio_pd.open_connector(
+                "p", kv_cache(blocks=16), port=port, config=QUICK,
+                backend=memory_fabric.backend,
+            ) as new:  # fmt: skip
+
+                async def pull(remote: trio_pd.RemoteBlocks) -> None:
+                    with pytest.raises(trio.ClosedResourceError):
+                        await d.pull("b", [1], remote)
+
+                outer.start_soon(pull, new.expose("b", [1]))
+                await trio.sleep(0.1)  # the verification found it; the retire runs

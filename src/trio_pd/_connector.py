@@ -36,6 +36,7 @@ from ._backend import BackendFactory, TransferBackend
 from ._config import ConnectorConfig
 from ._consumer import Consumer
 from ._engines import EngineState
+from ._errors import TransferError
 from ._exposures import Released
 from ._groups import unwrapped_errors
 from ._layout import KVLayout, layout_of_tensors
@@ -226,6 +227,15 @@ class Connector:
                 engine has several.
             trio.ClosedResourceError: the connector is (or got) closed.
         """
+        lost = self._leases.lost(remote)
+        if lost is not None:  # (a replay of parameters whose exposure is over, say)
+            await trio.lowlevel.checkpoint()
+            raise TransferError(
+                request_id,
+                [int(b) for b in local_block_ids],
+                f"engine {remote.engine_id!r} no longer holds these blocks for us ({lost}): "
+                "not read",
+            )
         result = await self._consumer.pull(request_id, local_block_ids, remote)
         self._leases.pulled(remote)
         return result
@@ -262,12 +272,19 @@ class Connector:
         body's own exception; a failed abandon is logged and counted
         (``abandons_failed``).
 
+        A pull inside a hold that the producer has answered it does not
+        hold (expired, read, abandoned: the parameters are stale or
+        replayed) fails with :class:`TransferError` without reading.
+
         Raises:
+            ParamsRejectedError: with ``config.exposure_secret``, ``remote``
+                is not what the producer signed (nothing is sent to it).
             ValueError: ``remote`` is already held by this connector.
             IncompatibleEngineError: the TP sizes do not divide.
             trio.ClosedResourceError: the connector is closed (on entry;
                 holds that end after close send nothing).
         """
+        self._consumer.check_token(remote.request_id, remote)
         async with self._leases.hold(remote):
             yield
 
@@ -285,9 +302,12 @@ class Connector:
         applies it only if ``remote.token`` is the one it issued.
 
         Raises:
+            ParamsRejectedError: with ``config.exposure_secret``, ``remote``
+                is not what the producer signed (nothing is sent to it).
             IncompatibleEngineError: the TP sizes do not divide.
             trio.ClosedResourceError: the connector is closed.
         """
+        self._consumer.check_token(remote.request_id, remote)
         await self._leases.abandon(remote)
 
     def unsettled_blocks(self) -> frozenset[int]:

@@ -13,7 +13,7 @@ import functools
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from types import MappingProxyType
-from typing import NoReturn, TypeVar
+from typing import NoReturn
 
 import numpy as np
 import trio
@@ -32,6 +32,7 @@ from ._backend import (
 from ._config import ConnectorConfig
 from ._engines import EngineState
 from ._errors import HandshakeError, IncompatibleEngineError, ParamsRejectedError, TransferError
+from ._groups import first_failure_wins
 from ._handshakes import ConsumerCounters, Handshakes, RemoteEngine
 from ._layout import BlockIds, KVLayout, as_block_ids
 from ._records import ConsumerStatistics, PullResult, RemoteBlocks
@@ -110,14 +111,14 @@ class Consumer:
                 f"{len(remote.block_ids)} remote block ids"
             )
         try:
-            self._check_token(request_id, remote)
+            self.check_token(request_id, remote)
             mismatch = sizes_mismatch(self._tp_size, remote.tp_size)
             if mismatch is not None:
                 raise IncompatibleEngineError(remote.engine_id, mismatch)
             parts = plan_pull(self._tp_rank, self._tp_size, remote.tp_size)
             handshakes = self._handshakes
             engines = [handshakes.engine(remote, part) for part in parts]
-            agents = await _each(
+            agents = await first_failure_wins(
                 [
                     functools.partial(handshakes.ready_agent, e, request_id, local_ids, remote)
                     for e in engines
@@ -128,7 +129,7 @@ class Consumer:
                 self._transfer_for(engine, agent, request_id, local_ids, remote)
                 for engine, agent in zip(engines, agents, strict=True)
             ]
-            await _each(transfers)
+            await first_failure_wins(transfers)
         except ParamsRejectedError:
             self._counters.pulls_rejected += 1
             raise
@@ -142,8 +143,12 @@ class Consumer:
             request_id, remote.engine_id, nbytes, trio.current_time() - started, handshake_wait
         )
 
-    def _check_token(self, request_id: str, remote: RemoteBlocks) -> None:
-        """With ``exposure_secret``: refuse parameters the producer did not sign."""
+    def check_token(self, request_id: str, remote: RemoteBlocks) -> None:
+        """With ``exposure_secret``: refuse parameters the producer did not sign.
+
+        Raises:
+            ParamsRejectedError: ``remote.token`` is missing or does not verify.
+        """
         secret = self._config.exposure_secret
         if secret is None:
             return
@@ -322,33 +327,3 @@ class Consumer:
     def pulls_in_flight(self) -> int:
         count: int = self._pulls_in_flight.value
         return count
-
-
-_T = TypeVar("_T")
-
-
-async def _each(calls: Sequence[Callable[[], Awaitable[_T]]]) -> list[_T]:
-    """Await every call concurrently and return their results in order.
-
-    The first call to fail cancels the others (a cancelled transfer still
-    ends before its task does), and its error propagates alone. One call
-    runs in the caller's task, with no nursery.
-    """
-    if len(calls) == 1:
-        return [await calls[0]()]
-    results: dict[int, _T] = {}
-    failures: list[Exception] = []
-
-    async def run(index: int, call: Callable[[], Awaitable[_T]]) -> None:
-        try:
-            results[index] = await call()
-        except Exception as exc:
-            failures.append(exc)
-            nursery.cancel_scope.cancel()
-
-    async with trio.open_nursery() as nursery:
-        for index, call in enumerate(calls):
-            nursery.start_soon(run, index, call)
-    if failures:
-        raise failures[0]
-    return [results[index] for index in range(len(calls))]

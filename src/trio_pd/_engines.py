@@ -185,11 +185,17 @@ class EngineRecord:
         sought_incarnation: the incarnation the pull that started the current
             attempt asked for (``""``: any).
         epoch: the incarnation that requests name when they are for what is
-            loaded: the loaded incarnation for an engine's rank 0 (and for
-            engines without tensor parallelism); for another rank, the rank-0
-            incarnation its requests named when it was loaded (requests carry
-            rank 0's incarnation, as a vLLM proxy forwards rank 0's
-            ``kv_transfer_params``; the ranks of an engine restart together).
+            loaded: the loaded incarnation (rank 0, or an engine without
+            tensor parallelism); ``""`` for a record of another rank.
+        rank: the remote rank this record reads. Requests carry rank 0's
+            incarnation (a vLLM proxy forwards rank 0's
+            ``kv_transfer_params``), which says nothing about another rank's,
+            so a record of rank > 0 judges no request's incarnation: not from
+            a request (a stale or forged one would poison it), and not by
+            verification (the rank answers with its own). Its restarts are
+            seen as lost peers; an engine's ranks restart together, and the
+            rank-0 part of the same request (on whichever decode rank reads
+            rank 0) refuses blocks of an incarnation that is gone.
         verify_interval: the least time between two verifications (a
             request naming an unknown incarnation costs at most one
             handshake per interval, however many such requests come).
@@ -212,6 +218,7 @@ class EngineRecord:
     retired_incarnations: dict[str, None] = attrs.field(factory=dict)
     sought_incarnation: str = ""
     epoch: str = ""
+    rank: int = 0
     verify_interval: float = 1.0
     verify_again_at: float = -math.inf
     verify_error: HandshakeError | None = None
@@ -248,12 +255,12 @@ class EngineRecord:
                 (``""`` when the producer does not say).
             now: the current time (any clock).
         """
+        if self.rank:
+            incarnation = ""  # (rank 0's: nothing to judge here, see ``rank``)
         if incarnation and incarnation in self.retired_incarnations:
             return PullAction.GONE
         state = self.state
         if state is EngineState.READY or state is EngineState.VERIFYING:
-            if not self.epoch:
-                self.epoch = incarnation  # a rank > 0 loaded for a request without one
             if not incarnation or incarnation == self.epoch:
                 return PullAction.READY
             if state is EngineState.VERIFYING:
@@ -360,8 +367,8 @@ class EngineRecord:
             outcome = MetadataOutcome.LOAD
         self.metadata = metadata
         self.layout = layout
-        if metadata.tp_rank:  # requests name rank 0's incarnation: nothing to compare
-            self.epoch = self.sought_incarnation
+        if self.rank or metadata.tp_rank:  # (see ``rank``)
+            self.epoch = ""
             return outcome
         self.epoch = metadata.incarnation
         self.retired_incarnations.pop(metadata.incarnation, None)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
 import trio
 
@@ -36,3 +37,33 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
         else:
             out.append(exc)
     return out
+
+
+_T = TypeVar("_T")
+
+
+async def first_failure_wins(calls: Sequence[Callable[[], Awaitable[_T]]]) -> list[_T]:
+    """Await every call concurrently and return their results in order.
+
+    The first call to fail cancels the others (a cancelled transfer still
+    ends before its task does), and its error propagates alone. One call
+    runs in the caller's task, with no nursery.
+    """
+    if len(calls) == 1:
+        return [await calls[0]()]
+    results: dict[int, _T] = {}
+    failures: list[Exception] = []
+
+    async def run(index: int, call: Callable[[], Awaitable[_T]]) -> None:
+        try:
+            results[index] = await call()
+        except Exception as exc:
+            failures.append(exc)
+            nursery.cancel_scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        for index, call in enumerate(calls):
+            nursery.start_soon(run, index, call)
+    if failures:
+        raise failures[0]
+    return [results[index] for index in range(len(calls))]

@@ -167,7 +167,11 @@ class Handshakes:
         if engine is None:
             self._forget_idle_records()
             record = EngineRecord(
-                remote.engine_id, remote.host, port, verify_interval=self._config.backoff_initial
+                remote.engine_id,
+                remote.host,
+                port,
+                rank=part.remote_rank,
+                verify_interval=self._config.backoff_initial,
             )
             engine = self._engines[key] = RemoteEngine(record, part, remote.tp_size)
         return engine
@@ -339,6 +343,8 @@ class Handshakes:
             if retired is not None:
                 with trio.CancelScope(shield=True):
                     await self._backend.retire(retired)
+            if not self._current(engine, attempt, EngineState.LOADING):
+                return  # (the connector closed, or the watchdog ended it, meanwhile)
         self._loads_queued += 1
         self._loads_send.send_nowait((engine, attempt))
 

@@ -55,6 +55,8 @@ class _Hold:
     """Ranks that answered that the request is unknown there, or refused it."""
     done: bool = False
     """Pulled, or abandoned already: nothing more to send."""
+    lost_reason: str = ""
+    """Why the first rank that said so no longer holds the request for us."""
 
 
 @attrs.define
@@ -132,6 +134,14 @@ class Leases:
                 ranks = [rank for rank in hold.entries if rank not in hold.lost]
                 with trio.CancelScope(shield=True):
                     await self._abandon(remote, ranks)
+
+    def lost(self, remote: RemoteBlocks) -> str | None:
+        """Why the producer no longer holds ``remote`` for us, if a hold on it
+        heard so (``None``: not held, or not known to be lost)."""
+        hold = self._holds.get(remote)
+        if hold is None or not hold.lost:
+            return None
+        return hold.lost_reason or "its lease was answered as not pending"
 
     def pulled(self, remote: RemoteBlocks) -> None:
         """A pull of ``remote`` succeeded: its hold (if any) is complete."""
@@ -233,6 +243,7 @@ class Leases:
             if hold.done or rank in hold.lost:
                 continue
             hold.lost.add(rank)
+            hold.lost_reason = hold.lost_reason or f"{_where(rank)}: {reason}"
             self._unindex(hold, [rank])
             logger.warning(
                 "engine %s: the hold on request %r is lost at %s: %s",

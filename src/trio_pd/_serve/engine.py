@@ -33,6 +33,7 @@ is Prometheus text (the connector's statistics, requests, pull latency).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import math
@@ -53,7 +54,7 @@ from prometheus_client import (
 
 from .._connector import Connector
 from .._errors import IncompatibleEngineError
-from .._groups import unwrapped_errors
+from .._groups import first_failure_wins
 from .._records import RemoteBlocks
 from .asgi import (
     HTTPError,
@@ -339,14 +340,13 @@ async def _pull_every_rank(
     """Each rank pulls its head slice (from the prefill ranks that hold it), at once.
 
     The first failure cancels the others (a cancelled pull still lets its
-    running transfer end first) and propagates alone.
+    running transfer end first) and propagates alone -- also when several
+    ranks fail at once for the same reason (a forged token, an engine in
+    backoff), which a plain nursery would raise as a group.
     """
-    if len(connectors) == 1:
-        await connectors[0].pull(request_id, blocks, remote)
-        return
-    async with unwrapped_errors(), trio.open_nursery() as nursery:
-        for connector in connectors:
-            nursery.start_soon(connector.pull, request_id, blocks, remote)
+    await first_failure_wins(
+        [functools.partial(connector.pull, request_id, blocks, remote) for connector in connectors]
+    )
 
 
 def exposure_secret_from_env() -> bytes | None:

@@ -70,6 +70,9 @@ class MemoryFaults:
             :meth:`MemoryFabric.finish_unstoppable_reads` is called, each
             copies the producer's blocks as they are *then* (a late write)
             and delivers its notification; only then is it settled.
+        unload_delay: removing the engine's agent (after a restart, a lost
+            peer) takes this long, as a NIXL ``remove_remote_agent`` thread
+            call does.
         notification_error: if set, the engine's *own* polls for
             notifications fail with :class:`~trio_pd.BackendError` carrying
             this message (a producer whose agent misbehaves).
@@ -83,6 +86,7 @@ class MemoryFaults:
     hang_loads: bool = False
     unstoppable_reads: bool = False
     notification_error: str | None = None
+    unload_delay: float = 0.0
 
 
 @attrs.define(eq=False)
@@ -265,7 +269,11 @@ class MemoryBackend:
 
     async def _unload(self, remote: RemoteAgent) -> None:
         self._remotes.discard(remote)
-        await trio.lowlevel.checkpoint()
+        delay = self._fabric._faults_for(remote).unload_delay
+        if delay:
+            await trio.sleep(delay)  # (callers shield and bound it)
+        else:
+            await trio.lowlevel.checkpoint()
 
     async def read(
         self,
