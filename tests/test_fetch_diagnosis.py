@@ -202,3 +202,8 @@ def test_the_latest_fatal_cause_wins() -> None:
     log = log_of((PROTOCOL, MISMATCH), (AUTH, 400))
     assert "ZAP status 400" in log.diagnosis()
     assert "mismatch" not in log.diagnosis()
+
+
+def test_a_fetch_that_never_got_a_slot_says_so() -> None:
+    log = ConnectionLog(max_reply_bytes=1024, waiting_for_slot=True)
+    assert "max_concurrent_fetches" in log.diagnosis()

@@ -81,6 +81,9 @@ class ConnectionLog:
     """
 
     max_reply_bytes: int
+    waiting_for_slot: bool = False
+    """Still waiting for a fetch slot (``max_concurrent_fetches``, shared by
+    every engine's handshakes): nothing was sent yet."""
     refused: int = 0
     tcp_connected: int = 0
     connected: int = 0
@@ -125,6 +128,11 @@ class ConnectionLog:
 
     def diagnosis(self) -> str:
         """The likeliest cause of a missing reply, in words."""
+        if self.waiting_for_slot:
+            return (
+                "nothing was sent: every fetch slot (max_concurrent_fetches) stayed busy "
+                "with other handshakes"
+            )
         if self.fatal is not None:
             return self.fatal
         if self.dropped:
@@ -280,7 +288,9 @@ async def fetch_engine_metadata(
     where = f"{host}:{port}" + (f" (rank {tp_rank} of {tp_size})" if tp_size > 1 else "")
     with _failures(engine_id, where, log, timeout):
         with trio.fail_at(deadline):
+            log.waiting_for_slot = True
             async with limiter:
+                log.waiting_for_slot = False
                 data = await fetch_reply(
                     context,
                     protocol.endpoint(host, port),
