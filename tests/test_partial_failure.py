@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import Any
 
 import attrs
 import pytest
@@ -38,8 +39,17 @@ QUICK = trio_pd.ConnectorConfig(
 )
 
 
-def block_bytes(kv: list[torch.Tensor], block: int) -> list[bytes]:
-    return [region[block].numpy().tobytes() for region in kv]
+def connector(
+    fabric: MemoryFabric,
+    engine_id: str,
+    *,
+    kv: list[torch.Tensor] | None = None,
+    config: trio_pd.ConnectorConfig = QUICK,
+    **options: Any,
+) -> contextlib.AbstractAsyncContextManager[trio_pd.Connector]:
+    """``open_connector`` on the fabric (16 blocks of the default shape unless ``kv``)."""
+    kv = kv_cache(blocks=16) if kv is None else kv
+    return trio_pd.open_connector(engine_id, kv, config=config, backend=fabric.backend, **options)
 
 
 # ---- no block let go while a READ may still write it ------------------------------
@@ -54,10 +64,8 @@ async def test_a_cancelled_pull_keeps_its_blocks_unsettled_until_the_transfer_en
     with trio.fail_after(10):
         prefill_kv, local = kv_cache(blocks=16), kv_cache(blocks=16)
         async with (
-            trio_pd.open_connector(
-                "p", prefill_kv, config=QUICK, backend=memory_fabric.backend
-            ) as p,
-            trio_pd.open_connector("d", local, config=QUICK, backend=memory_fabric.backend) as d,
+            connector(memory_fabric, "p", kv=prefill_kv) as p,
+            connector(memory_fabric, "d", kv=local) as d,
         ):
             await d.pull("warm", [0], p.expose("warm", [0]))
             fill_blocks(prefill_kv, [5, 6], seed=3)
@@ -96,12 +104,8 @@ async def test_a_failed_pull_reports_the_same_blocks_unsettled(
     config = attrs.evolve(QUICK, transfer_timeout=0.3)
     with trio.fail_after(10):
         async with (
-            trio_pd.open_connector(
-                "p", kv_cache(blocks=16), config=config, backend=memory_fabric.backend
-            ) as p,
-            trio_pd.open_connector(
-                "d", kv_cache(blocks=16), config=config, backend=memory_fabric.backend
-            ) as d,
+            connector(memory_fabric, "p", config=config) as p,
+            connector(memory_fabric, "d", config=config) as d,
         ):
             await d.pull("warm", [0], p.expose("warm", [0]))
             memory_fabric.faults("p").unstoppable_reads = True
@@ -170,12 +174,8 @@ async def test_closing_with_an_unsettled_transfer_keeps_its_blocks_unsettled(
     memory_fabric: MemoryFabric,
 ) -> None:
     with trio.fail_after(10):
-        async with trio_pd.open_connector(
-            "p", kv_cache(blocks=16), config=QUICK, backend=memory_fabric.backend
-        ) as p:
-            async with trio_pd.open_connector(
-                "d", kv_cache(blocks=16), config=QUICK, backend=memory_fabric.backend
-            ) as d:
+        async with connector(memory_fabric, "p") as p:
+            async with connector(memory_fabric, "d") as d:
                 await d.pull("warm", [0], p.expose("warm", [0]))
                 memory_fabric.faults("p").unstoppable_reads = True
                 remote = p.expose("r", [3])
@@ -202,10 +202,8 @@ async def test_forged_incarnations_never_fail_valid_requests_or_retire_the_agent
     with trio.fail_after(20):
         prefill_kv, local = kv_cache(blocks=64), kv_cache(blocks=64)
         async with (
-            trio_pd.open_connector(
-                "p", prefill_kv, config=QUICK, backend=memory_fabric.backend
-            ) as p,
-            trio_pd.open_connector("d", local, config=QUICK, backend=memory_fabric.backend) as d,
+            connector(memory_fabric, "p", kv=prefill_kv) as p,
+            connector(memory_fabric, "d", kv=local) as d,
         ):
             await d.pull("warm", [0], p.expose("warm", [0]))
             valid_failures: list[BaseException] = []
@@ -252,12 +250,8 @@ async def test_a_real_restart_at_the_same_address_is_still_detected(
     memory_fabric: MemoryFabric,
 ) -> None:
     with trio.fail_after(10):
-        async with trio_pd.open_connector(
-            "d", kv_cache(blocks=16), config=QUICK, backend=memory_fabric.backend
-        ) as d:
-            async with trio_pd.open_connector(
-                "p", kv_cache(blocks=16), config=QUICK, backend=memory_fabric.backend
-            ) as first:
+        async with connector(memory_fabric, "d") as d:
+            async with connector(memory_fabric, "p") as first:
                 port = first.address[1]
                 await d.pull("a", [0], first.expose("a", [0]))
                 stale = first.expose("stale", [1])
@@ -279,10 +273,8 @@ async def test_a_forged_address_or_tp_size_fails_only_its_request(
     with trio.fail_after(10):
         prefill_kv, local = kv_cache(blocks=16), kv_cache(blocks=16)
         async with (
-            trio_pd.open_connector(
-                "p", prefill_kv, config=QUICK, backend=memory_fabric.backend
-            ) as p,
-            trio_pd.open_connector("d", local, config=QUICK, backend=memory_fabric.backend) as d,
+            connector(memory_fabric, "p", kv=prefill_kv) as p,
+            connector(memory_fabric, "d", kv=local) as d,
         ):
             await d.pull("warm", [0], p.expose("warm", [0]))
             real = p.expose("x", [1])
@@ -313,12 +305,8 @@ async def test_remote_block_ids_out_of_range_are_rejected_naming_the_field(
 ) -> None:
     with trio.fail_after(10):
         async with (
-            trio_pd.open_connector(
-                "p", kv_cache(blocks=16), config=QUICK, backend=memory_fabric.backend
-            ) as p,
-            trio_pd.open_connector(
-                "d", kv_cache(blocks=16), config=QUICK, backend=memory_fabric.backend
-            ) as d,
+            connector(memory_fabric, "p") as p,
+            connector(memory_fabric, "d") as d,
         ):
             real = p.expose("x", [1, 2])
             for ids in ([1, 99], [-1, 2], [3, 3]):
@@ -342,15 +330,9 @@ async def test_a_load_that_never_returns_holds_up_no_other_engines_handshake(
     caplog.set_level(logging.WARNING)
     with trio.fail_after(10):
         async with (
-            trio_pd.open_connector(
-                "a", kv_cache(blocks=16), config=QUICK, backend=memory_fabric.backend
-            ) as a,
-            trio_pd.open_connector(
-                "b", kv_cache(blocks=16), config=QUICK, backend=memory_fabric.backend
-            ) as b,
-            trio_pd.open_connector(
-                "d", kv_cache(blocks=16), config=QUICK, backend=memory_fabric.backend
-            ) as d,
+            connector(memory_fabric, "a") as a,
+            connector(memory_fabric, "b") as b,
+            connector(memory_fabric, "d") as d,
         ):
             memory_fabric.faults("a").hang_loads = True
             outcomes: dict[str, float] = {}
@@ -399,9 +381,7 @@ async def test_a_pull_waiting_on_a_queued_load_gets_its_error_within_the_timeout
         engines = [f"slow-{n}" for n in range(4)]
         for engine in engines:
             memory_fabric.faults(engine).load_delay = 0.3
-        async with trio_pd.open_connector(
-            "d", kv_cache(blocks=16), config=QUICK, backend=memory_fabric.backend
-        ) as d:
+        async with connector(memory_fabric, "d") as d:
             producers: list[trio_pd.Connector] = []
             async with trio.open_nursery() as opener:
                 for engine in engines:
@@ -444,9 +424,7 @@ async def test_a_failing_notification_poll_is_retried_at_a_pace_not_in_a_busy_lo
 ) -> None:
     config = attrs.evolve(QUICK, idle_notification_poll_interval=0.05)
     with trio.fail_after(10):
-        async with trio_pd.open_connector(
-            "p", kv_cache(blocks=16), config=config, backend=memory_fabric.backend
-        ) as p:
+        async with connector(memory_fabric, "p", config=config) as p:
             p.expose("pending", [1])
             backend = memory_fabric.backends[-1]
             memory_fabric.faults("p").notification_error = "NIXL_ERR_BACKEND"
@@ -499,9 +477,7 @@ async def test_a_stale_first_request_does_not_poison_another_ranks_record(
     # after it: they fail, and they must not make later valid requests fail
     # (a rank-1 record once took its epoch from the first request).
     with trio.fail_after(15):
-        async with trio_pd.open_connector(
-            "probe", kv_cache(blocks=16), config=QUICK, backend=memory_fabric.backend
-        ) as probe:
+        async with connector(memory_fabric, "probe") as probe:
             base = probe.address[1] + 1
         async with trio_pd.open_connector(
             "d",
@@ -535,10 +511,8 @@ async def test_a_replay_of_parameters_whose_exposure_is_over_reads_nothing(
     with trio.fail_after(10):
         prefill_kv, local = kv_cache(blocks=16), kv_cache(blocks=16)
         async with (
-            trio_pd.open_connector(
-                "p", prefill_kv, config=config, backend=memory_fabric.backend
-            ) as p,
-            trio_pd.open_connector("d", local, config=config, backend=memory_fabric.backend) as d,
+            connector(memory_fabric, "p", kv=prefill_kv, config=config) as p,
+            connector(memory_fabric, "d", kv=local, config=config) as d,
         ):
             mine = p.expose("attacker", [3])
             await d.pull("attacker", [1], mine)
@@ -555,12 +529,8 @@ async def test_a_replay_of_parameters_whose_exposure_is_over_reads_nothing(
 async def test_a_forged_hold_is_refused_before_any_message(memory_fabric: MemoryFabric) -> None:
     with trio.fail_after(10):
         async with (
-            trio_pd.open_connector(
-                "p", kv_cache(blocks=16), config=SIGNED, backend=memory_fabric.backend
-            ) as p,
-            trio_pd.open_connector(
-                "d", kv_cache(blocks=16), config=SIGNED, backend=memory_fabric.backend
-            ) as d,
+            connector(memory_fabric, "p", config=SIGNED) as p,
+            connector(memory_fabric, "d", config=SIGNED) as d,
         ):
             forged = attrs.evolve(p.expose("x", [1]), request_id="victim", token="0" * 32)
             with pytest.raises(trio_pd.ParamsRejectedError):
@@ -607,15 +577,11 @@ async def test_closing_while_a_restart_retires_the_old_agent_raises_nothing(
     # task's queue was closed under it and ClosedResourceError escaped.
     memory_fabric.faults("p").unload_delay = 0.2
     with trio.fail_after(10):
-        async with trio_pd.open_connector(
-            "p", kv_cache(blocks=16), config=QUICK, backend=memory_fabric.backend
-        ) as first:
+        async with connector(memory_fabric, "p") as first:
             port = first.address[1]
         async with (
             trio.open_nursery() as outer,
-            trio_pd.open_connector(
-                "d", kv_cache(blocks=16), config=QUICK, backend=memory_fabric.backend
-            ) as d,
+            connector(memory_fabric, "d") as d,
         ):
             async with trio_pd.open_connector(
                 "p", kv_cache(blocks=16), port=port, config=QUICK,

@@ -22,10 +22,11 @@ import httpx2
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
-from prometheus_client.parser import text_string_to_metric_families
 
 from trio_pd._serve.asgi import read_json, send_json
 from trio_pd._serve.proxy import Proxy, ProxyTimeouts, open_client
+
+from .test_serve import metrics
 
 KV = {"remote_engine_id": "p", "remote_block_ids": [1], "do_remote_prefill": True}
 
@@ -102,15 +103,6 @@ async def engines(count: int) -> AsyncIterator[tuple[list[Scripted], list[str]]]
         urls = [await start_http(nursery, engine.app) for engine in scripted]
         yield scripted, urls
         nursery.cancel_scope.cancel()
-
-
-def metrics(text: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return out
 
 
 BODY = {"prompt": "hello", "max_tokens": 2}
