@@ -392,9 +392,11 @@ def test_at_most_one_verification_per_interval_however_many_claims() -> None:
     rec.verify_interval = 1.0
     assert pull(rec, 1.0, "forged-1") is PullAction.VERIFY
     rec.metadata_received(metadata(OLD), LAYOUT)
-    # New fake values within the interval: no handshake, the claim fails.
+    # New values within the interval: no handshake; they wait for the next
+    # interval (the engine may restart meanwhile). The refuted one is gone.
     for n in range(2, 50):
-        assert pull(rec, 1.5, f"forged-{n}") is PullAction.GONE
+        assert pull(rec, 1.5, f"forged-{n}") is PullAction.DEFER
+    assert pull(rec, 1.5, "forged-1") is PullAction.GONE
     assert rec.attempts == 2
     assert pull(rec, 2.0, "forged-99") is PullAction.VERIFY  # the next interval
 
@@ -516,9 +518,17 @@ def _gone() -> EngineRecord:
     return rec
 
 
+def _verified_moments_ago() -> EngineRecord:
+    rec = ready(OLD)
+    pull(rec, 0.5, NEW)
+    rec.metadata_received(metadata(OLD), LAYOUT)  # NEW refuted, until 1.5 no new question
+    return rec
+
+
 ACTION_EXAMPLES = {
     PullAction.START: (record, ""),
     PullAction.VERIFY: (lambda: ready(OLD), NEW),
+    PullAction.DEFER: (_verified_moments_ago, "another"),
     PullAction.WAIT: (lambda: record(S.FETCHING), ""),
     PullAction.READY: (lambda: ready(OLD), OLD),
     PullAction.FAIL_FAST: (lambda: record(S.BACKOFF, retry_at=5.0, error=error()), ""),

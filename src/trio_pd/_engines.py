@@ -104,6 +104,12 @@ class PullAction(enum.Enum):
     (see :meth:`EngineRecord.metadata_received`)."""
     WAIT = "wait"
     """An attempt is in progress: wait for it, then ask again."""
+    DEFER = "defer"
+    """The request names an incarnation the engine was not asked about, and
+    a verification ran less than ``verify_interval`` ago: wait until
+    :attr:`EngineRecord.verify_again_at`, then ask again (the engine may
+    have restarted since; at most one verification per interval however
+    many such requests come)."""
     READY = "ready"
     """The loaded agent serves this request: transfer now."""
     FAIL_FAST = "fail fast"
@@ -266,8 +272,9 @@ class EngineRecord:
             if state is EngineState.VERIFYING:
                 return PullAction.WAIT
             if now < self.verify_again_at:
-                # Verified moments ago: the engine runs the epoch, or did not answer.
-                return PullAction.FAIL_FAST if self.verify_error else PullAction.GONE
+                # Verified moments ago: the engine did not answer (fail fast),
+                # or answered about another incarnation (ask again later).
+                return PullAction.FAIL_FAST if self.verify_error else PullAction.DEFER
             self.apply(EngineEvent.INCARNATION_MISMATCH)
             self.sought_incarnation = incarnation
             self.verify_again_at = now + self.verify_interval

@@ -248,6 +248,14 @@ class Handshakes:
             if action is PullAction.GONE:
                 reason = engine.rank_label + record.why_gone(remote.incarnation)
                 raise TransferError(request_id, local_ids.tolist(), reason)
+            if action is PullAction.DEFER:  # (at most verify_interval, then ask again)
+                if waits == HANDSHAKES_PER_PULL:
+                    reason = f"the engine changed during {HANDSHAKES_PER_PULL} handshakes"
+                    raise HandshakeError(remote.engine_id, reason)
+                await trio.sleep_until(record.verify_again_at)
+                waits += 1
+                self._check_open()
+                continue
             if action is PullAction.VERIFY:
                 logger.info(
                     "engine %s: request %r names incarnation %s, %s is loaded: asking the engine",

@@ -58,10 +58,13 @@ def serve_lease_request(
     *,
     pending: Callable[[str], bool],
     verify: Callable[[protocol.LeaseEntry], bool] | None,
+    ours: Callable[[protocol.LeaseEntry], bool] = lambda entry: True,
 ) -> tuple[bytes, list[protocol.LeaseEntry], list[str]]:
     """The listener's decision for a lease request: which entries to apply.
 
-    An entry whose request is not ``pending`` is *unknown*; else, with
+    An entry whose request is not ``pending``, or that is not ``ours``
+    (it names another incarnation: meant for the engine that ran on this
+    port before a restart), is *unknown*; else, with
     ``verify`` (the producer has an exposure secret), one whose token does
     not verify is *refused*; every other entry is to be applied (renewed,
     or abandoned for ``request.consumer_agent``). A request id named twice
@@ -76,7 +79,7 @@ def serve_lease_request(
     refused: list[int] = []
     apply: list[protocol.LeaseEntry] = []
     for position, entry in enumerate(request.entries):
-        if not pending(entry.request_id):
+        if not pending(entry.request_id) or not ours(entry):
             unknown.append(position)
         elif verify is not None and not verify(entry):
             refused.append(position)

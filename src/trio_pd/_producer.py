@@ -257,6 +257,17 @@ class Producer:
                     reply = self._encoded_reply
                 await socket.send_multipart([frames[0], b"", reply])
 
+    def _entry_is_ours(self, entry: protocol.LeaseEntry) -> bool:
+        """Whether a lease entry is for this incarnation's exposure.
+
+        Entries carry rank 0's incarnation (what consumers hold), so only
+        rank 0 can tell; an entry without one is taken as ours. Without
+        this, an abandon meant for the incarnation that ran on this port
+        before a restart abandoned the new one's exposure of the same
+        request id (found by the chaos suite).
+        """
+        return self._tp_rank != 0 or not entry.incarnation or entry.incarnation == self._incarnation
+
     def _serve_leases(self, request: protocol.LeaseRequest) -> bytes:
         """Renew or abandon what a lease request names; the reply to send.
 
@@ -269,6 +280,7 @@ class Producer:
             request,
             pending=lambda request_id: self._exposures.pending_exposure(request_id) is not None,
             verify=verify,
+            ours=self._entry_is_ours,
         )
         if refused:
             self._counters.leases_refused += len(refused)
