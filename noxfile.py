@@ -27,6 +27,10 @@ STARTABLE = ",".join(
         "serve_delay_relay",
         "serve_zap",
         "_serve_replies",
+        "serve_proxy",
+        "hold_registration",
+        "watch_engines",
+        "_held",
     ]
 )
 
