@@ -321,6 +321,15 @@ async def test_a_prefill_engine_killed_under_load_fails_only_its_requests(
                     answer = await complete(client, proxy, prompt=f"after {i}", max_tokens=4)
                     assert answer["usage"]["completion_tokens"] == 4
                 assert (await client.get(f"{alive}/health")).status_code == 200
+                # serve killed outright: its engines notice and drain by themselves.
+                serving["process"].kill()
+                with trio.fail_after(10):
+                    while True:  # (until the engine no longer listens)
+                        try:
+                            await client.get(f"{alive}/health")
+                        except httpx2.TransportError:
+                            break
+                        await trio.sleep(0.05)
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
@@ -369,3 +378,6 @@ async def test_a_decode_engine_that_died_is_skipped(tmp_path: Path) -> None:
                 assert answer["usage"]["completion_tokens"] == 4
             on_alive = await scrape(client, alive)
             assert on_alive["trio_pd_serve_requests_total{kind=decode,outcome=ok}"] == 6
+            # The deployment served on, but an engine failed: serve's exit says so.
+            serving["process"].send_signal(signal.SIGTERM)
+            assert await serving["process"].wait() == 1
