@@ -58,7 +58,9 @@ def hypercorn_bind(sock: socket.socket) -> str:
     """A hypercorn ``bind`` entry that serves on ``sock``.
 
     hypercorn owns (and closes) a duplicate of the descriptor; close ``sock``
-    once the server started.
+    once the server started. (If hypercorn fails before it serves -- the
+    engine's lifespan failed -- the duplicate stays open until the process
+    exits, which the engine process then does.)
     """
     return f"fd://{os.dup(sock.fileno())}"
 
