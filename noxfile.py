@@ -28,6 +28,10 @@ STARTABLE = ",".join(
         "serve_zap",
         "_serve_replies",
         "_keep_watching",
+        "serve_proxy",
+        "hold_registration",
+        "watch_engines",
+        "_held",
     ]
 )
 

@@ -321,6 +321,15 @@ async def test_a_prefill_engine_killed_under_load_fails_only_its_requests(
                     answer = await complete(client, proxy, prompt=f"after {i}", max_tokens=4)
                     assert answer["usage"]["completion_tokens"] == 4
                 assert (await client.get(f"{alive}/health")).status_code == 200
+                # serve killed outright: its engines notice and drain by themselves.
+                serving["process"].kill()
+                with trio.fail_after(10):
+                    while True:  # (until the engine no longer listens)
+                        try:
+                            await client.get(f"{alive}/health")
+                        except httpx2.TransportError:
+                            break
+                        await trio.sleep(0.05)
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
@@ -343,21 +352,6 @@ async def test_tensor_parallel_engines_of_different_sizes_serve_the_same_tokens(
             # Every decode rank pulled (from the prefill ranks holding its heads).
             assert on_decode["trio_pd_pulls_succeeded_total"] == 12 * decode_tp
             assert on_decode["trio_pd_engines_ready"] == max(prefill_tp, decode_tp)
-
-
-async def test_an_engine_that_cannot_start_stops_serve_at_once_with_the_reason(
-    tmp_path: Path,
-) -> None:
-    # 192.0.2.1 (TEST-NET-1) is no address of this machine: binding it fails.
-    command = [sys.executable, "-m", "trio_pd", "serve", "--port", "0", "--host", "192.0.2.1"]
-    env = {**os.environ, "NIXL_LOG_LEVEL": "WARN"}
-    with trio.fail_after(60):
-        result = await trio.run_process(
-            command, check=False, env=env, capture_stdout=True, capture_stderr=True
-        )
-    assert result.returncode != 0
-    assert b"exited with status" in result.stderr
-    assert b"before it accepted requests" in result.stderr
 
 
 async def test_a_decode_engine_that_died_is_skipped(tmp_path: Path) -> None:
@@ -384,3 +378,6 @@ async def test_a_decode_engine_that_died_is_skipped(tmp_path: Path) -> None:
                 assert answer["usage"]["completion_tokens"] == 4
             on_alive = await scrape(client, alive)
             assert on_alive["trio_pd_serve_requests_total{kind=decode,outcome=ok}"] == 6
+            # The deployment served on, but an engine failed: serve's exit says so.
+            serving["process"].send_signal(signal.SIGTERM)
+            assert await serving["process"].wait() == 1

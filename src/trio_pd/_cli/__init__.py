@@ -6,9 +6,13 @@ and a driver playing the P/D proxy in this one. Every pulled byte is
 verified; the exit status is non-zero if any byte differs, or if a request
 failed without an injected fault.
 
-``trio-pd serve`` serves the tiny model of ``trio_pd._serve`` over HTTP:
-prefill and decode engine processes behind a P/D proxy (see
-``trio_pd._cli.serve``).
+``trio-pd engine`` runs one prefill or decode engine of the tiny model of
+``trio_pd._serve`` (an HTTP server, see ``trio_pd._cli.engine``);
+``trio-pd proxy`` the P/D proxy in front of such engines
+(``trio_pd._cli.proxy``); ``trio-pd serve`` a whole deployment on one host,
+built from the two (``trio_pd._cli.serve``). Their exit statuses: 0 after a
+clean drain, 1 when something could not start or an engine failed, 2 for
+bad arguments (one line on stderr, never a traceback).
 
 ``trio-pd keygen`` prints a new CURVE key pair for side-channel authentication.
 """
@@ -26,6 +30,9 @@ from rich.console import Console
 
 from .._auth import generate_keypair
 from ..testing._hosts import TestHostsUnavailable
+from . import engine as engine_command
+from . import proxy as proxy_command
+from .common import EXIT_FAILED, EXIT_USAGE, UsageError
 from .demo import DemoOptions, format_summary, run_demo
 from .serve import ServeError, ServeOptions, run_serve
 
@@ -82,6 +89,12 @@ def _parser() -> argparse.ArgumentParser:
         "UCX over TCP",
     )
     demo.add_argument("--json", action="store_true", help="print the summary as JSON")
+    engine = commands.add_parser(
+        "engine", help="one prefill or decode engine of the tiny model (an HTTP server)"
+    )
+    engine_command.add_arguments(engine)
+    proxy = commands.add_parser("proxy", help="the P/D proxy in front of engines")
+    proxy_command.add_arguments(proxy)
     serve = commands.add_parser(
         "serve", help="serve the tiny model over HTTP: prefill and decode engines behind a proxy"
     )
@@ -102,16 +115,28 @@ def _parser() -> argparse.ArgumentParser:
         metavar="M",
         help="tensor-parallel size of each decode engine",
     )
-    serve.add_argument("--host", default=serving.host)
+    serve.add_argument(
+        "--host", default=serving.host, help="bind address of every server; may be 0.0.0.0"
+    )
+    serve.add_argument(
+        "--advertise-host",
+        default="",
+        metavar="HOST",
+        help="the address the servers are dialled at (default: --host; 127.0.0.1 for a wildcard)",
+    )
     serve.add_argument("--port", type=int, default=serving.port, help="the proxy's port")
     serve.add_argument(
         "--ready-file",
         default="",
         metavar="PATH",
-        help='write {"proxy": url, "prefill": [urls], "decode": [urls]} once all accept',
+        help='write {"proxy": url, "prefill": [urls], "decode": [urls]} once all accept; '
+        "removed on exit",
     )
     serve.add_argument(
-        "--grace", type=float, default=serving.grace, help="seconds to drain on SIGINT/SIGTERM"
+        "--grace",
+        type=float,
+        default=serving.grace,
+        help="seconds the proxy, then each engine, drains on SIGINT/SIGTERM",
     )
     serve.add_argument("--num-blocks", type=int, default=serving.num_blocks)
     commands.add_parser(
@@ -130,27 +155,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     # NIXL logs every agent creation at INFO on stdout; keep the summary readable
     # (prefill workers inherit this).
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    if args.command == "serve":
-        serving = ServeOptions(
-            prefill=args.prefill,
-            decode=args.decode,
-            prefill_tp=args.prefill_tp,
-            decode_tp=args.decode_tp,
-            host=args.host,
-            port=args.port,
-            ready_file=args.ready_file,
-            grace=args.grace,
-            num_blocks=args.num_blocks,
-        )
-        try:
-            serving.check()
-        except ValueError as exc:
-            sys.exit(f"trio-pd serve: {exc}")
-        try:
-            trio.run(run_serve, serving, Console(stderr=True))
-        except ServeError as exc:
-            sys.exit(f"trio-pd serve: {exc}")
-        return
+    if args.command in ("engine", "proxy", "serve"):
+        sys.exit(_serving_command(args))
     options = DemoOptions(
         prefill_engines=args.prefill_engines,
         requests=args.requests,
@@ -185,6 +191,44 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         print(format_summary(summary))
     sys.exit(0 if summary["verified"] else 1)
+
+
+def _serving_command(args: argparse.Namespace) -> int:
+    """Run ``trio-pd engine``, ``proxy`` or ``serve``: the exit status."""
+    try:
+        if args.command == "engine":
+            return engine_command.run(args)
+        if args.command == "proxy":
+            return proxy_command.run(args)
+        return _serve(args)
+    except UsageError as exc:
+        print(f"trio-pd {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _serve(args: argparse.Namespace) -> int:
+    serving = ServeOptions(
+        prefill=args.prefill,
+        decode=args.decode,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
+        host=args.host,
+        advertise_host=args.advertise_host,
+        port=args.port,
+        ready_file=args.ready_file,
+        grace=args.grace,
+        num_blocks=args.num_blocks,
+    )
+    try:
+        serving.check()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        trio.run(run_serve, serving, Console(stderr=True))
+    except ServeError as exc:
+        print(f"trio-pd serve: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    return 0
 
 
 if __name__ == "__main__":

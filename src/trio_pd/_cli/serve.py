@@ -1,12 +1,23 @@
-"""``trio-pd serve``: prefill and decode engine processes behind a P/D proxy.
+"""``trio-pd serve``: a one-host deployment, built from ``trio-pd engine`` and the proxy.
 
-The command's nursery owns everything: one task per engine process (each an
-HTTP server with its own connector, see ``trio_pd._serve.process``) and the
-proxy's HTTP server in this process. SIGINT or SIGTERM drains it in order:
-the proxy stops accepting and finishes its in-flight requests (at most
-``--grace`` s), then every engine gets SIGTERM and drains the same way
-(closing its connector last); an engine that outlives the grace period is
-killed.
+Each engine is a ``trio-pd engine`` command in a session of its own (so
+Ctrl-C in a terminal reaches only this process); the proxy is
+:func:`~trio_pd._cli.proxy.serve_proxy`, in this process. The command's
+nursery owns them all. The proxy starts once every engine wrote its ready
+file, which an engine does only once it accepts requests; if an engine
+exits first, the others are stopped and the command fails, naming it.
+
+SIGINT or SIGTERM drains in order: the proxy stops accepting and finishes
+its requests in flight (at most ``--grace`` s), then every engine gets
+SIGTERM and drains the same way (``--grace`` is passed to it), closing its
+connectors last; one still running ``--grace`` + 5 s later is killed.
+During start-up a signal abandons the start (nothing is served).
+
+An engine that fails while serving (exits non-zero) fails only its own
+requests; the deployment goes on with the others while both roles have one.
+The exit status is 0 when nothing failed, 1 when an engine failed (at start,
+while serving, or in its drain) or the proxy could not start, 2 for bad
+arguments.
 """
 
 from __future__ import annotations
@@ -16,27 +27,35 @@ import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import attrs
-import httpx2
 import trio
 from rich.console import Console
 from rich.table import Table
 
-from .._serve.engine import EXPOSURE_SECRET_ENV, EngineSettings
+from .._serve.binding import (
+    BindError,
+    bind_listener,
+    is_wildcard,
+    remove_file,
+    write_json_atomically,
+)
+from .._serve.engine import EXPOSURE_SECRET_ENV
+from .._serve.membership import EngineSet
 from .._serve.model import ModelConfig
 from .._serve.openai import MAX_MODEL_LEN
-from .._serve.process import write_json_atomically
-from .._serve.proxy import Proxy
+from .._serve.stopping import StopRequest, stop_requests
+from .proxy import ProxyOptions, ProxyStartError, serve_proxy
 
 
 class ServeError(Exception):
-    """The deployment could not start (an engine failed before it was ready)."""
+    """The deployment failed: the message names each engine that failed, and how."""
 
 
 @attrs.frozen
@@ -48,6 +67,7 @@ class ServeOptions:
     prefill_tp: int = 1
     decode_tp: int = 1
     host: str = "127.0.0.1"
+    advertise_host: str = ""  # (default: host; 127.0.0.1 when host is a wildcard)
     port: int = 8000
     ready_file: str = ""
     grace: float = 10.0
@@ -58,166 +78,302 @@ class ServeOptions:
         """What every engine can hold: the model's context, or the pool if smaller."""
         return min(MAX_MODEL_LEN, self.num_blocks * ModelConfig().block_size)
 
+    def advertised(self) -> str:
+        """The address the engines and the proxy are dialled at."""
+        if self.advertise_host:
+            return self.advertise_host
+        return "127.0.0.1" if is_wildcard(self.host) else self.host
+
     def check(self) -> None:
+        """Raises ValueError naming the flag that is wrong."""
         if self.prefill < 1 or self.decode < 1:
             raise ValueError("--prefill and --decode need at least one engine each")
         if self.grace <= 0:
             raise ValueError("--grace must be > 0")
+        if self.num_blocks < 1:
+            raise ValueError(f"--num-blocks must be at least 1 (got {self.num_blocks})")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port {self.port} is not a port")
+        if is_wildcard(self.advertised()):
+            raise ValueError("--advertise-host must be an address clients can dial")
         heads = ModelConfig().kv_heads
         for flag, tp in (("--prefill-tp", self.prefill_tp), ("--decode-tp", self.decode_tp)):
             if tp < 1 or heads % tp:
                 raise ValueError(f"{flag} {tp} must divide the model's {heads} KV heads")
 
 
+@attrs.define(eq=False)
+class _Engine:
+    """One engine process, as this command sees it."""
+
+    role: str
+    index: int
+    ready_file: str
+    url: str = ""  # (from its ready file: it accepts requests)
+    status: int | None = None  # its exit status, once it exited
+    stopping: bool = False  # this command sent it SIGTERM
+    killed: bool = False  # it outlived --grace + 5 s
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+    def failure(self) -> str:
+        """How it failed ("" if it did not)."""
+        if self.status is None:
+            return ""
+        status = _describe(self.status)
+        if self.killed:
+            return f"engine {self.name} did not drain within --grace + 5 s (killed)"
+        if self.stopping:
+            stopped = self.status in (0, -signal.SIGTERM)  # (SIGTERM before its handler)
+            return "" if stopped else f"engine {self.name} exited with {status} in its drain"
+        if not self.url:
+            return f"engine {self.name} exited with {status} before it accepted requests"
+        return "" if self.status == 0 else f"engine {self.name} exited with {status} while serving"
+
+
+class _Board:
+    """The engines' states, and a way to wait for a condition on them."""
+
+    def __init__(self, engines: list[_Engine]) -> None:
+        self.engines = engines
+        self._changed = trio.Event()
+
+    def notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_until(self, condition: Callable[[], bool]) -> None:
+        while not condition():
+            await self._changed.wait()
+
+    def urls(self, role: str) -> tuple[str, ...]:
+        return tuple(e.url for e in self.engines if e.role == role)
+
+    def serving(self, role: str) -> bool:
+        return any(e.role == role and e.status is None for e in self.engines)
+
+
 async def run_serve(options: ServeOptions, console: Console) -> None:
-    """Run the deployment until SIGINT or SIGTERM, then drain it.
+    """Run the deployment until SIGINT or SIGTERM (or until a role has no
+    engine left), then drain it.
 
     Raises:
-        ServeError: an engine exited before it was ready.
+        ServeError: an engine failed (at start, while serving or in its drain),
+            or the proxy could not start; one line.
     """
-    from hypercorn.config import Config
-    from hypercorn.trio import serve
-
-    secret = secrets.token_bytes(32)  # this deployment's exposure secret
-    roles = [("prefill", i) for i in range(options.prefill)]
-    roles += [("decode", i) for i in range(options.decode)]
-    with (
-        tempfile.TemporaryDirectory(prefix="trio-pd-serve-") as scratch,
-        trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals,
-    ):
-        async with trio.open_nursery() as nursery:
-            engines = trio.CancelScope()
-            draining = trio.Event()
-            watcher = trio.CancelScope()
-
-            async def watch_signals() -> None:
-                # Every signal is consumed here (none is left to re-raise at exit).
-                with watcher:
-                    async for signum in signals:
-                        name = signal.Signals(signum).name
-                        if draining.is_set():
-                            console.print(f"{name}: already draining (within --grace)")
-                        else:
-                            console.print(f"{name}: draining the proxy")
-                            draining.set()
-
-            nursery.start_soon(watch_signals)
-
-            async def run_engines() -> None:
-                with engines:
-                    async with trio.open_nursery() as engine_nursery:
-                        for role, index in roles:
-                            settings = EngineSettings(
-                                engine_id=f"{role}-{index}",
-                                http_port=0,
-                                host=options.host,
-                                num_blocks=options.num_blocks,
-                                ready_file=str(Path(scratch) / f"{role}-{index}.json"),
-                                tp_size=options.prefill_tp
-                                if role == "prefill"
-                                else options.decode_tp,
-                            )
-                            engine_nursery.start_soon(
-                                _engine_process, settings, options.grace, console, secret
-                            )
-                draining.set()  # (no engine is left: nothing to serve)
-                watcher.cancel()
-
-            nursery.start_soon(run_engines)
-            with (
-                console.status(f"starting {len(roles)} engines"),
-                trio.fail_after(options.start_timeout),
-            ):
-                urls = await _wait_until_ready(scratch, roles)
-            prefill = [urls[f"prefill-{i}"] for i in range(options.prefill)]
-            decode = [urls[f"decode-{i}"] for i in range(options.decode)]
-            stop = trio.Event()
-            async with (
-                httpx2.AsyncClient(timeout=httpx2.Timeout(60.0, connect=5.0)) as client,
-                trio.open_nursery() as proxy_nursery,
-            ):
-                proxy = Proxy(prefill, decode, client, max_model_len=options.max_model_len())
-                config = Config()
-                config.bind = [f"{options.host}:{options.port}"]
-                config.graceful_timeout = options.grace
-                config.accesslog = None
-                app: Any = proxy.app()
-                binds = await proxy_nursery.start(
-                    functools.partial(serve, app, config, shutdown_trigger=stop.wait)
-                )
-                ready = {"proxy": binds[0], "prefill": prefill, "decode": decode}
-                if options.ready_file:
-                    write_json_atomically(options.ready_file, ready)
-                console.print(_endpoints_table(ready))
-                console.print("[bold green]serving[/]: Ctrl-C or SIGTERM drains and stops")
-                await draining.wait()
-                proxy.accepting = False
-                stop.set()
-                # Leaving the block waits for serve() to return: the proxy drained.
-            console.print("draining the engines")
-            engines.cancel()  # each engine process gets SIGTERM (see _engine_process)
+    env = {
+        **os.environ,
+        "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN"),
+        # This deployment's exposure secret, shared by its engines.
+        EXPOSURE_SECRET_ENV: secrets.token_bytes(32).hex(),
+    }
+    if is_wildcard(options.host) and not options.advertise_host:
+        console.print(
+            f"note: --host {options.host} binds every interface; the engines and the proxy "
+            "are dialled at 127.0.0.1 (--advertise-host names another address)"
+        )
+    stop = StopRequest("trio-pd serve", console.print)
+    failures: list[str] = []
+    remove_file(options.ready_file)
+    try:
+        # The proxy's address first: one that is not ours, or in use, fails
+        # at once (and the port stays reserved while the engines start).
+        sock = bind_listener(options.host, options.port)
+    except BindError as exc:
+        raise ServeError(f"the proxy: {exc}") from None
+    with sock, tempfile.TemporaryDirectory(prefix="trio-pd-serve-") as scratch:
+        board = _Board(
+            [
+                _Engine(role, i, str(Path(scratch) / f"{role}-{i}.json"))
+                for role, i in _roles(options)
+            ]
+        )
+        try:
+            async with stop_requests(stop, None), trio.open_nursery() as engines:
+                engines.start_soon(_notify_when, stop.requested.wait, board.notify)
+                for engine in board.engines:
+                    command = _engine_command(options, engine)
+                    engines.start_soon(
+                        _run_engine, engine, command, env, options.grace, board, console
+                    )
+                console.print(f"starting {len(board.engines)} engines")
+                with stop.starting:
+                    with trio.move_on_after(options.start_timeout) as waiting:
+                        failures += await _wait_for_engines(board)
+                    if waiting.cancelled_caught:
+                        late = ", ".join(e.name for e in board.engines if not e.url)
+                        failures.append(f"{late} did not start within {options.start_timeout:g} s")
+                    if not failures:
+                        await _serve_proxy(options, sock, board, stop, failures, console)
+                console.print("draining the engines")
+                for engine in board.engines:
+                    engine.stopping = engine.status is None
+                engines.cancel_scope.cancel()  # each engine gets SIGTERM (see _run_engine)
+        finally:
+            remove_file(options.ready_file)
+    failures += [failure for engine in board.engines if (failure := engine.failure())]
     console.print("[bold]stopped[/]")
+    if failures:
+        raise ServeError("; ".join(dict.fromkeys(failures)))
 
 
-async def _engine_process(
-    settings: EngineSettings, grace: float, console: Console, secret: bytes
+async def _wait_for_engines(board: _Board) -> list[str]:
+    """Until every engine accepts requests (``[]``) or one exited: why it failed."""
+    await board.wait_until(lambda: all(e.url or e.status is not None for e in board.engines))
+    return [failure for e in board.engines if (failure := e.failure())]
+
+
+async def _serve_proxy(
+    options: ServeOptions,
+    sock: socket.socket,
+    board: _Board,
+    stop: StopRequest,
+    failures: list[str],
+    console: Console,
 ) -> None:
-    """Run one engine process until cancelled, then SIGTERM it (SIGKILL after ``grace``).
+    """Serve the proxy while every role has an engine, until ``stop``; drain it."""
+    proxy_options = ProxyOptions(
+        host=options.host,
+        port=options.port,
+        advertise_host=options.advertised(),
+        grace=options.grace,
+        max_model_len=options.max_model_len(),
+    )
+    engines = EngineSet(board.urls("prefill"), board.urls("decode"))
+    done = trio.Event()
+    async with trio.open_nursery() as nursery:
+        try:
+            url = await nursery.start(
+                functools.partial(serve_proxy, proxy_options, engines, done.wait, sock=sock)
+            )
+        except ProxyStartError as exc:
+            failures.append(f"the proxy could not start: {exc}")
+        else:
+            ready = {"proxy": url, "prefill": list(engines.prefill), "decode": list(engines.decode)}
+            if options.ready_file:
+                write_json_atomically(options.ready_file, ready)
+            console.print(_endpoints_table(ready))
+            console.print("[bold green]serving[/]: Ctrl-C or SIGTERM drains and stops")
+            stop.ready = True
+            await board.wait_until(
+                lambda: (
+                    stop.requested.is_set()
+                    or not (board.serving("prefill") and board.serving("decode"))
+                )
+            )
+            if not stop.requested.is_set():
+                console.print("[red]a role has no engine left: stopping[/]")
+            console.print("draining the proxy")
+            done.set()
+            # Leaving the nursery waits for the proxy to drain.
+    if stop.ready:
+        console.print("the proxy drained")
 
-    Raises:
-        ServeError: it exited before it was ready (which stops the deployment).
-    """
+
+async def _run_engine(
+    engine: _Engine,
+    command: list[str],
+    env: dict[str, str],
+    grace: float,
+    board: _Board,
+    console: Console,
+) -> None:
+    """Run one engine process until it exits, or until cancelled: then SIGTERM it
+    (SIGKILL after ``grace`` + 5 s). Records its URL and exit status on ``board``."""
 
     async def terminate(process: trio.Process) -> None:
         process.send_signal(signal.SIGTERM)
         with trio.move_on_after(grace + 5):
             await process.wait()
             return
-        console.print(f"[red]engine {settings.engine_id} did not stop in time: killed[/]")
+        console.print(f"[red]engine {engine.name} did not stop in time: killed[/]")
+        engine.killed = True
         process.kill()
 
-    command = [
-        sys.executable,
-        "-m",
-        "trio_pd._serve.process",
-        json.dumps(attrs.asdict(settings)),
+    process: trio.Process | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            process = await nursery.start(
+                functools.partial(
+                    trio.run_process,
+                    command,
+                    check=False,
+                    deliver_cancel=terminate,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,  # (Ctrl-C in a terminal is this command's alone)
+                )
+            )
+            path = trio.Path(engine.ready_file)
+            while process.returncode is None and not engine.url:  # (the engine writes it)
+                if await path.exists():
+                    engine.url = json.loads(await path.read_text())["url"]
+                    board.notify()
+                await trio.sleep(0.05)
+    finally:
+        if process is not None:
+            engine.status = process.returncode
+            failure = engine.failure()
+            if failure:
+                console.print(f"[red]{failure}[/]")
+            elif engine.stopping:
+                status = _describe(engine.status) if engine.status is not None else "?"
+                console.print(f"engine {engine.name} stopped ({status})")
+            else:
+                console.print(f"[yellow]engine {engine.name} exited with status 0 while serving[/]")
+            board.notify()
+
+
+async def _notify_when(event: Callable[[], Awaitable[object]], notify: Callable[[], None]) -> None:
+    await event()
+    notify()
+
+
+def _roles(options: ServeOptions) -> list[tuple[str, int]]:
+    return [("prefill", i) for i in range(options.prefill)] + [
+        ("decode", i) for i in range(options.decode)
     ]
-    env = {
-        **os.environ,
-        "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN"),
-        EXPOSURE_SECRET_ENV: secret.hex(),  # (the engines of this deployment share it)
+
+
+def _engine_command(options: ServeOptions, engine: _Engine) -> list[str]:
+    """The ``trio-pd engine`` command line that runs ``engine``."""
+    tp = options.prefill_tp if engine.role == "prefill" else options.decode_tp
+    flags = {
+        "--role": engine.role,
+        "--engine-id": engine.name,
+        "--tp": tp,
+        "--host": options.host,
+        "--advertise-host": options.advertised(),
+        "--port": 0,
+        "--num-blocks": options.num_blocks,
+        "--max-model-len": options.max_model_len(),
+        "--grace": options.grace,
+        "--ready-file": engine.ready_file,
+        "--parent-pid": os.getpid(),  # (it drains if this command dies)
     }
-    result = await trio.run_process(
-        command, check=False, deliver_cancel=terminate, env=env, stdin=subprocess.DEVNULL
-    )
-    if not await trio.Path(settings.ready_file).exists():
-        raise ServeError(
-            f"engine {settings.engine_id} exited with status {result.returncode} before it "
-            "accepted requests (its output is above)"
-        )
-    console.print(f"[yellow]engine {settings.engine_id} exited with status {result.returncode}[/]")
+    return [sys.executable, "-m", "trio_pd", "engine", *(f"{k}={v}" for k, v in flags.items())]
 
 
-async def _wait_until_ready(scratch: str, roles: list[tuple[str, int]]) -> dict[str, str]:
-    """Each engine's URL, from the ready file it writes once it accepts requests
-    (bound it with a cancel scope)."""
-    urls: dict[str, str] = {}
-    while len(urls) < len(roles):
-        for role, index in roles:
-            name = f"{role}-{index}"
-            path = Path(scratch) / f"{name}.json"
-            if name not in urls and path.exists():
-                urls[name] = json.loads(path.read_text())["url"]
-        await trio.sleep(0.05)
-    return urls
+def _describe(status: int) -> str:
+    """An exit status in words: ``status 1``, ``SIGKILL``."""
+    if status < 0:
+        try:
+            return signal.Signals(-status).name
+        except ValueError:
+            return f"signal {-status}"
+    return f"status {status}"
 
 
-def _endpoints_table(ready: dict[str, Any]) -> Table:
+def _endpoints_table(ready: dict[str, object]) -> Table:
     table = Table(title="trio-pd serve")
     table.add_column("role")
     table.add_column("URL")
-    table.add_row("proxy", ready["proxy"])
+    table.add_row("proxy", str(ready["proxy"]))
     for role in ("prefill", "decode"):
-        for url in ready[role]:
+        urls = ready[role]
+        assert isinstance(urls, list)
+        for url in urls:
             table.add_row(role, url)
     return table

@@ -37,12 +37,13 @@ from .asgi import (
     Send,
     cancel_on_disconnect,
     read_json,
+    response_completes,
     send_event,
     send_json,
     send_text,
     start_events,
 )
-from .engine import Engine, exposure_secret_from_env
+from .engine import Engine
 from .openai import (
     MODEL_NAME,
     GenerationRequest,
@@ -93,7 +94,7 @@ def build_app(engine: Engine) -> Callable[[Scope, Receive, Send], Any]:
                 HTTPError(500, f"internal error (request {request_id}; logged)", "server_error")
             )
 
-    return app
+    return response_completes(app)
 
 
 async def _route(engine: Engine, scope: Scope, receive: Receive, send: Send, rid: str) -> None:
@@ -206,12 +207,13 @@ async def _lifespan(engine: Engine, receive: Receive, send: Send) -> None:
                         regions,
                         host=settings.host,
                         port=base_port,
+                        advertise_host=settings.advertise_host or None,
                         config=ConnectorConfig(
                             abort_timeout=settings.abort_timeout,
                             lease_initial=settings.lease_initial,
                             lease_renewal=settings.lease_renewal,
                             heartbeat_interval=settings.heartbeat_interval,
-                            exposure_secret=exposure_secret_from_env(),
+                            exposure_secret=engine.exposure_secret,
                         ),
                         tp_rank=rank,
                         tp_size=settings.tp_size,
@@ -221,17 +223,20 @@ async def _lifespan(engine: Engine, receive: Receive, send: Send) -> None:
             ]
             nursery = await stack.enter_async_context(trio.open_nursery())
             engine.connectors, engine.nursery, engine.accepting = connectors, nursery, True
+            started = engine.started = True
             await send({"type": "lifespan.startup.complete"})
-            started = True
             await receive()  # lifespan.shutdown
             engine.accepting = False
             engine.connectors = []
             nursery.cancel_scope.cancel()
     except Exception as exc:
-        logger.exception("engine %s: the connector failed", settings.engine_id)
         if not started:
+            # The engine process reports this in one line and exits non-zero.
+            engine.startup_failure = f"{type(exc).__name__}: {exc}"
+            logger.debug("engine %s: the connector failed", settings.engine_id, exc_info=True)
             await send({"type": "lifespan.startup.failed", "message": str(exc)})
             return
+        logger.exception("engine %s: the connector failed", settings.engine_id)
         await send({"type": "lifespan.shutdown.failed", "message": str(exc)})
         return
     await send({"type": "lifespan.shutdown.complete"})

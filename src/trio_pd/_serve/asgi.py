@@ -22,6 +22,7 @@ Scope = dict[str, Any]
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class HTTPError(Exception):
@@ -130,7 +131,8 @@ async def cancel_on_disconnect(receive: Receive) -> AsyncIterator[None]:
 
     Call it after the request body was read: from then on, the only message
     ASGI delivers is ``http.disconnect``. (It also arrives after a complete
-    response; by then the block is done.)
+    response: run the application under :func:`response_completes`, so that
+    it never cancels the last ``send``.)
     """
 
     async def watch(scope: trio.CancelScope) -> None:
@@ -142,3 +144,37 @@ async def cancel_on_disconnect(receive: Receive) -> AsyncIterator[None]:
         nursery.start_soon(watch, nursery.cancel_scope)
         yield
         nursery.cancel_scope.cancel()  # (the block is done: stop watching)
+
+
+def response_completes(app: App) -> App:
+    """``app``, except that a disconnect after its complete response is not delivered.
+
+    When hypercorn drains, the application's last ``send`` closes the
+    connection itself and delivers ``http.disconnect`` on the way: under
+    :func:`cancel_on_disconnect`, that cancelled the ``send`` halfway and
+    left the connection open until the drain's deadline (every drain then
+    took its whole grace period). Once the last body message is on its way,
+    the request has nothing left to cancel: its ``receive`` waits instead.
+    """
+
+    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        complete = False
+
+        async def sending(message: Message) -> None:
+            nonlocal complete
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                complete = True
+            await send(message)
+
+        async def receiving() -> Message:
+            message = await receive()
+            if message["type"] == "http.disconnect" and complete:
+                await trio.sleep_forever()  # (until the request's block ends)
+            return message
+
+        await app(scope, receiving, sending)
+
+    return wrapped

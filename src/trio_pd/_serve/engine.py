@@ -37,7 +37,6 @@ import functools
 import itertools
 import logging
 import math
-import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -56,11 +55,10 @@ from .._connector import Connector
 from .._errors import IncompatibleEngineError
 from .._groups import first_failure_wins
 from .._records import RemoteBlocks
-from .asgi import (
-    HTTPError,
-)
+from .asgi import HTTPError
+from .binding import is_wildcard
 from .metrics import ConnectorCollector
-from .model import TinyLlama
+from .model import ModelConfig, TinyLlama
 from .openai import MAX_MODEL_LEN, check_prompt_blocks, parse_remote_blocks
 from .pool import BlockPool
 
@@ -69,12 +67,13 @@ logger = logging.getLogger("trio_pd.serve")
 
 @attrs.frozen
 class EngineSettings:
-    """One engine's settings (the CLI passes them to the engine process as JSON)."""
+    """One engine's settings (``trio-pd engine``'s flags)."""
 
     engine_id: str
     http_port: int
-    side_channel_port: int = 0
-    host: str = "127.0.0.1"
+    side_channel_port: int = 0  # rank r listens on this + r (0: free ports)
+    host: str = "127.0.0.1"  # where HTTP and the side channel bind (may be a wildcard)
+    advertise_host: str = ""  # what peers and the proxy dial (default: host)
     num_blocks: int = 1024
     abort_timeout: float = 30.0
     ready_file: str = ""  # written with {"url": ...} once the engine accepts requests
@@ -86,6 +85,35 @@ class EngineSettings:
     lease_initial: float = 5.0
     lease_renewal: float = 3.0
     heartbeat_interval: float = 1.0
+    grace: float = 10.0  # how long requests in flight may drain after SIGTERM
+
+    def advertised(self) -> str:
+        """The host that peers and the proxy dial."""
+        return self.advertise_host or self.host
+
+    def check(self) -> None:
+        """Raises ValueError naming the setting (as a command-line flag) that is wrong."""
+        if self.num_blocks < 1:
+            raise ValueError(f"--num-blocks must be at least 1 (got {self.num_blocks})")
+        if not 1 <= self.max_model_len <= MAX_MODEL_LEN:
+            raise ValueError(f"--max-model-len must be in [1, {MAX_MODEL_LEN}]")
+        if self.grace <= 0:
+            raise ValueError("--grace must be > 0")
+        heads = ModelConfig().kv_heads
+        if self.tp_size < 1 or heads % self.tp_size:
+            raise ValueError(f"--tp {self.tp_size} must divide the model's {heads} KV heads")
+        if not 0 <= self.http_port <= 65535:
+            raise ValueError(f"--port {self.http_port} is not a port")
+        if not 0 <= self.side_channel_port <= 65536 - self.tp_size:
+            raise ValueError(
+                f"--side-channel-port {self.side_channel_port} leaves no port for "
+                f"{self.tp_size} ranks"
+            )
+        if is_wildcard(self.advertised()):
+            raise ValueError(
+                f"--host {self.host!r} binds every interface, which nobody can dial: pass "
+                "--advertise-host <this host's address on the peers' network>"
+            )
 
 
 EXPOSURE_SECRET_ENV = "TRIO_PD_EXPOSURE_SECRET"
@@ -102,8 +130,11 @@ class Engine:
     time (``compute``), so the trio loop stays free for I/O.
     """
 
-    def __init__(self, settings: EngineSettings, model: TinyLlama) -> None:
+    def __init__(
+        self, settings: EngineSettings, model: TinyLlama, *, exposure_secret: bytes | None = None
+    ) -> None:
         self.settings = settings
+        self.exposure_secret = exposure_secret  # signs / checks kv_transfer_params
         self.model = model
         self.cache = model.new_cache(settings.num_blocks, settings.tp_size)
         self.pool = BlockPool(settings.num_blocks)
@@ -111,6 +142,11 @@ class Engine:
         self.connectors: list[Connector] = []  # one per rank, while serving
         self.nursery: trio.Nursery | None = None
         self.accepting = False
+        # Set by the lifespan before it reports start-up to the server: whether
+        # the connectors opened, or why not (hypercorn reports its own start
+        # even when the lifespan failed; the engine process trusts only these).
+        self.started = False
+        self.startup_failure = ""
         self._ids = itertools.count()
         self.registry = CollectorRegistry()
         self.requests = Counter(
@@ -347,21 +383,3 @@ async def _pull_every_rank(
     await first_failure_wins(
         [functools.partial(connector.pull, request_id, blocks, remote) for connector in connectors]
     )
-
-
-def exposure_secret_from_env() -> bytes | None:
-    """The deployment's exposure secret from :data:`EXPOSURE_SECRET_ENV` (``None`` if unset).
-
-    Raises:
-        ValueError: it is set but not hex, or shorter than 16 bytes.
-    """
-    text = os.environ.get(EXPOSURE_SECRET_ENV, "")
-    if not text:
-        return None
-    try:
-        secret = bytes.fromhex(text)
-    except ValueError:
-        raise ValueError(f"{EXPOSURE_SECRET_ENV} must be hex") from None
-    if len(secret) < 16:
-        raise ValueError(f"{EXPOSURE_SECRET_ENV} must hold at least 16 bytes")
-    return secret

@@ -1,81 +1,161 @@
 """One engine process: hypercorn's trio worker serving the engine's app until a signal.
 
-``python -m trio_pd._serve.process SETTINGS_JSON`` (``trio-pd serve`` starts
-one per engine).
+``trio-pd engine`` runs :func:`serve_engine` (``trio-pd serve`` starts one
+such command per engine).
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import logging
-import os
-import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any
 
-import torch
+import attrs
 import trio
 from prometheus_client import disable_created_metrics
 
 from .app import build_app
+from .binding import (
+    BindError,
+    base_url,
+    bind_listener,
+    hypercorn_bind,
+    remove_file,
+    write_json_atomically,
+)
 from .engine import Engine, EngineSettings
+from .membership import EngineAnnouncement, Membership, Role
 from .model import ModelConfig, TinyLlama
+from .stopping import StopRequest, stop_requests
+
+logger = logging.getLogger("trio_pd.serve")
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m trio_pd._serve.process SETTINGS_JSON``: run one engine until SIGTERM/SIGINT."""
-    parser = argparse.ArgumentParser(prog="trio_pd._serve.process")
-    parser.add_argument("settings", help="EngineSettings as JSON")
-    args = parser.parse_args(argv)
-    settings = EngineSettings(**json.loads(args.settings))
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    torch.set_num_threads(1)
-    trio.run(serve_engine, settings)
+class EngineStartError(Exception):
+    """The engine could not start; the message says why, in one line."""
 
 
-async def serve_engine(settings: EngineSettings, grace: float = 10.0) -> None:
-    """Serve until SIGTERM or SIGINT, then drain: stop accepting, let requests
-    finish (at most ``grace`` s), close the connector."""
+async def serve_engine(
+    settings: EngineSettings,
+    role: Role,
+    *,
+    exposure_secret: bytes | None = None,
+    membership: Membership | None = None,
+    parent_pid: int | None = None,
+    report: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+) -> None:
+    """Serve one engine until SIGTERM or SIGINT, then drain it.
+
+    An empty ``settings.engine_id`` becomes ``ROLE-ADVERTISED_HOST-PORT``.
+
+    Start-up, in order: bind the HTTP socket, open the connectors (the
+    lifespan), accept requests, register with ``membership`` (if any), and
+    only then write ``settings.ready_file`` (``{"url": ...}``, the advertised
+    address). A signal during start-up abandons it (whatever opened is
+    closed) and returns. A signal afterwards drains: withdraw from
+    ``membership``, stop accepting, let requests in flight finish (at most
+    ``settings.grace`` s), close the connectors. Further signals are
+    reported and ignored. With ``parent_pid``, the engine also drains when
+    that process is no longer its parent (the deployment that started it
+    died).
+
+    The ready file is removed on every exit path (a stale one, left by an
+    engine that was killed, is removed before start-up).
+
+    ``report`` gets the engine's one-line status messages (stderr by default).
+
+    Raises:
+        EngineStartError: the engine could not start (its address, its
+            connectors or ``membership``): one line saying why.
+    """
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
+    remove_file(settings.ready_file)
+    try:
+        sock = bind_listener(settings.host, settings.http_port)
+    except BindError as exc:
+        raise EngineStartError(f"HTTP: {exc}") from None
+    port = sock.getsockname()[1]
+    url = base_url(settings.advertised(), port)
+    if not settings.engine_id:
+        settings = attrs.evolve(settings, engine_id=f"{role}-{settings.advertised()}-{port}")
     disable_created_metrics()  # type: ignore[no-untyped-call]  # (a process of its own)
-    engine = Engine(settings, TinyLlama(ModelConfig()))
+    engine = Engine(settings, TinyLlama(ModelConfig()), exposure_secret=exposure_secret)
     config = Config()
-    config.bind = [f"{settings.host}:{settings.http_port}"]
-    config.graceful_timeout = grace
+    config.bind = [hypercorn_bind(sock)]
+    config.graceful_timeout = settings.grace
     config.accesslog = None
-    stop = trio.Event()
+    config.loglevel = "WARNING"
     app: Any = build_app(engine)  # (hypercorn's ASGI types are stricter than plain dicts)
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async with trio.open_nursery() as nursery:
+    stop = StopRequest(f"engine {settings.engine_id}", report)
+    drain = trio.Event()  # (hypercorn's shutdown trigger: set once the engine withdrew)
+    withdraw, withdrawn = trio.CancelScope(), trio.Event()
+    try:
+        async with stop_requests(stop, parent_pid), trio.open_nursery() as nursery:
+            with stop.starting:
+                binds = await nursery.start(
+                    functools.partial(serve, app, config, shutdown_trigger=drain.wait)
+                )
+                sock.close()  # (hypercorn serves on its duplicate)
+                if not engine.started:
+                    # The lifespan failed, and hypercorn reported a start
+                    # regardless (its own error follows).
+                    raise EngineStartError(engine.startup_failure or "the lifespan did not start")
+                if membership is not None:
+                    _, side_port = engine.connectors[0].address
+                    host = settings.advertise_host or settings.host
+                    side_channel = f"[{host}]:{side_port}" if ":" in host else f"{host}:{side_port}"
+                    announcement = EngineAnnouncement(
+                        settings.engine_id, role, url, settings.tp_size, side_channel
+                    )
+                    await nursery.start(_held, membership, announcement, withdraw, withdrawn)
+                if settings.ready_file:
+                    write_json_atomically(settings.ready_file, {"url": url})
+                stop.ready = True
+                report(f"{stop.name}: {role}, ready at {url} (bound {binds[0]})")
+            await stop.requested.wait()
+            if membership is not None:  # (the proxy learns first that the engine leaves)
+                withdraw.cancel()
+                with trio.move_on_after(settings.grace):
+                    await withdrawn.wait()
+            engine.accepting = False
+            drain.set()
+            # hypercorn stops accepting and drains; leaving the nursery waits for it.
+    except Exception as exc:
+        if engine.startup_failure:
+            raise EngineStartError(engine.startup_failure) from None
+        if not stop.ready and not stop.requested.is_set():
+            raise EngineStartError(_one_line(exc)) from exc
+        raise
+    finally:
+        sock.close()
+        remove_file(settings.ready_file)
+    report(f"{stop.name}: stopped" if stop.ready else f"{stop.name}: stopped before it was ready")
 
-            async def until_signal() -> None:
-                async for _ in signals:
-                    engine.accepting = False
-                    stop.set()
-                    return
 
-            nursery.start_soon(until_signal)
-            binds = await nursery.start(
-                functools.partial(serve, app, config, shutdown_trigger=stop.wait)
-            )
-            if settings.ready_file:
-                write_json_atomically(settings.ready_file, {"url": binds[0]})
-            await stop.wait()
-            # (serve drains and returns; until_signal has returned)
-
-
-def write_json_atomically(path: str, data: Any) -> None:
-    """Write ``data`` as JSON to ``path`` so that a reader never sees half of it."""
-    temporary = f"{path}.tmp"
-    with open(temporary, "w") as f:
-        json.dump(data, f)
-    os.replace(temporary, path)
+async def _held(  # noqa: ASYNC128  (hold_registration calls started)
+    membership: Membership,
+    announcement: EngineAnnouncement,
+    scope: trio.CancelScope,
+    withdrawn: trio.Event,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    try:
+        with scope:
+            await membership.hold_registration(announcement, task_status=task_status)
+    finally:
+        withdrawn.set()
 
 
-if __name__ == "__main__":
-    main()
+def _one_line(exc: BaseException) -> str:
+    """A start-up error in one line (the lone real error of a group, if that is what it is)."""
+    while isinstance(exc, BaseExceptionGroup):
+        real = exc.split(trio.Cancelled)[1]
+        if real is None or len(real.exceptions) != 1:
+            break
+        exc = real.exceptions[0]
+    return f"{type(exc).__name__}: {exc}".splitlines()[0]

@@ -1,0 +1,155 @@
+"""``trio-pd engine``: one prefill or decode engine (an HTTP server) for one host.
+
+It binds ``--host:--port`` (a wildcard needs ``--advertise-host``, the
+address peers and the proxy dial), opens one connector per tensor-parallel
+rank (rank ``r`` on ``--side-channel-port`` + ``r``), and writes
+``--ready-file`` (``{"url": ...}``) only once it accepts requests; SIGTERM
+or SIGINT drains it (at most ``--grace`` s) and removes the ready file. See
+``trio_pd._serve.process`` for the life of the process.
+
+Exit status: 0 after a drain (or a start-up abandoned on a signal), 1 when
+the engine could not start (one line on stderr says why), 2 for bad
+arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import sys
+
+import torch
+import trio
+
+from .._serve.engine import EXPOSURE_SECRET_ENV, EngineSettings
+from .._serve.model import ModelConfig
+from .._serve.openai import MAX_MODEL_LEN
+from .._serve.process import EngineStartError, serve_engine
+from .common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    UsageError,
+    add_etcd_arguments,
+    exposure_secret,
+    membership_from_args,
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = EngineSettings(engine_id="", http_port=0)
+    parser.add_argument("--role", required=True, choices=("prefill", "decode"))
+    parser.add_argument(
+        "--tp", type=int, default=1, metavar="N", help="tensor-parallel size (connectors)"
+    )
+    parser.add_argument(
+        "--host", default=defaults.host, help="bind address (HTTP and side channel); may be 0.0.0.0"
+    )
+    parser.add_argument(
+        "--advertise-host",
+        default="",
+        metavar="HOST",
+        help="the address peers and the proxy dial (default: --host; required with a wildcard)",
+    )
+    parser.add_argument("--port", type=int, default=0, help="HTTP port (0: any free port)")
+    parser.add_argument(
+        "--side-channel-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="base port of the side channel: rank r listens on PORT + r (0: free ports)",
+    )
+    parser.add_argument("--num-blocks", type=int, default=defaults.num_blocks, metavar="N")
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help=f"prompt + max_tokens (default: {MAX_MODEL_LEN}, or what --num-blocks holds)",
+    )
+    parser.add_argument(
+        "--engine-id", default="", metavar="ID", help="default: ROLE-ADVERTISED_HOST-PORT"
+    )
+    parser.add_argument(
+        "--grace", type=float, default=defaults.grace, help="seconds to drain on SIGTERM/SIGINT"
+    )
+    parser.add_argument(
+        "--ready-file",
+        default="",
+        metavar="PATH",
+        help='written with {"url": ...} once the engine accepts requests; removed on exit',
+    )
+    parser.add_argument(
+        "--exposure-secret-file",
+        default="",
+        metavar="PATH",
+        help=f"the deployment's exposure secret, hex (default: ${EXPOSURE_SECRET_ENV})",
+    )
+    add_etcd_arguments(parser)
+    # trio-pd serve: drain when this process is no longer the parent.
+    parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def settings_from_args(args: argparse.Namespace) -> EngineSettings:
+    """The engine's settings (``engine_id`` may still be empty: derived once bound).
+
+    Raises:
+        UsageError: a bad flag.
+    """
+    max_model_len = args.max_model_len or min(
+        MAX_MODEL_LEN, max(args.num_blocks, 1) * ModelConfig().block_size
+    )
+    settings = EngineSettings(
+        engine_id=args.engine_id,
+        http_port=args.port,
+        side_channel_port=args.side_channel_port,
+        host=args.host,
+        advertise_host=args.advertise_host,
+        num_blocks=args.num_blocks,
+        ready_file=args.ready_file,
+        tp_size=args.tp,
+        max_model_len=max_model_len,
+        grace=args.grace,
+    )
+    try:
+        settings.check()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return settings
+
+
+def run(args: argparse.Namespace) -> int:
+    """``trio-pd engine``: the exit status.
+
+    Raises:
+        UsageError: a bad flag.
+    """
+    settings = settings_from_args(args)
+    membership = membership_from_args(args)
+    secret = exposure_secret(args.exposure_secret_file)
+    if secret is None:
+        print(
+            f"trio-pd engine: WARNING: no exposure secret (${EXPOSURE_SECRET_ENV} or "
+            "--exposure-secret-file): kv_transfer_params are not authenticated, so a decode "
+            "engine pulls whatever blocks, engine and address a request names. Give every "
+            "engine of the deployment the same secret.",
+            file=sys.stderr,
+            flush=True,
+        )
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    torch.set_num_threads(1)
+    serving = functools.partial(
+        serve_engine,
+        settings,
+        args.role,
+        exposure_secret=secret,
+        membership=membership,
+        parent_pid=args.parent_pid,
+    )
+    try:
+        trio.run(serving)
+    except EngineStartError as exc:
+        name = settings.engine_id or args.role
+        print(f"trio-pd engine {name}: could not start: {exc}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    return EXIT_OK

@@ -1,0 +1,251 @@
+"""``trio-pd proxy``: the P/D proxy in front of engines that run elsewhere.
+
+The engines are static (``--prefill URL... --decode URL...``) or, once
+wired, what a :class:`~trio_pd._serve.membership.Membership` reports
+(``--etcd``). ``trio-pd serve`` runs the same :func:`serve_proxy` in its
+own process.
+
+Exit status: 0 after a drain, 1 when the proxy could not start, 2 for bad
+arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import socket
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import attrs
+import httpx2
+import trio
+
+from .._groups import unwrapped_errors
+from .._serve.asgi import response_completes
+from .._serve.binding import (
+    BindError,
+    base_url,
+    bind_listener,
+    hypercorn_bind,
+    is_wildcard,
+    remove_file,
+    write_json_atomically,
+)
+from .._serve.membership import EngineSet, Membership
+from .._serve.openai import MAX_MODEL_LEN
+from .._serve.proxy import Proxy, open_client
+from .._serve.stopping import StopRequest, stop_requests
+from .common import EXIT_FAILED, EXIT_OK, UsageError, add_etcd_arguments, membership_from_args
+
+
+class ProxyStartError(Exception):
+    """The proxy could not start (one line: why)."""
+
+
+@attrs.frozen
+class ProxyOptions:
+    """Where the proxy listens, and how it drains."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    advertise_host: str = ""  # the address in its URL (default: host)
+    grace: float = 10.0
+    max_model_len: int | None = None  # (None: the engines judge each request)
+
+    def check(self) -> None:
+        """Raises ValueError naming the flag that is wrong."""
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port {self.port} is not a port")
+        if self.grace <= 0:
+            raise ValueError("--grace must be > 0")
+        if self.max_model_len is not None and not 1 <= self.max_model_len <= MAX_MODEL_LEN:
+            raise ValueError(f"--max-model-len must be in [1, {MAX_MODEL_LEN}]")
+        if is_wildcard(self.advertise_host or self.host):
+            raise ValueError(
+                f"--host {self.host!r} binds every interface: pass --advertise-host "
+                "<the address clients dial> (it names the proxy in its ready file)"
+            )
+
+
+async def serve_proxy(
+    options: ProxyOptions,
+    engines: EngineSet | None,
+    shutdown: Callable[[], Awaitable[None]],
+    *,
+    membership: Membership | None = None,
+    sock: socket.socket | None = None,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the proxy until ``shutdown()`` returns, then drain it (at most ``options.grace`` s).
+
+    The engines are ``engines``, or -- with ``membership`` -- the ones it
+    reports, as they change. ``sock``: a socket bound already (from
+    :func:`~trio_pd._serve.binding.bind_listener`; closed on return) instead
+    of binding ``options.host:options.port``. ``task_status.started(url)``
+    once it accepts requests (``url``: the advertised address).
+
+    Raises:
+        ProxyStartError: its address cannot be bound, or it has no engines.
+    """
+    from hypercorn.config import Config
+    from hypercorn.trio import serve
+
+    if sock is None:
+        try:
+            sock = bind_listener(options.host, options.port)
+        except BindError as exc:
+            raise ProxyStartError(str(exc)) from None
+    url = base_url(options.advertise_host or options.host, sock.getsockname()[1])
+    config = Config()
+    config.bind = [hypercorn_bind(sock)]
+    config.graceful_timeout = options.grace
+    config.accesslog = None
+    config.loglevel = "WARNING"
+    with sock:
+        async with (
+            unwrapped_errors(),
+            open_client() as client,
+            trio.open_nursery() as watching,
+        ):
+            router = _Router(client, options.max_model_len)
+            if membership is not None:
+                engines = await watching.start(membership.watch_engines, router.update)
+            assert engines is not None
+            if membership is None and (not engines.prefill or not engines.decode):
+                raise ProxyStartError(f"no engines to serve: {engines}")
+            router.update(engines)
+            app: Any = router.app
+            async with trio.open_nursery() as serving:
+                await serving.start(
+                    functools.partial(serve, app, config, shutdown_trigger=shutdown)
+                )
+                sock.close()  # (hypercorn serves on its duplicate)
+                task_status.started(url)
+                await shutdown()
+                router.proxy.accepting = False
+                # Leaving the nursery waits for hypercorn to drain.
+            watching.cancel_scope.cancel()
+
+
+class _Router:
+    """One :class:`Proxy` whose engines follow the membership's updates."""
+
+    def __init__(self, client: httpx2.AsyncClient, max_model_len: int | None) -> None:
+        self.proxy = Proxy([], [], client, max_model_len=max_model_len)
+        self.app = response_completes(self.proxy.app())
+
+    def update(self, engines: EngineSet) -> None:
+        """Route to ``engines`` from now on (an empty role keeps the last engines:
+        requests fail there as they would on none, and /health says why)."""
+        if engines.prefill:
+            self.proxy.set_engines("prefill", engines.prefill)
+        if engines.decode:
+            self.proxy.set_engines("decode", engines.decode)
+        self.proxy.membership_problem = engines.problem
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = ProxyOptions()
+    parser.add_argument("--host", default=defaults.host, help="bind address; may be 0.0.0.0")
+    parser.add_argument(
+        "--advertise-host",
+        default="",
+        metavar="HOST",
+        help="the address in the ready file's URL (default: --host; required with a wildcard)",
+    )
+    parser.add_argument("--port", type=int, default=defaults.port, help="0: any free port")
+    parser.add_argument(
+        "--prefill", nargs="+", action="extend", default=[], metavar="URL", help="prefill engines"
+    )
+    parser.add_argument(
+        "--decode", nargs="+", action="extend", default=[], metavar="URL", help="decode engines"
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="refuse longer requests (prompt + max_tokens) before any prefill (default: "
+        "the engines judge)",
+    )
+    parser.add_argument(
+        "--grace", type=float, default=defaults.grace, help="seconds to drain on SIGTERM/SIGINT"
+    )
+    parser.add_argument(
+        "--ready-file",
+        default="",
+        metavar="PATH",
+        help='written with {"url": ...} once the proxy accepts requests; removed on exit',
+    )
+    add_etcd_arguments(parser)
+
+
+def _engine_urls(flag: str, urls: Sequence[str]) -> tuple[str, ...]:
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise UsageError(f"{flag} {url!r}: an engine's URL starts with http:// or https://")
+    return tuple(url.rstrip("/") for url in urls)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``trio-pd proxy``: the exit status.
+
+    Raises:
+        UsageError: a bad flag.
+    """
+    options = ProxyOptions(
+        host=args.host,
+        port=args.port,
+        advertise_host=args.advertise_host,
+        grace=args.grace,
+        max_model_len=args.max_model_len or None,
+    )
+    try:
+        options.check()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    engines = EngineSet(
+        _engine_urls("--prefill", args.prefill), _engine_urls("--decode", args.decode)
+    )
+    membership = membership_from_args(args)
+    if membership is None and not (engines.prefill and engines.decode):
+        raise UsageError("give the engines: --prefill URL... and --decode URL... (or --etcd URL)")
+    if membership is not None and (engines.prefill or engines.decode):
+        raise UsageError("give either --prefill/--decode URLs or --etcd, not both")
+    try:
+        trio.run(_main, options, engines, membership, args.ready_file)
+    except ProxyStartError as exc:
+        print(f"trio-pd proxy: could not start: {exc}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+async def _main(
+    options: ProxyOptions, engines: EngineSet, membership: Membership | None, ready_file: str
+) -> None:
+    def report(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    remove_file(ready_file)
+    stop = StopRequest("trio-pd proxy", report)
+    try:
+        async with unwrapped_errors(), stop_requests(stop, None), trio.open_nursery() as nursery:
+            with stop.starting:
+                url = await nursery.start(
+                    functools.partial(
+                        serve_proxy,
+                        options,
+                        None if membership else engines,
+                        stop.requested.wait,
+                        membership=membership,
+                    )
+                )
+                if ready_file:
+                    write_json_atomically(ready_file, {"url": url})
+                stop.ready = True
+                report(f"trio-pd proxy: ready at {url}")
+    finally:
+        remove_file(ready_file)
+    report("trio-pd proxy: stopped" if stop.ready else "trio-pd proxy: stopped before it was ready")

@@ -1,0 +1,407 @@
+"""``trio-pd engine``, ``trio-pd proxy`` and ``trio-pd serve`` as an operator runs
+them: real processes, their ready files, exit statuses, messages and signals."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+import trio
+
+from trio_pd._cli import main
+from trio_pd._serve.engine import EngineSettings
+from trio_pd._serve.membership import EngineAnnouncement, EngineSet
+from trio_pd._serve.process import serve_engine
+
+from .test_serve import complete, stream
+
+pytestmark = pytest.mark.slow
+
+TRIO_PD = [sys.executable, "-m", "trio_pd"]
+ENV = {**os.environ, "NIXL_LOG_LEVEL": "WARN"}
+SECRET = "5e" * 32  # (hex, as an operator would put it in the environment)
+
+
+@asynccontextmanager
+async def running(
+    *commands: tuple[list[str], Path], env: dict[str, str] | None = None
+) -> AsyncIterator[list[tuple[trio.Process, dict[str, Any]]]]:
+    """``trio-pd ARGS --ready-file READY`` for each ``(ARGS, READY)``, started at
+    once (output into ``READY.log``): each process and its ready file's content,
+    once all appeared; then SIGTERM each one still running."""
+    processes = []
+    try:
+        for args, ready in commands:
+            with ready.with_suffix(".log").open("wb") as log:
+                processes.append(
+                    await trio.lowlevel.open_process(
+                        [*TRIO_PD, *args, "--ready-file", str(ready)],
+                        env=env or ENV,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=log,
+                        start_new_session=True,
+                    )
+                )
+        with trio.fail_after(60):
+            for process, (_, ready) in zip(processes, commands, strict=True):
+                while not await trio.Path(ready).exists():  # (the process writes it)
+                    log = await trio.Path(ready.with_suffix(".log")).read_text()
+                    assert process.poll() is None, log
+                    await trio.sleep(0.02)
+        yield [
+            (process, json.loads(await trio.Path(ready).read_text()))
+            for process, (_, ready) in zip(processes, commands, strict=True)
+        ]
+    finally:
+        with trio.move_on_after(30, shield=True):
+            for process in processes:
+                if process.returncode is None:
+                    process.send_signal(signal.SIGTERM)
+            for process in processes:
+                with trio.move_on_after(20):
+                    await process.wait()
+                if process.returncode is None:
+                    process.kill()
+                    await process.wait()
+
+
+def one_line_error(stderr: str) -> str:
+    """The command's error: its last line; no traceback anywhere."""
+    assert "Traceback" not in stderr, stderr
+    return stderr.strip().splitlines()[-1]
+
+
+async def test_engines_and_a_proxy_started_as_separate_commands_serve_what_one_engine_serves(
+    tmp_path: Path,
+) -> None:
+    env = {**ENV, "TRIO_PD_EXPOSURE_SECRET": SECRET}
+    engine = ["engine", "--port", "0", "--num-blocks", "64"]
+    p, d, x = (tmp_path / f"{name}.json" for name in ("prefill", "decode", "proxy"))
+    with trio.fail_after(90):
+        async with (
+            running(
+                ([*engine, "--role", "prefill"], p), ([*engine, "--role", "decode"], d), env=env
+            ) as [(prefill_process, prefill), (decode_process, decode)],
+            httpx2.AsyncClient(timeout=30) as client,
+        ):
+            # A ready file appears only once its engine accepts requests.
+            for url in (prefill["url"], decode["url"]):
+                assert (await client.get(f"{url}/health")).json()["status"] == "ok"
+            proxy_args = ["proxy", "--port", "0", "--prefill", prefill["url"]]
+            async with running(([*proxy_args, "--decode", decode["url"]], x)) as [
+                (proxy_process, proxy)
+            ]:
+                for i, prompt in enumerate(["a", "y" * 17, "three separate commands " * 4]):
+                    body = {"prompt": prompt, "max_tokens": 5 + i}
+                    pd = await complete(client, proxy["url"], **body)
+                    whole = await complete(client, decode["url"], **body)
+                    assert pd["choices"][0]["token_ids"] == whole["choices"][0]["token_ids"]
+                    streamed = await stream(client, proxy["url"], **body)
+                    assert streamed == pd["choices"][0]["token_ids"]
+                # The engine's id is derived from its role, address and port.
+                port = decode["url"].rsplit(":", 1)[1]
+                assert whole["id"].startswith(f"cmpl-decode-127.0.0.1-{port}-")
+                for process in (proxy_process, decode_process, prefill_process):
+                    process.send_signal(signal.SIGTERM)
+                    assert await process.wait() == 0
+    for ready in (p, d, x):  # no ready file outlives its server
+        assert not ready.exists()
+    engine_log = d.with_suffix(".log").read_text()
+    assert "no exposure secret" not in engine_log
+    assert f"engine decode-127.0.0.1-{port}: SIGTERM: draining" in engine_log
+
+
+@pytest.mark.parametrize(
+    ("args", "status", "words"),
+    [
+        (["serve", "--num-blocks", "0"], 2, "--num-blocks must be at least 1"),
+        (["engine", "--role", "prefill", "--host", "0.0.0.0"], 2, "--advertise-host"),
+        (["engine", "--role", "decode", "--etcd", "127.0.0.1:2379"], 2, "not an http(s) URL"),
+        (["proxy", "--prefill", "http://127.0.0.1:1"], 2, "--decode URL"),
+        # 192.0.2.1 (TEST-NET-1) is no address of this machine: serve fails
+        # before it starts an engine.
+        (["serve", "--port", "0", "--host", "192.0.2.1"], 1, "cannot bind 192.0.2.1:0"),
+    ],
+)
+def test_bad_arguments_exit_2_and_an_address_that_is_not_ours_exits_1_in_one_line(
+    capsys: pytest.CaptureFixture[str], args: list[str], status: int, words: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    assert exited.value.code == status
+    line = one_line_error(capsys.readouterr().err)
+    assert line.startswith(f"trio-pd {args[0]}: "), line
+    assert words in line, line
+
+
+async def test_an_engine_that_cannot_start_says_why_in_one_line(tmp_path: Path) -> None:
+    ready = tmp_path / "ready.json"
+    ready.write_text('{"url": "http://127.0.0.1:9"}')  # (stale: left by a killed engine)
+    command = [*TRIO_PD, "engine", "--role", "prefill", "--host", "192.0.2.1"]
+    with trio.fail_after(30):
+        result = await trio.run_process(
+            [*command, "--ready-file", str(ready)], check=False, env=ENV, capture_stderr=True
+        )
+    stderr = result.stderr.decode()
+    assert result.returncode == 1
+    line = one_line_error(stderr)
+    assert line == (
+        "trio-pd engine prefill: could not start: "
+        "HTTP: cannot bind 192.0.2.1:0: Cannot assign requested address"
+    )
+    assert "WARNING: no exposure secret" in stderr  # (none was given)
+    assert not ready.exists()
+
+
+async def test_serve_fails_with_the_engines_named_when_their_connectors_cannot_open(
+    tmp_path: Path,
+) -> None:
+    # No UCX transport is usable: each engine's lifespan fails. (hypercorn
+    # still reports its server started; serve used to print "serving".)
+    ready = tmp_path / "ready.json"
+    command = [*TRIO_PD, "serve", "--port", "0", "--ready-file", str(ready)]
+    with trio.fail_after(60):
+        result = await trio.run_process(
+            command, check=False, env={**ENV, "UCX_TLS": "nonexistent"}, capture_stderr=True
+        )
+    stderr = result.stderr.decode()
+    assert result.returncode == 1
+    assert "serving" not in stderr
+    line = one_line_error(stderr)
+    assert line.startswith("trio-pd serve: engine ")
+    assert "exited with status 1 before it accepted requests" in line
+    assert "could not start: BackendError" in stderr  # (each engine's own line)
+    assert not ready.exists()
+
+
+def engines_of(pid: int) -> list[int]:
+    """The engine processes that serve ``pid`` started and that still run."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            arguments = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"--parent-pid={pid}".encode() in arguments:
+            found.append(int(entry.name))
+    return found
+
+
+async def test_sigterm_during_start_up_stops_serve_without_serving(tmp_path: Path) -> None:
+    log, ready = tmp_path / "serve.log", tmp_path / "ready.json"
+    with log.open("wb") as output:
+        process = await trio.lowlevel.open_process(
+            [*TRIO_PD, "serve", "--port", "0", "--ready-file", str(ready)],
+            env=ENV,
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=output,
+        )
+    try:
+        with trio.fail_after(30):
+            while True:  # (until serve started both engine processes)
+                started = "starting 2 engines" in await trio.Path(log).read_text()
+                if started and len(engines_of(process.pid)) == 2:
+                    break
+                await trio.sleep(0.02)
+            process.send_signal(signal.SIGTERM)
+            assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+    text = log.read_text()
+    assert "start-up abandoned" in text
+    assert "serving" not in text
+    assert not ready.exists()
+    assert engines_of(process.pid) == []
+
+
+async def test_ctrl_c_reaches_only_serve_which_drains_the_proxy_then_the_engines(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "ready.log"
+    serve = ["serve", "--port", "0", "--host", "0.0.0.0", "--grace", "20"]
+    body: dict[str, Any] = {"prompt": "drain me", "max_tokens": 150, "stream": True}
+    tokens, done = 0, False
+    with trio.fail_after(90):
+        async with (
+            running((serve, tmp_path / "ready.json")) as [(process, ready)],
+            httpx2.AsyncClient(timeout=30) as client,
+        ):
+            proxy = ready["proxy"]
+            assert proxy.startswith("http://127.0.0.1:")  # (advertised for the wildcard)
+            async with (
+                client.stream("POST", f"{proxy}/v1/completions", json=body) as response,
+                aclosing(response.aiter_lines()) as stream_lines,
+            ):
+                async for line in stream_lines:
+                    if line.startswith("data: {"):
+                        if not tokens:  # decoding: Ctrl-C, to serve's process group
+                            os.killpg(process.pid, signal.SIGINT)
+                        tokens += 1
+                    done = done or line == "data: [DONE]"
+            # The drain ends with the request (not at --grace 20: the
+            # request's last send closes its connection, uncancelled).
+            with trio.fail_after(10):
+                assert await process.wait() == 0
+    assert (tokens, done) == (150, True)
+    lines = log.read_text().splitlines()
+    assert "note: --host 0.0.0.0 binds every interface" in lines[0]
+
+    def at(words: str) -> int:
+        return next(i for i, line in enumerate(lines) if words in line)
+
+    # The engines got no SIGINT: serve sent them SIGTERM once the proxy drained.
+    assert not any("engine" in line and "SIGINT" in line for line in lines)
+    drained = at("the proxy drained")
+    assert at("trio-pd serve: SIGINT: draining") < drained
+    for name in ("prefill-0", "decode-0"):
+        assert drained < at(f"engine {name}: SIGTERM: draining") < at(f"engine {name} stopped")
+    assert not (tmp_path / "ready.json").exists()
+
+
+class RecordingMembership:
+    """A membership that records what the engine did, and when."""
+
+    def __init__(self, ready: Path) -> None:
+        self.ready = ready
+        self.events: list[str] = []
+
+    async def hold_registration(
+        self,
+        engine: EngineAnnouncement,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        async with httpx2.AsyncClient(timeout=10) as client:
+            health = (await client.get(f"{engine.url}/health")).status_code
+            self.events.append(
+                f"registered {engine.role} ready_file={self.ready.exists()} {health}"
+            )
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                with trio.CancelScope(shield=True):  # (while the engine still serves)
+                    health = (await client.get(f"{engine.url}/health")).status_code
+                    self.events.append(f"withdrawn {health}")
+
+    async def watch_engines(
+        self,
+        update: Callable[[EngineSet], None],
+        *,
+        task_status: trio.TaskStatus[EngineSet] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        raise NotImplementedError  # (the engine does not watch)
+
+
+async def test_an_engine_registers_before_its_ready_file_and_withdraws_while_it_serves(
+    tmp_path: Path,
+) -> None:
+    ready = tmp_path / "ready.json"
+    membership = RecordingMembership(ready)
+    settings = EngineSettings(engine_id="", http_port=0, num_blocks=8, ready_file=str(ready))
+    lines: list[str] = []
+    serving = trio.Event()
+
+    def report(line: str) -> None:
+        lines.append(line)
+        if "ready at" in line:
+            serving.set()
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                functools.partial(
+                    serve_engine, settings, "decode", membership=membership, report=report
+                )
+            )
+            await serving.wait()
+            url = json.loads(await trio.Path(ready).read_text())["url"]
+            port = url.rsplit(":", 1)[1]
+            assert lines == [
+                f"engine decode-127.0.0.1-{port}: decode, ready at {url} (bound {url})"
+            ]
+            os.kill(os.getpid(), signal.SIGTERM)  # (serve_engine receives it)
+    assert membership.events == ["registered decode ready_file=False 200", "withdrawn 200"]
+    assert lines[-1].endswith(": stopped")
+    assert not ready.exists()
+
+
+async def test_engines_found_through_etcd_die_and_join_while_the_proxy_serves(
+    tmp_path: Path,
+) -> None:
+    from trio_pd.testing import open_etcd
+
+    env = {**ENV, "TRIO_PD_EXPOSURE_SECRET": SECRET}
+    with trio.fail_after(120):
+        async with open_etcd() as etcd, httpx2.AsyncClient(timeout=30) as client:
+            etcd_args = ["--etcd", etcd.url, "--etcd-ttl", "2"]
+            engine = ["engine", "--port", "0", "--num-blocks", "64", *etcd_args]
+
+            def ready(name: str) -> Path:
+                return tmp_path / f"{name}.json"
+
+            async with (
+                running(
+                    ([*engine, "--role", "prefill"], ready("prefill")),
+                    ([*engine, "--role", "decode"], ready("decode")),
+                    env=env,
+                ) as [_, (doomed, decode)],
+                running((["proxy", "--port", "0", *etcd_args], ready("proxy"))) as [(_, proxy)],
+            ):
+                body = {"prompt": "found through etcd", "max_tokens": 4}
+                whole = await complete(client, decode["url"], **body)
+                pd = await complete(client, proxy["url"], **body)
+                assert pd["choices"][0]["token_ids"] == whole["choices"][0]["token_ids"]
+                # A decode engine dies: it leaves etcd within its TTL (2 s),
+                # and a new one that registers is used without a restart.
+                async with running(([*engine, "--role", "decode"], ready("new")), env=env) as [
+                    (_, new)
+                ]:
+                    doomed.kill()
+                    await doomed.wait()
+                    served_by: set[str] = set()
+                    with trio.fail_after(15):
+                        while new["url"] not in served_by or decode["url"] in served_by:
+                            served_by = set()
+                            for _ in range(4):
+                                response = await client.post(
+                                    f"{proxy['url']}/v1/completions", json=body
+                                )
+                                if response.status_code == 200:
+                                    served_by.add(_served_by(response.json(), decode, new))
+                            health = (await client.get(f"{proxy['url']}/health")).json()
+                            if health["decode"] == 1 and new["url"] in served_by:
+                                break
+                            await trio.sleep(0.2)
+                    assert health["status"] == "ok"
+                    # etcd goes away: the proxy keeps serving by its last view.
+                    await etcd.kill()
+                    response = await client.post(f"{proxy['url']}/v1/completions", json=body)
+                    assert response.status_code == 200
+                    with trio.fail_after(10):
+                        while "membership" not in health:
+                            await trio.sleep(0.2)
+                            health = (await client.get(f"{proxy['url']}/health")).json()
+                    assert "etcd unreachable" in health["membership"]
+                    await etcd.start()
+
+
+def _served_by(completion: dict[str, Any], *engines: dict[str, Any]) -> str:
+    """Which decode engine answered (completion ids name the engine's port)."""
+    for engine in engines:
+        if f"-{engine['url'].rsplit(':', 1)[1]}-" in completion["id"]:
+            return str(engine["url"])
+    return "?"
