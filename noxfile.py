@@ -1,4 +1,5 @@
-"""Sessions: ``tests`` (the CI gate), ``lint``, ``typecheck``, ``demo``, ``docs``, ``bench``.
+"""Sessions: ``tests`` (the CI gate), ``lint``, ``typecheck``, ``demo``, ``docs``, ``bench``,
+``soak`` (10 minutes across test hosts, as root; not run by default).
 
 torch is installed first, pinned to the CPU build that these machines keep
 on local disk (about 35 s instead of a multi-GB CUDA download); on a GPU host
@@ -27,6 +28,7 @@ STARTABLE = ",".join(
         "serve_delay_relay",
         "serve_zap",
         "_serve_replies",
+        "run_slot",
     ]
 )
 
@@ -82,6 +84,25 @@ def bench(session: nox.Session) -> None:
         "benchmarks/pd_bench.py",
         "--json",
         "docs/performance.json",
+        "--markdown",
+        "docs/performance.md",
+        *session.posargs,
+        env={"NIXL_LOG_LEVEL": "WARN", "PYTHONPATH": "benchmarks"},
+    )
+
+
+@nox.session
+def soak(session: nox.Session) -> None:
+    """Real engines on test hosts (root) for 600 s while producers are killed,
+    links cut and forged requests sent; every must-be-zero count must be 0.
+    Rewrites the soak's section of docs/performance.md and docs/soak.json.
+    ``nox -s soak -- --seconds 60`` for a shorter run, ``--seed S`` to repeat one."""
+    install_project(session)
+    session.run(
+        "python",
+        "benchmarks/soak.py",
+        "--json",
+        "docs/soak.json",
         "--markdown",
         "docs/performance.md",
         *session.posargs,
