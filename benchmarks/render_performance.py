@@ -620,6 +620,14 @@ def render_soak(r: dict[str, Any]) -> str:
         + ".",
         "",
     ]
+    if r.get("findings"):
+        out += [
+            "Bugs found outside the connector, in `trio_pd.testing` (reported, not counted "
+            "above: the soak treats them as what they should have been):",
+            "",
+            _table(["finding", "count"], [[k, v] for k, v in r["findings"].items()]),
+            "",
+        ]
     if r["notes"]:
         out += ["Notes from this run:", ""] + [f"* `{n[:300]}`" for n in r["notes"][:20]] + [""]
     return "\n".join(out)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import json
 import logging
@@ -50,7 +51,7 @@ import traceback
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import numpy as np
@@ -84,6 +85,7 @@ from trio_pd.testing import (
 
 TCP = {"UCX_TLS": "tcp", "NIXL_LOG_LEVEL": "WARN"}
 STARTUP_TIMEOUT = 60.0
+_T = TypeVar("_T")
 UNAVAILABLE = 77
 """The exit status when test hosts cannot be made here (not root, no ``ip``)."""
 PULL_ERRORS = (trio_pd.HandshakeError, trio_pd.TransferError, trio_pd.ParamsRejectedError)
@@ -320,7 +322,7 @@ class Soak:
                 "expose",
                 self.config.worker_call_bound,
                 request_id,
-                lambda: worker.expose(request_id, ids, seed),
+                lambda: self.worker_call(worker.expose, request_id, ids, seed),
             )
         except WorkerError as exc:
             self.failed(request, "expose", exc)
@@ -342,14 +344,37 @@ class Soak:
                 "wait_released",
                 bound,
                 request.request_id,
-                lambda: worker.wait_released(request.request_id),
+                lambda: self.worker_call(worker.wait_released, request.request_id),
             )
-        except WorkerError:
+        except WorkerError as exc:
             request.outcome = "producer gone"
+            if not self.timeline.was_killed(request.slot.index, request.generation):
+                self.unexpected(f"wait_released({request.request_id!r}), producer not killed", exc)
+        except Exception as exc:
+            request.outcome = "error"
+            self.unexpected(f"wait_released({request.request_id!r})", exc)
         else:
             request.outcome = outcome.value if ok else "no answer"
         self.ledger.outcomes[request.outcome] += 1
         self.finish(request)
+
+    async def worker_call(self, command: Callable[..., Awaitable[_T]], *args: Any) -> _T:
+        """A command to a prefill worker (``PrefillWorker.expose``, ...).
+
+        ``PrefillWorker`` raises ``trio.ClosedResourceError`` (or
+        ``BrokenResourceError``) instead of ``WorkerError`` when its worker
+        goes away while the command is being sent (the command passed its
+        "is the worker gone?" check, then waited for the pipe while the
+        worker's context closed it): a bug in ``trio_pd.testing``, reported
+        by this soak under ``findings``. It is treated as the ``WorkerError``
+        it should be, which is then classified like any other.
+        """
+        try:
+            return await command(*args)
+        except (trio.ClosedResourceError, trio.BrokenResourceError) as exc:
+            name = type(exc).__name__
+            self.ledger.findings[f"PrefillWorker raised {name}, not WorkerError"] += 1
+            raise WorkerError(f"worker gone ({name}: {exc})") from exc
 
     def finish(self, request: Request) -> None:
         """One of the two ends of ``request`` (resolved; consumer done) happened."""
@@ -649,12 +674,17 @@ class Soak:
             while True:
                 for slot in self.slots:
                     if slot.worker is not None:
-                        ok, stats = await self.bounded(
-                            "statistics",
-                            c.worker_call_bound,
-                            slot.engine_id,
-                            slot.worker.statistics,
-                        )
+                        worker = slot.worker
+                        try:
+                            ok, stats = await self.bounded(
+                                "statistics",
+                                c.worker_call_bound,
+                                slot.engine_id,
+                                functools.partial(self.worker_call, worker.statistics),
+                            )
+                        except WorkerError as exc:
+                            self.unexpected(f"statistics of {slot.engine_id}", exc)
+                            ok = False
                         pending[slot.engine_id] = stats["exposures_pending"] if ok else 0
                 if not any(pending.values()):
                     break
@@ -782,6 +812,7 @@ async def run_soak(config: SoakConfig, seed: int, log: CountingHandler) -> dict[
         },
         "forged": dict(sorted(ledger.forged.items())),
         "hangs": dict(ledger.hangs),
+        "findings": dict(ledger.findings),
         "exposures": {"exposed": counts["exposed"], **dict(sorted(ledger.outcomes.items()))},
         "counts": dict(sorted(counts.items())),
         "link_MB": [

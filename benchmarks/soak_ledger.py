@@ -194,6 +194,9 @@ class FaultTimeline:
         self._slots[slot].forged.append(interval)
         return interval
 
+    def was_killed(self, slot: int, generation: int) -> bool:
+        return any(killed == generation for _, killed in self._slots[slot].kills)
+
     def forged_nearby(self, slot: int, started: float, ended: float) -> bool:
         """Whether a forged request to ``slot`` was in flight in the request's window."""
         since = started - self.aftermath
@@ -351,6 +354,8 @@ class Ledger:
     """Operations past their bound, by operation."""
     outcomes: Counter[str] = attrs.field(factory=Counter)
     """How exposures resolved (read, abandoned, expired, producer gone)."""
+    findings: Counter[str] = attrs.field(factory=Counter)
+    """Bugs found outside the connector (in ``trio_pd.testing``), by what happened."""
     notes: list[str] = attrs.field(factory=list)
     """The first examples of every must-be-zero event, for the report."""
     pull_seconds: list[float] = attrs.field(factory=list)
