@@ -93,10 +93,13 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def soak(session: nox.Session) -> None:
-    """Real engines on test hosts (root) for 600 s while producers are killed,
-    links cut and forged requests sent; every must-be-zero count must be 0.
-    Rewrites the soak's section of docs/performance.md and docs/soak.json.
-    ``nox -s soak -- --seconds 60`` for a shorter run, ``--seed S`` to repeat one."""
+    """A 600 s soak across test hosts (root) under faults; rewrites its docs section.
+
+    Real engines on test hosts while producers are killed, links cut and
+    forged requests sent; every must-be-zero count must be 0. Rewrites the
+    soak's section of docs/performance.md and docs/soak.json.
+    ``nox -s soak -- --seconds 60`` for a shorter run, ``--seed S`` to repeat one.
+    """
     install_project(session)
     session.run(
         "python",
