@@ -45,6 +45,7 @@ import math
 import os
 import random
 import secrets
+import shutil
 import sys
 import time
 import traceback
@@ -716,8 +717,36 @@ class CountingHandler(logging.Handler):
             print(f"trio_pd {record.levelname}: {record.getMessage()}", file=sys.stderr)
 
 
+async def wait_for_other_test_hosts(patience: float) -> None:
+    """Wait until no other process has test hosts (at most ``patience`` seconds).
+
+    Test hosts have fixed addresses, so only one set may exist on a machine
+    at a time; another process's set (a test suite's, say) shows as network
+    namespaces named ``tpd<pid>h<i>``.
+
+    Raises:
+        TestHostsUnavailable: they were still there after ``patience`` seconds.
+    """
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return  # open_test_hosts says why it cannot
+    others: list[str] = []
+    with trio.move_on_after(patience):
+        while True:
+            listed = await trio.run_process(["ip", "netns", "list"], capture_stdout=True)
+            names = (line.split()[0] for line in listed.stdout.decode().splitlines() if line)
+            waiting = not others
+            others = sorted(n for n in names if n.startswith("tpd"))
+            if not others:
+                return
+            if waiting:
+                print(f"soak: waiting for other test hosts to go: {' '.join(others)}", flush=True)
+            await trio.sleep(2)
+    raise TestHostsUnavailable(f"other test hosts stayed for {patience:g} s: {' '.join(others)}")
+
+
 async def run_soak(config: SoakConfig, seed: int, log: CountingHandler) -> dict[str, Any]:
     """The whole soak; returns its result (see ``main`` for the exit status)."""
+    await wait_for_other_test_hosts(config.wait_for_hosts)
     rng = random.Random(seed)
     secret = secrets.token_bytes(32)
     started_wall = time.time()
@@ -849,6 +878,12 @@ def main() -> None:
     parser.add_argument(
         "--cut-every", type=float, default=SoakConfig().cut_every, help="mean s between cuts"
     )
+    parser.add_argument(
+        "--wait-for-hosts",
+        type=float,
+        default=SoakConfig().wait_for_hosts,
+        help="how long to wait for another process's test hosts to go",
+    )
     parser.add_argument("--json", type=Path, help="write the result here")
     parser.add_argument(
         "--markdown", type=Path, help="put the result in this page (docs/performance.md)"
@@ -871,6 +906,7 @@ def main() -> None:
         forgers=args.forgers,
         kill_every=args.kill_every,
         cut_every=args.cut_every,
+        wait_for_hosts=args.wait_for_hosts,
     )
     try:
         result = trio.run(run_soak, config, seed, log)

@@ -74,6 +74,8 @@ class SoakConfig:
     slack: float = 2.0
     settle_slack: float = 15.0
     port: int = 5600
+    wait_for_hosts: float = 900.0
+    """How long to wait for another process's test hosts to go before starting."""
     handshake_timeout: float = 2.0
     transfer_timeout: float = 4.0
     close_timeout: float = 2.0
