@@ -260,6 +260,7 @@ class Soak:
                         ProducerBlocks(self.config.producer_blocks),
                         {},
                     )
+                    self.timeline.started(slot.index, trio.current_time())
                     self.ledger.counts["producer_starts"] += 1
                     if not started:
                         started = True

@@ -163,9 +163,17 @@ UNEXPLAINED = "unexplained"
 
 
 @attrs.define
+class _Down:
+    """A producer killed: down from ``killed`` until its successor is ready."""
+
+    generation: int
+    killed: float
+    restarted: float = math.inf
+
+
+@attrs.define
 class _SlotHistory:
-    kills: list[tuple[float, int]] = attrs.field(factory=list)
-    """(when, generation killed)"""
+    kills: list[_Down] = attrs.field(factory=list)
     cuts: list[list[float]] = attrs.field(factory=list)
     """[cut at, restored at] (inf while cut)"""
     forged: list[list[float]] = attrs.field(factory=list)
@@ -184,7 +192,12 @@ class FaultTimeline:
         self.aftermath = aftermath
 
     def killed(self, slot: int, generation: int, when: float) -> None:
-        self._slots[slot].kills.append((when, generation))
+        self._slots[slot].kills.append(_Down(generation, when))
+
+    def started(self, slot: int, when: float) -> None:
+        """A new generation is ready (listening): the slot's downtime, if any, ends."""
+        for down in self._slots[slot].kills:
+            down.restarted = min(down.restarted, when)
 
     def cut(self, slot: int, when: float) -> list[float]:
         interval = [when, math.inf]
@@ -197,7 +210,7 @@ class FaultTimeline:
         return interval
 
     def was_killed(self, slot: int, generation: int) -> bool:
-        return any(killed == generation for _, killed in self._slots[slot].kills)
+        return any(down.generation == generation for down in self._slots[slot].kills)
 
     def forged_nearby(self, slot: int, started: float, ended: float) -> bool:
         """Whether a forged request to ``slot`` was in flight in the request's window."""
@@ -209,8 +222,9 @@ class FaultTimeline:
         ``started`` to ``ended``, may have failed.
 
         * :data:`KILLED`: that generation was killed before the request ended,
-          or any kill there fell in ``[started - aftermath, ended]`` (the
-          engine's backoff and retired agent outlive a kill);
+          or the slot was down (from a kill until the next generation was
+          ready) at some point in ``[started - aftermath, ended]`` (the
+          engine's backoff and retired agent outlive the downtime);
         * :data:`CUT`: the slot's link was down at some point in
           ``[started - aftermath, ended]``;
         * :data:`FORGED`: neither, but a forged request to that slot was in
@@ -219,8 +233,8 @@ class FaultTimeline:
         """
         history = self._slots[slot]
         since = started - self.aftermath
-        for when, killed in history.kills:
-            if (killed == generation and when <= ended) or since <= when <= ended:
+        for down in history.kills:
+            if down.killed <= ended and (down.generation == generation or down.restarted >= since):
                 return KILLED
         for down, up in history.cuts:
             if down <= ended and up >= since:

@@ -41,18 +41,27 @@ ledger = load("soak_ledger")
 def test_a_failure_is_excused_only_by_a_fault_in_its_window() -> None:
     timeline = ledger.FaultTimeline(2, aftermath=5.0)
     timeline.killed(0, generation=1, when=100.0)
+    timeline.started(0, when=103.0)  # generation 2 ready: the downtime ends
     cut = timeline.cut(1, 200.0)
     cut[1] = 203.0
     classify = timeline.classify
     # The killed incarnation's requests fail whenever they end after the kill.
     assert classify(0, 1, started=10.0, ended=150.0) == ledger.KILLED
-    # The next incarnation's: only near the kill (backoff, a retired agent).
-    assert classify(0, 2, started=104.0, ended=106.0) == ledger.KILLED
-    assert classify(0, 2, started=120.0, ended=121.0) == ledger.UNEXPLAINED
+    # The next incarnation's: only during the downtime or just after it
+    # (backoff after the handshakes that failed meanwhile, a retired agent).
+    assert classify(0, 2, started=107.5, ended=107.6) == ledger.KILLED
+    assert classify(0, 2, started=108.5, ended=109.0) == ledger.UNEXPLAINED
     # A cut excuses requests in flight during it, and just after it.
     assert classify(1, 1, started=199.0, ended=201.0) == ledger.CUT
     assert classify(1, 1, started=207.0, ended=208.0) == ledger.CUT
     assert classify(1, 1, started=209.0, ended=210.0) == ledger.UNEXPLAINED
+    # A restart that takes long: its downtime counts, not only the kill.
+    slow = ledger.FaultTimeline(1, aftermath=5.0)
+    slow.killed(0, generation=4, when=55.0)
+    assert slow.classify(0, 5, started=62.25, ended=62.27) == ledger.KILLED
+    slow.started(0, when=61.0)
+    assert slow.classify(0, 5, started=62.25, ended=62.27) == ledger.KILLED
+    assert slow.classify(0, 5, started=66.5, ended=67.0) == ledger.UNEXPLAINED
     # A fault on one host excuses nothing on the other.
     assert classify(0, 2, started=201.0, ended=202.0) == ledger.UNEXPLAINED
     # Without a fault, a forged request in flight there takes the blame.
