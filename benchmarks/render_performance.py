@@ -543,6 +543,10 @@ MUST_BE_ZERO_NAMES = {
     ),
     "valid_failed_by_forged": "valid requests failed by forged ones",
     "unexplained_failures": "valid requests failed with no fault to explain it",
+    "unreachable_after_start_in_cut": (
+        "valid requests failed because their producer started while its link was cut "
+        "(unreachable for its life: a bug this soak found)"
+    ),
     "forged_accepted": "forged requests that succeeded",
     "unexpected_errors": "unexpected errors (exceptions no operation documents)",
 }
@@ -620,6 +624,16 @@ def render_soak(r: dict[str, Any]) -> str:
         + ".",
         "",
     ]
+    if zero.get("unreachable_after_start_in_cut"):
+        out += [
+            f"**A bug this run found:** {f['producer starts during a cut']} producer(s) "
+            "started while their link was cut. A NIXL agent whose UCX context starts "
+            "while the host's interface is down advertises loopback only; once the link "
+            "is back, its side channel answers but every consumer's `add_remote_agent` "
+            "fails (`NIXL_ERR_BACKEND`, UCX: destination unreachable), for the life of "
+            "the producer process: its requests fail until it is restarted.",
+            "",
+        ]
     if r.get("findings"):
         out += [
             "Bugs found outside the connector, in `trio_pd.testing` (reported, not counted "

@@ -200,7 +200,7 @@ class Soak:
         )
         key = f"{cause}: {operation}: {type(error).__name__}"
         self.ledger.failures[key] += 1
-        if not cause.startswith(("producer", "link")):
+        if cause not in (KILLED, CUT):
             self.ledger.note(
                 f"{key}: {request.request_id} on {request.slot.engine_id} generation "
                 f"{request.generation}, t={request.started - self.started_at:.2f}.."
@@ -249,6 +249,7 @@ class Soak:
         while not self.shutting_down:
             slot.generation += 1
             slot.stop = trio.Event()
+            spawned = trio.current_time()
             try:
                 async with open_prefill_worker(
                     self.worker_spec(slot),
@@ -260,7 +261,15 @@ class Soak:
                         ProducerBlocks(self.config.producer_blocks),
                         {},
                     )
-                    self.timeline.started(slot.index, trio.current_time())
+                    now = trio.current_time()
+                    self.timeline.started(slot.index, slot.generation, spawned, now)
+                    if slot.generation in self.timeline.started_in_cut(slot.index):
+                        self.ledger.counts["producer_starts_in_cut"] += 1
+                        self.ledger.note(
+                            f"{slot.engine_id} generation {slot.generation} started while its "
+                            f"link was cut (t={spawned - self.started_at:.2f}.."
+                            f"{now - self.started_at:.2f})"
+                        )
                     self.ledger.counts["producer_starts"] += 1
                     if not started:
                         started = True
@@ -831,12 +840,15 @@ async def run_soak(config: SoakConfig, seed: int, log: CountingHandler) -> dict[
             "read_after_its_lease_ran_out": counts["read_after_its_lease_ran_out"],
         },
         "expected_failures": {
-            k: v for k, v in sorted(ledger.failures.items()) if k.startswith(("producer", "link"))
+            k: v
+            for k, v in sorted(ledger.failures.items())
+            if k.startswith((f"{KILLED}:", f"{CUT}:"))
         },
         "modes": {k[6:]: v for k, v in sorted(counts.items()) if k.startswith("mode: ")},
         "faults": {
             "producer kills": counts["producer_kills"],
             "producer starts": counts["producer_starts"],
+            "producer starts during a cut": counts["producer_starts_in_cut"],
             "link cuts": counts["link_cuts"],
             "seconds cut": round(counts["link_cut_ms"] / 1e3, 1),
         },

@@ -160,6 +160,10 @@ KILLED = "producer killed"
 CUT = "link cut"
 FORGED = "valid request failed by a forged one"
 UNEXPLAINED = "unexplained"
+STARTED_IN_CUT = "producer started while its link was cut"
+"""A known bug the soak found: a producer whose NIXL agent (UCX) starts while
+its network interface is down advertises loopback only, and no consumer can
+load it for the rest of its life, link restored or not."""
 
 
 @attrs.define
@@ -178,6 +182,8 @@ class _SlotHistory:
     """[cut at, restored at] (inf while cut)"""
     forged: list[list[float]] = attrs.field(factory=list)
     """[forged request started, ended] (inf while in flight)"""
+    started_in_cut: set[int] = attrs.field(factory=set)
+    """Generations that started (process spawned to ready) while the link was down."""
 
 
 class FaultTimeline:
@@ -194,10 +200,17 @@ class FaultTimeline:
     def killed(self, slot: int, generation: int, when: float) -> None:
         self._slots[slot].kills.append(_Down(generation, when))
 
-    def started(self, slot: int, when: float) -> None:
-        """A new generation is ready (listening): the slot's downtime, if any, ends."""
-        for down in self._slots[slot].kills:
+    def started(self, slot: int, generation: int, spawned: float, when: float) -> None:
+        """``generation``, spawned at ``spawned``, is ready (listening) at ``when``:
+        the slot's downtime, if any, ends."""
+        history = self._slots[slot]
+        for down in history.kills:
             down.restarted = min(down.restarted, when)
+        if any(cut <= when and restored >= spawned for cut, restored in history.cuts):
+            history.started_in_cut.add(generation)
+
+    def started_in_cut(self, slot: int) -> list[int]:
+        return sorted(self._slots[slot].started_in_cut)
 
     def cut(self, slot: int, when: float) -> list[float]:
         interval = [when, math.inf]
@@ -227,8 +240,10 @@ class FaultTimeline:
           engine's backoff and retired agent outlive the downtime);
         * :data:`CUT`: the slot's link was down at some point in
           ``[started - aftermath, ended]``;
-        * :data:`FORGED`: neither, but a forged request to that slot was in
-          flight in that window;
+        * :data:`STARTED_IN_CUT`: neither, but that generation started
+          while the link was cut (a bug: see :data:`STARTED_IN_CUT`);
+        * :data:`FORGED`: none of these, but a forged request to that slot
+          was in flight in that window;
         * :data:`UNEXPLAINED`: none of these.
         """
         history = self._slots[slot]
@@ -236,9 +251,11 @@ class FaultTimeline:
         for down in history.kills:
             if down.killed <= ended and (down.generation == generation or down.restarted >= since):
                 return KILLED
-        for down, up in history.cuts:
-            if down <= ended and up >= since:
+        for cut, restored in history.cuts:
+            if cut <= ended and restored >= since:
                 return CUT
+        if generation in history.started_in_cut:
+            return STARTED_IN_CUT
         return FORGED if self.forged_nearby(slot, started, ended) else UNEXPLAINED
 
 
@@ -351,6 +368,7 @@ MUST_BE_ZERO = (
     "stranded_decode_blocks",
     "valid_failed_by_forged",
     "unexplained_failures",
+    "unreachable_after_start_in_cut",
     "forged_accepted",
     "unexpected_errors",
 )
@@ -397,6 +415,9 @@ class Ledger:
             "valid_failed_by_forged": sum(n for k, n in failures.items() if k.startswith(FORGED)),
             "unexplained_failures": sum(
                 n for k, n in failures.items() if k.startswith(UNEXPLAINED)
+            ),
+            "unreachable_after_start_in_cut": sum(
+                n for k, n in failures.items() if k.startswith(STARTED_IN_CUT)
             ),
             "forged_accepted": sum(n for k, n in self.forged.items() if k.endswith("ACCEPTED")),
             "unexpected_errors": self.counts["unexpected_errors"],
