@@ -643,8 +643,22 @@ def render_soak(r: dict[str, Any]) -> str:
             "",
         ]
     if r["notes"]:
-        out += ["Notes from this run:", ""] + [f"* `{n[:300]}`" for n in r["notes"][:20]] + [""]
+        out += ["Notes from this run (the first of each kind):", ""]
+        out += [f"* `{n[:300]}`" for n in _first_of_each_kind(r["notes"], 3)[:20]] + [""]
     return "\n".join(out)
+
+
+def _first_of_each_kind(notes: list[str], keep: int) -> list[str]:
+    """``notes``, at most ``keep`` of each ``"cause: operation: error"``."""
+    seen: dict[str, int] = {}
+    kept = []
+    for note in notes:
+        parts = note.split(": ")
+        kind = ": ".join(parts[:3]) if len(parts) > 3 else note
+        seen[kind] = seen.get(kind, 0) + 1
+        if seen[kind] <= keep:
+            kept.append(note)
+    return kept
 
 
 def replace_soak_section(page: str, soak: dict[str, Any]) -> str:

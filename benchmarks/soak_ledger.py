@@ -374,6 +374,12 @@ MUST_BE_ZERO = (
 )
 
 
+def note_kind(line: str) -> str:
+    """What a note is about: ``"cause: operation: error"`` for a failed request's."""
+    parts = line.split(": ")
+    return ": ".join(parts[:3]) if len(parts) > 3 else line
+
+
 @attrs.define
 class Ledger:
     """Every count of the run; :data:`MUST_BE_ZERO` names the ones that must stay 0."""
@@ -395,7 +401,10 @@ class Ledger:
     pull_seconds: list[float] = attrs.field(factory=list)
 
     def note(self, line: str) -> None:
-        if len(self.notes) < 50:
+        """Keep ``line`` for the report: the first 3 of each kind (see
+        :func:`note_kind`), 50 in all."""
+        kind = note_kind(line)
+        if len(self.notes) < 50 and sum(note_kind(n) == kind for n in self.notes) < 3:
             self.notes.append(line)
 
     def hang(self, operation: str, bound: float, what: str) -> None:
