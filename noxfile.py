@@ -1,4 +1,5 @@
-"""Sessions: ``tests`` (the CI gate), ``lint``, ``typecheck``, ``demo``, ``docs``, ``bench``.
+"""Sessions: ``tests`` (the CI gate), ``lint``, ``typecheck``, ``demo``, ``docs``, ``bench``,
+``soak`` (10 minutes across test hosts, as root; not run by default).
 
 torch is installed first, pinned to the CPU build that these machines keep
 on local disk (about 35 s instead of a multi-GB CUDA download); on a GPU host
@@ -32,6 +33,7 @@ STARTABLE = ",".join(
         "hold_registration",
         "watch_engines",
         "_held",
+        "run_slot",
     ]
 )
 
@@ -97,6 +99,28 @@ def bench(session: nox.Session) -> None:
         "benchmarks/pd_bench.py",
         "--json",
         "docs/performance.json",
+        "--markdown",
+        "docs/performance.md",
+        *session.posargs,
+        env={"NIXL_LOG_LEVEL": "WARN", "PYTHONPATH": "benchmarks"},
+    )
+
+
+@nox.session
+def soak(session: nox.Session) -> None:
+    """A 600 s soak across test hosts (root) under faults; rewrites its docs section.
+
+    Real engines on test hosts while producers are killed, links cut and
+    forged requests sent; every must-be-zero count must be 0. Rewrites the
+    soak's section of docs/performance.md and docs/soak.json.
+    ``nox -s soak -- --seconds 60`` for a shorter run, ``--seed S`` to repeat one.
+    """
+    install_project(session)
+    session.run(
+        "python",
+        "benchmarks/soak.py",
+        "--json",
+        "docs/soak.json",
         "--markdown",
         "docs/performance.md",
         *session.posargs,

@@ -958,9 +958,13 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     if args.markdown:
-        from render_performance import render
+        from render_performance import render, replace_soak_section
 
-        args.markdown.write_text(render(results))
+        page = render(results)
+        soak = args.markdown.parent / "soak.json"  # the soak's last result (nox -s soak)
+        if soak.exists():
+            page = replace_soak_section(page, json.loads(soak.read_text()))
+        args.markdown.write_text(page)
     print(json.dumps(results["results"], indent=2))
     if results["failed"]:
         sys.exit(f"benchmarks failed: {', '.join(results['failed'])}")

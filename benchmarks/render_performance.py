@@ -561,6 +561,142 @@ FINDINGS = """## What we found
 """
 
 
+SOAK_HEADING = "## Soak across hosts"
+
+MUST_BE_ZERO_NAMES = {
+    "wrong_bytes": "wrong bytes (pulled bytes that differ from what the producer wrote)",
+    "late_writes": "late writes (a decode block written after its pull ended and settled)",
+    "hangs": "hangs (an operation past its documented bound)",
+    "stranded_exposures": "stranded exposures (pending on a producer after the drain period)",
+    "stranded_decode_blocks": (
+        "stranded decode blocks (unsettled or not returned after the settle period)"
+    ),
+    "valid_failed_by_forged": "valid requests failed by forged ones",
+    "unexplained_failures": "valid requests failed with no fault to explain it",
+    "unreachable_after_start_in_cut": (
+        "valid requests failed because their producer started while its link was cut "
+        "(unreachable for its life: a bug this soak found)"
+    ),
+    "forged_accepted": "forged requests that succeeded",
+    "unexpected_errors": "unexpected errors (exceptions no operation documents)",
+}
+
+
+def render_soak(r: dict[str, Any]) -> str:
+    """The soak's section of docs/performance.md (``benchmarks/soak.py``'s result)."""
+    m, p, f, c = r["machine"], r["pulls"], r["faults"], r["config"]
+    cancel = "-".join(f"{s * 1e3:g}" for s in c["cancel_after"])
+    cut = "-".join(f"{s:g}" for s in c["cut_for"])
+    zero = r["must_be_zero"]
+    verdict = "every must-be-zero count is 0" if r["ok"] else "**FAILED: see the counts**"
+    out = [
+        SOAK_HEADING,
+        "",
+        f"{r['date']}, {r['run_seconds']:g} s, seed {r['seed']}: {verdict}. Machine: "
+        f"{m['cpu']}, {m['cores']} cores, {m['memory_GiB']} GiB, Python {m['python']}, "
+        + ", ".join(f"{k} {v}" for k, v in m["versions"].items())
+        + f". Command: `{r['command']}` (`nox -s soak`; `nox -s soak -- --seconds N` for a "
+        "shorter run, `--seed S` to repeat one).",
+        "",
+        f"{c['hosts']} prefill engines, each a process of its own in a test host "
+        "(a network namespace behind a veth link; the last link limited to "
+        f"{c['slow_link']}), and a decoder in the root namespace; UCX over TCP "
+        f"(link traffic {', '.join(f'{mb:g} MB' for mb in r['link_MB'])}), real ZeroMQ "
+        f"side channels, signed exposures. {c['clients']} clients pull at once "
+        f"(held or not, cancelled after {cancel} ms or not, or abandoned), verifying every "
+        f"byte, while producers are killed and restarted ({f['producer kills']} kills) and "
+        f"links cut for {cut} s ({f['link cuts']} cuts, {f['seconds cut']:g} s in all), and "
+        f"{c['forgers']} forgers send forged requests. Each operation runs under "
+        "its documented bound (`benchmarks/soak_ledger.py`: pull "
+        f"{r['bounds_s']['pull']:g} s, abandon {r['bounds_s']['abandon, hold exit']:g} s, "
+        f"wait_settled {r['bounds_s']['wait_settled']:g} s after the pull); a valid request "
+        "that fails is classified by the fault timeline (its producer killed, or its link "
+        f"cut, within its run or {r['bounds_s']['fault aftermath']:g} s before it), never "
+        "by its error.",
+        "",
+        _table(["must be 0", "count"], [[MUST_BE_ZERO_NAMES[k], v] for k, v in zero.items()]),
+        "",
+        _table(
+            ["pulls", ""],
+            [
+                ["succeeded (bytes verified)", p["succeeded"]],
+                ["per second", p["per_second"]],
+                ["MB/s", p["MB_per_second"]],
+                ["latency p50 / p99 / max, ms", f"{p['p50_ms']} / {p['p99_ms']} / {p['max_ms']}"],
+                ["cancelled mid-way", p["cancelled"]],
+                ["ended with a transfer still running (settled later)", p["ended_unsettled"]],
+                [
+                    "read, but the exposure expired in a fault (notification lost)",
+                    p["read_but_expired_in_a_fault"],
+                ],
+                [
+                    "read after its lease ran out (not held, pulled late)",
+                    p["read_after_its_lease_ran_out"],
+                ],
+            ],
+        ),
+        "",
+        "Valid requests that failed because of a fault (expected):",
+        "",
+        _table(
+            ["cause: operation: error", "count"],
+            [[k, v] for k, v in r["expected_failures"].items()] or [["(none)", 0]],
+        ),
+        "",
+        "Forged requests (kind -> how they failed):",
+        "",
+        _table(["forgery -> result", "count"], [[k, v] for k, v in r["forged"].items()]),
+        "",
+        "Exposures: "
+        + ", ".join(f"{k} {v}" for k, v in r["exposures"].items())
+        + ". Requests by how they were consumed: "
+        + ", ".join(f"{k} {v}" for k, v in r["modes"].items())
+        + ".",
+        "",
+    ]
+    if zero.get("unreachable_after_start_in_cut"):
+        out += [
+            f"**A bug this run found:** {f['producer starts during a cut']} producer(s) "
+            "started while their link was cut. A NIXL agent whose UCX context starts "
+            "while the host's interface is down advertises loopback only; once the link "
+            "is back, its side channel answers but every consumer's `add_remote_agent` "
+            "fails (`NIXL_ERR_BACKEND`, UCX: destination unreachable), for the life of "
+            "the producer process: its requests fail until it is restarted.",
+            "",
+        ]
+    if r.get("findings"):
+        out += [
+            "Bugs found outside the connector, in `trio_pd.testing` (reported, not counted "
+            "above: the soak treats them as what they should have been):",
+            "",
+            _table(["finding", "count"], [[k, v] for k, v in r["findings"].items()]),
+            "",
+        ]
+    if r["notes"]:
+        out += ["Notes from this run (the first of each kind):", ""]
+        out += [f"* `{n[:300]}`" for n in _first_of_each_kind(r["notes"], 3)[:20]] + [""]
+    return "\n".join(out)
+
+
+def _first_of_each_kind(notes: list[str], keep: int) -> list[str]:
+    """``notes``, at most ``keep`` of each ``"cause: operation: error"``."""
+    seen: dict[str, int] = {}
+    kept = []
+    for note in notes:
+        parts = note.split(": ")
+        kind = ": ".join(parts[:3]) if len(parts) > 3 else note
+        seen[kind] = seen.get(kind, 0) + 1
+        if seen[kind] <= keep:
+            kept.append(note)
+    return kept
+
+
+def replace_soak_section(page: str, soak: dict[str, Any]) -> str:
+    """``page`` with its soak section (the last one) replaced by, or ended with, ``soak``'s."""
+    head = page.split("\n" + SOAK_HEADING + "\n", 1)[0].rstrip("\n")
+    return head + "\n\n" + render_soak(soak)
+
+
 if __name__ == "__main__":
     with open(sys.argv[1]) as results_file:
         print(render(json.load(results_file)))

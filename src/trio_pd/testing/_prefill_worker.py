@@ -121,11 +121,17 @@ def _jsonable(value: object) -> object:
         return sorted(value) if isinstance(value, frozenset | set) else list(value)
     if isinstance(value, CurveAuth):
         return attrs.asdict(value, recurse=False)
+    if isinstance(value, bytes):  # exposure_secret: hex (see _config_from_overrides)
+        return value.hex()
     raise TypeError(f"{type(value).__name__} is not JSON-able")
 
 
 def config_overrides(config: ConnectorConfig) -> dict[str, Any]:
-    """``config`` as JSON-able keyword arguments of :class:`ConnectorConfig`."""
+    """``config`` as JSON-able keyword arguments of :class:`ConnectorConfig`.
+
+    An ``exposure_secret`` travels as hex (in the worker's command line: a
+    test tool's secret, not a deployment's).
+    """
     loaded: dict[str, Any] = json.loads(
         json.dumps(attrs.asdict(config, recurse=False), default=_jsonable)
     )
@@ -136,6 +142,8 @@ def _config_from_overrides(overrides: Mapping[str, Any]) -> ConnectorConfig:
     values = dict(overrides)
     if values.get("auth") is not None:
         values["auth"] = CurveAuth(**values["auth"])
+    if isinstance(values.get("exposure_secret"), str):
+        values["exposure_secret"] = bytes.fromhex(values["exposure_secret"])
     return ConnectorConfig(**values)
 
 
