@@ -398,8 +398,14 @@ class PrefillWorker:
         cid, self._next_id = self._next_id, self._next_id + 1
         pending = self._pending[cid] = _Pending()
         assert self.process.stdin is not None
-        async with self._send_lock:
-            await self.process.stdin.send_all(json.dumps({"id": cid, **command}).encode() + b"\n")
+        try:
+            async with self._send_lock:
+                line = json.dumps({"id": cid, **command}).encode() + b"\n"
+                await self.process.stdin.send_all(line)
+        except (trio.ClosedResourceError, trio.BrokenResourceError) as exc:
+            # It went away while this command waited to be sent (found by the soak).
+            self._pending.pop(cid, None)
+            raise WorkerError(f"worker {self.engine_id!r} is gone: {self._dead or exc}") from None
         try:
             await pending.done.wait()
         finally:
