@@ -22,7 +22,7 @@ class UsageError(Exception):
 
 def add_etcd_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--etcd", default="", metavar="URL", help="etcd membership (not wired yet: an error)"
+        "--etcd", default="", metavar="URL", help="cluster membership on etcd (its client URL)"
     )
     parser.add_argument(
         "--etcd-prefix", default="/trio_pd/", metavar="PREFIX", help="key prefix in etcd"
@@ -39,7 +39,7 @@ def membership_from_args(args: argparse.Namespace) -> Membership | None:
     ``args.etcd_prefix`` and ``args.etcd_ttl``.
 
     Raises:
-        UsageError: ``--etcd`` was given (not wired yet), or a bad etcd flag.
+        UsageError: a bad etcd flag.
     """
     if args.etcd_ttl <= 0:
         raise UsageError("--etcd-ttl must be > 0")
