@@ -636,13 +636,19 @@ class Soak:
         """Send one forged request; it must fail."""
         request_id, _ = self.next_id("f")
         if kind.startswith("abandon"):
-            self.ledger.forged[f"{kind} -> sent"] += 1
-            await self.bounded(
-                "forged abandon",
-                self.config.abandon_bound,
-                request_id,
-                lambda: self.decoder.abandon(forged),
-            )
+            try:
+                await self.bounded(
+                    "forged abandon",
+                    self.config.abandon_bound,
+                    request_id,
+                    lambda: self.decoder.abandon(forged),
+                )
+            except trio_pd.ParamsRejectedError:
+                # The decoder has the secret: it refuses to send a forged
+                # abandon at all (the producer would refuse it too).
+                self.ledger.forged[f"{kind} -> refused before sending"] += 1
+            else:
+                self.ledger.forged[f"{kind} -> sent"] += 1
             return
         local = await self.allocate(len(forged.block_ids), request_id)
         if local is None:

@@ -51,7 +51,7 @@ async def test_overload_impossible_and_forged_requests_strand_nothing(tmp_path: 
                     ({**params, "remote_block_ids": [7, 7, 7]}, 400,
                      "kv_transfer_params.remote_token"),
                     ({**params, "remote_block_ids": [1]}, 400,
-                     "kv_transfer_params.remote_block_ids"),  # (not the prompt's count)
+                     "kv_transfer_params.remote_token"),  # (the count is checked after)
                 ]  # fmt: skip
                 for fake, status, param in forged:
                     response = await client.post(
@@ -66,6 +66,21 @@ async def test_overload_impossible_and_forged_requests_strand_nothing(tmp_path: 
                     json={"prompt": prompt, "max_tokens": 3, "kv_transfer_params": params},
                 )
                 assert response.status_code == 200, response.text
+                # Real parameters for another prompt: a 400 naming the block ids,
+                # and the prefill engine gets its blocks back (abandoned).
+                response = await client.post(
+                    f"{prefill}/v1/completions",
+                    json={"prompt": prompt, "kv_transfer_params": {"do_remote_decode": True}},
+                )
+                other = response.json()["kv_transfer_params"]
+                response = await client.post(
+                    f"{decode}/v1/completions",
+                    json={"prompt": "z" * 100, "kv_transfer_params": other},
+                )
+                assert response.status_code == 400, response.text
+                assert response.json()["error"]["param"] == "kv_transfer_params.remote_block_ids"
+                with trio.fail_after(5):
+                    await wait_for(client, prefill, "trio_pd_exposures_abandoned_total", 1)
                 # Bad bodies are 4xx with a JSON error, never a 500.
                 for raw in (json.dumps({"prompt": "\ud800abc"}), '{"prompt": 5}', "[]"):
                     response = await client.post(f"{proxy}/v1/completions", content=raw)
@@ -81,8 +96,8 @@ async def test_overload_impossible_and_forged_requests_strand_nothing(tmp_path: 
                 assert "2500 tokens" in error["message"]
                 on_prefill = await scrape(client, prefill)
                 assert on_prefill["trio_pd_serve_kv_blocks_free"] == POOL
-                # (one prefill so far: the forged-parameters check's own)
-                assert on_prefill["trio_pd_serve_requests_total{kind=prefill,outcome=ok}"] == 1
+                # (two prefills so far: the parameter checks' own)
+                assert on_prefill["trio_pd_serve_requests_total{kind=prefill,outcome=ok}"] == 2
                 assert (await complete(client, proxy, prompt="ordinary", max_tokens=4))["usage"]
 
                 # 40 clients whose requests cannot all fit in the decode pool

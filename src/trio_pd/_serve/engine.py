@@ -52,7 +52,7 @@ from prometheus_client import (
 )
 
 from .._connector import Connector
-from .._errors import IncompatibleEngineError
+from .._errors import IncompatibleEngineError, ParamsRejectedError
 from .._groups import first_failure_wins
 from .._records import RemoteBlocks
 from .asgi import HTTPError
@@ -305,6 +305,8 @@ class Engine:
                     for connector in connectors:
                         try:
                             await holds.enter_async_context(connector.hold(remote))
+                        except ParamsRejectedError:
+                            raise  # (a 400 naming the field)
                         except ValueError as exc:  # (the same parameters in two requests)
                             raise HTTPError(
                                 409, str(exc), "invalid_request_error", param="kv_transfer_params"
