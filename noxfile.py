@@ -114,8 +114,10 @@ def soak(session: nox.Session) -> None:
     forged requests sent; every must-be-zero count must be 0. Rewrites the
     soak's section of docs/performance.md and docs/soak.json.
     ``nox -s soak -- --seconds 60`` for a shorter run, ``--seed S`` to repeat one.
+    First the soak's own short test (``pytest -m soak``), then the soak.
     """
-    install_project(session)
+    install_project(session, "test")
+    session.run("pytest", "-m", "soak", "tests/test_soak.py", env={"NIXL_LOG_LEVEL": "WARN"})
     session.run(
         "python",
         "benchmarks/soak.py",

@@ -172,7 +172,7 @@ async def test_the_proxy_serves_exactly_what_one_engine_would(
             assert await process.wait() == 0
 
 
-async def test_bad_requests_get_clear_errors_and_the_engines_keep_serving(
+async def bad_requests_get_clear_errors_and_the_engines_keep_serving(
     deployment: dict[str, Any],
 ) -> None:
     proxy, [decode] = deployment["proxy"], deployment["decode"]
@@ -233,12 +233,18 @@ async def test_bad_requests_get_clear_errors_and_the_engines_keep_serving(
             assert (await complete(client, proxy, **body))["usage"]["completion_tokens"] == 3
 
 
-async def test_a_client_that_disconnects_cancels_its_request_end_to_end(
+async def a_client_that_disconnects_cancels_its_request_end_to_end(
     deployment: dict[str, Any],
 ) -> None:
     proxy, [prefill], [decode] = deployment["proxy"], deployment["prefill"], deployment["decode"]
     body = json.dumps({"prompt": "y" * 40, "max_tokens": MAX_TOKENS, "stream": True}).encode()
     host, port = proxy.removeprefix("http://").rsplit(":", 1)
+    ok, disconnected = (
+        f"trio_pd_serve_requests_total{{kind=decode,outcome={outcome}}}"
+        for outcome in ("ok", "disconnected")
+    )
+    async with httpx2.AsyncClient(timeout=30) as client:
+        before = await scrape(client, decode)
     with trio.fail_after(60):
         # A bare HTTP/1.1 client: it reads until the first token, then hangs up.
         tcp = await trio.open_tcp_stream(host, int(port))
@@ -256,18 +262,19 @@ async def test_a_client_that_disconnects_cancels_its_request_end_to_end(
             # went back to both pools (the exposure was read before decoding).
             while True:
                 on_decode, on_prefill = await scrape(client, decode), await scrape(client, prefill)
-                if on_decode.get("trio_pd_serve_requests_total{kind=decode,outcome=disconnected}"):
+                if on_decode.get(disconnected, 0) > before.get(disconnected, 0):
                     break
                 await trio.sleep(0.05)
-            assert "trio_pd_serve_requests_total{kind=decode,outcome=ok}" not in on_decode
+            assert on_decode.get(ok, 0) == before.get(ok, 0)
             while on_prefill["trio_pd_serve_kv_blocks_free"] < NUM_BLOCKS:
                 await trio.sleep(0.05)
                 on_prefill = await scrape(client, prefill)
             assert on_decode["trio_pd_serve_kv_blocks_free"] == NUM_BLOCKS
-            assert on_decode["trio_pd_pulls_succeeded_total"] == 1
+            pulled = "trio_pd_pulls_succeeded_total"
+            assert on_decode[pulled] == before.get(pulled, 0) + 1
 
 
-async def test_sigterm_lets_requests_in_flight_finish_then_stops(
+async def sigterm_lets_requests_in_flight_finish_then_stops(
     deployment: dict[str, Any],
 ) -> None:
     proxy, process = deployment["proxy"], deployment["process"]
@@ -287,6 +294,18 @@ async def test_sigterm_lets_requests_in_flight_finish_then_stops(
                 done = done or line == "data: [DONE]"
         assert (tokens, done) == (400, True)
         assert await process.wait() == 0
+
+
+async def test_bad_requests_a_client_that_disconnects_and_sigterm_on_one_deployment(
+    deployment: dict[str, Any],
+) -> None:
+    """Three stories on one deployment (each start costs seconds): bad requests
+    get clear errors and the engines keep serving; a client that disconnects
+    cancels its request end to end (every block back in both pools); SIGTERM
+    lets a request in flight finish, then stops."""
+    await bad_requests_get_clear_errors_and_the_engines_keep_serving(deployment)
+    await a_client_that_disconnects_cancels_its_request_end_to_end(deployment)
+    await sigterm_lets_requests_in_flight_finish_then_stops(deployment)
 
 
 async def test_a_prefill_engine_killed_under_load_fails_only_its_requests(
