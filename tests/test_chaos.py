@@ -80,7 +80,7 @@ import socket
 import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import attrs
 import hypothesis
@@ -93,13 +93,19 @@ from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
     invariant,
-    precondition,
     rule,
 )
 from trio_util import AsyncValue
 
 import trio_pd
-from trio_pd.testing import MemoryFabric, MemoryFaults, fill_blocks, mismatched_blocks
+from trio_pd._engines import EngineRecord
+from trio_pd.testing import (
+    LoopStallMonitor,
+    MemoryFabric,
+    MemoryFaults,
+    fill_blocks,
+    mismatched_blocks,
+)
 
 pytest_plugins = ["trio_pd.testing.fixtures"]
 
@@ -118,6 +124,11 @@ CONFIG = trio_pd.ConnectorConfig(
 )
 SLACK = 0.4
 """What a busy 2-core machine may add to any bound (scheduling, ZeroMQ round trips)."""
+TICK = 0.01
+STARVED = 0.1
+"""A promise about time is excused if the process waited this long for the CPU meanwhile."""
+LOOP_CPU_LIMIT = 0.25
+"""No batch of task steps may use this much CPU on the trio thread (a blocking call)."""
 
 HANDSHAKES_PER_PULL = 3
 """A pull waits on at most this many handshakes (``_handshakes.HANDSHAKES_PER_PULL``)."""
@@ -153,6 +164,12 @@ T = TypeVar("T")
 
 def kv_cache(blocks: int) -> list[torch.Tensor]:
     return [torch.zeros((blocks, 2, 8), dtype=torch.float16) for _ in range(2)]
+
+
+async def wait_until(condition: Callable[[], object]) -> None:
+    """Poll ``condition`` (another connector's counters) until true; bound it outside."""
+    while not condition():  # noqa: ASYNC110 -- nothing to wait on: foreign state
+        await trio.sleep(0.01)
 
 
 def unused_port() -> int:
@@ -357,8 +374,6 @@ class Pull:
 
 
 PRODUCER_FAULTS = (
-    "kill",
-    "kill and restart",
     "cut",
     "restore",
     "read_delay",
@@ -368,8 +383,6 @@ PRODUCER_FAULTS = (
     "load_error",
     "hang_loads",
     "clear",
-    "unstoppable reads",
-    "finish unstoppable reads",
 )
 FAULT_VALUES: dict[str, object] = {
     "read_delay": 0.3,
@@ -390,6 +403,10 @@ class ChaosMachine(RuleBasedStateMachine):
     (it tries subsets: "swarm testing"), valid requests meet them.
     """
 
+    reported: ClassVar[list[str]] = []
+    """Every report raised, so that ``test_chaos`` fails even where hypothesis drops
+    one (an exception in the teardown of a case it had already marked invalid)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.trio = TrioThread()
@@ -408,6 +425,9 @@ class ChaosMachine(RuleBasedStateMachine):
         self.jobs_done: trio.Event | None = None
         self.stopping = False
         self.violations: list[str] = []
+        self.excused: list[str] = []
+        self.stalls: list[tuple[float, float]] = []
+        self.loop = LoopStallMonitor()
         self.trace: list[str] = []
         self.counter = itertools.count()
         self.closed_port = 0
@@ -417,8 +437,32 @@ class ChaosMachine(RuleBasedStateMachine):
     def run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         return self.trio.run(fn, *args)
 
-    def violation(self, message: str) -> None:
-        self.violations.append(f"[{trio.current_time():.3f}] {message}")
+    def violation(self, message: str, *, since: float | None = None) -> None:
+        """Record a broken promise (raised at the next check).
+
+        ``since``: the promise is about time, from then until now; if the
+        process was starved of CPU meanwhile (see :meth:`starved`), the
+        violation is excused (counted, printed with ``TRIO_PD_CHAOS_VERBOSE``).
+        """
+        now = trio.current_time()
+        if since is not None and self.starved(since, now) >= STARVED:
+            self.excused.append(f"[{now:.3f}] {message}")
+            return
+        self.violations.append(f"[{now:.3f}] {message}")
+
+    def starved(self, start: float, end: float) -> float:
+        """How long the trio thread waited for the CPU between ``start`` and ``end``."""
+        return sum(max(0.0, min(end, b) - max(start, a)) for a, b in self.stalls)
+
+    async def _watchdog(self) -> None:
+        """Record when this thread gets no CPU (the machine is shared): the bounds
+        promise what trio_pd does with the time it gets, not more."""
+        while True:
+            before = trio.current_time()
+            await trio.sleep(TICK)
+            late = trio.current_time() - before - TICK
+            if late > TICK:
+                self.stalls.append((before + TICK, before + TICK + late))
 
     def start_job(self, fn: Callable[..., Awaitable[object]], *args: Any) -> None:
         """Run ``fn(*args)`` in the background; an exception in it is a violation."""
@@ -468,13 +512,16 @@ class ChaosMachine(RuleBasedStateMachine):
 
     async def close_engine(self, engine: Engine) -> None:
         engine.alive = False
-        engine.closed_at = min(engine.closed_at, trio.current_time())
+        started = trio.current_time()
+        engine.closed_at = min(engine.closed_at, started)
         engine.stop.set()
         try:
             with trio.fail_after(CLOSE_BOUND):
                 await engine.stopped.wait()
         except trio.TooSlowError:
-            self.violation(f"closing {engine.engine_id} took over {CLOSE_BOUND:.2f} s")
+            self.violation(
+                f"closing {engine.engine_id} took over {CLOSE_BOUND:.2f} s", since=started
+            )
             with trio.CancelScope(shield=True):
                 await engine.stopped.wait()
 
@@ -524,24 +571,34 @@ class ChaosMachine(RuleBasedStateMachine):
     def all_consumers(self) -> list[Consumer]:
         return [c for c in self.consumers if c is not None] + self.retired
 
-    def record_state(self, consumer: Consumer, remote: trio_pd.RemoteBlocks) -> trio_pd.EngineState:
-        """The state of the engine record at ``remote``'s address (not a forged one's).
+    def record(self, consumer: Consumer, remote: trio_pd.RemoteBlocks) -> EngineRecord | None:
+        """The engine record at ``remote``'s address (not a forged address's).
 
         (``engine_state()`` answers for the engine id, whatever address a
         forged request named; the machine needs the record valid pulls use.)
         """
         engines = consumer.conn._consumer._handshakes._engines
         engine = engines.get((remote.engine_id, remote.host, remote.port, remote.tp_size, 0))
-        return trio_pd.EngineState.UNKNOWN if engine is None else engine.record.state
+        return None if engine is None else engine.record
 
     def guaranteed(self, consumer: Consumer, exposure: Exposure) -> bool:
         """Whether a valid pull of ``exposure`` starting now must succeed."""
         slot = exposure.producer.slot
         if slot.alive is not exposure.producer or exposure.outcome is not None:
             return False
+        if consumer.closing or not consumer.engine.alive:
+            return False
         if slot.cut or slot.unstoppable or self.faults_of(slot) != MemoryFaults():
             return False
-        state = self.record_state(consumer, exposure.remote)
+        record = self.record(consumer, exposure.remote)
+        state = trio_pd.EngineState.UNKNOWN if record is None else record.state
+        if (
+            AVOID_KNOWN_BUGS
+            and record is not None
+            and record.epoch != exposure.remote.incarnation
+            and trio.current_time() < record.verify_again_at
+        ):
+            return False  # (bug 4: a new incarnation within a verification's window)
         if state is trio_pd.EngineState.BACKOFF:
             return False  # an earlier handshake failed: pulls fail fast (documented)
         busy = (trio_pd.EngineState.FETCHING, trio_pd.EngineState.LOADING)
@@ -550,16 +607,29 @@ class ChaosMachine(RuleBasedStateMachine):
 
     # ---- set-up and tear-down ---------------------------------------------------
 
-    @initialize(signed=st.booleans(), seed=st.integers(0, 1 << 32))
+    @initialize(
+        signed=st.booleans(),
+        backoff=st.sampled_from([CONFIG.backoff_initial, 1.0]),
+        seed=st.integers(0, 1 << 32),
+    )
     @traced
-    def open_engines(self, signed: bool, seed: int) -> None:
+    def open_engines(self, signed: bool, backoff: float, seed: int) -> None:
+        """Open the engines; ``signed``: with an exposure secret; ``backoff``: the
+        backoff after a failed handshake, and the least time between two
+        verifications of an engine's incarnation."""
         self.signed = signed
         self.rng = random.Random(seed)
-        if signed:
-            self.config = attrs.evolve(CONFIG, exposure_secret=SECRET)
+        self.config = attrs.evolve(
+            CONFIG,
+            exposure_secret=SECRET if signed else None,
+            backoff_initial=backoff,
+            backoff_max=max(backoff, CONFIG.backoff_max),
+        )
         self.run(self._open_engines)
 
     async def _open_engines(self) -> None:
+        self.trio.nursery.start_soon(self._watchdog)
+        trio.lowlevel.add_instrument(self.loop)
         for slot in self.slots:
             await self._start_producer(slot)
         for n in range(SLOTS):
@@ -602,7 +672,14 @@ class ChaosMachine(RuleBasedStateMachine):
             e.outcome.name if isinstance(e.outcome, trio_pd.Released) else str(e.outcome)
             for e in self.exposures
         )
-        return f"chaos case: pulls {dict(pulls)}; exposures {dict(outcomes)}"
+        starved = self.starved(-math.inf, math.inf)
+        lines = [
+            f"chaos case: pulls {dict(pulls)}; exposures {dict(outcomes)}; "
+            f"starved {starved:.2f} s in {len(self.stalls)} stalls; "
+            f"{len(self.excused)} timing promises excused for it",
+            *(f"  excused: {e}" for e in self.excused),
+        ]
+        return "\n".join(lines)
 
     async def _teardown(self) -> None:
         self.stopping = True
@@ -613,8 +690,14 @@ class ChaosMachine(RuleBasedStateMachine):
                 self.fabric.restore(slot.engine_id)
                 slot.cut = False
             await self.wait_jobs()
+            if self.loop.longest_cpu > LOOP_CPU_LIMIT:
+                self.violation(
+                    f"a batch of task steps used {self.loop.longest_cpu:.2f} s of CPU on the "
+                    "trio thread (something blocks the loop)"
+                )
             await self._check()
         finally:
+            trio.lowlevel.remove_instrument(self.loop)
             with trio.CancelScope(shield=True):
                 for slot in self.slots:
                     if slot.alive is not None:
@@ -661,7 +744,8 @@ class ChaosMachine(RuleBasedStateMachine):
             if age > bound:
                 self.violation(
                     f"exposure {exposure.request_id} still pending {age:.2f} s after expose "
-                    f"(bound {bound:.2f} s)"
+                    f"(bound {bound:.2f} s); history: {exposure.history()}",
+                    since=exposure.exposed_at,
                 )
                 exposure.outcome = "reported"
         if self.violations:
@@ -670,6 +754,7 @@ class ChaosMachine(RuleBasedStateMachine):
                 ["chaos: promises broken:", *found, "after these steps:", *self.trace]
             )
             print(report)
+            ChaosMachine.reported.append(report)
             raise AssertionError(report)
 
     def _check_consumer(self, consumer: Consumer, *, settled_everywhere: bool) -> None:
@@ -709,7 +794,9 @@ class ChaosMachine(RuleBasedStateMachine):
     # ---- traffic -----------------------------------------------------------------
 
     async def _traffic(self, index: int, rng: random.Random) -> None:
-        """Valid requests from consumer ``index`` until teardown: the victims of the chaos."""
+        """Requests from consumer ``index`` until teardown: fresh exposures pulled at
+        once (some inside a hold, some cancelled), now and then a forged one as well:
+        the valid ones are the victims the promises are about."""
         while not self.stopping:
             await trio.sleep(rng.choice([0.01, 0.03, 0.06]))
             consumer = self.consumers[index]
@@ -720,6 +807,11 @@ class ChaosMachine(RuleBasedStateMachine):
             )
             if exposure is None:
                 continue
+            if rng.random() < 0.05:  # a hostile request, mixed with the valid ones
+                forgery = (rng.choice(FORGERIES), rng.randrange(1 << 32))
+                hostile = self.make_pull(consumer, exposure, forgery)
+                if hostile is not None:
+                    self.start_job(self._pull, hostile)
             roll = rng.random()
             if roll < 0.2:
                 duration = rng.choice([0.0, 0.2, 1.2])
@@ -751,6 +843,8 @@ class ChaosMachine(RuleBasedStateMachine):
         if producer is None or len(producer.free) < size:
             return None
         request_id = self.next_id(f"{slot.engine_id}-r")
+        if AVOID_KNOWN_BUGS and not self.signed:
+            retry = False  # (bug 3: without a secret, stale abandons hit a retried request)
         if retry and slot.old_request_ids:
             request_id = slot.old_request_ids.pop()
         blocks, producer.free = producer.free[:size], producer.free[size:]
@@ -779,7 +873,10 @@ class ChaosMachine(RuleBasedStateMachine):
         except trio.ClosedResourceError:
             outcome = CLOSED
         except trio.TooSlowError:
-            self.violation(f"wait_released({exposure.request_id!r}) did not end in {HELD_BOUND} s")
+            self.violation(
+                f"wait_released({exposure.request_id!r}) did not end in {HELD_BOUND} s",
+                since=exposure.exposed_at,
+            )
             return
         if exposure.outcome == "reported":
             return
@@ -807,7 +904,10 @@ class ChaosMachine(RuleBasedStateMachine):
             return
         bound = HELD_BOUND if exposure.holds else LEASE_BOUND
         if age > bound:
-            self.violation(f"{what} resolved {outcome} after {age:.2f} s (bound {bound:.2f} s)")
+            self.violation(
+                f"{what} resolved {outcome} after {age:.2f} s (bound {bound:.2f} s)",
+                since=exposure.exposed_at,
+            )
         lease_end = exposure.exposed_at + CONFIG.lease_initial
         if outcome is trio_pd.Released.EXPIRED:
             if age < CONFIG.lease_initial - 0.01:
@@ -821,7 +921,8 @@ class ChaosMachine(RuleBasedStateMachine):
                 ):
                     self.violation(
                         f"{what} expired after {age:.2f} s while {hold.consumer.engine.engine_id} "
-                        f"held it (since {hold.start - exposure.exposed_at:.2f} s)"
+                        f"held it (since {hold.start - exposure.exposed_at:.2f} s)",
+                        since=exposure.exposed_at,
                     )
         if outcome is trio_pd.Released.READ and not exposure.read_attempted:
             self.violation(f"{what} resolved READ, but no pull that reads it started")
@@ -839,7 +940,9 @@ class ChaosMachine(RuleBasedStateMachine):
             and (exposure.abandon_at is None or exposure.abandon_at > ok_at)
             and outcome is not trio_pd.Released.READ
         ):
-            self.violation(f"{what} was read in time, but resolved {outcome}")
+            self.violation(
+                f"{what} was read in time, but resolved {outcome}", since=exposure.exposed_at
+            )
         done_at = exposure.abandoned_ok_at
         if (
             done_at is not None
@@ -847,7 +950,9 @@ class ChaosMachine(RuleBasedStateMachine):
             and not exposure.read_attempted
             and outcome is not trio_pd.Released.ABANDONED
         ):
-            self.violation(f"{what} was abandoned in time, but resolved {outcome}")
+            self.violation(
+                f"{what} was abandoned in time, but resolved {outcome}", since=exposure.exposed_at
+            )
 
     @rule(slot=st.integers(0, SLOTS - 1), fault=st.sampled_from(PRODUCER_FAULTS))
     @traced
@@ -858,16 +963,9 @@ class ChaosMachine(RuleBasedStateMachine):
         await trio.lowlevel.checkpoint()
         self.disturb(slot)
         faults = self.faults_of(slot)
-        if fault in ("kill", "kill and restart"):
-            await self._kill_producer(slot, restart=fault == "kill and restart")
-        elif fault in ("cut", "restore"):
+        if fault in ("cut", "restore"):
             slot.cut = fault == "cut"
             (self.fabric.cut if slot.cut else self.fabric.restore)(slot.engine_id)
-        elif fault == "unstoppable reads":
-            slot.unstoppable = faults.unstoppable_reads = True
-        elif fault == "finish unstoppable reads":
-            slot.unstoppable = faults.unstoppable_reads = False
-            self.fabric.finish_unstoppable_reads(slot.engine_id)
         elif fault == "clear":
             for field in attrs.fields(MemoryFaults):
                 if field.name != "unstoppable_reads":
@@ -875,10 +973,49 @@ class ChaosMachine(RuleBasedStateMachine):
         else:
             setattr(faults, fault, FAULT_VALUES.get(fault, True))
 
+    @rule(slot=st.integers(0, SLOTS - 1))
+    @traced
+    def make_reads_unstoppable(self, slot: int) -> None:
+        """From now on, reads from ``slot`` cannot be stopped (a partitioned peer)."""
+        self.run(self._unstoppable, self.slots[slot], True)
+
+    @rule(slot=st.integers(0, SLOTS - 1))
+    @traced
+    def finish_unstoppable_reads(self, slot: int) -> None:
+        """The partition heals: every read held so far lands (late, for some)."""
+        self.run(self._unstoppable, self.slots[slot], False)
+
+    @rule(slot=st.integers(0, SLOTS - 1), seconds=st.sampled_from([0.1, 0.4, 1.0]))
+    @traced
+    def partition(self, slot: int, seconds: float) -> None:
+        """Reads from ``slot`` cannot be stopped for ``seconds`` (traffic goes on:
+        pulls are cancelled or time out meanwhile), then they all land."""
+        self.run(self._partition, self.slots[slot], seconds)
+
+    async def _partition(self, slot: ProducerSlot, seconds: float) -> None:
+        await self._unstoppable(slot, True)
+        await trio.sleep(seconds)
+        await self._unstoppable(slot, False)
+
+    async def _unstoppable(self, slot: ProducerSlot, on: bool) -> None:
+        await trio.lowlevel.checkpoint()
+        self.disturb(slot)
+        slot.unstoppable = self.faults_of(slot).unstoppable_reads = on
+        if not on:
+            self.fabric.finish_unstoppable_reads(slot.engine_id)
+
+    @rule(slot=st.integers(0, SLOTS - 1), restart=st.booleans())
+    @traced
+    def kill_producer(self, slot: int, restart: bool) -> None:
+        """Close ``slot``'s connector; ``restart``: open a new incarnation on its port."""
+        self.run(self._kill_producer, self.slots[slot], restart)
+
     async def _kill_producer(self, slot: ProducerSlot, restart: bool) -> None:
+        await trio.lowlevel.checkpoint()
         producer = slot.alive
         if producer is None:
             return
+        self.disturb(slot)
         slot.alive = None
         await self.close_engine(producer.engine)
         slot.old_request_ids.extend(
@@ -887,10 +1024,10 @@ class ChaosMachine(RuleBasedStateMachine):
         if restart:
             await self._start_producer(slot)
 
-    @precondition(lambda self: any(s.alive is None for s in self.slots))
     @rule(slot=st.integers(0, SLOTS - 1))
     @traced
     def start_producer(self, slot: int) -> None:
+        """Open a new incarnation of a killed producer (no-op if it runs)."""
         self.run(self._restart, self.slots[slot])
 
     async def _restart(self, slot: ProducerSlot) -> None:
@@ -1002,7 +1139,7 @@ class ChaosMachine(RuleBasedStateMachine):
             exposure.read_attempted = True
         if forged is None:
             pull.guaranteed = self.guaranteed(consumer, exposure)
-            pull.dead_at_start = not exposure.producer.engine.alive
+            pull.dead_at_start = exposure.producer.engine.stopped.is_set()
         self.pulls.add(pull)
         exposure.note(
             f"{consumer.engine.engine_id} starts {pull.request_id}"
@@ -1031,7 +1168,10 @@ class ChaosMachine(RuleBasedStateMachine):
                     outcome, error = "closed", exc
         except trio.TooSlowError:
             outcome = "hang"
-            self.violation(f"{self.describe(pull)} did not end within {PULL_BOUND:.2f} s")
+            self.violation(
+                f"{self.describe(pull)} did not end within {PULL_BOUND:.2f} s",
+                since=pull.started_at,
+            )
         finally:
             consumer.pulls_running -= 1
             self.pulls.discard(pull)
@@ -1065,7 +1205,10 @@ class ChaosMachine(RuleBasedStateMachine):
             if pull.guaranteed and not pull.disturbed:
                 allowed = {"ok", "cancelled"} if pull.cancel_after is not None else {"ok"}
                 if outcome not in allowed:
-                    self.violation(f"{what}: a valid pull ended {outcome}: {error!r}")
+                    self.violation(
+                        f"{what}: a valid pull ended {outcome}: {error!r}",
+                        since=pull.started_at - CONFIG.handshake_timeout,
+                    )
             if pull.dead_at_start and outcome == "ok":
                 self.violation(f"{what}: read blocks of an incarnation that is gone")
         named = isinstance(error, trio_pd.ParamsRejectedError | trio_pd.TransferError)
@@ -1153,7 +1296,7 @@ class ChaosMachine(RuleBasedStateMachine):
                     outcome = None
                     try:
                         await trio.sleep(duration)
-                        if pull_inside and consumer.engine.alive:
+                        if pull_inside and not consumer.closing:
                             pull = self.make_pull(consumer, exposure)
                             if pull is not None:
                                 outcome = await self._pull(pull)
@@ -1176,7 +1319,8 @@ class ChaosMachine(RuleBasedStateMachine):
         except trio.TooSlowError:
             self.violation(
                 f"a hold of {exposure.request_id} by {consumer.engine.engine_id} did not end "
-                f"within {bound:.2f} s"
+                f"within {bound:.2f} s",
+                since=span.start,
             )
         finally:
             consumer.held.discard(remote)
@@ -1207,15 +1351,20 @@ class ChaosMachine(RuleBasedStateMachine):
         )
         producer_alive = exposure.producer.engine.alive
         failed = consumer.conn.statistics().abandons_failed
+        started = trio.current_time()
         try:
             with trio.fail_after(ABANDON_BOUND):
                 await consumer.conn.abandon(remote)
         except trio.TooSlowError:
-            self.violation(f"abandon of {exposure.request_id} did not end in {ABANDON_BOUND} s")
+            self.violation(
+                f"abandon of {exposure.request_id} did not end in {ABANDON_BOUND} s", since=started
+            )
             return
         if producer_alive and exposure.producer.engine.alive and consumer.engine.alive:
             if consumer.conn.statistics().abandons_failed != failed:
-                self.violation(f"abandon of {exposure.request_id} failed, its producer alive")
+                self.violation(
+                    f"abandon of {exposure.request_id} failed, its producer alive", since=started
+                )
             if not forged and exposure.abandoned_ok_at is None:
                 exposure.abandoned_ok_at = trio.current_time()
 
@@ -1247,10 +1396,10 @@ class ChaosMachine(RuleBasedStateMachine):
         if reopen:
             await self._open_consumer(index)
 
-    @precondition(lambda self: None in self.consumers)
     @rule(consumer=st.integers(0, SLOTS - 1))
     @traced
     def open_consumer(self, consumer: int) -> None:
+        """Open a closed consumer again (no-op if it is open)."""
         if self.consumers[consumer] is None:
             self.run(self._open_consumer, consumer)
 
@@ -1277,7 +1426,7 @@ def chaos_settings() -> tuple[settings, int | None]:
     seed = int(os.environ.get("TRIO_PD_CHAOS_SEED") or random.randrange(1 << 32))
     steps = int(os.environ.get("TRIO_PD_CHAOS_STEPS", "60"))
     phases = list(hypothesis.Phase)
-    if os.environ.get("TRIO_PD_CHAOS_SHRINK", "1") == "0":
+    if os.environ.get("TRIO_PD_CHAOS_SHRINK") != "1":  # (real clock: replays differ)
         phases.remove(hypothesis.Phase.shrink)
     return settings(
         max_examples=int(examples),
@@ -1297,7 +1446,9 @@ def test_chaos() -> None:
     if CHAOS_SEED is not None:
         print(f"chaos seed: {CHAOS_SEED} (replay with TRIO_PD_CHAOS_SEED={CHAOS_SEED})")
         machine = hypothesis.seed(CHAOS_SEED)(ChaosMachine)
+    ChaosMachine.reported.clear()
     hypothesis.stateful.run_state_machine_as_test(machine, settings=CHAOS_SETTINGS)
+    assert not ChaosMachine.reported, "\n\n".join(ChaosMachine.reported)
 
 
 # ---- bugs the machine found, pinned -------------------------------------------------
@@ -1364,8 +1515,14 @@ async def test_closing_a_consumer_during_an_abandon_leaves_other_connectors_alon
 async def test_a_forged_hold_does_not_end_a_valid_hold_of_the_same_request(
     memory_fabric: MemoryFabric,
 ) -> None:
-    signed = attrs.evolve(PINNED, exposure_secret=SECRET)
-    with trio.fail_after(10):
+    signed = attrs.evolve(
+        PINNED,
+        exposure_secret=SECRET,
+        lease_initial=1.0,
+        lease_renewal=1.0,
+        heartbeat_interval=0.25,
+    )
+    with trio.fail_after(15):
         async with (
             trio_pd.open_connector(
                 "p", small_kv(), config=signed, backend=memory_fabric.backend
@@ -1377,8 +1534,67 @@ async def test_a_forged_hold_does_not_end_a_valid_hold_of_the_same_request(
             remote = p.expose("r", [1])
             async with d.hold(remote):
                 async with d.hold(attrs.evolve(remote, token="f" * 32)):
-                    await trio.sleep(0.3)  # its heartbeats are refused
-                await trio.sleep(3 * PINNED.lease_initial)
+                    await wait_until(lambda: p.statistics().leases_refused)  # refused once
+                await trio.sleep(3 * signed.lease_initial)
                 assert p.statistics().exposures_pending == 1, "expired while held"
                 await d.pull("r", [2], remote)
             assert await p.wait_released("r") is trio_pd.Released.READ
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug 3: without exposure_secret, a producer applies lease entries by request id "
+    "alone (_producer._serve_leases): an abandon (or a hold's renewals) meant for a dead "
+    "incarnation's exposure reaches the restarted producer on the same port and abandons "
+    "its exposure of the same request id (a proxy's retry), although the entry names the "
+    "old incarnation",
+)
+async def test_an_abandon_for_a_dead_incarnation_spares_the_restarted_producers_exposure(
+    memory_fabric: MemoryFabric,
+) -> None:
+    with trio.fail_after(10):
+        async with trio_pd.open_connector(
+            "d", small_kv(), config=PINNED, backend=memory_fabric.backend
+        ) as d:
+            async with trio_pd.open_connector(
+                "p", small_kv(), config=PINNED, backend=memory_fabric.backend
+            ) as first:
+                port = first.address[1]
+                old = first.expose("r", [1])
+            async with trio_pd.open_connector(
+                "p", small_kv(), port=port, config=PINNED, backend=memory_fabric.backend
+            ) as second:
+                second.expose("r", [2])  # the proxy retries request r on the new incarnation
+                await d.abandon(old)  # the decoder gives up the request it got first
+                await trio.sleep(0.1)
+                assert second.statistics().exposures_pending == 1, "abandoned by a stale abandon"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug 4: _engines.EngineRecord.on_pull rate-limits verifications (one per "
+    "backoff_initial) by answering GONE in between, so for backoff_initial after a request "
+    "with a forged incarnation made the consumer verify, a valid request of the producer's "
+    "new incarnation (it restarted meanwhile) fails with TransferError 'engine runs "
+    "incarnation <dead one>, not <live one> ... the blocks are gone', without asking",
+)
+async def test_a_forged_incarnation_does_not_fail_the_next_incarnations_valid_request(
+    memory_fabric: MemoryFabric,
+) -> None:
+    with trio.fail_after(10):
+        async with trio_pd.open_connector(
+            "d", small_kv(), config=PINNED, backend=memory_fabric.backend
+        ) as d:
+            async with trio_pd.open_connector(
+                "p", small_kv(), config=PINNED, backend=memory_fabric.backend
+            ) as first:
+                port = first.address[1]
+                await d.pull("warm", [0], first.expose("warm", [0]))
+                forged = attrs.evolve(first.expose("x", [1]), incarnation="0" * 16)
+                with pytest.raises(trio_pd.TransferError, match="not 0000000000000000"):
+                    await d.pull("forged", [1], forged)  # one verification: refuted
+            # the producer restarts at once (within backoff_initial of that verification)
+            async with trio_pd.open_connector(
+                "p", small_kv(), port=port, config=PINNED, backend=memory_fabric.backend
+            ) as second:
+                await d.pull("valid", [2], second.expose("valid", [2]))
