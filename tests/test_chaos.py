@@ -104,7 +104,10 @@ from trio_pd.testing import (
     MemoryFabric,
     MemoryFaults,
     fill_blocks,
+    fill_heads,
+    free_port_range,
     mismatched_blocks,
+    mismatched_heads,
 )
 
 pytest_plugins = ["trio_pd.testing.fixtures"]
@@ -152,7 +155,12 @@ HELD_BOUND = CONFIG.abort_timeout + POLL + SLACK
 
 PRODUCER_BLOCKS = 48
 CONSUMER_BLOCKS = 24
-SLOTS = 2
+PRODUCERS = (("p0", 1), ("p1", 2))
+"""Producer engines and their tensor-parallel sizes (the consumers have TP 1: a pull
+of p1 reads both of its ranks, each into its half of the heads)."""
+SLOTS = len(PRODUCERS)
+CONSUMERS = 2
+KV_HEADS = 2
 SENTINEL_SEEDS = 1 << 40
 VERBOSE = bool(os.environ.get("TRIO_PD_CHAOS_VERBOSE"))
 AVOID_KNOWN_BUGS = os.environ.get("TRIO_PD_CHAOS_KNOWN_BUGS") != "1"
@@ -162,8 +170,9 @@ looks for new ones (``TRIO_PD_CHAOS_KNOWN_BUGS=1`` walks into them again)."""
 T = TypeVar("T")
 
 
-def kv_cache(blocks: int) -> list[torch.Tensor]:
-    return [torch.zeros((blocks, 2, 8), dtype=torch.float16) for _ in range(2)]
+def kv_cache(blocks: int, heads: int = KV_HEADS) -> list[torch.Tensor]:
+    """Two regions of ``blocks`` blocks, ``heads`` KV heads of 16 bytes each."""
+    return [torch.zeros((blocks, heads, 8), dtype=torch.float16) for _ in range(2)]
 
 
 async def wait_until(condition: Callable[[], object]) -> None:
@@ -270,7 +279,9 @@ class ProducerSlot:
     """A producer engine id and its port; its incarnations come and go."""
 
     engine_id: str
+    tp: int = 1
     port: int = 0
+    """The engine's base port (rank r listens on ``port + r``)."""
     alive: Producer | None = None
     cut: bool = False
     unstoppable: bool = False
@@ -282,14 +293,30 @@ class ProducerSlot:
 
 @attrs.define(eq=False)
 class Producer:
-    """One incarnation of a producer slot."""
+    """One incarnation of a producer slot: one connector per tensor-parallel rank
+    (started and killed together, as an engine's ranks are)."""
 
     slot: ProducerSlot
-    engine: Engine
-    incarnation: str
+    ranks: list[Engine]
+    agents: list[str]
+    """Each rank's agent name (``engine_id#incarnation``): faults can target one."""
     free: list[int] = attrs.field(factory=lambda: list(range(PRODUCER_BLOCKS)))
     owner: dict[int, Exposure] = attrs.field(factory=dict)
     exposed: int = 0
+
+    @property
+    def incarnation(self) -> str:
+        """Rank 0's incarnation: the one its exposures name."""
+        return self.agents[0].rsplit("#", 1)[1]
+
+    @property
+    def alive(self) -> bool:
+        return all(rank.alive for rank in self.ranks)
+
+    @property
+    def gone(self) -> bool:
+        """Every rank's connector finished closing: its blocks are not readable."""
+        return all(rank.stopped.is_set() for rank in self.ranks)
 
 
 @attrs.define(eq=False)
@@ -305,8 +332,14 @@ class Exposure:
     remote: trio_pd.RemoteBlocks
     seed: int
     exposed_at: float
+    consumers: int = 1
+    """How many consumer engines must read (or abandon) it."""
+    readers: set[Engine] = attrs.field(factory=set)
+    """Consumer connectors whose pull of it succeeded."""
     outcome: trio_pd.Released | str | None = None
-    resolved_at: float = math.inf
+    """The first outcome of a rank (``None``: every rank is pending)."""
+    resolved: dict[int, tuple[trio_pd.Released | str, float]] = attrs.field(factory=dict)
+    """Each resolved rank's outcome and when it resolved."""
     reused: bool = False
     """Some of its producer blocks were filled for a later exposure."""
     read_attempted: bool = False
@@ -390,6 +423,7 @@ FAULT_VALUES: dict[str, object] = {
     "read_error": "NIXL_ERR_BACKEND (chaos)",
     "load_error": "NIXL_ERR_NOT_FOUND (chaos)",
 }
+RANK_FAULTS = ("read_delay", "hang_reads", "read_error")
 FORGERIES = ("incarnation", "block_ids", "request_id", "port", "engine_id", "tp_size", "token")
 
 
@@ -414,8 +448,8 @@ class ChaosMachine(RuleBasedStateMachine):
         self.config = CONFIG
         self.signed = False
         self.rng = random.Random(0)
-        self.slots = [ProducerSlot(f"p{n}") for n in range(SLOTS)]
-        self.consumers: list[Consumer | None] = [None] * SLOTS
+        self.slots = [ProducerSlot(name, tp) for name, tp in PRODUCERS]
+        self.consumers: list[Consumer | None] = [None] * CONSUMERS
         self.retired: list[Consumer] = []
         """Closed consumers whose blocks are not all settled yet (still checked)."""
         self.closed_consumers: list[Consumer] = []
@@ -491,14 +525,23 @@ class ChaosMachine(RuleBasedStateMachine):
     def next_id(self, prefix: str) -> str:
         return f"{prefix}{next(self.counter)}"
 
-    async def open_engine(self, engine_id: str, blocks: int, port: int = 0) -> Engine:
+    async def open_engine(
+        self, engine_id: str, blocks: int, port: int = 0, tp_rank: int = 0, tp_size: int = 1
+    ) -> Engine:
+        """Open a connector in a task of its own (closed by :meth:`close_engine`)."""
         stop, stopped = trio.Event(), trio.Event()
-        kv = kv_cache(blocks)
+        kv = kv_cache(blocks, KV_HEADS // tp_size)
 
         async def serve(*, task_status: trio.TaskStatus[trio_pd.Connector]) -> None:
             try:
                 async with trio_pd.open_connector(
-                    engine_id, kv, port=port, config=self.config, backend=self.fabric.backend
+                    engine_id,
+                    kv,
+                    port=port,
+                    tp_rank=tp_rank,
+                    tp_size=tp_size,
+                    config=self.config,
+                    backend=self.fabric.backend,
                 ) as conn:
                     task_status.started(conn)
                     await stop.wait()
@@ -532,7 +575,15 @@ class ChaosMachine(RuleBasedStateMachine):
                 pull.disturbed = True
 
     def faults_of(self, slot: ProducerSlot) -> MemoryFaults:
+        """The faults of every call to ``slot``'s engine (but ranks with their own)."""
         return self.fabric.faults(slot.engine_id)
+
+    def faulty(self, slot: ProducerSlot) -> bool:
+        """Whether any fault is set for ``slot``'s engine or one of its ranks' agents."""
+        assert slot.alive is not None
+        names = [slot.engine_id, *slot.alive.agents]
+        found = [self.fabric._faults.get(name) for name in names]  # (no entry made)
+        return slot.cut or slot.unstoppable or any(f not in (None, MemoryFaults()) for f in found)
 
     def own(self, consumer: Consumer, block: int) -> None:
         """The machine owns ``block`` again: write a fresh sentinel there."""
@@ -561,25 +612,27 @@ class ChaosMachine(RuleBasedStateMachine):
 
     def pick(self, choice: int) -> Exposure | None:
         """A recent exposure not read yet (a fresh one if there is none)."""
-        found = [e for e in self.exposures[-40:] if e.pulled_ok_at is None]
+        found = [e for e in self.exposures[-40:] if len(e.readers) < e.consumers]
         if not found:
             for slot in self.slots:
                 self.expose_now(slot, 1 + choice % 3)
-            found = [e for e in self.exposures[-40:] if e.pulled_ok_at is None]
+            found = [e for e in self.exposures[-40:] if len(e.readers) < e.consumers]
         return found[choice % len(found)] if found else None
 
     def all_consumers(self) -> list[Consumer]:
         return [c for c in self.consumers if c is not None] + self.retired
 
-    def record(self, consumer: Consumer, remote: trio_pd.RemoteBlocks) -> EngineRecord | None:
-        """The engine record at ``remote``'s address (not a forged address's).
-
-        (``engine_state()`` answers for the engine id, whatever address a
-        forged request named; the machine needs the record valid pulls use.)
-        """
+    def records(self, consumer: Consumer, remote: trio_pd.RemoteBlocks) -> list[EngineRecord]:
+        """The engine records of the ranks ``remote`` names, at its address (not a
+        forged address's): ``engine_state()`` answers for the engine id, whatever
+        address a forged request named, and the machine needs the records valid
+        pulls use."""
         engines = consumer.conn._consumer._handshakes._engines
-        engine = engines.get((remote.engine_id, remote.host, remote.port, remote.tp_size, 0))
-        return None if engine is None else engine.record
+        keys = [
+            (remote.engine_id, remote.host, remote.port + rank, remote.tp_size, rank)
+            for rank in range(remote.tp_size)
+        ]
+        return [engines[key].record for key in keys if key in engines]
 
     def guaranteed(self, consumer: Consumer, exposure: Exposure) -> bool:
         """Whether a valid pull of ``exposure`` starting now must succeed."""
@@ -588,22 +641,23 @@ class ChaosMachine(RuleBasedStateMachine):
             return False
         if consumer.closing or not consumer.engine.alive:
             return False
-        if slot.cut or slot.unstoppable or self.faults_of(slot) != MemoryFaults():
+        if self.faulty(slot):
             return False
-        record = self.record(consumer, exposure.remote)
-        state = trio_pd.EngineState.UNKNOWN if record is None else record.state
-        if (
-            AVOID_KNOWN_BUGS
-            and record is not None
-            and record.epoch != exposure.remote.incarnation
-            and trio.current_time() < record.verify_again_at
-        ):
-            return False  # (bug 4: a new incarnation within a verification's window)
-        if state is trio_pd.EngineState.BACKOFF:
-            return False  # an earlier handshake failed: pulls fail fast (documented)
+        now = trio.current_time()
+        recent = now - slot.disturbed_at < CONFIG.handshake_timeout + SLACK
         busy = (trio_pd.EngineState.FETCHING, trio_pd.EngineState.LOADING)
-        recent = trio.current_time() - slot.disturbed_at < CONFIG.handshake_timeout + SLACK
-        return not (state in busy and recent)  # an attempt that began under a fault
+        for record in self.records(consumer, exposure.remote):
+            if record.state is trio_pd.EngineState.BACKOFF:
+                return False  # an earlier handshake failed: pulls fail fast (documented)
+            if record.state in busy and recent:
+                return False  # an attempt that began under a fault
+            if (
+                AVOID_KNOWN_BUGS
+                and record.epoch != exposure.remote.incarnation
+                and now < record.verify_again_at
+            ):
+                return False  # (bug 4: a new incarnation within a verification's window)
+        return True
 
     # ---- set-up and tear-down ---------------------------------------------------
 
@@ -632,21 +686,28 @@ class ChaosMachine(RuleBasedStateMachine):
         trio.lowlevel.add_instrument(self.loop)
         for slot in self.slots:
             await self._start_producer(slot)
-        for n in range(SLOTS):
+        for n in range(CONSUMERS):
             await self._open_consumer(n)
         probe = kv_cache(1)
         async with trio_pd.open_connector(
             "probe", probe, config=self.config, backend=self.fabric.backend
         ) as conn:
             self.closed_port = conn.address[1]  # nobody listens there afterwards
-        for n in range(SLOTS):
+        for n in range(CONSUMERS):
             self.start_job(self._traffic, n, random.Random(self.rng.random()))
 
     async def _start_producer(self, slot: ProducerSlot) -> None:
-        engine = await self.open_engine(slot.engine_id, PRODUCER_BLOCKS, slot.port)
-        slot.port = engine.conn.address[1]
-        incarnation = self.fabric.backends[-1].agent_name.rsplit("#", 1)[1]
-        slot.alive = Producer(slot, engine, incarnation)
+        if slot.tp > 1 and not slot.port:
+            slot.port = free_port_range(slot.tp)
+        ranks, agents = [], []
+        for rank in range(slot.tp):
+            engine = await self.open_engine(
+                slot.engine_id, PRODUCER_BLOCKS, slot.port, rank, slot.tp
+            )
+            ranks.append(engine)
+            agents.append(self.fabric.backends[-1].agent_name)
+        slot.port = ranks[0].conn.address[1]
+        slot.alive = Producer(slot, ranks, agents)
 
     async def _open_consumer(self, n: int) -> None:
         engine = await self.open_engine(f"d{n}", CONSUMER_BLOCKS)
@@ -685,6 +746,9 @@ class ChaosMachine(RuleBasedStateMachine):
         self.stopping = True
         try:
             for slot in self.slots:
+                if slot.alive is not None:
+                    for agent in slot.alive.agents:
+                        self.fabric._faults.pop(agent, None)
                 slot.unstoppable = self.faults_of(slot).unstoppable_reads = False
                 self.fabric.finish_unstoppable_reads(slot.engine_id)
                 self.fabric.restore(slot.engine_id)
@@ -701,7 +765,8 @@ class ChaosMachine(RuleBasedStateMachine):
             with trio.CancelScope(shield=True):
                 for slot in self.slots:
                     if slot.alive is not None:
-                        await self.close_engine(slot.alive.engine)
+                        for engine in slot.alive.ranks:
+                            await self.close_engine(engine)
                 for consumer in self.consumers:
                     if consumer is not None:
                         await self.close_engine(consumer.engine)
@@ -727,27 +792,32 @@ class ChaosMachine(RuleBasedStateMachine):
             producer = slot.alive
             if producer is None:
                 continue
-            stats = producer.engine.conn.statistics()
-            total = (
-                stats.exposures_pending
-                + stats.exposures_released
-                + stats.exposures_expired
-                + stats.exposures_abandoned
-            )
-            if total != producer.exposed:
-                self.violation(f"producer {slot.engine_id}: {stats} add up to {total}")
+            for rank, engine in enumerate(producer.ranks):
+                stats = engine.conn.statistics()
+                total = (
+                    stats.exposures_pending
+                    + stats.exposures_released
+                    + stats.exposures_expired
+                    + stats.exposures_abandoned
+                )
+                if total != producer.exposed:
+                    self.violation(
+                        f"producer {slot.engine_id} rank {rank}: {stats} add up to {total}, "
+                        f"{producer.exposed} exposed"
+                    )
         for exposure in self.exposures:
-            if exposure.outcome is not None or not exposure.producer.engine.alive:
+            if not exposure.producer.alive:
                 continue
             age = now - exposure.exposed_at
             bound = HELD_BOUND if exposure.holds else LEASE_BOUND
-            if age > bound:
-                self.violation(
-                    f"exposure {exposure.request_id} still pending {age:.2f} s after expose "
-                    f"(bound {bound:.2f} s); history: {exposure.history()}",
-                    since=exposure.exposed_at,
-                )
-                exposure.outcome = "reported"
+            for rank in range(exposure.producer.slot.tp):
+                if rank not in exposure.resolved and age > bound:
+                    self.violation(
+                        f"exposure {exposure.request_id} rank {rank} still pending {age:.2f} s "
+                        f"after expose (bound {bound:.2f} s); history: {exposure.history()}",
+                        since=exposure.exposed_at,
+                    )
+                    exposure.resolved[rank] = ("reported", now)
         if self.violations:
             found, self.violations = self.violations, []
             report = "\n".join(
@@ -818,23 +888,32 @@ class ChaosMachine(RuleBasedStateMachine):
                 self.start_job(self._hold, consumer, exposure, exposure.remote, duration, True)
             else:
                 cancel_after = rng.choice([0.0, 0.05, 0.2]) if roll > 0.9 else None
-                pull = self.make_pull(consumer, exposure, None, cancel_after)
+                notify_only = rng.random() < 0.03  # (a full prefix-cache hit)
+                pull = self.make_pull(consumer, exposure, None, cancel_after, notify_only)
                 if pull is not None:
                     self.start_job(self._pull, pull)
 
     # ---- producers ---------------------------------------------------------------
 
-    @rule(slot=st.integers(0, SLOTS - 1), size=st.integers(1, 3), retry=st.booleans())
+    @rule(
+        slot=st.integers(0, SLOTS - 1),
+        size=st.integers(1, 3),
+        retry=st.booleans(),
+        consumers=st.sampled_from([1, 1, 2]),
+    )
     @traced
-    def expose(self, slot: int, size: int, retry: bool) -> None:
-        self.run(self._expose, self.slots[slot], size, retry)
+    def expose(self, slot: int, size: int, retry: bool, consumers: int) -> None:
+        self.run(self._expose, self.slots[slot], size, retry, consumers)
 
-    async def _expose(self, slot: ProducerSlot, size: int, retry: bool) -> None:
+    async def _expose(self, slot: ProducerSlot, size: int, retry: bool, consumers: int) -> None:
         await trio.lowlevel.checkpoint()
-        self.expose_now(slot, size, retry)
+        self.expose_now(slot, size, retry, consumers)
 
-    def expose_now(self, slot: ProducerSlot, size: int, retry: bool = False) -> Exposure | None:
-        """Fill ``size`` free blocks of ``slot``'s producer from a fresh seed and expose them.
+    def expose_now(
+        self, slot: ProducerSlot, size: int, retry: bool = False, consumers: int = 1
+    ) -> Exposure | None:
+        """Fill ``size`` free blocks of ``slot``'s producer from a fresh seed and expose
+        them for ``consumers`` decode engines.
 
         ``retry``: reuse a request id that a dead incarnation exposed (a
         proxy retries a request after its prefill engine restarted).
@@ -853,23 +932,27 @@ class ChaosMachine(RuleBasedStateMachine):
             if previous is not None:
                 previous.reused = True
         seed = next(self.counter)
-        fill_blocks(producer.engine.kv, blocks, seed)
-        remote = producer.engine.conn.expose(request_id, blocks)
-        exposure = Exposure(producer, remote, seed, trio.current_time())
+        remotes = []
+        for rank, engine in enumerate(producer.ranks):  # every rank exposes its heads
+            fill_heads(engine.kv, rank, blocks, seed)
+            remotes.append(engine.conn.expose(request_id, blocks, consumers))
+        exposure = Exposure(producer, remotes[0], seed, trio.current_time(), consumers)
         for block in blocks:
             producer.owner[block] = exposure
         producer.exposed += 1
         self.exposures.append(exposure)
-        self.start_job(self._watch, exposure)
+        for rank in range(slot.tp):
+            self.start_job(self._watch, exposure, rank)
         return exposure
 
-    async def _watch(self, exposure: Exposure) -> None:
-        """Wait for the exposure's outcome, check it, free its producer blocks."""
+    async def _watch(self, exposure: Exposure, rank: int) -> None:
+        """Wait for one rank's outcome of the exposure and check it; once every rank's
+        is known, free its producer blocks."""
         producer = exposure.producer
         outcome: trio_pd.Released | str
         try:
             with trio.fail_after(HELD_BOUND):
-                outcome = await producer.engine.conn.wait_released(exposure.request_id)
+                outcome = await producer.ranks[rank].conn.wait_released(exposure.request_id)
         except trio.ClosedResourceError:
             outcome = CLOSED
         except trio.TooSlowError:
@@ -878,28 +961,34 @@ class ChaosMachine(RuleBasedStateMachine):
                 since=exposure.exposed_at,
             )
             return
-        if exposure.outcome == "reported":
+        if rank in exposure.resolved:  # (reported pending past its bound)
             return
-        exposure.outcome = outcome
-        exposure.resolved_at = trio.current_time()
-        exposure.note(f"resolved {outcome}")
-        self._check_resolution(exposure)
-        if outcome is not CLOSED:
-            producer.free.extend(exposure.remote.block_ids)
-
-    def _check_resolution(self, exposure: Exposure) -> None:
+        resolved_at = trio.current_time()
+        exposure.resolved[rank] = (outcome, resolved_at)
+        if exposure.outcome is None:
+            exposure.outcome = outcome
+        exposure.note(f"rank {rank} resolved {outcome}")
         found = len(self.violations)
-        self._check_outcome(exposure)
+        self._check_outcome(exposure, rank, outcome, resolved_at)
         if len(self.violations) > found:
             self.violations.append(f"  history of {exposure.request_id}: {exposure.history()}")
+        done = len(exposure.resolved) == producer.slot.tp
+        if done and all(o is not CLOSED for o, _ in exposure.resolved.values()):
+            producer.free.extend(exposure.remote.block_ids)
 
-    def _check_outcome(self, exposure: Exposure) -> None:
-        outcome = exposure.outcome
+    def _check_outcome(
+        self,
+        exposure: Exposure,
+        rank: int,
+        outcome: trio_pd.Released | str,
+        resolved_at: float,
+    ) -> None:
+        """What one rank's outcome of ``exposure`` may be, given what happened to it."""
         what = (
             f"exposure {exposure.request_id} of {exposure.producer.slot.engine_id}#"
-            f"{exposure.producer.incarnation}"
+            f"{exposure.producer.incarnation} (rank {rank})"
         )
-        age = exposure.resolved_at - exposure.exposed_at
+        age = resolved_at - exposure.exposed_at
         if outcome is CLOSED:
             return
         bound = HELD_BOUND if exposure.holds else LEASE_BOUND
@@ -916,8 +1005,8 @@ class ChaosMachine(RuleBasedStateMachine):
             for hold in exposure.holds:
                 if (
                     hold.start < lease_end - SLACK
-                    and min(hold.end, hold.consumer.engine.closed_at) > exposure.resolved_at + SLACK
-                    and exposure.resolved_at < capped
+                    and min(hold.end, hold.consumer.engine.closed_at) > resolved_at + SLACK
+                    and resolved_at < capped
                 ):
                     self.violation(
                         f"{what} expired after {age:.2f} s while {hold.consumer.engine.engine_id} "
@@ -927,12 +1016,14 @@ class ChaosMachine(RuleBasedStateMachine):
         if outcome is trio_pd.Released.READ and not exposure.read_attempted:
             self.violation(f"{what} resolved READ, but no pull that reads it started")
         if outcome is trio_pd.Released.ABANDONED and (
-            exposure.abandon_at is None or exposure.abandon_at > exposure.resolved_at
+            exposure.abandon_at is None or exposure.abandon_at > resolved_at
         ):
             self.violation(
                 f"{what} resolved ABANDONED, but no consumer abandoned it "
                 "(an abandon meant for another exposure?)"
             )
+        if exposure.consumers > 1:
+            return  # (one reader or abandon is not enough; the rules above still hold)
         ok_at = exposure.pulled_ok_at
         if (
             ok_at is not None
@@ -970,8 +1061,30 @@ class ChaosMachine(RuleBasedStateMachine):
             for field in attrs.fields(MemoryFaults):
                 if field.name != "unstoppable_reads":
                     setattr(faults, field.name, field.default)
+            if slot.alive is not None:
+                for agent in slot.alive.agents:
+                    self.fabric._faults.pop(agent, None)
         else:
             setattr(faults, fault, FAULT_VALUES.get(fault, True))
+
+    @rule(
+        slot=st.integers(0, SLOTS - 1),
+        rank=st.integers(0, max(tp for _, tp in PRODUCERS) - 1),
+        fault=st.sampled_from(RANK_FAULTS),
+    )
+    @traced
+    def rank_fault(self, slot: int, rank: int, fault: str) -> None:
+        """A fault of one rank's agent alone (it replaces the engine's faults for that
+        rank): with p1's two ranks, one part of a pull fails, the other is cancelled."""
+        self.run(self._rank_fault, self.slots[slot], rank, fault)
+
+    async def _rank_fault(self, slot: ProducerSlot, rank: int, fault: str) -> None:
+        await trio.lowlevel.checkpoint()
+        if slot.alive is None:
+            return
+        self.disturb(slot)
+        faults = self.fabric.faults(slot.alive.agents[rank % slot.tp])
+        setattr(faults, fault, FAULT_VALUES.get(fault, True))
 
     @rule(slot=st.integers(0, SLOTS - 1))
     @traced
@@ -1017,7 +1130,8 @@ class ChaosMachine(RuleBasedStateMachine):
             return
         self.disturb(slot)
         slot.alive = None
-        await self.close_engine(producer.engine)
+        for engine in producer.ranks:  # (an engine's ranks go together)
+            await self.close_engine(engine)
         slot.old_request_ids.extend(
             e.request_id for e in self.exposures[-40:] if e.producer is producer
         )
@@ -1040,17 +1154,27 @@ class ChaosMachine(RuleBasedStateMachine):
     # ---- consumers -----------------------------------------------------------------
 
     @rule(
-        consumer=st.integers(0, SLOTS - 1),
+        consumer=st.integers(0, CONSUMERS - 1),
         choice=st.integers(0, 1 << 16),
         cancel_after=st.one_of(st.none(), st.sampled_from([0.0, 0.05, 0.2])),
         wait=st.booleans(),
+        notify_only=st.sampled_from([False, False, True]),
     )
     @traced
-    def pull(self, consumer: int, choice: int, cancel_after: float | None, wait: bool) -> None:
-        self.run(self._start_pull, consumer, choice, None, cancel_after, wait)
+    def pull(
+        self,
+        consumer: int,
+        choice: int,
+        cancel_after: float | None,
+        wait: bool,
+        notify_only: bool,
+    ) -> None:
+        """A valid pull; ``notify_only``: with no local blocks (a full prefix-cache hit:
+        only the notification is posted)."""
+        self.run(self._start_pull, consumer, choice, None, cancel_after, wait, notify_only)
 
     @rule(
-        consumer=st.integers(0, SLOTS - 1),
+        consumer=st.integers(0, CONSUMERS - 1),
         choice=st.integers(0, 1 << 16),
         forgery=st.sampled_from(FORGERIES),
         value=st.integers(0, 1 << 32),
@@ -1082,7 +1206,7 @@ class ChaosMachine(RuleBasedStateMachine):
             others = [s.engine_id for s in self.slots if s.engine_id != remote.engine_id]
             return attrs.evolve(remote, engine_id=others[value % len(others)])
         if forgery == "tp_size":
-            return attrs.evolve(remote, tp_size=2)
+            return attrs.evolve(remote, tp_size=3 - remote.tp_size)  # 1 <-> 2
         return attrs.evolve(remote, token=f"{value:032x}")
 
     async def _start_pull(
@@ -1092,13 +1216,14 @@ class ChaosMachine(RuleBasedStateMachine):
         forgery: tuple[str, int] | None,
         cancel_after: float | None,
         wait: bool,
+        notify_only: bool = False,
     ) -> None:
         await trio.lowlevel.checkpoint()
         consumer = self.consumers[index]
         exposure = self.pick(choice)
         if consumer is None or exposure is None:
             return
-        pull = self.make_pull(consumer, exposure, forgery, cancel_after)
+        pull = self.make_pull(consumer, exposure, forgery, cancel_after, notify_only)
         if pull is None:
             return
         if wait:
@@ -1112,16 +1237,18 @@ class ChaosMachine(RuleBasedStateMachine):
         exposure: Exposure,
         forgery: tuple[str, int] | None = None,
         cancel_after: float | None = None,
+        notify_only: bool = False,
     ) -> Pull | None:
-        """A pull of ``exposure`` (``forgery``: one field forged) into free blocks,
-        with what it must do decided now; ``None`` if there are no free blocks."""
+        """A pull of ``exposure`` (``forgery``: one field forged) into free blocks
+        (none if ``notify_only``), with what it must do decided now; ``None`` if
+        there are not enough free blocks."""
         remote, forged = exposure.remote, None
         if forgery is not None:
             forged = forgery[0]
             if forged == "token" and not self.signed:
                 forged = "incarnation"  # (a token nobody checks forges nothing)
             remote = self.forge(remote, forged, forgery[1])
-        local = self.take_blocks(consumer, len(remote.block_ids))
+        local = self.take_blocks(consumer, 0 if notify_only else len(remote.block_ids))
         if local is None:
             return None
         pull = Pull(
@@ -1139,7 +1266,7 @@ class ChaosMachine(RuleBasedStateMachine):
             exposure.read_attempted = True
         if forged is None:
             pull.guaranteed = self.guaranteed(consumer, exposure)
-            pull.dead_at_start = exposure.producer.engine.stopped.is_set()
+            pull.dead_at_start = exposure.producer.gone
         self.pulls.add(pull)
         exposure.note(
             f"{consumer.engine.engine_id} starts {pull.request_id}"
@@ -1221,12 +1348,15 @@ class ChaosMachine(RuleBasedStateMachine):
             if running and not set(pull.local) <= unsettled:
                 self.violation(f"{what}: not settled, yet {pull.local} not all in {unsettled}")
         if outcome == "ok":
-            if not exposure.reused and pull.forged is None:
-                bad = mismatched_blocks(consumer.engine.kv, pull.local, exposure.seed)
+            if pull.local and not exposure.reused and pull.forged is None:
+                remote_ids = list(pull.remote.block_ids)
+                bad = mismatched_heads(consumer.engine.kv, 0, pull.local, remote_ids, exposure.seed)
                 if bad:
                     self.violation(f"{what}: blocks {bad} do not hold the exposed bytes")
-            if pull.forged is None and exposure.pulled_ok_at is None:
-                exposure.pulled_ok_at = trio.current_time()
+            if pull.forged is None:
+                exposure.readers.add(consumer.engine)
+                if exposure.pulled_ok_at is None:
+                    exposure.pulled_ok_at = trio.current_time()
         for block in pull.local:
             consumer.busy.discard(block)
             if block in unsettled:
@@ -1235,7 +1365,7 @@ class ChaosMachine(RuleBasedStateMachine):
                 self.own(consumer, block)
 
     @rule(
-        consumer=st.integers(0, SLOTS - 1),
+        consumer=st.integers(0, CONSUMERS - 1),
         choice=st.integers(0, 1 << 16),
         duration=st.sampled_from([0.0, 0.3, 1.5]),
         pull_inside=st.booleans(),
@@ -1328,7 +1458,7 @@ class ChaosMachine(RuleBasedStateMachine):
                 consumer.abandoning.value -= 1
 
     @rule(
-        consumer=st.integers(0, SLOTS - 1),
+        consumer=st.integers(0, CONSUMERS - 1),
         choice=st.integers(0, 1 << 16),
         forge_token=st.booleans(),
     )
@@ -1349,7 +1479,7 @@ class ChaosMachine(RuleBasedStateMachine):
         exposure.note(
             f"{consumer.engine.engine_id} abandons it{' (forged token)' if forged else ''}"
         )
-        producer_alive = exposure.producer.engine.alive
+        producer_alive = exposure.producer.alive
         failed = consumer.conn.statistics().abandons_failed
         started = trio.current_time()
         try:
@@ -1360,7 +1490,7 @@ class ChaosMachine(RuleBasedStateMachine):
                 f"abandon of {exposure.request_id} did not end in {ABANDON_BOUND} s", since=started
             )
             return
-        if producer_alive and exposure.producer.engine.alive and consumer.engine.alive:
+        if producer_alive and exposure.producer.alive and consumer.engine.alive:
             if consumer.conn.statistics().abandons_failed != failed:
                 self.violation(
                     f"abandon of {exposure.request_id} failed, its producer alive", since=started
@@ -1368,7 +1498,7 @@ class ChaosMachine(RuleBasedStateMachine):
             if not forged and exposure.abandoned_ok_at is None:
                 exposure.abandoned_ok_at = trio.current_time()
 
-    @rule(consumer=st.integers(0, SLOTS - 1), reopen=st.booleans())
+    @rule(consumer=st.integers(0, CONSUMERS - 1), reopen=st.booleans())
     @traced
     def close_consumer(self, consumer: int, reopen: bool) -> None:
         self.run(self._close_consumer, consumer, reopen)
@@ -1396,7 +1526,7 @@ class ChaosMachine(RuleBasedStateMachine):
         if reopen:
             await self._open_consumer(index)
 
-    @rule(consumer=st.integers(0, SLOTS - 1))
+    @rule(consumer=st.integers(0, CONSUMERS - 1))
     @traced
     def open_consumer(self, consumer: int) -> None:
         """Open a closed consumer again (no-op if it is open)."""
