@@ -1,5 +1,15 @@
 """Sessions: ``tests`` (the CI gate), ``lint``, ``typecheck``, ``demo``, ``docs``, ``bench``,
-``soak`` (10 minutes across test hosts, as root; not run by default).
+``soak`` (10 minutes across test hosts, as root) and ``chaos`` (long random
+runs of the chaos state machine); the last two are not run by default.
+
+``chaos`` runs the partial-failure state machine of ``tests/test_chaos.py`` for
+long (the ``tests`` session runs a short, fixed-seed version of it): random
+cases, ``TRIO_PD_CHAOS_EXAMPLES`` of them (default 100) of
+``TRIO_PD_CHAOS_STEPS`` steps (default 60), each printing its seed;
+``TRIO_PD_CHAOS_SEED=<seed>`` replays a run (as closely as a real clock allows),
+``TRIO_PD_CHAOS_VERBOSE=1`` prints every step and a summary per case, and
+``TRIO_PD_CHAOS_KNOWN_BUGS=1`` lets it walk into the bugs pinned there as
+xfail tests (by default it steers around them to look for new ones).
 
 torch is installed first, pinned to the CPU build that these machines keep
 on local disk (about 35 s instead of a multi-GB CUDA download); on a GPU host
@@ -128,6 +138,18 @@ def soak(session: nox.Session) -> None:
         *session.posargs,
         env={"NIXL_LOG_LEVEL": "WARN", "PYTHONPATH": "benchmarks"},
     )
+
+
+@nox.session
+def chaos(session: nox.Session) -> None:
+    """The chaos state machine, long and random (see the module docstring)."""
+    install_project(session, "test")
+    env = {
+        "NIXL_LOG_LEVEL": "WARN",
+        "TRIO_PD_CHAOS_EXAMPLES": os.environ.get("TRIO_PD_CHAOS_EXAMPLES", "100"),
+        "TRIO_PD_CHAOS_STEPS": os.environ.get("TRIO_PD_CHAOS_STEPS", "60"),
+    }
+    session.run("pytest", "-s", "tests/test_chaos.py::test_chaos", *session.posargs, env=env)
 
 
 @nox.session
