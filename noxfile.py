@@ -43,6 +43,7 @@ STARTABLE = ",".join(
         "hold_registration",
         "watch_engines",
         "_held",
+        "open_one",
         "run_slot",
     ]
 )

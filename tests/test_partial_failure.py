@@ -595,5 +595,6 @@ async def test_closing_while_a_restart_retires_the_old_agent_raises_nothing(
                     with pytest.raises(trio.ClosedResourceError):
                         await d.pull("b", [1], remote)
 
-                outer.start_soon(pull, new.expose("b", [1]))
+                # (on purpose: the pull outlives `new`, and `d` closes under it)
+                outer.start_soon(pull, new.expose("b", [1]))  # noqa: ASYNC111
                 await trio.sleep(0.1)  # the verification found it; the retire runs

@@ -557,6 +557,6 @@ async def _release(
         await transfers.aclose()
     finally:
         if leases is not None:
-            with trio.move_on_after(config.close_timeout):
+            with trio.move_on_after(config.close_timeout, shield=True):
                 await leases.wait_idle()
         context.destroy(linger=0)

@@ -347,7 +347,8 @@ class MemoryBackend:
                     nursery.start_soon(until_closing)
                     await read.done.wait()
                     nursery.cancel_scope.cancel()
-                    return
+            if read.done.is_set():
+                return
         finally:
             if not read.done.is_set():  # told to stop: it goes on, as NIXL's would
                 with trio.move_on_after(self._close_timeout, shield=True):
