@@ -55,29 +55,29 @@ def install_project(session: nox.Session, *extras: str) -> None:
     session.install("-e", target)
 
 
-def install_graphviz(session: nox.Session) -> None:
-    """Graphviz's ``dot`` draws the docs' diagrams; install it (Debian) if missing."""
-    if shutil.which("dot") is not None:
+def install_debian_tools(session: nox.Session, *, graphviz: bool, etcd: bool) -> None:
+    """Debian packages the sessions need, installed (one apt run) only if missing:
+    Graphviz's ``dot`` draws the docs' diagrams; ``etcd-server`` is the real etcd
+    that the membership tests run."""
+    wanted = []
+    if graphviz and shutil.which("dot") is None:
+        wanted.append("graphviz")
+    if etcd and shutil.which("etcd") is None and not os.access("/usr/bin/etcd", os.X_OK):
+        wanted.append("etcd-server")
+    if not wanted:
         return
     sudo = ["sudo"] if os.geteuid() != 0 and shutil.which("sudo") else []
     session.run(*sudo, "apt-get", "update", external=True)
-    session.run(*sudo, "apt-get", "install", "-y", "graphviz", external=True)
-
-
-def install_etcd(session: nox.Session) -> None:
-    """A real etcd for tests/test_membership.py: Debian's ``etcd-server``, if missing."""
-    if shutil.which("etcd") is not None or os.access("/usr/bin/etcd", os.X_OK):
-        return
-    sudo = ["sudo"] if os.geteuid() != 0 and shutil.which("sudo") else []
-    session.run(*sudo, "apt-get", "update", external=True)
-    session.run(*sudo, "apt-get", "install", "-y", "etcd-server", external=True)
+    session.run(
+        *sudo, "apt-get", "install", "-y", "--no-install-recommends", *wanted, external=True
+    )
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
     """The test suite: real NIXL agents, real ZeroMQ sockets, real processes, real etcd."""
-    install_graphviz(session)  # tests/test_docs.py builds the docs
-    install_etcd(session)  # tests/test_membership.py runs etcd
+    # tests/test_docs.py builds the docs; tests/test_membership.py runs etcd
+    install_debian_tools(session, graphviz=True, etcd=True)
     install_project(session, "test")
     session.run("pytest", *session.posargs, env={"NIXL_LOG_LEVEL": "WARN"})
 
@@ -163,7 +163,7 @@ def demo(session: nox.Session) -> None:
 @nox.session
 def docs(session: nox.Session) -> None:
     """The documentation as HTML in docs/_build/html; every warning is an error."""
-    install_graphviz(session)
+    install_debian_tools(session, graphviz=True, etcd=False)
     install_project(session, "docs")
     session.run(
         "sphinx-build",
