@@ -68,9 +68,7 @@ def install_debian_tools(session: nox.Session, *, graphviz: bool, etcd: bool) ->
         return
     sudo = ["sudo"] if os.geteuid() != 0 and shutil.which("sudo") else []
     session.run(*sudo, "apt-get", "update", external=True)
-    session.run(
-        *sudo, "apt-get", "install", "-y", "--no-install-recommends", *wanted, external=True
-    )
+    session.run(*sudo, "apt-get", "install", "-y", *wanted, external=True)
 
 
 @nox.session
