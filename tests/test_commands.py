@@ -34,18 +34,21 @@ SECRET = "5e" * 32  # (hex, as an operator would put it in the environment)
 
 @asynccontextmanager
 async def running(
-    *commands: tuple[list[str], Path], env: dict[str, str] | None = None
+    *commands: tuple[list[str], Path] | tuple[list[str], Path, str],
+    env: dict[str, str] | None = None,
 ) -> AsyncIterator[list[tuple[trio.Process, dict[str, Any]]]]:
-    """``trio-pd ARGS --ready-file READY`` for each ``(ARGS, READY)``, started at
-    once (output into ``READY.log``): each process and its ready file's content,
+    """``trio-pd ARGS --ready-file READY`` for each ``(ARGS, READY)`` or ``(ARGS,
+    READY, NETNS)``, started at once (output into ``READY.log``; in network
+    namespace ``NETNS`` if given): each process and its ready file's content,
     once all appeared; then SIGTERM each one still running."""
     processes = []
     try:
-        for args, ready in commands:
+        for args, ready, *netns in commands:
+            prefix = ["ip", "netns", "exec", *netns] if netns else []  # (ip execs the command)
             with ready.with_suffix(".log").open("wb") as log:
                 processes.append(
                     await trio.lowlevel.open_process(
-                        [*TRIO_PD, *args, "--ready-file", str(ready)],
+                        [*prefix, *TRIO_PD, *args, "--ready-file", str(ready)],
                         env=env or ENV,
                         stdin=subprocess.DEVNULL,
                         stdout=log,
@@ -54,14 +57,14 @@ async def running(
                     )
                 )
         with trio.fail_after(60):
-            for process, (_, ready) in zip(processes, commands, strict=True):
+            for process, (_, ready, *_) in zip(processes, commands, strict=True):
                 while not await trio.Path(ready).exists():  # (the process writes it)
                     log = await trio.Path(ready.with_suffix(".log")).read_text()
                     assert process.poll() is None, log
                     await trio.sleep(0.02)
         yield [
             (process, json.loads(await trio.Path(ready).read_text()))
-            for process, (_, ready) in zip(processes, commands, strict=True)
+            for process, (_, ready, *_) in zip(processes, commands, strict=True)
         ]
     finally:
         with trio.move_on_after(30, shield=True):
@@ -405,3 +408,18 @@ def _served_by(completion: dict[str, Any], *engines: dict[str, Any]) -> str:
         if f"-{engine['url'].rsplit(':', 1)[1]}-" in completion["id"]:
             return str(engine["url"])
     return "?"
+
+
+def test_the_serving_commands_never_load_the_testing_toolkit() -> None:
+    """``trio-pd engine``, ``proxy`` and ``serve`` run without ``trio_pd.testing``
+    (only ``trio-pd demo``, a harness built on it, loads it when it runs)."""
+    modules = ", ".join(
+        f"trio_pd.{name}"
+        for name in ("_cli", "_cli.engine", "_cli.proxy", "_cli.serve", "_serve.process")
+    )
+    check = (
+        f"import sys, {modules}; "
+        "loaded = [m for m in sys.modules if m.startswith('trio_pd.testing')]; "
+        "assert not loaded, loaded"
+    )
+    subprocess.run([sys.executable, "-c", check], check=True, env=ENV)

@@ -17,6 +17,7 @@ import pytest
 import trio
 
 from trio_pd import _etcd as wire
+from trio_pd import _etcd_server
 from trio_pd._etcd_client import EtcdClient
 from trio_pd._members import MemberTable
 from trio_pd._membership import (
@@ -28,7 +29,6 @@ from trio_pd._membership import (
     watch_members,
 )
 from trio_pd.testing import EtcdServer, EtcdUnavailable, open_etcd
-from trio_pd.testing import _etcd as etcd_testing
 from trio_pd.testing._etcd import open_registered_process
 
 from .conftest import wait_until
@@ -166,7 +166,7 @@ def test_a_membership_error_names_its_cause_and_endpoint_and_pickles() -> None:
 
 async def test_open_etcd_without_the_binary_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shutil, "which", lambda name: None)
-    monkeypatch.setattr(etcd_testing, "ETCD_PATHS", ())
+    monkeypatch.setattr(_etcd_server, "ETCD_PATHS", ())
     with pytest.raises(EtcdUnavailable, match="apt-get install etcd-server"):
         async with open_etcd():
             pass  # pragma: no cover

@@ -783,3 +783,43 @@ async def test_a_deployment_serves_the_openai_surface_and_disaggregated_chat(
             async with trio.open_nursery() as nursery:
                 for i in range(len(CONVERSATIONS)):
                     nursery.start_soon(conversation, i)
+
+
+@pytest.mark.parametrize(
+    ("grace", "waits_for"),
+    [(5.0, "the lease"), (0.3, "--grace")],
+)
+async def test_a_prefill_engine_closes_its_connectors_only_once_its_exposures_resolved(
+    grace: float, waits_for: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A decode engine elsewhere may still be pulling what this one exposed:
+    # the shutdown waits until the exposure resolves (here: its 1 s lease,
+    # with no reader), or until --grace is over (then it says so).
+    settings = EngineSettings(
+        "p0",
+        http_port=0,
+        num_blocks=16,
+        lease_initial=1.0,
+        lease_renewal=1.0,
+        heartbeat_interval=0.3,
+        grace=grace,
+    )
+    engine = Engine(settings, TinyLlama(ModelConfig()))
+    app = build_app(engine)
+    body = {"prompt": "x" * 40, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    with trio.fail_after(30):
+        async with lifespan(app):
+            status, _, answer = await call(
+                app, "POST", "/v1/completions", json.dumps(body).encode()
+            )
+            assert status == 200, answer
+            assert engine.exposures_unresolved.value == 1
+            closing = trio.current_time()
+        closed = trio.current_time() - closing
+    if waits_for == "the lease":
+        assert 0.5 <= closed < 4.0
+        assert engine.exposures_unresolved.value == 0
+        assert "not yet read" not in caplog.text
+    else:
+        assert 0.2 <= closed < 0.9
+        assert "engine p0: closing with 1 exposures not yet read (--grace is over)" in caplog.text

@@ -29,7 +29,7 @@ import trio
 from rich.console import Console
 
 from .._auth import generate_keypair
-from ..testing._hosts import TestHostsUnavailable
+from .._netns import TestHostsUnavailable
 from . import engine as engine_command
 from . import proxy as proxy_command
 from .common import EXIT_FAILED, EXIT_USAGE, UsageError
@@ -139,6 +139,21 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds the proxy, then each engine, drains on SIGINT/SIGTERM",
     )
     serve.add_argument("--num-blocks", type=int, default=serving.num_blocks)
+    serve.add_argument(
+        "--hosts",
+        type=int,
+        default=serving.hosts,
+        metavar="N",
+        help="run the engines on N test hosts (network namespaces, root only), "
+        "found by the proxy through an etcd run here",
+    )
+    serve.add_argument(
+        "--etcd-ttl",
+        type=float,
+        default=serving.etcd_ttl,
+        metavar="SECONDS",
+        help="with --hosts: each engine's etcd lease (a dead engine leaves within it)",
+    )
     commands.add_parser(
         "keygen",
         help="print a new CURVE key pair (JSON) for ConnectorConfig(auth=CurveAuth(...))",
@@ -218,6 +233,8 @@ def _serve(args: argparse.Namespace) -> int:
         ready_file=args.ready_file,
         grace=args.grace,
         num_blocks=args.num_blocks,
+        hosts=args.hosts,
+        etcd_ttl=args.etcd_ttl,
     )
     try:
         serving.check()

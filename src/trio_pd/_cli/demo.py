@@ -31,7 +31,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import numpy as np
@@ -42,13 +42,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from .._config import ConnectorConfig
 from .._connector import Connector, open_connector
 from .._groups import unwrapped_errors
+from .._netns import TestHost, open_test_hosts
 from .._ports import free_port_range
 from .._records import RemoteBlocks
-from ..testing._hosts import TestHost, open_test_hosts
-from ..testing._payload import mismatched_blocks, mismatched_heads
-from ..testing._prefill_worker import PrefillWorker, WorkerError, WorkerSpec, open_prefill_workers
-from ..testing._relay import open_delay_relays
-from ..testing._stall import LoopStallMonitor
+
+if TYPE_CHECKING:
+    from ..testing._prefill_worker import PrefillWorker
 
 
 @attrs.frozen(kw_only=True)
@@ -139,6 +138,12 @@ class _Tally:
 async def run_demo(options: DemoOptions) -> dict[str, Any]:
     """Run the deployment; return the summary (see :func:`format_summary`)."""
     import torch
+
+    # The demo is built on the testing toolkit (prefill workers, relays);
+    # it is loaded here, so that the serving commands never load it.
+    from ..testing._prefill_worker import WorkerSpec, open_prefill_workers
+    from ..testing._relay import open_delay_relays
+    from ..testing._stall import LoopStallMonitor
 
     o = options
     o.check()
@@ -243,6 +248,8 @@ async def _drive(
     decoders: list[tuple[Connector, list[Any]]],
     tally: _Tally,
 ) -> None:
+    from ..testing._prefill_worker import WorkerError
+
     local_pool = BlockPool(o.blocks, rng)
     remote_pools = [BlockPool(o.blocks, rng) for _ in engines]
     slots = trio.Semaphore(o.concurrency)
@@ -335,6 +342,8 @@ def _corrupt(
     seed: int,
 ) -> bool:
     """Whether any decode rank holds a byte other than the prefill ranks wrote."""
+    from ..testing._payload import mismatched_blocks, mismatched_heads
+
     if not o.tensor_parallel:
         return bool(mismatched_blocks(decoders[0][1], local_ids, seed))
     return any(

@@ -35,7 +35,7 @@ from .._serve.binding import (
 )
 from .._serve.membership import EngineSet, Membership
 from .._serve.openai import MAX_MODEL_LEN
-from .._serve.proxy import Proxy, open_client
+from .._serve.proxy import Proxy, ProxyTimeouts, open_client
 from .._serve.stopping import StopRequest, stop_requests
 from .common import EXIT_FAILED, EXIT_OK, UsageError, add_etcd_arguments, membership_from_args
 
@@ -53,6 +53,7 @@ class ProxyOptions:
     advertise_host: str = ""  # the address in its URL (default: host)
     grace: float = 10.0
     max_model_len: int | None = None  # (None: the engines judge each request)
+    timeouts: ProxyTimeouts = attrs.Factory(ProxyTimeouts)
 
     def check(self) -> None:
         """Raises ValueError naming the flag that is wrong."""
@@ -62,6 +63,9 @@ class ProxyOptions:
             raise ValueError("--grace must be > 0")
         if self.max_model_len is not None and not 1 <= self.max_model_len <= MAX_MODEL_LEN:
             raise ValueError(f"--max-model-len must be in [1, {MAX_MODEL_LEN}]")
+        for flag, seconds in _timeout_flags(self.timeouts).items():
+            if seconds <= 0:
+                raise ValueError(f"{flag} must be > 0")
         if is_wildcard(self.advertise_host or self.host):
             raise ValueError(
                 f"--host {self.host!r} binds every interface: pass --advertise-host "
@@ -106,10 +110,10 @@ async def serve_proxy(
     with sock:
         async with (
             unwrapped_errors(),
-            open_client() as client,
+            open_client(options.timeouts) as client,
             trio.open_nursery() as watching,
         ):
-            router = _Router(client, options.max_model_len)
+            router = _Router(client, options.max_model_len, options.timeouts)
             if membership is not None:
                 engines = await watching.start(membership.watch_engines, router.update)
             assert engines is not None
@@ -132,8 +136,10 @@ async def serve_proxy(
 class _Router:
     """One :class:`Proxy` whose engines follow the membership's updates."""
 
-    def __init__(self, client: httpx2.AsyncClient, max_model_len: int | None) -> None:
-        self.proxy = Proxy([], [], client, max_model_len=max_model_len)
+    def __init__(
+        self, client: httpx2.AsyncClient, max_model_len: int | None, timeouts: ProxyTimeouts
+    ) -> None:
+        self.proxy = Proxy([], [], client, max_model_len=max_model_len, timeouts=timeouts)
         self.app = response_completes(self.proxy.app())
 
     def update(self, engines: EngineSet) -> None:
@@ -179,7 +185,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help='written with {"url": ...} once the proxy accepts requests; removed on exit',
     )
+    timeouts = ProxyTimeouts()
+    for flag, what in (
+        ("--connect-timeout", "connecting to an engine (then the next one is tried)"),
+        ("--prefill-timeout", "a whole prefill request (then a 504)"),
+        ("--first-byte-timeout", "a decode request until its answer starts (then a 504)"),
+        ("--idle-timeout", "the longest gap in a decode stream"),
+    ):
+        default = getattr(timeouts, _timeout_field(flag))
+        help_text = f"{what} (default {default:g})"
+        parser.add_argument(flag, type=float, default=default, metavar="SECONDS", help=help_text)
     add_etcd_arguments(parser)
+
+
+def _timeout_field(flag: str) -> str:
+    """``--first-byte-timeout`` -> ``first_byte``."""
+    return flag.removeprefix("--").removesuffix("-timeout").replace("-", "_")
+
+
+def _timeout_flags(timeouts: ProxyTimeouts) -> dict[str, float]:
+    """Each timeout by its flag."""
+    return {
+        f"--{field.replace('_', '-')}-timeout": getattr(timeouts, field)
+        for field in attrs.fields_dict(ProxyTimeouts)
+    }
 
 
 def _engine_urls(flag: str, urls: Sequence[str]) -> tuple[str, ...]:
@@ -201,6 +230,9 @@ def run(args: argparse.Namespace) -> int:
         advertise_host=args.advertise_host,
         grace=args.grace,
         max_model_len=args.max_model_len or None,
+        timeouts=ProxyTimeouts(
+            **{name: getattr(args, f"{name}_timeout") for name in attrs.fields_dict(ProxyTimeouts)}
+        ),
     )
     try:
         options.check()

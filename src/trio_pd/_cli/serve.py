@@ -13,6 +13,16 @@ SIGTERM and drains the same way (``--grace`` is passed to it), closing its
 connectors last; one still running ``--grace`` + 5 s later is killed.
 During start-up a signal abandons the start (nothing is served).
 
+``--hosts N`` (root) shows the cluster shape on one machine: the engines
+run on N test hosts (network namespaces joined by veth links, routed to each
+other through this one, see :mod:`trio_pd._netns`), engine ``k`` on host
+``k mod N`` (prefill engines first), each bound to its host's address; an
+etcd runs here, listening on loopback and on each link's root end; every
+engine registers on it and the proxy (here) routes to what it finds there,
+as ``trio-pd engine --etcd`` and ``trio-pd proxy --etcd`` do across
+machines. The hosts and etcd outlive the engines' drain and are removed
+last.
+
 An engine that fails while serving (exits non-zero) fails only its own
 requests; the deployment goes on with the others while both roles have one.
 The exit status is 0 when nothing failed, 1 when an engine failed (at start,
@@ -39,6 +49,9 @@ import trio
 from rich.console import Console
 from rich.table import Table
 
+from .._etcd_server import EtcdServer, EtcdUnavailable, open_etcd
+from .._groups import unwrapped_errors
+from .._netns import TestHost, TestHostsUnavailable, open_test_hosts
 from .._serve.binding import (
     BindError,
     bind_listener,
@@ -47,7 +60,7 @@ from .._serve.binding import (
     write_json_atomically,
 )
 from .._serve.engine import EXPOSURE_SECRET_ENV
-from .._serve.membership import EngineSet
+from .._serve.membership import EngineSet, EtcdMembership, Membership
 from .._serve.model import ModelConfig
 from .._serve.openai import MAX_MODEL_LEN
 from .._serve.stopping import StopRequest, stop_requests
@@ -73,6 +86,8 @@ class ServeOptions:
     grace: float = 10.0
     num_blocks: int = 1024
     start_timeout: float = 120.0
+    hosts: int = 0  # (> 0: the engines on that many test hosts, found through etcd)
+    etcd_ttl: float = 10.0  # (with hosts: each engine's lease)
 
     def max_model_len(self) -> int:
         """What every engine can hold: the model's context, or the pool if smaller."""
@@ -94,6 +109,10 @@ class ServeOptions:
             raise ValueError(f"--num-blocks must be at least 1 (got {self.num_blocks})")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port {self.port} is not a port")
+        if not 0 <= self.hosts <= 255:
+            raise ValueError(f"--hosts must be in [0, 255] (got {self.hosts})")
+        if self.etcd_ttl <= 0:
+            raise ValueError("--etcd-ttl must be > 0")
         if is_wildcard(self.advertised()):
             raise ValueError("--advertise-host must be an address clients can dial")
         heads = ModelConfig().kv_heads
@@ -109,6 +128,7 @@ class _Engine:
     role: str
     index: int
     ready_file: str
+    host: TestHost | None = None  # (with --hosts: the test host it runs on)
     url: str = ""  # (from its ready file: it accepts requests)
     status: int | None = None  # its exit status, once it exited
     stopping: bool = False  # this command sent it SIGTERM
@@ -175,7 +195,6 @@ async def run_serve(options: ServeOptions, console: Console) -> None:
             "are dialled at 127.0.0.1 (--advertise-host names another address)"
         )
     stop = StopRequest("trio-pd serve", console.print)
-    failures: list[str] = []
     remove_file(options.ready_file)
     try:
         # The proxy's address first: one that is not ours, or in use, fails
@@ -183,18 +202,56 @@ async def run_serve(options: ServeOptions, console: Console) -> None:
         sock = bind_listener(options.host, options.port)
     except BindError as exc:
         raise ServeError(f"the proxy: {exc}") from None
-    with sock, tempfile.TemporaryDirectory(prefix="trio-pd-serve-") as scratch:
+    with sock:
+        async with unwrapped_errors(), stop_requests(stop, None):
+            if not options.hosts:
+                await _deploy(options, sock, env, stop, console, [], None)
+                return
+            try:
+                async with (
+                    open_test_hosts(options.hosts, routed=True) as hosts,
+                    open_etcd(addresses=[host.root_address for host in hosts]) as etcd,
+                ):
+                    console.print(
+                        f"{len(hosts)} test hosts ({', '.join(h.address for h in hosts)}), "
+                        f"etcd at {etcd.url}"
+                    )
+                    if not stop.requested.is_set():  # (a signal while they were made)
+                        await _deploy(options, sock, env, stop, console, hosts, etcd)
+            except (TestHostsUnavailable, EtcdUnavailable) as exc:
+                raise ServeError(f"--hosts: {exc}") from None
+
+
+async def _deploy(
+    options: ServeOptions,
+    sock: socket.socket,
+    env: dict[str, str],
+    stop: StopRequest,
+    console: Console,
+    hosts: list[TestHost],
+    etcd: EtcdServer | None,
+) -> None:
+    """Start the engines (on ``hosts`` when given, registered on ``etcd``), then
+    the proxy on ``sock``; serve until ``stop``; drain. Raises ServeError
+    (see :func:`run_serve`)."""
+    failures: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="trio-pd-serve-") as scratch:
         board = _Board(
             [
-                _Engine(role, i, str(Path(scratch) / f"{role}-{i}.json"))
-                for role, i in _roles(options)
+                _Engine(
+                    role,
+                    i,
+                    str(Path(scratch) / f"{role}-{i}.json"),
+                    hosts[k % len(hosts)] if hosts else None,
+                )
+                for k, (role, i) in enumerate(_roles(options))
             ]
         )
         try:
-            async with stop_requests(stop, None), trio.open_nursery() as engines:
+            async with trio.open_nursery() as engines:
                 engines.start_soon(_notify_when, stop.requested.wait, board.notify)
                 for engine in board.engines:
-                    command = _engine_command(options, engine)
+                    command = _engine_command(options, engine, etcd)
                     engines.start_soon(
                         _run_engine, engine, command, env, options.grace, board, console
                     )
@@ -206,7 +263,12 @@ async def run_serve(options: ServeOptions, console: Console) -> None:
                         late = ", ".join(e.name for e in board.engines if not e.url)
                         failures.append(f"{late} did not start within {options.start_timeout:g} s")
                     if not failures:
-                        await _serve_proxy(options, sock, board, stop, failures, console)
+                        membership = (
+                            EtcdMembership(etcd.url, ttl=options.etcd_ttl) if etcd else None
+                        )
+                        await _serve_proxy(
+                            options, sock, board, stop, failures, console, membership
+                        )
                 console.print("draining the engines")
                 for engine in board.engines:
                     engine.stopping = engine.status is None
@@ -232,8 +294,10 @@ async def _serve_proxy(
     stop: StopRequest,
     failures: list[str],
     console: Console,
+    membership: Membership | None,
 ) -> None:
-    """Serve the proxy while every role has an engine, until ``stop``; drain it."""
+    """Serve the proxy while every role has an engine, until ``stop``; drain it.
+    It routes to the engines on ``board``, or to what ``membership`` reports."""
     proxy_options = ProxyOptions(
         host=options.host,
         port=options.port,
@@ -246,7 +310,14 @@ async def _serve_proxy(
     async with trio.open_nursery() as nursery:
         try:
             url = await nursery.start(
-                functools.partial(serve_proxy, proxy_options, engines, done.wait, sock=sock)
+                functools.partial(
+                    serve_proxy,
+                    proxy_options,
+                    None if membership else engines,
+                    done.wait,
+                    membership=membership,
+                    sock=sock,
+                )
             )
         except ProxyStartError as exc:
             failures.append(f"the proxy could not start: {exc}")
@@ -337,15 +408,17 @@ def _roles(options: ServeOptions) -> list[tuple[str, int]]:
     ]
 
 
-def _engine_command(options: ServeOptions, engine: _Engine) -> list[str]:
-    """The ``trio-pd engine`` command line that runs ``engine``."""
+def _engine_command(options: ServeOptions, engine: _Engine, etcd: EtcdServer | None) -> list[str]:
+    """The ``trio-pd engine`` command line that runs ``engine`` (in its test
+    host's namespace, registered on ``etcd``, when it has one)."""
     tp = options.prefill_tp if engine.role == "prefill" else options.decode_tp
-    flags = {
+    host = engine.host.address if engine.host else options.host
+    flags: dict[str, object] = {
         "--role": engine.role,
         "--engine-id": engine.name,
         "--tp": tp,
-        "--host": options.host,
-        "--advertise-host": options.advertised(),
+        "--host": host,
+        "--advertise-host": host if engine.host else options.advertised(),
         "--port": 0,
         "--num-blocks": options.num_blocks,
         "--max-model-len": options.max_model_len(),
@@ -353,7 +426,14 @@ def _engine_command(options: ServeOptions, engine: _Engine) -> list[str]:
         "--ready-file": engine.ready_file,
         "--parent-pid": os.getpid(),  # (it drains if this command dies)
     }
-    return [sys.executable, "-m", "trio_pd", "engine", *(f"{k}={v}" for k, v in flags.items())]
+    if engine.host is not None and etcd is not None:
+        flags["--etcd"] = etcd.url_at(engine.host.root_address)
+        flags["--etcd-ttl"] = options.etcd_ttl
+    command = [sys.executable, "-m", "trio_pd", "engine", *(f"{k}={v}" for k, v in flags.items())]
+    if engine.host is not None:
+        # (ip execs the command: the engine is this command's child, and its signals reach it)
+        return ["ip", "netns", "exec", engine.host.netns, *command]
+    return command
 
 
 def _describe(status: int) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import codecs
 import logging
+import math
 import os
 from collections.abc import Callable
 from contextlib import AsyncExitStack, aclosing
@@ -227,6 +228,7 @@ async def _lifespan(engine: Engine, receive: Receive, send: Send) -> None:
             await send({"type": "lifespan.startup.complete"})
             await receive()  # lifespan.shutdown
             engine.accepting = False
+            await _wait_for_exposures(engine)
             engine.connectors = []
             nursery.cancel_scope.cancel()
     except Exception as exc:
@@ -240,6 +242,26 @@ async def _lifespan(engine: Engine, receive: Receive, send: Send) -> None:
         await send({"type": "lifespan.shutdown.failed", "message": str(exc)})
         return
     await send({"type": "lifespan.shutdown.complete"})
+
+
+async def _wait_for_exposures(engine: Engine) -> None:
+    """Until every exposure handed out resolved (its reader read it, gave it
+    up, or its lease expired), or the drain's deadline: a prefill engine that
+    closed its connectors earlier would fail the pulls of requests that
+    another engine is finishing. What is left at the deadline is logged (its
+    readers then fail, naming this engine)."""
+    deadline = engine.drain_deadline
+    if deadline == math.inf:  # (a shutdown without a drain: wait up to --grace)
+        deadline = trio.current_time() + engine.settings.grace
+    with trio.move_on_at(deadline):
+        await engine.exposures_unresolved.wait_value(0)
+    if engine.exposures_unresolved.value:
+        logger.warning(
+            "engine %s: closing with %d exposures not yet read (--grace is over): "
+            "their readers fail",
+            engine.settings.engine_id,
+            engine.exposures_unresolved.value,
+        )
 
 
 async def _generation(engine: Engine, receive: Receive, send: Send, rid: str, chat: bool) -> None:

@@ -50,6 +50,7 @@ from prometheus_client import (
     Gauge,
     Histogram,
 )
+from trio_util import AsyncValue
 
 from .._connector import Connector
 from .._errors import IncompatibleEngineError, ParamsRejectedError
@@ -147,6 +148,10 @@ class Engine:
         # even when the lifespan failed; the engine process trusts only these).
         self.started = False
         self.startup_failure = ""
+        # Exposures handed out and not yet resolved (read, expired or
+        # abandoned): the drain waits for them before the connectors close.
+        self.exposures_unresolved: AsyncValue[int] = AsyncValue(0)
+        self.drain_deadline = math.inf  # (set when the drain starts: it ends by then)
         self._ids = itertools.count()
         self.registry = CollectorRegistry()
         self.requests = Counter(
@@ -240,6 +245,7 @@ class Engine:
             self.pool.release(blocks)
             raise
         assert self.nursery is not None
+        self.exposures_unresolved.value += 1
         self.nursery.start_soon(self._release_when_released, connectors, request_id, blocks)
         return {**remote.to_kv_transfer_params(), "do_remote_prefill": True}
 
@@ -264,6 +270,7 @@ class Engine:
                     nursery.start_soon(released, connector)
         finally:
             self.pool.release(blocks)
+            self.exposures_unresolved.value -= 1
 
     @asynccontextmanager
     async def generation(

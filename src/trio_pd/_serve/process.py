@@ -55,8 +55,9 @@ async def serve_engine(
     only then write ``settings.ready_file`` (``{"url": ...}``, the advertised
     address). A signal during start-up abandons it (whatever opened is
     closed) and returns. A signal afterwards drains: withdraw from
-    ``membership``, stop accepting, let requests in flight finish (at most
-    ``settings.grace`` s), close the connectors. Further signals are
+    ``membership``, stop accepting, let requests in flight finish and the
+    exposures handed out be read (another engine may still be pulling them;
+    all of it within ``settings.grace`` s of the signal), close the connectors. Further signals are
     reported and ignored. With ``parent_pid``, the engine also drains when
     that process is no longer its parent (the deployment that started it
     died).
@@ -117,9 +118,10 @@ async def serve_engine(
                 stop.ready = True
                 report(f"{stop.name}: {role}, ready at {url} (bound {binds[0]})")
             await stop.requested.wait()
+            engine.drain_deadline = trio.current_time() + settings.grace
             if membership is not None:  # (the proxy learns first that the engine leaves)
                 withdraw.cancel()
-                with trio.move_on_after(settings.grace):
+                with trio.move_on_at(engine.drain_deadline):
                     await withdrawn.wait()
             engine.accepting = False
             drain.set()

@@ -30,10 +30,10 @@
   with ``pytest_plugins = ["trio_pd.testing.fixtures"]`` in a ``conftest.py``.
 """
 
+from .._etcd_server import EtcdServer, EtcdUnavailable, open_etcd
+from .._netns import TestHost, TestHostsUnavailable, open_test_hosts
 from .._ports import free_port_range
 from .._protocol import encode_notification
-from ._etcd import EtcdServer, EtcdUnavailable, open_etcd
-from ._hosts import TestHost, TestHostsUnavailable, open_test_hosts
 from ._memory import MemoryBackend, MemoryFabric, MemoryFaults
 from ._payload import (
     expected_blocks,

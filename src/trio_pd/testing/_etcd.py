@@ -1,202 +1,24 @@
-"""A real etcd server for tests: one member on free loopback ports, in a temp dir.
+"""A registered engine in its own process, for the membership tests (killed to make a crash).
 
-:func:`open_etcd` starts Debian's ``etcd`` (package ``etcd-server``; the nox
-``tests`` session installs it when missing), waits until it answers, and
-yields an :class:`EtcdServer` whose :meth:`~EtcdServer.kill`,
-:meth:`~EtcdServer.stop` and :meth:`~EtcdServer.start` make outages: a
-restart keeps the ports and the data directory, so keys and leases survive
-it as they would on a real deployment.
+The etcd server itself lives in :mod:`trio_pd._etcd_server` (``trio-pd serve
+--hosts`` runs one too); this package re-exports it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import attrs
-import httpx2
 import trio
 
+from .._etcd_server import START_TIMEOUT
 from .._members import Member
-from .._ports import free_port_range
 from ._child import open_child, read_lines
-
-ETCD_PATHS = ("/usr/bin/etcd", "/usr/local/bin/etcd")
-START_TIMEOUT = 15.0
-STOP_TIMEOUT = 5.0
-
-
-class EtcdUnavailable(RuntimeError):
-    """etcd could not be started: its binary is missing, or it did not come up."""
-
-
-def find_etcd() -> str:
-    """The ``etcd`` binary's path.
-
-    Raises:
-        EtcdUnavailable: there is none (install Debian's ``etcd-server``).
-    """
-    found = shutil.which("etcd")
-    if found is not None:
-        return found
-    for path in ETCD_PATHS:
-        if os.access(path, os.X_OK):
-            return path
-    raise EtcdUnavailable(
-        "no etcd binary on PATH or in /usr/bin: install it (apt-get install etcd-server; "
-        "`nox -s tests` does) to run the membership tests"
-    )
-
-
-class EtcdServer:
-    """A one-member etcd cluster run by :func:`open_etcd`.
-
-    Attributes:
-        url: its client URL, ``http://127.0.0.1:PORT``.
-        data_dir: its data directory (kept across :meth:`start`).
-
-    It runs with a 10 ms heartbeat and a 100 ms election timeout, so that
-    it starts and restarts in a fraction of a second (etcd's minimum lease
-    TTL is then 1 s instead of the default 2 s).
-    """
-
-    def __init__(self, binary: str, directory: Path, client_port: int, peer_port: int) -> None:
-        self.url = f"http://127.0.0.1:{client_port}"
-        self.data_dir = directory / "data"
-        self._binary = binary
-        self._log = directory / "etcd.log"
-        self._peer = f"http://127.0.0.1:{peer_port}"
-        self._process: trio.Process | None = None
-
-    @property
-    def running(self) -> bool:
-        return self._process is not None and self._process.returncode is None
-
-    def log_tail(self, lines: int = 20) -> str:
-        """The end of etcd's own log (for failure messages)."""
-        try:
-            return "\n".join(self._log.read_text(errors="replace").splitlines()[-lines:])
-        except FileNotFoundError:
-            return ""
-
-    async def start(self) -> None:
-        """Start etcd (again, on the same ports and data) and wait until it answers.
-
-        Raises:
-            EtcdUnavailable: it exited, or did not answer within
-                15 s (the message has its log's end).
-        """
-        if self.running:
-            raise RuntimeError("etcd is already running")
-        command = [
-            self._binary,
-            "--name=test",
-            f"--data-dir={self.data_dir}",
-            f"--listen-client-urls={self.url}",
-            f"--advertise-client-urls={self.url}",
-            f"--listen-peer-urls={self._peer}",
-            f"--initial-advertise-peer-urls={self._peer}",
-            f"--initial-cluster=test={self._peer}",
-            "--heartbeat-interval=10",
-            "--election-timeout=100",
-            "--logger=zap",
-            "--log-level=warn",
-        ]
-        log = os.open(self._log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            self._process = await trio.lowlevel.open_process(
-                command, stdin=subprocess.DEVNULL, stdout=log, stderr=log
-            )
-        finally:
-            os.close(log)
-        try:
-            with trio.fail_after(START_TIMEOUT):
-                await self._wait_answering()
-        except trio.TooSlowError:
-            reason = f"no answer within {START_TIMEOUT} s"
-        except EtcdUnavailable as exc:
-            reason = str(exc)
-        else:
-            return
-        await self.kill()
-        raise EtcdUnavailable(
-            f"etcd did not start at {self.url} ({reason}); its log ends:\n{self.log_tail()}"
-        )
-
-    async def _wait_answering(self) -> None:
-        async with httpx2.AsyncClient(trust_env=False, timeout=1.0) as client:
-            while True:
-                assert self._process is not None
-                if self._process.returncode is not None:
-                    raise EtcdUnavailable(f"it exited with status {self._process.returncode}")
-                try:
-                    response = await client.post(f"{self.url}/v3/kv/range", json={"key": "AA=="})
-                except httpx2.TransportError:
-                    pass
-                else:
-                    if response.status_code == 200:
-                        return
-                await trio.sleep(0.02)
-
-    async def kill(self) -> None:
-        """SIGKILL etcd (a crash) and reap it. Nothing if it is not running."""
-        process, self._process = self._process, None
-        if process is not None:
-            if process.returncode is None:
-                process.kill()
-            with trio.CancelScope(shield=True):
-                await process.wait()
-
-    async def stop(self) -> None:
-        """SIGTERM etcd (a clean stop, about 1.5 s), SIGKILL after 5 s."""
-        process = self._process
-        if process is not None and process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-            with trio.move_on_after(STOP_TIMEOUT, shield=True):
-                await process.wait()
-        await self.kill()
-
-
-@asynccontextmanager
-async def open_etcd() -> AsyncIterator[EtcdServer]:
-    """Run a fresh etcd on free loopback ports while the block runs.
-
-    Raises:
-        EtcdUnavailable: no ``etcd`` binary (not a skip: install it), or it
-            did not start.
-
-    Resource handling: on exit etcd is killed and reaped and its data
-    directory removed.
-    """
-    binary = find_etcd()
-    with tempfile.TemporaryDirectory(prefix="trio-pd-etcd-") as directory:
-        server = None
-        for attempt in range(3):  # free ports can be taken before etcd binds them
-            base = free_port_range(2)
-            server = EtcdServer(binary, Path(directory), base, base + 1)
-            try:
-                await server.start()
-                break
-            except EtcdUnavailable:
-                if attempt == 2:
-                    raise
-                shutil.rmtree(server.data_dir, ignore_errors=True)
-        assert server is not None
-        try:
-            yield server
-        finally:
-            with trio.move_on_after(STOP_TIMEOUT, shield=True):
-                await server.kill()
-
 
 # ---- a registered engine in its own process (killed to make a crash) --------
 

@@ -8,6 +8,14 @@ nothing is routed off the machine). A prefill engine runs inside a host with
 root namespace crosses the link, whose rate can be limited (``tc tbf``), and
 which can be cut and restored (a partition).
 
+With ``routed=True`` the hosts also reach each other through the root
+namespace (a decode engine on one host pulls from a prefill engine on
+another): each host routes ``198.18.0.0/16`` via its link's root end, and
+forwarding is enabled on the links' root ends only (their per-interface
+``forwarding`` flag). The machine's global ``ip_forward`` and its other
+interfaces are left alone, the hosts get no default route, and the flags go
+with the links, so nothing is routed off the machine and nothing stays changed.
+
 Everything made is deleted on every exit path (the namespaces, which takes
 their veth ends with them, then any root end left). The addresses are fixed,
 so only one set of test hosts may exist on a machine at a time (names carry
@@ -29,6 +37,9 @@ from pathlib import Path
 import attrs
 import trio
 
+HOSTS_NETWORK = "198.18.0.0/16"
+"""Every test host's address is in it (host ``i``: ``198.18.i.0/24``)."""
+
 _open = False
 """Whether this process has test hosts open now."""
 
@@ -49,6 +60,7 @@ class TestHost:
         root_address: the root namespace's address on the same link.
         link: the root end's interface name (its counters, its qdisc).
         peer: the host end's interface name, inside the namespace.
+        routed: it reaches the other test hosts through the root namespace.
     """
 
     __test__ = False  # not a pytest test class
@@ -58,6 +70,7 @@ class TestHost:
     root_address: str
     link: str
     peer: str
+    routed: bool = False
 
     def link_bytes(self) -> int:
         """Bytes the link's root end sent and received so far."""
@@ -80,13 +93,16 @@ class TestHost:
         and a permanent neighbour entry for the host, so traffic to the host
         is dropped on the link (as a partition drops it) instead of failing
         fast, or -- with the route gone -- following the default route off
-        the machine.
+        the machine. Inside the host, the link's routes go with it: what the
+        host sends fails at once (network unreachable).
         """
         await _run("ip", "-n", self.netns, "link", "set", self.peer, "down")
 
     async def restore(self) -> None:
         """Bring the host's end of the link back up after :meth:`cut`."""
         await _run("ip", "-n", self.netns, "link", "set", self.peer, "up")
+        if self.routed:  # (the route to the other hosts went with the link)
+            await _route_to_hosts(self)
 
 
 async def _output(*command: str) -> str:
@@ -111,13 +127,16 @@ def _check_available() -> None:
 
 
 @asynccontextmanager
-async def open_test_hosts(count: int) -> AsyncIterator[list[TestHost]]:
-    """``count`` test hosts for the block's duration (see the module docstring).
+async def open_test_hosts(count: int, *, routed: bool = False) -> AsyncIterator[list[TestHost]]:
+    """``count`` test hosts for the block's duration (see the module docstring);
+    ``routed``: they reach each other too, through the root namespace.
 
     Raises:
         TestHostsUnavailable: not root, or ``ip``/``tc`` missing, or the
             kernel refused to create a namespace or link.
     """
+    if not 1 <= count <= 255:
+        raise ValueError(f"between 1 and 255 test hosts (198.18.i.0/24 each), not {count}")
     _check_available()
     global _open
     if _open:
@@ -135,6 +154,7 @@ async def open_test_hosts(count: int) -> AsyncIterator[list[TestHost]]:
                 root_address=f"198.18.{i}.1",
                 link=f"{tag}r{i}",
                 peer=f"{tag}n{i}",
+                routed=routed,
             )
             made.append(host)
             try:
@@ -168,6 +188,16 @@ async def _make(host: TestHost) -> None:
                "nud", "permanent")  # fmt: skip
     await _run(*netns, "neigh", "replace", host.root_address, "lladdr", root_mac, "dev",
                host.peer, "nud", "permanent")  # fmt: skip
+    if host.routed:
+        forwarding = Path("/proc/sys/net/ipv4/conf") / host.link / "forwarding"
+        await trio.Path(forwarding).write_text("1\n")
+        await _route_to_hosts(host)
+
+
+async def _route_to_hosts(host: TestHost) -> None:
+    """Route the test hosts' network via the link's root end (the kernel drops
+    the route whenever the host's end goes down: :meth:`TestHost.cut`)."""
+    await _run("ip", "-n", host.netns, "route", "replace", HOSTS_NETWORK, "via", host.root_address)
 
 
 async def _remove(hosts: Sequence[TestHost]) -> None:
