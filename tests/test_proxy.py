@@ -39,6 +39,7 @@ class Scripted:
     status: int = 200
     seen: list[dict[str, Any]] = attrs.field(factory=list)
     request_ids: list[str] = attrs.field(factory=list)
+    authorizations: list[str] = attrs.field(factory=list)
     in_flight: int = 0
     most_in_flight: int = 0
 
@@ -54,6 +55,7 @@ class Scripted:
         self.seen.append(body)
         headers = dict(scope["headers"])
         self.request_ids.append(headers.get(b"x-request-id", b"").decode())
+        self.authorizations.append(headers.get(b"authorization", b"").decode())
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
@@ -86,11 +88,13 @@ def closed_port_url() -> str:
 
 @asynccontextmanager
 async def proxy_for(
-    prefill: list[str], decode: list[str], timeouts: ProxyTimeouts | None = None
+    prefill: list[str], decode: list[str], timeouts: ProxyTimeouts | None = None, **options: Any
 ) -> AsyncIterator[tuple[Proxy, str]]:
+    """A proxy in front of ``prefill`` and ``decode`` (``options``: more of
+    :class:`Proxy`'s keywords), served over HTTP while the block runs."""
     timeouts = timeouts or ProxyTimeouts()
     async with open_client(timeouts) as client, trio.open_nursery() as nursery:
-        proxy = Proxy(prefill, decode, client, timeouts=timeouts)
+        proxy = Proxy(prefill, decode, client, timeouts=timeouts, **options)
         url = await start_http(nursery, proxy.app())
         yield proxy, url
         nursery.cancel_scope.cancel()

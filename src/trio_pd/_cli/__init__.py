@@ -30,9 +30,10 @@ from rich.console import Console
 
 from .._auth import generate_keypair
 from .._netns import TestHostsUnavailable
+from .._serve.keys import API_KEY_ENV
 from . import engine as engine_command
 from . import proxy as proxy_command
-from .common import EXIT_FAILED, EXIT_USAGE, UsageError
+from .common import EXIT_FAILED, EXIT_USAGE, UsageError, client_keys
 from .demo import DemoOptions, format_summary, run_demo
 from .serve import ServeError, ServeOptions, run_serve
 
@@ -148,6 +149,19 @@ def _parser() -> argparse.ArgumentParser:
         "found by the proxy through an etcd run here",
     )
     serve.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help=f"a client key for the proxy (repeatable; also ${API_KEY_ENV}): /v1/* then "
+        "needs 'Authorization: Bearer KEY'",
+    )
+    serve.add_argument(
+        "--no-curve",
+        action="store_true",
+        help="plain-text side channels (default: CURVE, with keys made for this run)",
+    )
+    serve.add_argument(
         "--etcd-ttl",
         type=float,
         default=serving.etcd_ttl,
@@ -235,6 +249,8 @@ def _serve(args: argparse.Namespace) -> int:
         num_blocks=args.num_blocks,
         hosts=args.hosts,
         etcd_ttl=args.etcd_ttl,
+        api_keys=client_keys(args.api_key),
+        curve=not args.no_curve,
     )
     try:
         serving.check()

@@ -1,14 +1,18 @@
 """What ``trio-pd engine``, ``proxy`` and ``serve`` share: exit statuses,
 the etcd flags (and the one place a membership is built from them), the
-exposure secret."""
+exposure secret, and the keys (client keys, the internal key, CURVE)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
+from typing import Any
 
+from .._auth import ANY_ENGINE, CurveAuth
 from .._serve.engine import EXPOSURE_SECRET_ENV
+from .._serve.keys import API_KEY_ENV, INTERNAL_KEY_ENV, BearerKeys
 from .._serve.membership import EtcdMembership, Membership
 
 EXIT_OK = 0
@@ -78,3 +82,112 @@ def exposure_secret(secret_file: str) -> bytes | None:
     if len(secret) < 16:
         raise UsageError(f"{source} must hold at least 16 bytes (32 hex digits)")
     return secret
+
+
+def _read(flag: str, path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError as exc:
+        raise UsageError(f"{flag}: {exc.strerror}: {path}") from None
+
+
+def add_internal_key_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--internal-key-file",
+        default="",
+        metavar="PATH",
+        help=f"the deployment's internal key, {what} (default: ${INTERNAL_KEY_ENV})",
+    )
+
+
+def internal_key(key_file: str) -> str | None:
+    """The deployment's internal key: ``key_file``'s content if given, else
+    :data:`~trio_pd._serve.keys.INTERNAL_KEY_ENV`, else ``None``.
+
+    Raises:
+        UsageError: the file cannot be read, or the key is too short (the
+            message never contains the key).
+    """
+    if key_file:
+        key, source = _read("--internal-key-file", key_file), "--internal-key-file"
+    else:
+        key, source = os.environ.get(INTERNAL_KEY_ENV, "").strip(), f"${INTERNAL_KEY_ENV}"
+    if not key:
+        return None
+    try:
+        BearerKeys([key], audience="internal")
+    except ValueError as exc:
+        raise UsageError(f"{source}: {exc}") from None
+    return key
+
+
+def client_keys(flag_keys: list[str]) -> BearerKeys | None:
+    """The proxy's client keys: every ``--api-key`` and
+    :data:`~trio_pd._serve.keys.API_KEY_ENV` (``None`` if there are none).
+
+    Raises:
+        UsageError: a key is too short or not printable (never printed).
+    """
+    keys = [*flag_keys]
+    if env := os.environ.get(API_KEY_ENV, "").strip():
+        keys.append(env)
+    if not keys:
+        return None
+    try:
+        return BearerKeys(keys, audience="client")
+    except ValueError as exc:
+        raise UsageError(f"--api-key/${API_KEY_ENV}: {exc}") from None
+
+
+def curve_auth(key_file: str, peers_file: str, role: str) -> CurveAuth | None:
+    """The engine's CURVE keys: its own pair (``key_file``, as ``trio-pd keygen``
+    prints it) and its peers' public keys (``peers_file``: ``{"consumers":
+    [keys], "producers": {engine_id or "*": key}}``; a prefill engine lets the
+    consumers in, a decode engine expects the producers' keys). ``None`` when
+    neither file is given.
+
+    Raises:
+        UsageError: only one file given, a file that cannot be read or is not
+            such JSON, or keys that do not fit (never printed).
+    """
+    if not key_file and not peers_file:
+        return None
+    if not key_file or not peers_file:
+        raise UsageError("--curve-key-file and --curve-peers-file go together")
+    pair = _json("--curve-key-file", key_file)
+    peers = _json("--curve-peers-file", peers_file)
+    consumers = peers.get("consumers", [])
+    producers = peers.get("producers", {})
+    if not isinstance(consumers, list) or not isinstance(producers, dict):
+        raise UsageError(
+            "--curve-peers-file: 'consumers' must be a list of keys and 'producers' "
+            "an object of keys by engine id"
+        )
+    if role == "prefill" and not consumers:
+        raise UsageError("--curve-peers-file: a prefill engine needs 'consumers' (public keys)")
+    if role == "decode" and not producers:
+        raise UsageError(
+            f"--curve-peers-file: a decode engine needs 'producers' (use {ANY_ENGINE!r} "
+            "for a key that every prefill engine shares)"
+        )
+    try:
+        return CurveAuth(
+            public_key=pair["public_key"],
+            secret_key=pair["secret_key"],
+            allowed_consumers=frozenset(consumers),
+            producer_keys=producers,
+        )
+    except KeyError as exc:
+        raise UsageError(f"--curve-key-file: no {exc.args[0]!r} (see trio-pd keygen)") from None
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"CURVE keys: {exc}") from None
+
+
+def _json(flag: str, path: str) -> dict[str, Any]:
+    try:
+        value = json.loads(_read(flag, path))
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{flag}: not JSON ({exc.msg}): {path}") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"{flag}: a JSON object is needed: {path}")
+    return value

@@ -23,6 +23,7 @@ import torch
 import trio
 
 from .._serve.engine import EXPOSURE_SECRET_ENV, EngineSettings
+from .._serve.keys import INTERNAL_KEY_ENV, BearerKeys
 from .._serve.model import ModelConfig
 from .._serve.openai import MAX_MODEL_LEN
 from .._serve.process import EngineStartError, serve_engine
@@ -31,7 +32,10 @@ from .common import (
     EXIT_OK,
     UsageError,
     add_etcd_arguments,
+    add_internal_key_argument,
+    curve_auth,
     exposure_secret,
+    internal_key,
     membership_from_args,
 )
 
@@ -85,6 +89,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help=f"the deployment's exposure secret, hex (default: ${EXPOSURE_SECRET_ENV})",
     )
+    add_internal_key_argument(parser, "required on /v1/* (the proxy sends it)")
+    parser.add_argument(
+        "--curve-key-file",
+        default="",
+        metavar="PATH",
+        help="this engine's CURVE key pair for the side channel (JSON, from trio-pd keygen)",
+    )
+    parser.add_argument(
+        "--curve-peers-file",
+        default="",
+        metavar="PATH",
+        help='public keys: {"consumers": [...]} a prefill engine lets in, '
+        '{"producers": {"ENGINE_ID or *": key}} a decode engine expects',
+    )
     add_etcd_arguments(parser)
     # trio-pd serve: drain when this process is no longer the parent.
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
@@ -136,6 +154,16 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
+    key = internal_key(args.internal_key_file)
+    if key is None:
+        print(
+            f"trio-pd engine: WARNING: no internal key (${INTERNAL_KEY_ENV} or "
+            "--internal-key-file): any client that reaches this engine may call /v1/* "
+            "around the proxy. Give the engines and the proxy the same key.",
+            file=sys.stderr,
+            flush=True,
+        )
+    curve = curve_auth(args.curve_key_file, args.curve_peers_file, args.role)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     torch.set_num_threads(1)
     serving = functools.partial(
@@ -143,6 +171,8 @@ def run(args: argparse.Namespace) -> int:
         settings,
         args.role,
         exposure_secret=secret,
+        internal_keys=BearerKeys([key], audience="internal") if key else None,
+        curve=curve,
         membership=membership,
         parent_pid=args.parent_pid,
     )

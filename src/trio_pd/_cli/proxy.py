@@ -33,11 +33,21 @@ from .._serve.binding import (
     remove_file,
     write_json_atomically,
 )
+from .._serve.keys import API_KEY_ENV, BearerKeys
 from .._serve.membership import EngineSet, Membership
 from .._serve.openai import MAX_MODEL_LEN
 from .._serve.proxy import Proxy, ProxyTimeouts, open_client
 from .._serve.stopping import StopRequest, stop_requests
-from .common import EXIT_FAILED, EXIT_OK, UsageError, add_etcd_arguments, membership_from_args
+from .common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    UsageError,
+    add_etcd_arguments,
+    add_internal_key_argument,
+    client_keys,
+    internal_key,
+    membership_from_args,
+)
 
 
 class ProxyStartError(Exception):
@@ -54,6 +64,8 @@ class ProxyOptions:
     grace: float = 10.0
     max_model_len: int | None = None  # (None: the engines judge each request)
     timeouts: ProxyTimeouts = attrs.Factory(ProxyTimeouts)
+    api_keys: BearerKeys | None = None  # (None: /v1/* open to anyone who connects)
+    internal_key: str | None = attrs.field(default=None, repr=False)  # (sent to the engines)
 
     def check(self) -> None:
         """Raises ValueError naming the flag that is wrong."""
@@ -113,7 +125,7 @@ async def serve_proxy(
             open_client(options.timeouts) as client,
             trio.open_nursery() as watching,
         ):
-            router = _Router(client, options.max_model_len, options.timeouts)
+            router = _Router(client, options)
             if membership is not None:
                 engines = await watching.start(membership.watch_engines, router.update)
             assert engines is not None
@@ -136,10 +148,16 @@ async def serve_proxy(
 class _Router:
     """One :class:`Proxy` whose engines follow the membership's updates."""
 
-    def __init__(
-        self, client: httpx2.AsyncClient, max_model_len: int | None, timeouts: ProxyTimeouts
-    ) -> None:
-        self.proxy = Proxy([], [], client, max_model_len=max_model_len, timeouts=timeouts)
+    def __init__(self, client: httpx2.AsyncClient, options: ProxyOptions) -> None:
+        self.proxy = Proxy(
+            [],
+            [],
+            client,
+            max_model_len=options.max_model_len,
+            timeouts=options.timeouts,
+            api_keys=options.api_keys,
+            internal_key=options.internal_key,
+        )
         self.app = response_completes(self.proxy.app())
 
     def update(self, engines: EngineSet) -> None:
@@ -195,6 +213,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default = getattr(timeouts, _timeout_field(flag))
         help_text = f"{what} (default {default:g})"
         parser.add_argument(flag, type=float, default=default, metavar="SECONDS", help=help_text)
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help=f"a client key (repeatable; also ${API_KEY_ENV}): /v1/* then needs "
+        "'Authorization: Bearer KEY' (prefer the variable: flags show in ps)",
+    )
+    add_internal_key_argument(parser, "sent to the engines")
     add_etcd_arguments(parser)
 
 
@@ -233,6 +260,8 @@ def run(args: argparse.Namespace) -> int:
         timeouts=ProxyTimeouts(
             **{name: getattr(args, f"{name}_timeout") for name in attrs.fields_dict(ProxyTimeouts)}
         ),
+        api_keys=client_keys(args.api_key),
+        internal_key=internal_key(args.internal_key_file),
     )
     try:
         options.check()

@@ -49,6 +49,7 @@ import trio
 from rich.console import Console
 from rich.table import Table
 
+from .._auth import generate_keypair
 from .._etcd_server import EtcdServer, EtcdUnavailable, open_etcd
 from .._groups import unwrapped_errors
 from .._netns import TestHost, TestHostsUnavailable, open_test_hosts
@@ -60,6 +61,7 @@ from .._serve.binding import (
     write_json_atomically,
 )
 from .._serve.engine import EXPOSURE_SECRET_ENV
+from .._serve.keys import INTERNAL_KEY_ENV, BearerKeys
 from .._serve.membership import EngineSet, EtcdMembership, Membership
 from .._serve.model import ModelConfig
 from .._serve.openai import MAX_MODEL_LEN
@@ -88,6 +90,9 @@ class ServeOptions:
     start_timeout: float = 120.0
     hosts: int = 0  # (> 0: the engines on that many test hosts, found through etcd)
     etcd_ttl: float = 10.0  # (with hosts: each engine's lease)
+    api_keys: BearerKeys | None = None  # (the proxy's client keys; None: open)
+    curve: bool = True  # (CURVE on the engines' side channels, keys made per run)
+    internal_key: str = attrs.field(factory=lambda: secrets.token_urlsafe(32), repr=False)
 
     def max_model_len(self) -> int:
         """What every engine can hold: the model's context, or the pool if smaller."""
@@ -188,6 +193,8 @@ async def run_serve(options: ServeOptions, console: Console) -> None:
         "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN"),
         # This deployment's exposure secret, shared by its engines.
         EXPOSURE_SECRET_ENV: secrets.token_bytes(32).hex(),
+        # Its internal key: the engines answer /v1/* only to the proxy.
+        INTERNAL_KEY_ENV: options.internal_key,
     }
     if is_wildcard(options.host) and not options.advertise_host:
         console.print(
@@ -235,7 +242,8 @@ async def _deploy(
     the proxy on ``sock``; serve until ``stop``; drain. Raises ServeError
     (see :func:`run_serve`)."""
     failures: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="trio-pd-serve-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="trio-pd-serve-") as scratch:  # (mode 0700)
+        curve_files = _write_curve_keys(Path(scratch), options) if options.curve else {}
         board = _Board(
             [
                 _Engine(
@@ -251,7 +259,7 @@ async def _deploy(
             async with trio.open_nursery() as engines:
                 engines.start_soon(_notify_when, stop.requested.wait, board.notify)
                 for engine in board.engines:
-                    command = _engine_command(options, engine, etcd)
+                    command = _engine_command(options, engine, etcd, curve_files)
                     engines.start_soon(
                         _run_engine, engine, command, env, options.grace, board, console
                     )
@@ -304,6 +312,8 @@ async def _serve_proxy(
         advertise_host=options.advertised(),
         grace=options.grace,
         max_model_len=options.max_model_len(),
+        api_keys=options.api_keys,
+        internal_key=options.internal_key,
     )
     engines = EngineSet(board.urls("prefill"), board.urls("decode"))
     done = trio.Event()
@@ -408,9 +418,38 @@ def _roles(options: ServeOptions) -> list[tuple[str, int]]:
     ]
 
 
-def _engine_command(options: ServeOptions, engine: _Engine, etcd: EtcdServer | None) -> list[str]:
+def _write_curve_keys(directory: Path, options: ServeOptions) -> dict[str, list[str]]:
+    """A CURVE key pair per engine, each in a file of its own (mode 0600, in
+    ``directory``), and one file of the public keys that every engine reads:
+    the prefill engines let the decode engines in, the decode engines expect
+    each prefill engine's key. Returns each engine's ``trio-pd engine`` flags
+    by name."""
+    pairs = {f"{role}-{i}": generate_keypair() for role, i in _roles(options)}
+    peers = {
+        "consumers": [public for name, (public, _) in pairs.items() if name.startswith("decode")],
+        "producers": {n: public for n, (public, _) in pairs.items() if n.startswith("prefill")},
+    }
+    peers_file = directory / "curve-peers.json"
+    peers_file.write_text(json.dumps(peers))
+    flags = {}
+    for name, (public, secret) in pairs.items():
+        key_file = directory / f"{name}.curve.json"
+        descriptor = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "w") as out:
+            json.dump({"public_key": public, "secret_key": secret}, out)
+        flags[name] = [f"--curve-key-file={key_file}", f"--curve-peers-file={peers_file}"]
+    return flags
+
+
+def _engine_command(
+    options: ServeOptions,
+    engine: _Engine,
+    etcd: EtcdServer | None,
+    curve_files: dict[str, list[str]],
+) -> list[str]:
     """The ``trio-pd engine`` command line that runs ``engine`` (in its test
-    host's namespace, registered on ``etcd``, when it has one)."""
+    host's namespace, registered on ``etcd``, when it has one; with its CURVE
+    key files, when ``curve_files`` has them)."""
     tp = options.prefill_tp if engine.role == "prefill" else options.decode_tp
     host = engine.host.address if engine.host else options.host
     flags: dict[str, object] = {
@@ -430,6 +469,7 @@ def _engine_command(options: ServeOptions, engine: _Engine, etcd: EtcdServer | N
         flags["--etcd"] = etcd.url_at(engine.host.root_address)
         flags["--etcd-ttl"] = options.etcd_ttl
     command = [sys.executable, "-m", "trio_pd", "engine", *(f"{k}={v}" for k, v in flags.items())]
+    command += curve_files.get(engine.name, [])
     if engine.host is not None:
         # (ip execs the command: the engine is this command's child, and its signals reach it)
         return ["ip", "netns", "exec", engine.host.netns, *command]

@@ -100,6 +100,9 @@ def build_app(engine: Engine) -> Callable[[Scope, Receive, Send], Any]:
 
 async def _route(engine: Engine, scope: Scope, receive: Receive, send: Send, rid: str) -> None:
     method, path = scope["method"], scope["path"]
+    keys = engine.internal_keys
+    if keys is not None and keys.guards(path):
+        keys.check(scope.get("headers", ()))
     if path.startswith("/v1/models/"):
         _allow(method, path, ("GET",))
         if path.removeprefix("/v1/models/") != MODEL_NAME:
@@ -172,10 +175,16 @@ class _Response:
 
 
 async def _health(engine: Engine, send: Send) -> None:
-    """200 while the engine serves; 503 draining, or while NIXL is stuck in a load."""
+    """200 while the engine serves; 503 draining, or while NIXL is stuck in a load.
+    The body also names the process, rank 0's side-channel port and the
+    engine's CURVE public key (when it has one)."""
     stuck = [c.statistics().backend_stuck_call for c in engine.connectors]
     stuck = [call for call in stuck if call]
     health: dict[str, Any] = {"pid": os.getpid()}
+    if engine.connectors:  # (public facts: what kv_transfer_params and peers carry anyway)
+        health["side_channel_port"] = engine.connectors[0].address[1]
+    if engine.curve is not None:
+        health["curve_public_key"] = engine.curve.public_key
     if stuck:
         health.update(status="stuck", stuck_call=stuck[0])
     elif engine.accepting and engine.connectors:
@@ -215,6 +224,7 @@ async def _lifespan(engine: Engine, receive: Receive, send: Send) -> None:
                             lease_renewal=settings.lease_renewal,
                             heartbeat_interval=settings.heartbeat_interval,
                             exposure_secret=engine.exposure_secret,
+                            auth=engine.curve,
                         ),
                         tp_rank=rank,
                         tp_size=settings.tp_size,

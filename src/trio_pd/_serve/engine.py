@@ -52,12 +52,14 @@ from prometheus_client import (
 )
 from trio_util import AsyncValue
 
+from .._auth import CurveAuth
 from .._connector import Connector
 from .._errors import IncompatibleEngineError, ParamsRejectedError
 from .._groups import first_failure_wins
 from .._records import RemoteBlocks
 from .asgi import HTTPError
 from .binding import is_wildcard
+from .keys import BearerKeys
 from .metrics import ConnectorCollector
 from .model import ModelConfig, TinyLlama
 from .openai import MAX_MODEL_LEN, check_prompt_blocks, parse_remote_blocks
@@ -132,10 +134,18 @@ class Engine:
     """
 
     def __init__(
-        self, settings: EngineSettings, model: TinyLlama, *, exposure_secret: bytes | None = None
+        self,
+        settings: EngineSettings,
+        model: TinyLlama,
+        *,
+        exposure_secret: bytes | None = None,
+        internal_keys: BearerKeys | None = None,
+        curve: CurveAuth | None = None,
     ) -> None:
         self.settings = settings
         self.exposure_secret = exposure_secret  # signs / checks kv_transfer_params
+        self.internal_keys = internal_keys  # who may call /v1/* (the proxy), if set
+        self.curve = curve  # the side channel's CURVE keys, if set
         self.model = model
         self.cache = model.new_cache(settings.num_blocks, settings.tp_size)
         self.pool = BlockPool(settings.num_blocks)

@@ -16,6 +16,7 @@ import attrs
 import trio
 from prometheus_client import disable_created_metrics
 
+from .._auth import CurveAuth
 from .app import build_app
 from .binding import (
     BindError,
@@ -26,6 +27,7 @@ from .binding import (
     write_json_atomically,
 )
 from .engine import Engine, EngineSettings
+from .keys import BearerKeys
 from .membership import EngineAnnouncement, Membership, Role
 from .model import ModelConfig, TinyLlama
 from .stopping import StopRequest, stop_requests
@@ -42,6 +44,8 @@ async def serve_engine(
     role: Role,
     *,
     exposure_secret: bytes | None = None,
+    internal_keys: BearerKeys | None = None,
+    curve: CurveAuth | None = None,
     membership: Membership | None = None,
     parent_pid: int | None = None,
     report: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
@@ -65,6 +69,10 @@ async def serve_engine(
     The ready file is removed on every exit path (a stale one, left by an
     engine that was killed, is removed before start-up).
 
+    ``exposure_secret`` signs and checks ``kv_transfer_params``;
+    ``internal_keys``: only callers presenting one may use ``/v1/*`` (the
+    deployment's proxy); ``curve``: the side channel's CURVE keys.
+
     ``report`` gets the engine's one-line status messages (stderr by default).
 
     Raises:
@@ -84,7 +92,13 @@ async def serve_engine(
     if not settings.engine_id:
         settings = attrs.evolve(settings, engine_id=f"{role}-{settings.advertised()}-{port}")
     disable_created_metrics()  # type: ignore[no-untyped-call]  # (a process of its own)
-    engine = Engine(settings, TinyLlama(ModelConfig()), exposure_secret=exposure_secret)
+    engine = Engine(
+        settings,
+        TinyLlama(ModelConfig()),
+        exposure_secret=exposure_secret,
+        internal_keys=internal_keys,
+        curve=curve,
+    )
     config = Config()
     config.bind = [hypercorn_bind(sock)]
     config.graceful_timeout = settings.grace

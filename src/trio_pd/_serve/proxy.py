@@ -61,6 +61,7 @@ from .asgi import (
     send_json,
     send_text,
 )
+from .keys import BearerKeys, bearer_header
 from .openai import (
     GenerationRequest,
     parse_chat_request,
@@ -159,6 +160,10 @@ class Proxy:
             engine can hold: longer requests are a 400 before any prefill.
         timeouts: the per-phase deadlines (the client's own timeouts should
             match: :func:`open_client`).
+        api_keys: the client keys: ``/v1/*`` answers 401 to a request
+            without one of them (``None``: open to anyone who can connect).
+        internal_key: the deployment's internal key, sent to the engines
+            (which refuse ``/v1/*`` without it, when they have one).
     """
 
     def __init__(
@@ -169,11 +174,15 @@ class Proxy:
         *,
         max_model_len: int | None = None,
         timeouts: ProxyTimeouts = ProxyTimeouts(),
+        api_keys: BearerKeys | None = None,
+        internal_key: str | None = None,
     ):
         self._max_model_len = max_model_len
         self._engines = {"prefill": EngineSet(prefill), "decode": EngineSet(decode)}
         self._client = client
         self._timeouts = timeouts
+        self._api_keys = api_keys
+        self._upstream_headers = bearer_header(internal_key) if internal_key else {}
         self.metrics = ProxyMetrics()
         self.accepting = True
         self.membership_problem: str | None = None
@@ -197,6 +206,8 @@ class Proxy:
             request_id = request_id_from_headers(scope.get("headers", []))
             headers = [(REQUEST_ID_HEADER.encode(), request_id.encode())]
             try:
+                if self._api_keys is not None and self._api_keys.guards(path):
+                    self._api_keys.check(scope.get("headers", []))
                 if method == "POST" and path in ROUTES:
                     await self._generate(path, request_id, receive, send)
                 elif (method, path) == ("GET", "/health"):
@@ -300,7 +311,7 @@ class Proxy:
                         response = await self._client.post(
                             f"{engine}{path}",
                             json=request,
-                            headers={REQUEST_ID_HEADER: request_id},
+                            headers={REQUEST_ID_HEADER: request_id, **self._upstream_headers},
                         )
                 except (httpx2.ConnectError, httpx2.ConnectTimeout) as exc:
                     engines.refused(engine, trio.current_time())
@@ -353,7 +364,10 @@ class Proxy:
     ) -> None:
         streaming = False
         request = self._client.build_request(
-            "POST", f"{engine}{path}", json=body, headers={REQUEST_ID_HEADER: request_id}
+            "POST",
+            f"{engine}{path}",
+            json=body,
+            headers={REQUEST_ID_HEADER: request_id, **self._upstream_headers},
         )
         response: httpx2.Response | None = None
         try:

@@ -1,0 +1,222 @@
+"""Who may call: client keys on the proxy, the internal key on the engines,
+CURVE on serve's side channels, and no key in any log."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+import trio
+
+import trio_pd
+from trio_pd._serve.asgi import HTTPError
+from trio_pd._serve.keys import BearerKeys
+from trio_pd._serve.openai import MODEL_NAME
+
+from .conftest import kv_cache
+from .test_proxy import BODY, engines, proxy_for
+from .test_serve import metrics
+
+CLIENT_KEY = "client-key-0123456789abcdef"
+OTHER_KEY = "another-client-key-fedcba98"
+INTERNAL_KEY = "internal-key-0123456789abcdef"
+
+
+def headers_with(authorization: str | None, *more: str) -> list[tuple[bytes, bytes]]:
+    values = [] if authorization is None else [authorization, *more]
+    return [(b"authorization", v.encode()) for v in values]
+
+
+@pytest.mark.parametrize(
+    ("authorization", "why"),
+    [
+        (None, "no Authorization header"),
+        (f"Basic {CLIENT_KEY}", "not 'Bearer <key>'"),
+        ("Bearer ", "not 'Bearer <key>'"),
+        ("Bearer wrong-key-0123456789abcdef", "the key is not valid here"),
+        (f"Bearer {CLIENT_KEY}x", "the key is not valid here"),
+        (f"Bearer {CLIENT_KEY[:-1]}", "the key is not valid here"),
+    ],
+)
+def test_a_request_without_one_of_the_keys_is_a_401_that_shows_no_key(
+    authorization: str | None, why: str
+) -> None:
+    keys = BearerKeys([CLIENT_KEY, OTHER_KEY], audience="client")
+    with pytest.raises(HTTPError) as info:
+        keys.check(headers_with(authorization))
+    error = info.value
+    assert error.status == 401
+    assert error.body["error"]["code"] == "invalid_api_key"
+    assert why in error.body["error"]["message"]
+    assert (b"www-authenticate", b"Bearer") in error.headers
+    assert CLIENT_KEY[:8] not in json.dumps(error.body)
+
+
+def test_any_of_the_keys_is_accepted_and_the_keys_stay_hidden() -> None:
+    keys = BearerKeys([CLIENT_KEY, OTHER_KEY], audience="client")
+    keys.check(headers_with(f"Bearer {CLIENT_KEY}"))
+    keys.check(headers_with(f"bearer   {OTHER_KEY}  "))
+    with pytest.raises(HTTPError, match="several"):
+        keys.check(headers_with(f"Bearer {CLIENT_KEY}", f"Bearer {OTHER_KEY}"))
+    assert CLIENT_KEY not in repr(keys)
+    assert keys.guards("/v1/completions")
+    assert keys.guards("/v1/models")
+    assert not keys.guards("/health")
+    assert not keys.guards("/metrics")
+    for bad in ([], ["short"], ["has a space in the middle!"]):
+        with pytest.raises(ValueError, match="key") as info:
+            BearerKeys(bad, audience="client")
+        assert all(key not in str(info.value) for key in bad)
+
+
+async def test_the_proxy_asks_clients_for_a_key_and_shows_engines_the_internal_one() -> None:
+    with trio.fail_after(30):
+        async with (
+            engines(2) as ([prefill, decode], [p_url, d_url]),
+            proxy_for(
+                [p_url],
+                [d_url],
+                api_keys=BearerKeys([CLIENT_KEY], audience="client"),
+                internal_key=INTERNAL_KEY,
+            ) as (_, url),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            for headers in ({}, {"Authorization": f"Bearer {INTERNAL_KEY}"}):
+                answer = await client.post(f"{url}/v1/completions", json=BODY, headers=headers)
+                assert answer.status_code == 401
+                assert answer.json()["error"]["code"] == "invalid_api_key"
+            assert (await client.get(f"{url}/v1/models")).status_code == 401
+            assert prefill.seen == decode.seen == []  # (refused before any engine)
+            # /health and /metrics stay open (probes and scrapers).
+            assert (await client.get(f"{url}/health")).status_code == 200
+            assert (await client.get(f"{url}/metrics")).status_code == 200
+            client_auth = {"Authorization": f"Bearer {CLIENT_KEY}"}
+            answer = await client.post(f"{url}/v1/completions", json=BODY, headers=client_auth)
+            assert answer.status_code == 200, answer.text
+            # The engines see the internal key, never the client's.
+            assert prefill.authorizations == decode.authorizations == [f"Bearer {INTERNAL_KEY}"]
+
+
+# ---- a deployment: trio-pd serve with a client key ------------------------------------
+
+
+@pytest.mark.slow
+async def test_a_deployment_serves_only_key_holders_and_its_side_channels_only_its_engines(
+    tmp_path: Path,
+) -> None:
+    import openai
+
+    ready, log = tmp_path / "ready.json", tmp_path / "serve.log"
+    env = {**os.environ, "NIXL_LOG_LEVEL": "WARN", "TRIO_PD_API_KEY": CLIENT_KEY}
+    command = [sys.executable, "-m", "trio_pd", "serve", "--port", "0", "--ready-file", str(ready)]
+    with log.open("wb") as out:
+        process = await trio.lowlevel.open_process(
+            command, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out
+        )
+    try:
+        with trio.fail_after(120):
+            while not ready.exists():  # (serve writes it)
+                assert process.poll() is None, log.read_text()
+                await trio.sleep(0.05)
+            serving = json.loads(ready.read_text())
+            async with httpx2.AsyncClient(timeout=30) as client:
+                internal_key = await _checks(client, serving, openai)
+        process.send_signal(signal.SIGTERM)
+        with trio.fail_after(60):
+            assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    # No key, client or internal, in anything the deployment logged.
+    text = log.read_text()
+    assert "engine decode-0: SIGTERM: draining" in text  # (the engines' lines are in it)
+    for key in (CLIENT_KEY, internal_key):
+        assert key not in text
+
+
+async def _checks(client: httpx2.AsyncClient, serving: dict[str, Any], openai: Any) -> str:
+    """The deployment's checks; returns its internal key (read from an engine's environment)."""
+    proxy, [prefill], [decode] = serving["proxy"], serving["prefill"], serving["decode"]
+    body = {"prompt": "only for key holders", "max_tokens": 4}
+    # No key, a wrong key: 401 from the proxy, in OpenAI's shape.
+    for headers in ({}, {"Authorization": f"Bearer {OTHER_KEY}"}):
+        answer = await client.post(f"{proxy}/v1/completions", json=body, headers=headers)
+        assert answer.status_code == 401
+        assert answer.json()["error"]["type"] == "invalid_request_error"
+    # OpenAI's client with the key: completions and chat, streamed and not.
+    tokens = await trio.to_thread.run_sync(_openai_calls, openai, proxy, CLIENT_KEY)
+    assert tokens["completion"] == tokens["streamed completion"]
+    assert tokens["chat"] == tokens["streamed chat"]
+    with pytest.raises(openai.AuthenticationError):
+        await trio.to_thread.run_sync(_openai_calls, openai, proxy, OTHER_KEY)
+    # A client that goes around the proxy is refused by the engines, even
+    # with a client key (and the engines' /health stays open).
+    for engine in (prefill, decode):
+        for headers in ({}, {"Authorization": f"Bearer {CLIENT_KEY}"}):
+            answer = await client.post(f"{engine}/v1/completions", json=body, headers=headers)
+            assert answer.status_code == 401
+            assert "serves its deployment's proxy only" in answer.json()["error"]["message"]
+    health = (await client.get(f"{prefill}/health")).json()
+    internal_key = _environment(health["pid"])["TRIO_PD_INTERNAL_KEY"]
+    inside = {"Authorization": f"Bearer {internal_key}"}
+    answer = await client.post(f"{decode}/v1/completions", json=body, headers=inside)
+    assert answer.status_code == 200, answer.text
+    # A side-channel peer without the deployment's keys gets nothing, and is counted.
+    stranger_keys = trio_pd.generate_keypair()
+    stranger = trio_pd.CurveAuth(
+        public_key=stranger_keys[0],
+        secret_key=stranger_keys[1],
+        producer_keys={"*": health["curve_public_key"]},
+    )
+    params = {
+        "remote_engine_id": "prefill-0",
+        "remote_host": "127.0.0.1",
+        "remote_port": health["side_channel_port"],
+        "remote_block_ids": [0],
+        "remote_request_id": "spy",
+    }
+    config = trio_pd.ConnectorConfig(auth=stranger, handshake_timeout=2.0)
+    async with trio_pd.open_connector("spy", kv_cache(blocks=4), config=config) as spy:
+        remote = trio_pd.RemoteBlocks.from_kv_transfer_params(params)
+        with pytest.raises(trio_pd.HandshakeError, match="rejected our CURVE key"):
+            await spy.pull("spy", [0], remote)
+    counted = metrics((await client.get(f"{prefill}/metrics")).text)
+    assert counted["trio_pd_listener_auth_failures_total"] >= 1
+    return internal_key
+
+
+def _openai_calls(openai: Any, proxy: str, key: str) -> dict[str, list[str]]:
+    """OpenAI's own (synchronous) client, in a thread: the texts it got."""
+    client = openai.OpenAI(base_url=f"{proxy}/v1", api_key=key, max_retries=0, timeout=30)
+    prompt, messages = "the openai client", [{"role": "user", "content": "hello"}]
+    model = MODEL_NAME
+    texts: dict[str, list[str]] = {}
+    done = client.completions.create(model=model, prompt=prompt, max_tokens=5, temperature=0)
+    texts["completion"] = [done.choices[0].text]
+    stream = client.completions.create(
+        model=model, prompt=prompt, max_tokens=5, temperature=0, stream=True
+    )
+    texts["streamed completion"] = ["".join(c.choices[0].text for c in stream if c.choices)]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=5)
+    texts["chat"] = [chat.choices[0].message.content]
+    chunks = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=5, stream=True
+    )
+    texts["streamed chat"] = [
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    ]
+    return texts
+
+
+def _environment(pid: int) -> dict[str, str]:
+    """A process's environment (root, or the same user)."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(entry.decode().split("=", 1) for entry in raw if b"=" in entry)
