@@ -23,7 +23,14 @@ import torch
 import trio
 
 import trio_pd
-from trio_pd.testing import MemoryFabric, fill_blocks, free_port_range, mismatched_blocks
+from trio_pd.testing import (
+    MemoryFabric,
+    fill_blocks,
+    fill_heads,
+    free_port_range,
+    mismatched_blocks,
+    mismatched_heads,
+)
 
 from .conftest import kv_cache
 
@@ -502,6 +509,45 @@ async def test_a_stale_first_request_does_not_poison_another_ranks_record(
                     await d.pull(f"ok{n}", [5 + n], valid)
 
 
+# Found by tests/test_chaos.py: the rank-1 part of the first pull after a TP-2 engine restarted
+# read through rank 1's old agent (TransferError "... disconnected"), although the rank-0 part of
+# the same pull had just found the new incarnation
+async def test_the_first_pull_after_a_tp_engine_restarted_reads_every_rank(
+    memory_fabric: MemoryFabric,
+) -> None:
+    with trio.fail_after(10):
+        base = free_port_range(2)
+        local = kv_cache(blocks=16, block_shape=(16, 64))
+        async with trio_pd.open_connector(
+            "d", local, config=QUICK, backend=memory_fabric.backend
+        ) as d:
+            async with contextlib.AsyncExitStack() as stack:
+                ranks = await open_tp2_producer(memory_fabric, base, stack)
+                await d.pull("before", [0], expose_all(ranks, "before", [0]))
+            kvs = [kv_cache(blocks=16, block_shape=(8, 64)) for _ in range(2)]
+            async with contextlib.AsyncExitStack() as stack:  # both ranks restart, same ports
+                ranks = [
+                    await stack.enter_async_context(
+                        trio_pd.open_connector(
+                            "p",
+                            kv,
+                            port=base,
+                            tp_rank=rank,
+                            tp_size=2,
+                            config=QUICK,
+                            backend=memory_fabric.backend,
+                        )
+                    )
+                    for rank, kv in enumerate(kvs)
+                ]
+                for rank, kv in enumerate(kvs):
+                    fill_heads(kv, rank, [3], seed=5)
+                await d.pull("after", [1], expose_all(ranks, "after", [3]))
+                assert mismatched_heads(local, 0, [1], [3], seed=5) == []
+            stats = d.statistics()
+            assert (stats.pulls_succeeded, stats.pulls_failed, stats.restarts_detected) == (2, 0, 1)
+
+
 async def test_a_replay_of_parameters_whose_exposure_is_over_reads_nothing(
     memory_fabric: MemoryFabric,
 ) -> None:
@@ -522,6 +568,31 @@ async def test_a_replay_of_parameters_whose_exposure_is_over_reads_nothing(
                 with pytest.raises(trio_pd.TransferError, match="no longer holds"):
                     await d.pull("replay", [2], mine)
             assert not local[0][2].any()
+
+
+# Found by tests/test_chaos.py: the pull above, refused for a lost hold, was refused before the
+# consumer's pull began, and pulls_failed did not count it
+async def test_a_pull_refused_for_a_lost_hold_counts_as_failed(
+    memory_fabric: MemoryFabric,
+) -> None:
+    config = attrs.evolve(QUICK, heartbeat_interval=0.05)
+    with trio.fail_after(10):
+        async with (
+            connector(memory_fabric, "p", config=config) as p,
+            connector(memory_fabric, "d", config=config) as d,
+        ):
+            remote = p.expose("r", [1])
+            await d.pull("r", [1], remote)
+            async with d.hold(p.expose("other", [3])), d.hold(remote):
+                # (the other hold keeps the heartbeats going:) the second one starts
+                # after the first one's reply came: "r" is not pending there
+                sent = d.statistics().heartbeats_sent
+                while d.statistics().heartbeats_sent < sent + 2:  # noqa: ASYNC110 -- a counter
+                    await trio.sleep(0.01)
+                with pytest.raises(trio_pd.TransferError, match="no longer holds"):
+                    await d.pull("again", [2], remote)
+            stats = d.statistics()
+            assert (stats.pulls_succeeded, stats.pulls_failed, stats.pulls_rejected) == (1, 1, 0)
 
 
 async def test_a_forged_hold_is_refused_before_any_message(memory_fabric: MemoryFabric) -> None:

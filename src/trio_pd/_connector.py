@@ -36,7 +36,6 @@ from ._backend import BackendFactory, TransferBackend
 from ._config import ConnectorConfig
 from ._consumer import Consumer
 from ._engines import EngineState
-from ._errors import TransferError
 from ._exposures import Released
 from ._groups import unwrapped_errors
 from ._layout import KVLayout, layout_of_tensors
@@ -227,16 +226,9 @@ class Connector:
                 engine has several.
             trio.ClosedResourceError: the connector is (or got) closed.
         """
+        # (a replay of parameters whose exposure is over, say: failed and counted there)
         lost = self._leases.lost(remote)
-        if lost is not None:  # (a replay of parameters whose exposure is over, say)
-            await trio.lowlevel.checkpoint()
-            raise TransferError(
-                request_id,
-                [int(b) for b in local_block_ids],
-                f"engine {remote.engine_id!r} no longer holds these blocks for us ({lost}): "
-                "not read",
-            )
-        result = await self._consumer.pull(request_id, local_block_ids, remote)
+        result = await self._consumer.pull(request_id, local_block_ids, remote, lost=lost)
         self._leases.pulled(remote)
         return result
 

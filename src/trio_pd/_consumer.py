@@ -90,7 +90,12 @@ class Consumer:
     # ---- public (through the Connector facade) ---------------------------
 
     async def pull(
-        self, request_id: str, local_block_ids: Sequence[int], remote: RemoteBlocks
+        self,
+        request_id: str,
+        local_block_ids: Sequence[int],
+        remote: RemoteBlocks,
+        *,
+        lost: str | None = None,
     ) -> PullResult:
         """See :meth:`trio_pd.Connector.pull`.
 
@@ -98,6 +103,10 @@ class Consumer:
         be: the remote ranks this rank reads (see ``_tp.plan_pull``) are made
         ready concurrently; every part's block ids are checked; then the
         parts transfer concurrently.
+
+        ``lost``: why the producer no longer holds ``remote`` for us (a hold
+        heard so): the pull fails with :class:`TransferError` without
+        reading, counted in ``pulls_failed`` as every failed pull is.
         """
         self._check_open()
         started = trio.current_time()
@@ -111,6 +120,14 @@ class Consumer:
                 f"{len(remote.block_ids)} remote block ids"
             )
         try:
+            if lost is not None:
+                await trio.lowlevel.checkpoint()
+                raise TransferError(
+                    request_id,
+                    local_ids.tolist(),
+                    f"engine {remote.engine_id!r} no longer holds these blocks for us "
+                    f"({lost}): not read",
+                )
             self.check_token(request_id, remote)
             mismatch = sizes_mismatch(self._tp_size, remote.tp_size)
             if mismatch is not None:
@@ -118,12 +135,19 @@ class Consumer:
             parts = plan_pull(self._tp_rank, self._tp_size, remote.tp_size)
             handshakes = self._handshakes
             engines = [handshakes.engine(remote, part) for part in parts]
-            agents = await first_failure_wins(
-                [
-                    functools.partial(handshakes.ready_agent, e, request_id, local_ids, remote)
-                    for e in engines
-                ]
-            )
+            ready = [
+                functools.partial(handshakes.ready_agent, e, request_id, local_ids, remote)
+                for e in engines
+            ]
+            agents = await first_failure_wins(ready)
+            # A part made ready while another part's handshake found the engine
+            # restarted has an agent that was retired since (an engine's ranks
+            # restart together): once more, for those parts.
+            again = [i for i, e in enumerate(engines) if e.agent is not agents[i]]
+            if again:
+                renewed = await first_failure_wins([ready[i] for i in again])
+                for i, agent in zip(again, renewed, strict=True):
+                    agents[i] = agent
             handshake_wait = trio.current_time() - started
             transfers = [
                 self._transfer_for(engine, agent, request_id, local_ids, remote)

@@ -199,9 +199,11 @@ class EngineRecord:
             so a record of rank > 0 judges no request's incarnation: not from
             a request (a stale or forged one would poison it), and not by
             verification (the rank answers with its own). Its restarts are
-            seen as lost peers; an engine's ranks restart together, and the
-            rank-0 part of the same request (on whichever decode rank reads
-            rank 0) refuses blocks of an incarnation that is gone.
+            seen as lost peers, or when rank 0's record of the engine finds
+            a new incarnation (an engine's ranks restart together: the shell
+            retires the other ranks' agents then); and the rank-0 part of
+            the same request (on whichever decode rank reads rank 0) refuses
+            blocks of an incarnation that is gone.
         verify_interval: the least time between two verifications (a
             request naming an unknown incarnation costs at most one
             handshake per interval, however many such requests come).

@@ -330,7 +330,9 @@ class Handshakes:
         # after the watchdog or a lost peer ended the attempt, is dropped.)
         if not self._current(engine, attempt, *pending):
             return
+        epoch = record.epoch
         outcome = record.metadata_received(metadata, layout)
+        restarted = bool(epoch and record.epoch and record.epoch != epoch)
         if outcome is MetadataOutcome.SAME:
             logger.info(
                 "engine %s: still runs incarnation %s; request incarnation %s refuted",
@@ -353,8 +355,48 @@ class Handshakes:
                     await self._backend.retire(retired)
             if not self._current(engine, attempt, EngineState.LOADING):
                 return  # (the connector closed, or the watchdog ended it, meanwhile)
+        if restarted:  # (rank 0 found a new incarnation, by a verification or a handshake)
+            await self._retire_other_ranks(engine)
+            if not self._current(engine, attempt, EngineState.LOADING):
+                return
         self._loads_queued += 1
         self._loads_send.send_nowait((engine, attempt))
+
+    async def _retire_other_ranks(self, engine: RemoteEngine) -> None:
+        """Rank 0 of ``engine`` answered with a new incarnation: the engine restarted,
+        and its other ranks with it (an engine's ranks restart together).
+
+        Their records judge no incarnation (see ``EngineRecord.rank``), so
+        they would read through their old agents, which are gone. Each
+        loaded one is retired now (unloaded once no pull uses it) and its
+        record goes stale: its next pull handshakes again (see
+        ``Consumer.pull``: a pull whose part got its agent just before makes
+        it ready again). Other addresses or TP sizes are other engines.
+        """
+        record = engine.record
+        retired = []
+        for (engine_id, host, port, tp, rank), other in self._engines.items():
+            if (engine_id, host, tp, port - rank) != (
+                record.engine_id,
+                record.host,
+                engine.remote_tp,
+                record.port,
+            ):
+                continue
+            agent = other.agent
+            if rank == 0 or agent is None or not other.record.on_peer_lost(agent.incarnation):
+                continue
+            other.agent = None
+            other.attempt_done.set()
+            retired.append(agent)
+            logger.warning(
+                "engine %s restarted: retiring the old agent of its rank %d too",
+                record.engine_id,
+                rank,
+            )
+        with trio.CancelScope(shield=True):
+            for agent in retired:
+                await self._backend.retire(agent)
 
     async def _load(self, engine: RemoteEngine, attempt: int) -> None:
         """Load one engine's agent, giving up at the attempt's deadline.
