@@ -27,7 +27,7 @@ from trio_pd.testing import TestHost, open_etcd, open_test_hosts
 
 from .test_commands import ENV, SECRET, running
 from .test_openai import chat
-from .test_serve import complete, open_deployment, prompts, scrape, stream
+from .test_serve import complete, deployment_client, open_deployment, prompts, scrape, stream
 
 pytestmark = [
     pytest.mark.slow,
@@ -46,7 +46,7 @@ async def test_serve_hosts_serves_across_hosts_what_one_engine_serves(tmp_path: 
     with trio.fail_after(240):
         async with (
             open_deployment(tmp_path, "--hosts", "2") as serving,
-            httpx2.AsyncClient(timeout=60) as client,
+            deployment_client(60) as client,
         ):
             proxy, [prefill], [decode] = serving["proxy"], serving["prefill"], serving["decode"]
             assert prefill.startswith("http://198.18.0.2:")  # (engine k on host k mod 2)
@@ -280,8 +280,9 @@ async def test_a_cluster_on_etcd_rides_out_etcd_restarts_joins_partitions_and_cr
             # SIGKILL decode-b under load: only the requests it held fail,
             # each naming it; the proxy passes over it at once (its port
             # refuses) and it leaves etcd within its TTL.
-            killed = trio.current_time()
             c["decode_b_process"].kill()
+            await c["decode_b_process"].wait()
+            killed = trio.current_time()  # (dead: SIGKILL lands a moment after kill())
             await wait_for(one_decode_engine_left, TTL + 3, "the killed decode-b leaves etcd")
             await trio.sleep(1)
             crash = load.failures()[len(during) :]

@@ -39,7 +39,7 @@ from trio_pd._serve.openai import (
 )
 from trio_pd._serve.responses import Shapes, model_list
 
-from .test_serve import open_deployment
+from .test_serve import INTERNAL_KEY, deployment_client, open_deployment
 
 Parser = Callable[[object], GenerationRequest]
 HELLO = [{"role": "user", "content": "Hello"}]
@@ -689,7 +689,7 @@ async def test_a_deployment_serves_the_openai_surface_and_disaggregated_chat(
     with trio.fail_after(60):
         async with (
             open_deployment(tmp_path) as serving,
-            httpx2.AsyncClient(timeout=30) as client,
+            deployment_client(30) as client,
         ):
             [prefill], [decode] = serving["prefill"], serving["decode"]
             for engine in (prefill, decode):
@@ -752,7 +752,9 @@ async def test_a_deployment_serves_the_openai_surface_and_disaggregated_chat(
                 assert await chat(client, decode, streaming, {}) == (whole, usage)
 
                 rid = f"conversation-{i}"
-                headers = {"Authorization": "Bearer sk-ignored", "X-Request-Id": rid}
+                # (vLLM's proxy sends its OPENAI_API_KEY as a Bearer token: the engines'
+                # internal key)
+                headers = {"Authorization": f"Bearer {INTERNAL_KEY}", "X-Request-Id": rid}
                 # The prefill request, as vLLM's P/D proxy makes it.
                 first = {**(streaming if i % 2 else body), "stream": False, "max_tokens": 1}
                 first["kv_transfer_params"] = VLLM_PREFILL_PARAMS

@@ -29,12 +29,24 @@ NUM_BLOCKS = 1024  # KV blocks per engine (trio-pd serve's default)
 MAX_TOKENS = 1024
 
 
+INTERNAL_KEY = "the-tests-internal-key-0123456789"
+"""The deployments' internal key here: the tests also call the engines directly."""
+
+
+def deployment_client(timeout: float) -> httpx2.AsyncClient:
+    """A client for a deployment's proxy *and* its engines (it shows the internal
+    key, which the engines require on /v1/* and the proxy ignores without client keys)."""
+    auth = {"Authorization": f"Bearer {INTERNAL_KEY}"}
+    return httpx2.AsyncClient(timeout=timeout, headers=auth)
+
+
 @asynccontextmanager
 async def open_deployment(tmp_path: Path, *options: str) -> AsyncIterator[dict[str, Any]]:
-    """``trio-pd serve`` with ``options``: its ready file, then SIGTERM and exit."""
+    """``trio-pd serve`` with ``options`` (its internal key :data:`INTERNAL_KEY`):
+    its ready file, then SIGTERM and exit."""
     ready = tmp_path / "ready.json"
     command = [sys.executable, "-m", "trio_pd", "serve", "--port", "0", "--ready-file", str(ready)]
-    env = {**os.environ, "NIXL_LOG_LEVEL": "WARN"}
+    env = {**os.environ, "NIXL_LOG_LEVEL": "WARN", "TRIO_PD_INTERNAL_KEY": INTERNAL_KEY}
     process = await trio.lowlevel.open_process(
         [*command, *options], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
     )
@@ -126,7 +138,7 @@ async def test_the_proxy_serves_exactly_what_one_engine_would(
     streamed: dict[int, list[int]] = {}
     clients = trio.CapacityLimiter(32)  # 32 concurrent clients
     with trio.fail_after(180):
-        async with httpx2.AsyncClient(timeout=60) as client, trio.open_nursery() as nursery:
+        async with deployment_client(60) as client, trio.open_nursery() as nursery:
 
             async def one(i: int, prompt: str) -> None:
                 async with clients:
@@ -147,7 +159,7 @@ async def test_the_proxy_serves_exactly_what_one_engine_would(
         assert len(set(map(tuple, through_proxy.values()))) > 25  # (not one constant answer)
 
         # The metrics count the work done, in Prometheus' text format.
-        async with httpx2.AsyncClient(timeout=10) as client:
+        async with deployment_client(10) as client:
             on_decode = metrics((await client.get(f"{decode}/metrics")).text)
             on_prefill = metrics((await client.get(f"{prefill}/metrics")).text)
         disaggregated = len(cases) + len(streamed)
@@ -161,7 +173,7 @@ async def test_the_proxy_serves_exactly_what_one_engine_would(
         with trio.fail_after(10):  # (the last notifications may still be on their way)
             while on_prefill["trio_pd_exposures_released_total"] < disaggregated:
                 await trio.sleep(0.05)
-                async with httpx2.AsyncClient(timeout=10) as client:
+                async with deployment_client(10) as client:
                     on_prefill = metrics((await client.get(f"{prefill}/metrics")).text)
         assert on_prefill["trio_pd_exposures_pending"] == 0
 
@@ -177,7 +189,7 @@ async def bad_requests_get_clear_errors_and_the_engines_keep_serving(
 ) -> None:
     proxy, [decode] = deployment["proxy"], deployment["decode"]
     with trio.fail_after(60):
-        async with httpx2.AsyncClient(timeout=30) as client:
+        async with deployment_client(30) as client:
             for body, status, words in [
                 ({"prompt": "", "max_tokens": 4}, 400, "prompt"),
                 ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
@@ -243,7 +255,7 @@ async def a_client_that_disconnects_cancels_its_request_end_to_end(
         f"trio_pd_serve_requests_total{{kind=decode,outcome={outcome}}}"
         for outcome in ("ok", "disconnected")
     )
-    async with httpx2.AsyncClient(timeout=30) as client:
+    async with deployment_client(30) as client:
         before = await scrape(client, decode)
     with trio.fail_after(60):
         # A bare HTTP/1.1 client: it reads until the first token, then hangs up.
@@ -257,7 +269,7 @@ async def a_client_that_disconnects_cancels_its_request_end_to_end(
             while b"data: " not in received:
                 received += await tcp.receive_some()
             assert received.startswith(b"HTTP/1.1 200")
-        async with httpx2.AsyncClient(timeout=30) as client:
+        async with deployment_client(30) as client:
             # The decode engine saw the disconnect and stopped; every KV block
             # went back to both pools (the exposure was read before decoding).
             while True:
@@ -282,7 +294,7 @@ async def sigterm_lets_requests_in_flight_finish_then_stops(
     tokens, done = 0, False
     with trio.fail_after(60):
         async with (
-            httpx2.AsyncClient(timeout=30) as client,
+            deployment_client(30) as client,
             client.stream("POST", f"{proxy}/v1/completions", json=body) as response,
             aclosing(response.aiter_lines()) as lines,
         ):
@@ -314,7 +326,7 @@ async def test_a_prefill_engine_killed_under_load_fails_only_its_requests(
     with trio.fail_after(120):
         async with open_deployment(tmp_path, "--prefill", "2") as serving:
             proxy, [alive, doomed] = serving["proxy"], serving["prefill"]
-            async with httpx2.AsyncClient(timeout=30) as client:
+            async with deployment_client(30) as client:
                 pid = (await client.get(f"{doomed}/health")).json()["pid"]
                 outcomes: list[tuple[int, str]] = []
 
@@ -359,7 +371,7 @@ async def test_tensor_parallel_engines_of_different_sizes_serve_the_same_tokens(
     with trio.fail_after(120):
         async with (
             open_deployment(tmp_path, *options) as serving,
-            httpx2.AsyncClient(timeout=60) as client,
+            deployment_client(60) as client,
         ):
             proxy, [decode] = serving["proxy"], serving["decode"]
             for i, prompt in enumerate(prompts()[:12]):
@@ -377,7 +389,7 @@ async def test_a_decode_engine_that_died_is_skipped(tmp_path: Path) -> None:
     with trio.fail_after(120):
         async with (
             open_deployment(tmp_path, "--decode", "2") as serving,
-            httpx2.AsyncClient(timeout=30) as client,
+            deployment_client(30) as client,
         ):
             proxy, [alive, dead] = serving["proxy"], serving["decode"]
             pid = (await client.get(f"{dead}/health")).json()["pid"]

@@ -16,7 +16,7 @@ import httpx2
 import pytest
 import trio
 
-from .test_serve import complete, open_deployment, scrape
+from .test_serve import complete, deployment_client, open_deployment, scrape
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,7 @@ async def test_overload_impossible_and_forged_requests_strand_nothing(tmp_path: 
     async with open_deployment(tmp_path, "--num-blocks", str(POOL)) as serving:
         proxy, [prefill], [decode] = serving["proxy"], serving["prefill"], serving["decode"]
         with trio.fail_after(120):
-            async with httpx2.AsyncClient(timeout=60) as client:
+            async with deployment_client(60) as client:
                 prompt = "y" * 40
                 response = await client.post(
                     f"{prefill}/v1/completions",
@@ -134,7 +134,7 @@ async def test_a_client_gone_while_its_decode_waits_gives_the_prefill_blocks_bac
     async with open_deployment(tmp_path, "--num-blocks", str(POOL)) as serving:
         proxy, [prefill], [decode] = serving["proxy"], serving["prefill"], serving["decode"]
         with trio.fail_after(120):
-            async with httpx2.AsyncClient(timeout=60) as client:
+            async with deployment_client(60) as client:
                 # One long request takes most of the decode pool ...
                 big = {"prompt": "b" * 1000, "max_tokens": 1000, "stream": True}
                 async with (

@@ -25,6 +25,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+import attrs
 import trio
 from rich.console import Console
 
@@ -33,7 +34,14 @@ from .._netns import TestHostsUnavailable
 from .._serve.keys import API_KEY_ENV
 from . import engine as engine_command
 from . import proxy as proxy_command
-from .common import EXIT_FAILED, EXIT_USAGE, UsageError, client_keys
+from .common import (
+    EXIT_FAILED,
+    EXIT_USAGE,
+    UsageError,
+    add_internal_key_argument,
+    client_keys,
+    internal_key,
+)
 from .demo import DemoOptions, format_summary, run_demo
 from .serve import ServeError, ServeOptions, run_serve
 
@@ -156,6 +164,11 @@ def _parser() -> argparse.ArgumentParser:
         help=f"a client key for the proxy (repeatable; also ${API_KEY_ENV}): /v1/* then "
         "needs 'Authorization: Bearer KEY'",
     )
+    add_internal_key_argument(
+        serve,
+        "for the engines (default: one made for this run; tests and tools that call "
+        "an engine directly give their own)",
+    )
     serve.add_argument(
         "--no-curve",
         action="store_true",
@@ -252,6 +265,8 @@ def _serve(args: argparse.Namespace) -> int:
         api_keys=client_keys(args.api_key),
         curve=not args.no_curve,
     )
+    if key := internal_key(args.internal_key_file):
+        serving = attrs.evolve(serving, internal_key=key)
     try:
         serving.check()
     except ValueError as exc:

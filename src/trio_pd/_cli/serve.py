@@ -92,6 +92,8 @@ class ServeOptions:
     etcd_ttl: float = 10.0  # (with hosts: each engine's lease)
     api_keys: BearerKeys | None = None  # (the proxy's client keys; None: open)
     curve: bool = True  # (CURVE on the engines' side channels, keys made per run)
+    # The engines' internal key (--internal-key-file or $TRIO_PD_INTERNAL_KEY;
+    # by default one made for this run).
     internal_key: str = attrs.field(factory=lambda: secrets.token_urlsafe(32), repr=False)
 
     def max_model_len(self) -> int:
