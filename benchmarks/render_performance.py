@@ -177,7 +177,7 @@ def render(results: dict[str, Any]) -> str:
             f"Running the NIXL calls on the trio thread stalls the loop "
             f"x{s['stall_ratio_loop_vs_threads']} longer. Since descriptor lists are "
             "prepared from one strided row per region, a handshake's NIXL calls are "
-            "short. The benchmark, like a serving process after start-up, calls "
+            "short. The benchmark, like the demo after start-up, calls "
             "`gc.freeze()` first; the last row is without it. What bounds the "
             "remaining stall is the third column: of the longest batch, the trio "
             "thread itself ran only that long; the rest of the time it was not "
@@ -352,9 +352,10 @@ def render(results: dict[str, Any]) -> str:
                 ],
             ),
             "",
-            "Each pull has its own transfer thread (at most 4 per engine), so the far "
-            "pull's thread waits on its slow transfer without holding a thread the "
-            f"near pulls need. In this run the near pulls' p50 moved by x{f['ratio_p50']} "
+            "One transfer-driver thread per connector posts and polls every pull's "
+            "READs (up to 4 chunks of a pull at once): the far pull's slow transfer is "
+            "polled with the others, never waited on, so it holds up no near pull's "
+            f"turn. In this run the near pulls' p50 moved by x{f['ratio_p50']} "
             f"and their p99 by x{f['ratio_p99']}: on 2 cores, three processes and the "
             "TCP transport copying the far bytes compete with them for CPU; where the "
             "tail goes is not broken down yet.",
@@ -534,9 +535,9 @@ FINDINGS = """## What we found
   NIXL on the calling thread (which blocks its caller for the whole READ).
 * **The garbage collector.** A full collection with torch loaded takes
   20-80 ms on the trio thread and stalls the driver's wake-ups too (it
-  showed up as a bimodal in-flight rate: 15k or 6k pulls/s), so serving
-  processes call `gc.freeze()` after start-up (so do the demo and these
-  benchmarks).
+  showed up as a bimodal in-flight rate: 15k or 6k pulls/s), so the demo
+  and these benchmarks call `gc.freeze()` after start-up, as an embedding
+  server should (`trio-pd engine` does not yet).
 * **Descriptor lists from strided rows.** Handing `prep_xfer_dlist` one row
   per region (base, length, stride, count) instead of one per block made a
   64 x 4096-block handshake's NIXL work 0.1 ms instead of 10 ms, and removed

@@ -1,94 +1,78 @@
-"""Drive a remote engine's state machine by hand: no trio, no sockets, no NIXL.
+"""Watch a remote engine's state machine through the public API.
 
-``trio_pd._engines`` is sans-IO: it takes the time as an argument and returns
-what to do, so every rule can be exercised in a plain function, like this.
-(It is an internal module: this example is for contributors.)
+A decode connector keeps one record per prefill engine; ``engine_state``
+says where it stands. The prefill engines here run on the in-memory
+backend of ``trio_pd.testing`` (a real side channel, no UCX), so a failing
+agent load and a restart are a line each.
 
 Run it with ``python docs/examples/engine_states.py``.
 """
 
 from __future__ import annotations
 
-import random
+from contextlib import AbstractAsyncContextManager
 
-import msgspec
+import torch
+import trio
 
-from trio_pd._engines import Backoff, EngineEvent, EngineRecord, InvalidTransition
-from trio_pd._errors import HandshakeError
-from trio_pd._protocol import EngineMetadata
+import trio_pd
+from trio_pd.testing import MemoryFabric, free_port_range
+
+CONFIG = trio_pd.ConnectorConfig(
+    handshake_timeout=1.0, backoff_initial=0.5, backoff_max=1.0, backoff_jitter=0.0
+)
 
 
-def show(record: EngineRecord, what: str) -> None:
-    print(f"{what:<36} -> {record.state.name}")
+def kv_cache() -> list[torch.Tensor]:
+    return [torch.zeros((16, 256), dtype=torch.uint8) for _ in range(2)]
 
 
-def main() -> None:
-    rng = random.Random(0)
-    backoff = Backoff(initial=1.0, maximum=30.0, jitter=0.0)
-    record = EngineRecord("prefill-0", "10.0.0.7", 5600)
-    show(record, "new record")
+async def main() -> None:
+    fabric = MemoryFabric()
+    port = free_port_range(1)
 
-    action = record.on_pull("", now=0.0)
-    show(record, f"pull at t=0 says {action.name}")
+    def prefill() -> AbstractAsyncContextManager[trio_pd.Connector]:  # the engine
+        return trio_pd.open_connector(
+            "prefill-0", kv_cache(), port=port, config=CONFIG, backend=fabric.backend
+        )
 
-    error = HandshakeError("prefill-0", "no reply within 5 s")
-    delay = record.failed(error, now=5.0, backoff=backoff, rng=rng)
-    show(record, f"handshake failed, retry in {delay:g} s")
+    async with trio_pd.open_connector(
+        "decode-0", kv_cache(), config=CONFIG, backend=fabric.backend
+    ) as decode:
 
-    action = record.on_pull("", now=5.5)
-    show(record, f"pull at t=5.5 says {action.name}")
+        def show(what: str) -> None:
+            print(f"{what:<44} -> {decode.engine_state('prefill-0').name}")
 
-    action = record.on_pull("", now=6.5)
-    show(record, f"pull at t=6.5 says {action.name}")
+        async def pull(request_id: str, remote: trio_pd.RemoteBlocks) -> str:
+            try:
+                await decode.pull(request_id, [0, 1], remote)
+            except (trio_pd.HandshakeError, trio_pd.TransferError) as exc:
+                return type(exc).__name__
+            return "pulled"
 
-    metadata = EngineMetadata(
-        engine_id="prefill-0",
-        incarnation="a1b2",
-        agent_name="prefill-0#a1b2",
-        agent_metadata=b"...",
-        num_blocks=64,
-        base_addrs=[4096],
-        block_lens=[2048],
-        device_id=0,
-        mem_type="DRAM",
-        dtype="torch.float16",
-        kv_heads=0,
-        tp_rank=0,
-        tp_size=1,
-    )
-    record.metadata_received(metadata, metadata.layout())
-    show(record, "metadata received")
-    record.loaded()
-    show(record, "remote agent loaded")
+        async with prefill() as first:
+            show("never pulled from")
+            fabric.faults("prefill-0").load_error = "bad metadata"
+            show(f"a pull, the agent load fails: {await pull('r1', first.expose('r1', [3, 4]))}")
+            show(f"a pull during the backoff: {await pull('r2', first.expose('r2', [3, 4]))}")
+            fabric.faults("prefill-0").load_error = None
+            await trio.sleep(CONFIG.backoff_initial)
+            show(f"a pull after the backoff: {await pull('r3', first.expose('r3', [3, 4]))}")
+            stale = first.expose("r4", [5, 6])  # exposed, never read: the engine restarts
 
-    action = record.on_pull("a1b2", now=7.0)
-    show(record, f"pull of a1b2 says {action.name}")
-
-    # A request names another incarnation: forged, or the engine restarted.
-    action = record.on_pull("f0f0", now=8.0)
-    show(record, f"pull of f0f0 says {action.name}")
-    outcome = record.metadata_received(metadata, metadata.layout())  # still a1b2
-    show(record, f"the engine answers a1b2: {outcome.name}")
-    action = record.on_pull("f0f0", now=8.1)
-    print(f"pull of f0f0 says {action.name}:", record.why_gone("f0f0"))
-    action = record.on_pull("e5e5", now=8.2)
-    print(f"pull of e5e5 (within the interval) says {action.name}")
-
-    restarted = msgspec.structs.replace(metadata, incarnation="c3d4", agent_name="prefill-0#c3d4")
-    action = record.on_pull("c3d4", now=9.5)
-    show(record, f"pull of c3d4 says {action.name}")
-    outcome = record.metadata_received(restarted, restarted.layout())
-    show(record, f"the engine answers c3d4: {outcome.name}")
-    record.loaded()
-    print("retired incarnations:", list(record.retired_incarnations))
-    action = record.on_pull("a1b2", now=9.6)
-    print(f"pull of a1b2 says {action.name}:", record.why_gone("a1b2"))
-
-    try:
-        record.apply(EngineEvent.LOADED)  # not in TRANSITIONS: a bug
-    except InvalidTransition as exc:
-        print("InvalidTransition:", exc)
+        async with prefill() as second:  # the same engine, a new incarnation
+            fresh = second.expose("r5", [3, 4])
+            show(f"a pull of the new incarnation: {await pull('r5', fresh)}")
+            show(f"a pull of the old incarnation: {await pull('r4', stale)}")
+        show(f"its engine gone, a pull: {await pull('r6', fresh)}")
+        stats = decode.statistics()
+        print(
+            f"handshakes started {stats.handshakes_started}, failed {stats.handshakes_failed}, "
+            f"rejected in backoff {stats.pulls_rejected_in_backoff}, "
+            f"pulls succeeded {stats.pulls_succeeded}"
+        )
+    print(f"{'after close':<44} -> {decode.engine_state('prefill-0').name}")
 
 
 if __name__ == "__main__":
-    main()
+    trio.run(main)

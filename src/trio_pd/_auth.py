@@ -19,7 +19,6 @@ Keys are Z85 text, 40 characters, as :func:`generate_keypair` (or
 
 from __future__ import annotations
 
-import logging
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
@@ -31,8 +30,6 @@ import zmq
 import zmq.utils.z85
 
 from ._zmq import TrioZmqSocket
-
-logger = logging.getLogger("trio_pd.auth")
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_DOMAIN = b"trio_pd"

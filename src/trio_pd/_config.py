@@ -68,11 +68,12 @@ class ConnectorConfig:
     network; a deployment across hosts may want a longer ``handshake_timeout``.
 
     Attributes:
-        handshake_timeout: how long fetching a remote engine's metadata over the
-            side channel may take, including the wait for a free fetch slot;
-            loading the remote agent into NIXL afterwards gets the same
-            deadline again. Every pull waiting on that engine fails with
-            :class:`~trio_pd.HandshakeError` when one passes. Default 5.0 (as vLLM).
+        handshake_timeout: how long one handshake attempt may take from its
+            start, all of it together: the wait for a free fetch slot, fetching
+            the remote engine's metadata over the side channel, the wait in the
+            load queue and loading the remote agent into NIXL. Every pull
+            waiting on that engine fails with :class:`~trio_pd.HandshakeError`
+            when it passes. Default 5.0 (as vLLM).
         transfer_timeout: how long one pull's transfers may take, counted from
             when they are handed to the transfer driver. Past it the pull
             raises :class:`~trio_pd.TransferError`. Default 30.0.

@@ -51,16 +51,43 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="run a small verified P/D deployment")
     defaults = DemoOptions()
-    demo.add_argument("--prefill-engines", type=int, default=defaults.prefill_engines)
-    demo.add_argument("--requests", type=int, default=defaults.requests)
+    demo.add_argument(
+        "--prefill-engines",
+        type=int,
+        default=defaults.prefill_engines,
+        metavar="N",
+        help="prefill engines, each in its own process(es)",
+    )
+    demo.add_argument(
+        "--requests", type=int, default=defaults.requests, metavar="N", help="requests to run"
+    )
     demo.add_argument(
         "--regions", type=int, default=defaults.regions, help="KV regions (layers x K/V)"
     )
     demo.add_argument("--blocks", type=int, default=defaults.blocks, help="blocks per region")
-    demo.add_argument("--block-bytes", type=int, default=defaults.block_bytes)
-    demo.add_argument("--max-prompt-blocks", type=int, default=defaults.max_prompt_blocks)
-    demo.add_argument("--concurrency", type=int, default=defaults.concurrency)
-    demo.add_argument("--seed", type=int, default=defaults.seed)
+    demo.add_argument(
+        "--block-bytes", type=int, default=defaults.block_bytes, help="bytes per block per region"
+    )
+    demo.add_argument(
+        "--max-prompt-blocks",
+        type=int,
+        default=defaults.max_prompt_blocks,
+        metavar="N",
+        help="each request pulls 1 to N blocks (per region), drawn at random",
+    )
+    demo.add_argument(
+        "--concurrency",
+        type=int,
+        default=defaults.concurrency,
+        metavar="N",
+        help="requests in flight at once",
+    )
+    demo.add_argument(
+        "--seed",
+        type=int,
+        default=defaults.seed,
+        help="seeds the prompt sizes and the block contents (a run repeats with the same seed)",
+    )
     demo.add_argument(
         "--slow-engine-delay",
         type=float,
@@ -108,8 +135,12 @@ def _parser() -> argparse.ArgumentParser:
         "serve", help="serve the tiny model over HTTP: prefill and decode engines behind a proxy"
     )
     serving = ServeOptions()
-    serve.add_argument("--prefill", type=int, default=serving.prefill, metavar="N")
-    serve.add_argument("--decode", type=int, default=serving.decode, metavar="M")
+    serve.add_argument(
+        "--prefill", type=int, default=serving.prefill, metavar="N", help="prefill engines"
+    )
+    serve.add_argument(
+        "--decode", type=int, default=serving.decode, metavar="M", help="decode engines"
+    )
     serve.add_argument(
         "--prefill-tp",
         type=int,
@@ -147,7 +178,13 @@ def _parser() -> argparse.ArgumentParser:
         default=serving.grace,
         help="seconds the proxy, then each engine, drains on SIGINT/SIGTERM",
     )
-    serve.add_argument("--num-blocks", type=int, default=serving.num_blocks)
+    serve.add_argument(
+        "--num-blocks",
+        type=int,
+        default=serving.num_blocks,
+        metavar="N",
+        help="KV blocks in each engine's pool",
+    )
     serve.add_argument(
         "--hosts",
         type=int,

@@ -26,6 +26,7 @@ with clear errors; the others go on).
 from __future__ import annotations
 
 import gc
+import math
 import os
 import random
 import time
@@ -122,6 +123,16 @@ class BlockPool:
         self._waiters.unpark_all()
 
 
+@attrs.frozen
+class _Pull:
+    """One request's pull, every decode rank together."""
+
+    started: float  # (time.perf_counter())
+    ended: float
+    bytes: int
+    transfer_seconds: float  # the slowest rank's pull, its handshake wait left out
+
+
 @attrs.define
 class _Tally:
     ok: int = 0
@@ -130,6 +141,7 @@ class _Tally:
     done: int = 0
     bytes: int = 0
     latencies: list[float] = attrs.field(factory=list)
+    pulls: list[_Pull] = attrs.field(factory=list)
     handshake_waits: dict[str, float] = attrs.field(factory=dict)
     errors: list[str] = attrs.field(factory=list)
     on_done: Callable[[], None] = lambda: None  # (the progress bar)
@@ -214,6 +226,9 @@ async def run_demo(options: DemoOptions) -> dict[str, Any]:
     latencies = np.asarray(tally.latencies or [0.0]) * 1e3
     waits = list(tally.handshake_waits.values()) or [0.0]
     faults = bool(o.kill_engine_after or o.slow_engine_delay)
+    in_pulls = _time_in_pulls(tally.pulls)
+    sizes = [p.bytes for p in tally.pulls] or [0]
+    rates = [p.bytes / p.transfer_seconds for p in tally.pulls if p.transfer_seconds > 0] or [0.0]
     return {
         "requests": o.requests,
         "requests_ok": tally.ok,
@@ -227,11 +242,28 @@ async def run_demo(options: DemoOptions) -> dict[str, Any]:
         "handshakes_failed": sum(s.handshakes_failed for s in stats),
         "handshake_ms_max": round(max(waits) * 1e3, 1),
         "handshake_ms_mean": round(sum(waits) / len(waits) * 1e3, 1),
+        # each request's pull, handshake wait included, up to `concurrency` at once
         "pull_p50_ms": round(float(np.percentile(latencies, 50)), 2),
         "pull_p99_ms": round(float(np.percentile(latencies, 99)), 2),
+        "concurrency": o.concurrency,
+        "pull_bytes_min": min(sizes),
+        "pull_bytes_mean": round(sum(sizes) / len(sizes)),
+        "pull_bytes_max": max(sizes),
         "bytes_pulled": tally.bytes,
+        # bytes over the time with at least one pull in flight (all pulls together)
+        "pull_seconds_in_flight": round(in_pulls, 3),
+        "pull_gb_per_s": round(tally.bytes / in_pulls / 1e9, 3) if in_pulls else 0.0,
+        # one pull: its bytes over its own time, handshake wait left out
+        "per_pull_gb_per_s_p50": round(float(np.percentile(rates, 50)) / 1e9, 3),
+        # bytes over the whole run: filling the prefill blocks and checking
+        # every pulled byte included
         "gb_per_s": round(tally.bytes / elapsed / 1e9, 3) if elapsed else 0.0,
+        # the longest the trio loop of this (decode) process went without I/O,
+        # and how much of that its thread itself ran; what shared the cores:
         "largest_loop_stall_ms": round(monitor.longest * 1e3, 2),
+        "largest_loop_stall_cpu_ms": round(monitor.longest_cpu * 1e3, 2),
+        "processes": 1 + o.prefill_engines * o.prefill_tp,
+        "cpu_cores": os.cpu_count() or 0,
         "startup_s": round(startup, 2),
         "run_s": round(elapsed, 2),
         "faults_injected": faults,
@@ -267,9 +299,16 @@ async def _drive(
                 remote = attrs.evolve(remote, host="127.0.0.1", port=relay_ports[0])
             params = remote.to_kv_transfer_params()
             # decode: every decode rank pulls the heads it needs
+            pull_started = time.perf_counter()
             results = await _each_rank(
                 lambda d: d[0].pull(rid, local_ids, RemoteBlocks.from_kv_transfer_params(params)),
                 decoders,
+            )
+            pull = _Pull(
+                pull_started,
+                time.perf_counter(),
+                sum(r.bytes for r in results),
+                max(r.seconds - r.handshake_wait for r in results),
             )
             wait = max(r.handshake_wait for r in results)
             if wait > 0.001 and ranks[0].engine_id not in tally.handshake_waits:
@@ -278,8 +317,9 @@ async def _drive(
             if await trio.to_thread.run_sync(_corrupt, o, decoders, local_ids, remote_ids, seed):
                 tally.corrupt += 1
             tally.ok += 1
-            tally.bytes += sum(r.bytes for r in results)
+            tally.bytes += pull.bytes
             tally.latencies.append(max(r.seconds for r in results))
+            tally.pulls.append(pull)
         except Exception as exc:  # a failed request is reported, the rest go on
             tally.failed += 1
             tally.errors.append(f"{rid} ({ranks[0].engine_id}): {type(exc).__name__}: {exc}")
@@ -352,6 +392,16 @@ def _corrupt(
     )
 
 
+def _time_in_pulls(pulls: Sequence[_Pull]) -> float:
+    """Seconds during which at least one of ``pulls`` was in flight."""
+    total, end = 0.0, -math.inf
+    for pull in sorted(pulls, key=lambda p: p.started):
+        if pull.ended > end:
+            total += pull.ended - max(pull.started, end)
+            end = pull.ended
+    return total
+
+
 @asynccontextmanager
 async def _no_relays() -> AsyncIterator[list[int]]:
     yield []
@@ -376,31 +426,71 @@ def _progress_bar(o: DemoOptions, tally: _Tally) -> Iterator[None]:
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    where = (
-        f"on {summary['hosts']} test hosts, UCX over TCP" if summary["hosts"] else "on this host"
-    )
+    """The summary for a reader: under each figure, what it measures."""
+    s = summary
+    where = f"on {s['hosts']} test hosts, UCX over TCP" if s["hosts"] else "on this host"
     rows = [
         (
             "deployment",
-            f"{summary['prefill_engines']} prefill engines x TP {summary['prefill_tp']} "
-            f"{where}; decode TP {summary['decode_tp']}",
+            f"{s['prefill_engines']} prefill engines x TP {s['prefill_tp']} {where}; "
+            f"decode TP {s['decode_tp']}",
+            "",
         ),
-        ("requests ok / failed", f"{summary['requests_ok']} / {summary['requests_failed']}"),
-        ("every byte verified", "yes" if summary["requests_corrupt"] == 0 else "NO"),
+        ("requests ok / failed", f"{s['requests_ok']} / {s['requests_failed']}", ""),
+        ("every byte verified", "yes" if s["requests_corrupt"] == 0 else "NO", ""),
         (
             "handshakes (max / mean)",
-            f"{summary['handshakes']} ({summary['handshake_ms_max']} / "
-            f"{summary['handshake_ms_mean']} ms)",
+            f"{s['handshakes']} ({s['handshake_ms_max']} / {s['handshake_ms_mean']} ms)",
+            "",
         ),
-        ("pull latency p50 / p99", f"{summary['pull_p50_ms']} / {summary['pull_p99_ms']} ms"),
-        ("throughput", f"{summary['gb_per_s']} GB/s"),
-        ("bytes pulled", f"{summary['bytes_pulled']:,}"),
-        ("largest trio loop stall", f"{summary['largest_loop_stall_ms']} ms"),
-        ("start-up / run", f"{summary['startup_s']} s / {summary['run_s']} s"),
+        (
+            "pull latency p50 / p99",
+            f"{s['pull_p50_ms']} / {s['pull_p99_ms']} ms",
+            f"up to {s['concurrency']} pulls at once, {_size(s['pull_bytes_min'])} to "
+            f"{_size(s['pull_bytes_max'])} each, mean {_size(s['pull_bytes_mean'])}; "
+            "handshake waits included",
+        ),
+        (
+            "pull throughput",
+            f"{s['pull_gb_per_s']} GB/s",
+            f"all pulls together: bytes over the {s['pull_seconds_in_flight']} s "
+            "with a pull in flight",
+        ),
+        (
+            "  one pull (p50)",
+            f"{s['per_pull_gb_per_s_p50']} GB/s",
+            "a pull's bytes over its own time, handshake wait left out",
+        ),
+        (
+            "run throughput",
+            f"{s['gb_per_s']} GB/s",
+            "bytes over the whole run: filling the prefill blocks and checking every "
+            "pulled byte included",
+        ),
+        ("bytes pulled", f"{s['bytes_pulled']:,}", ""),
+        (
+            "largest trio loop stall",
+            f"{s['largest_loop_stall_ms']} ms",
+            f"the trio thread ran {s['largest_loop_stall_cpu_ms']} ms of it; "
+            f"{s['processes']} processes, their NIXL threads and the byte checks "
+            f"share {s['cpu_cores']} cores",
+        ),
+        ("start-up / run", f"{s['startup_s']} s / {s['run_s']} s", ""),
     ]
-    width = max(len(k) for k, _ in rows)
-    lines = [f"{k:<{width}}  {v}" for k, v in rows]
-    if summary["errors"]:
+    width = max(len(k) for k, _, _ in rows)
+    lines = []
+    for key, value, what in rows:
+        lines.append(f"{key:<{width}}  {value}")
+        if what:
+            lines.append(f"{'':<{width}}    ({what})")
+    if s["errors"]:
         lines.append("first errors:")
-        lines += [f"  {e}" for e in summary["errors"]]
+        lines += [f"  {e}" for e in s["errors"]]
     return "\n".join(lines)
+
+
+def _size(count: int) -> str:
+    """A byte count in KiB or MiB, for a reader."""
+    if count < 1 << 20:
+        return f"{count / 1024:.0f} KiB"
+    return f"{count / (1 << 20):.1f} MiB"

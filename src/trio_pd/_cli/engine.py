@@ -42,7 +42,12 @@ from .common import (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = EngineSettings(engine_id="", http_port=0)
-    parser.add_argument("--role", required=True, choices=("prefill", "decode"))
+    parser.add_argument(
+        "--role",
+        required=True,
+        choices=("prefill", "decode"),
+        help="what the engine does for the proxy",
+    )
     parser.add_argument(
         "--tp", type=int, default=1, metavar="N", help="tensor-parallel size (connectors)"
     )
@@ -63,7 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PORT",
         help="base port of the side channel: rank r listens on PORT + r (0: free ports)",
     )
-    parser.add_argument("--num-blocks", type=int, default=defaults.num_blocks, metavar="N")
+    parser.add_argument(
+        "--num-blocks",
+        type=int,
+        default=defaults.num_blocks,
+        metavar="N",
+        help="KV blocks in the engine's pool (at least 1)",
+    )
     parser.add_argument(
         "--max-model-len",
         type=int,
