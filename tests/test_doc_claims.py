@@ -191,7 +191,9 @@ def _default_matches(stated: str, action: argparse.Action) -> tuple[bool, str]:
         return action.required, shown
     if stated == "none":
         return not default and not action.required, shown
-    if isinstance(default, int | float) and not isinstance(default, bool):
+    if isinstance(default, bool):  # (a switch: "off" or "on")
+        return stated == ("on" if default else "off"), shown
+    if isinstance(default, int | float):
         try:
             if math.isclose(float(stated), float(default)):
                 return True, shown

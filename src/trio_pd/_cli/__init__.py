@@ -198,13 +198,13 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY",
-        help=f"a client key for the proxy (repeatable; also ${API_KEY_ENV}): /v1/* then "
-        "needs 'Authorization: Bearer KEY'",
+        help=f"a client key for the proxy, repeatable (default: ${API_KEY_ENV}); /v1/* "
+        "then needs 'Authorization: Bearer KEY'",
     )
     add_internal_key_argument(
         serve,
-        "for the engines (default: one made for this run; tests and tools that call "
-        "an engine directly give their own)",
+        "for the engines; without it, one made for this run (tools that call an engine "
+        "directly give their own)",
     )
     serve.add_argument(
         "--no-curve",

@@ -218,7 +218,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY",
-        help=f"a client key (repeatable; also ${API_KEY_ENV}): /v1/* then needs "
+        help=f"a client key, repeatable (default: ${API_KEY_ENV}); /v1/* then needs "
         "'Authorization: Bearer KEY' (prefer the variable: flags show in ps)",
     )
     add_internal_key_argument(parser, "sent to the engines")
