@@ -233,9 +233,9 @@ async def test_a_cluster_on_etcd_rides_out_etcd_restarts_joins_partitions_and_cr
             # etcd stops and starts again: the proxy serves by its last view,
             # the leases survive, and no request fails.
             await etcd.stop()
-            await trio.sleep(1)
+            await trio.sleep(0.5)
             await etcd.start()
-            await trio.sleep(1)
+            await trio.sleep(0.5)
             assert load.failures() == []
             assert (await health(client, proxy)) == {"status": "ok", "prefill": 1, "decode": 2}
 
@@ -262,7 +262,7 @@ async def test_a_cluster_on_etcd_rides_out_etcd_restarts_joins_partitions_and_cr
 
             await wait_for(one_decode_engine_left, TTL + 3, "decode-b leaves etcd")
             gone = trio.current_time()
-            await trio.sleep(2)
+            await trio.sleep(1)
             during = load.failures()
             assert during, "nothing was in flight at decode-b when its host was cut"
             for failure in during:
@@ -284,7 +284,7 @@ async def test_a_cluster_on_etcd_rides_out_etcd_restarts_joins_partitions_and_cr
             await c["decode_b_process"].wait()
             killed = trio.current_time()  # (dead: SIGKILL lands a moment after kill())
             await wait_for(one_decode_engine_left, TTL + 3, "the killed decode-b leaves etcd")
-            await trio.sleep(1)
+            await trio.sleep(0.5)
             crash = load.failures()[len(during) :]
             for failure in crash:
                 assert failure.status == 502, failure

@@ -39,8 +39,11 @@ async def test_the_demo_pulls_and_verifies_every_request() -> None:
     assert summary["bytes_pulled"] > 0
 
 
-async def test_the_demo_survives_a_killed_engine_and_reports_it() -> None:
-    code, summary = await _run("demo", *SMALL, "--kill-engine-after", "4")
+async def test_the_demo_survives_a_killed_engine_and_goes_on_behind_a_slow_link() -> None:
+    # prefill-0 behind 50 ms of latency each way, prefill-1 killed after 4 requests
+    code, summary = await _run(
+        "demo", *SMALL, "--kill-engine-after", "4", "--slow-engine-delay", "0.05"
+    )
     assert code == 0  # failures were injected: expected, reported, nothing corrupt
     assert summary["faults_injected"] is True
     assert summary["requests_corrupt"] == 0
@@ -48,12 +51,6 @@ async def test_the_demo_survives_a_killed_engine_and_reports_it() -> None:
     assert summary["requests_ok"] >= 4
     assert summary["errors"]
     assert all("prefill-1" in str(e) for e in summary["errors"])  # type: ignore[attr-defined]
-
-
-async def test_the_demo_goes_on_behind_a_slow_link() -> None:
-    code, summary = await _run("demo", *SMALL, "--slow-engine-delay", "0.05")
-    assert code == 0
-    assert summary["requests_ok"] == 12
     assert summary["handshake_ms_max"] >= 100  # several round trips of 2 x 50 ms
 
 
@@ -75,16 +72,6 @@ async def test_the_demo_with_tensor_parallel_engines_verifies_every_head() -> No
     assert summary["requests_corrupt"] == 0
     assert (summary["prefill_tp"], summary["decode_tp"]) == (2, 4)
     assert summary["handshakes"] == 2 * 4  # each decode rank: its prefill rank of 2 engines
-
-
-async def test_the_demo_with_tensor_parallel_survives_a_killed_engine() -> None:
-    code, summary = await _run(
-        "demo", *SMALL, "--prefill-tp", "2", "--decode-tp", "1", "--kill-engine-after", "4"
-    )
-    assert code == 0
-    assert summary["requests_corrupt"] == 0
-    assert summary["requests_failed"] >= 1
-    assert all("prefill-1" in str(e) for e in summary["errors"])  # type: ignore[attr-defined]
 
 
 async def test_the_demo_refuses_options_it_cannot_run() -> None:

@@ -363,7 +363,9 @@ async def test_a_prefill_engine_killed_under_load_fails_only_its_requests(
                         await trio.sleep(0.05)
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+# (2, 1) here; decode ranks that each read a part of a prefill rank, and every
+# other mix, across processes: tests/test_tensor_parallel.py)
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1)])
 async def test_tensor_parallel_engines_of_different_sizes_serve_the_same_tokens(
     tmp_path: Path, prefill_tp: int, decode_tp: int
 ) -> None:
