@@ -257,12 +257,15 @@ class Connector:
         How it ends: a successful pull of ``remote`` inside the body
         completes the hold (the pull's notification releases the exposure).
         Leaving the body without one -- it raised, was cancelled, or never
-        pulled -- *abandons* it: the producer ranks are told, best effort
-        (shielded, each message bounded by ``config.handshake_timeout``),
+        pulled -- *abandons* it: the producer ranks are told, best effort,
         so they free the blocks at once (:attr:`Released.ABANDONED`) rather
-        than when the lease runs out. The exit raises nothing but the
-        body's own exception; a failed abandon is logged and counted
-        (``abandons_failed``).
+        than when the lease runs out. The exit does not wait for that: the
+        connector's lease task sends it (each message bounded by
+        ``config.handshake_timeout``), so a request whose producer is gone
+        fails at once. The exit raises nothing but the body's own
+        exception; a failed abandon is logged and counted
+        (``abandons_failed``); one still unsent when the connector closes
+        is dropped (the lease expires on its own).
 
         A pull inside a hold that the producer has answered it does not
         hold (expired, read, abandoned: the parameters are stale or

@@ -11,10 +11,13 @@ own deadline (``heartbeat_interval``), so an unreachable producer never
 delays the others.
 
 A hold ends *completed* when a pull of its blocks succeeds inside it (the
-pull's notification releases the exposure), else *abandoned*: its exit tells
-the producer ranks, best effort, that this consumer will not read, so they
-free the blocks at once instead of when the lease runs out.
-:meth:`Leases.abandon` does the same on demand.
+pull's notification releases the exposure), else *abandoned*: the producer
+ranks are told, best effort, that this consumer will not read, so they free
+the blocks at once instead of when the lease runs out. That message is sent
+by the *abandon task* (also in :meth:`Leases.run`), not in the exit: a
+request that failed because its producer is gone fails at once, instead of
+waiting up to ``handshake_timeout`` for a courtesy to a dead peer.
+:meth:`Leases.abandon` sends one on demand, and waits for it.
 
 Every exchange is one request/reply on a fresh DEALER socket (``_fetch``'s
 rounds, CURVE included), closed on every exit path. What the producer
@@ -24,6 +27,7 @@ decides is in ``_listener`` and ``_exposures``.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 
@@ -104,6 +108,10 @@ class Leases:
         self._closed = False
         self._abandoning: set[trio.CancelScope] = set()
         self._abandons_in_flight: AsyncValue = AsyncValue(0)
+        # Holds that ended without a pull: (remote, ranks) for the abandon task.
+        self._to_abandon, self._abandons = trio.open_memory_channel[
+            tuple[RemoteBlocks, list[Rank]]
+        ](math.inf)
         self.counters = LeaseCounters()
 
     @property
@@ -132,8 +140,8 @@ class Leases:
             if not (hold.done or self._closed):
                 hold.done = True
                 ranks = [rank for rank in hold.entries if rank not in hold.lost]
-                with trio.CancelScope(shield=True):
-                    await self._abandon(remote, ranks)
+                # (the abandon task sends it: the exit returns at once)
+                self._to_abandon.send_nowait((remote, ranks))
 
     def lost(self, remote: RemoteBlocks) -> str | None:
         """Why the producer no longer holds ``remote`` for us, if a hold on it
@@ -180,12 +188,27 @@ class Leases:
     # ---- the heartbeat task ----------------------------------------------
 
     async def run(self) -> None:
-        """Renew the leases of every held request, until cancelled.
+        """Renew the leases of every held request, and send the abandons of
+        holds that ended without a pull, until cancelled (the connector's
+        close: abandons not sent by then are dropped, and those leases
+        expire on their own).
 
         While anything is held: a round at once, then one every
         ``heartbeat_interval``; a round never takes longer than that, so a
-        dead producer does not shift the schedule.
+        dead producer does not shift the schedule. Each abandon runs in a
+        task of its own (bounded by ``handshake_timeout``), as soon as its
+        hold ends.
         """
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._send_abandons)
+            await self._renew_rounds()
+
+    async def _send_abandons(self) -> None:
+        async with trio.open_nursery() as nursery:
+            async for remote, ranks in self._abandons:
+                nursery.start_soon(self._abandon, remote, ranks)
+
+    async def _renew_rounds(self) -> None:
         interval = self._config.heartbeat_interval
         while True:
             if not self._by_rank:
