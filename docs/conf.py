@@ -37,6 +37,7 @@ extensions = [
     "sphinxcontrib_trio",
     "myst_parser",
     "pd_diagrams",
+    "pd_facts",
 ]
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}

@@ -7,10 +7,15 @@ and compares, wherever a page states one,
 * a ``ConnectorConfig`` default stated next to its field name ("`handshake_timeout`
   (default 5 s)", "`max_bytes_per_transfer` (8 MiB)", "`lease_initial` 30 s",
   "`poll_spin`, 100 us") with the field's default;
-* the ``| flag | default | what |`` tables of the commands (under a
-  "`trio-pd COMMAND`" heading) with the argparse parser: every flag named
-  exists, its default is the parser's, and every flag the command has is in
-  its table.
+* the flags named in prose (`` `--grace` ``, `` `trio-pd serve --hosts 2` ``)
+  with the argparse parsers: every flag exists (in that command, when the
+  span names one), and a default stated next to it ("`--idle-timeout`
+  (default 60") is the parser's.
+
+The commands' flag tables, the config's fields, the metrics and the protocol's
+messages are not checked here: they are rendered from the code when the docs
+are built (``docs/_ext/pd_facts.py``); this test checks that no flag table is
+typed by hand again.
 
 A failure names the page, the line, the claim and what the code says.
 """
@@ -137,7 +142,15 @@ def config_problems(lines: Iterator[Line]) -> list[str]:
     return problems
 
 
-# ---- the commands' flag tables ----------------------------------------------
+# ---- the commands' flags -------------------------------------------------------
+#
+# The flag tables themselves are rendered from the parsers when the docs are
+# built (``docs/_ext/pd_facts.py``, the ``cli-flags`` directive); what is left
+# to check is the prose: the flags it names and the defaults it states.
+
+# Flags in backticks that are not trio-pd's: argparse's own, and the soak
+# benchmark's (``nox -s soak -- --seconds N``).
+OTHER_FLAGS = {"--help", "--seconds"}
 
 
 def command_parsers() -> dict[str, argparse.ArgumentParser]:
@@ -157,88 +170,63 @@ def documented_flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Acti
     }
 
 
-def _cells(row: str) -> list[str]:
-    """A table row's cells (``\\|`` inside a cell is a literal bar)."""
-    return [c.strip() for c in re.split(r"(?<!\\)\|", row.strip().strip("|"))]
-
-
-def flag_tables(lines: Iterator[Line]) -> Iterator[tuple[str, Line, list[str]]]:
-    """(command, line, [flag cell, default cell]) for each row of each flag table."""
-    command, in_table = "", False
-    for line in lines:
-        text = line[2]
-        heading = re.match(r"#+ .*`trio-pd (\w+)`", text)
-        if heading:
-            command = heading.group(1)
-        if not text.startswith("|"):
-            in_table = False
-            continue
-        cells = _cells(text)
-        if cells[:2] == ["flag", "default"]:
-            in_table = True
-            if not command:
-                raise AssertionError(f"{line[0]}:{line[1]}: a flag table under no command heading")
-            continue
-        if in_table and not set("".join(cells)) <= set("-| :"):
-            yield command, line, cells
-
-
 def _default_matches(stated: str, action: argparse.Action) -> tuple[bool, str]:
-    """Whether ``stated`` (a table's default, backticks removed) is the action's default."""
+    """Whether ``stated`` (a default in prose, backticks and unit removed) is the action's."""
     default = action.default
     shown = f"default {default!r}" + (", required" if action.required else "")
-    if stated == "(required)":
-        return action.required, shown
-    if stated == "none":
-        return not default and not action.required, shown
     if isinstance(default, bool):  # (a switch: "off" or "on")
         return stated == ("on" if default else "off"), shown
     if isinstance(default, int | float):
         try:
-            if math.isclose(float(stated), float(default)):
-                return True, shown
+            return math.isclose(float(stated), float(default)), shown
         except ValueError:
-            pass
-    elif stated == str(default):
-        return True, shown
-    if not default:
-        # A default derived from elsewhere ("--host", "2048, or what the pool
-        # holds", "$TRIO_PD_EXPOSURE_SECRET"): the flag's help must say it.
-        said = re.search(r"default:? ([^,;)]+)", action.help or "")
-        derived = said is not None and said.group(1).strip() == stated
-        return derived, f"{shown}, help {action.help!r}"
-    return False, shown
+            return False, shown
+    return stated == str(default), shown
+
+
+CODE_SPAN = re.compile(r"`([^`]+)`")
+FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
+# "`--grace` (default 10", "`--etcd-ttl`, default 10 s", "`--x` (default: `/p/`"
+FLAG_DEFAULT = re.compile(r"`(--[a-z0-9-]+)[^`]*`,? \(?default:? `?([^`),; ]+)")
+# "`trio-pd serve --grace 5`", "`nox -s demo -- --hosts 2`": the flags of one command
+COMMAND_LINE = re.compile(r"^(?:trio-pd (\w+)|nox -s (demo) --)(?: |$)")
 
 
 def flag_problems(lines: Iterator[Line]) -> list[str]:
     parsers = command_parsers()
+    flags = {command: documented_flags(parser) for command, parser in parsers.items()}
+    every_flag = set().union(*flags.values())
     problems = []
-    documented: dict[str, set[str]] = {}
-    for command, line, cells in flag_tables(lines):
-        if command not in parsers:
-            problems.append(_problem(line, f"trio-pd {command}", "there is no such command"))
-            continue
-        flags = documented_flags(parsers[command])
-        named = re.findall(r"`(--[a-z0-9-]+)", cells[0])
-        documented.setdefault(command, set()).update(named)
-        # "none, `/trio_pd/`, 10" for three flags; one value for all otherwise.
-        # For one flag, what follows ", or" or ";" qualifies the value.
-        values = [v.strip() for v in cells[1].split(", ")] if len(named) > 1 else [cells[1]]
-        if len(values) != len(named):
-            values = values[:1] * len(named)
-        for flag, value in zip(named, values, strict=True):
-            if flag not in flags:
-                problems.append(_problem(line, flag, f"trio-pd {command} has no {flag}"))
+    for line in lines:
+        for span in CODE_SPAN.finditer(line[2]):
+            code = span.group(1)
+            command_line = COMMAND_LINE.match(code)
+            command = command_line and (command_line.group(1) or command_line.group(2))
+            if command and command not in parsers:
+                problems.append(_problem(line, code, f"trio-pd has no command {command}"))
                 continue
-            stated = re.split(r", or |; ", value)[0].replace("`", "").strip()
-            ok, code = _default_matches(stated, flags[flag])
-            if not ok:
-                problems.append(_problem(line, f"{flag}: {value}", f"trio-pd {command} {code}"))
-    for command, in_table in documented.items():
-        missing = sorted(set(documented_flags(parsers[command])) - in_table - {"-h", "--help"})
-        if missing:
-            problems.append(f"the flag table of trio-pd {command} lacks {', '.join(missing)}")
+            if not command and not code.startswith("-"):
+                continue  # another program's command line (curl, a benchmark script)
+            for flag in FLAG.findall(code):
+                if flag in OTHER_FLAGS:
+                    continue
+                if command and flag not in flags[command]:
+                    problems.append(_problem(line, code, f"trio-pd {command} has no {flag}"))
+                elif flag not in every_flag:
+                    problems.append(_problem(line, code, f"no trio-pd command has {flag}"))
+        for claim in FLAG_DEFAULT.finditer(line[2]):
+            flag, stated = claim.groups()
+            having = [command for command, named in flags.items() if flag in named]
+            checked = [_default_matches(stated, flags[command][flag]) for command in having]
+            if having and not any(ok for ok, _ in checked):
+                code = "; ".join(
+                    f"trio-pd {c} {shown}" for c, (_, shown) in zip(having, checked, strict=True)
+                )
+                problems.append(_problem(line, claim.group(0), code))
     return problems
+
+
+CLI_FLAGS_DIRECTIVE = re.compile(r"^```\{cli-flags\} (\w+)$", re.M)
 
 
 # ---- the tests -----------------------------------------------------------------
@@ -262,12 +250,28 @@ def test_the_checks_find_claims_on_the_pages() -> None:
     nothing would pass forever)."""
     lines = all_lines()
     text = "\n".join(t for _, _, t in lines)
-    assert sum(len(p.findall(text)) for p in VERSION_CLAIMS) >= 8
+    # (the messages' tables of protocol.md render the version from the code)
+    assert sum(len(p.findall(text)) for p in VERSION_CLAIMS) >= 6
     stated = {n for n in config_defaults() if config_claim(n).search(text)}
     assert {"handshake_timeout", "transfer_timeout", "close_timeout", "abort_timeout"} <= stated
     assert len(stated) >= 10, stated
-    commands = {command for command, _, _ in flag_tables(iter(lines))}
-    assert commands == {"engine", "proxy", "serve"}
+    assert len(FLAG_DEFAULT.findall(text)) >= 5
+    named = {flag for span in CODE_SPAN.findall(text) for flag in FLAG.findall(span)}
+    assert len(named) >= 30, named
+
+
+def test_every_command_has_its_flag_table_rendered_from_its_parser() -> None:
+    """No flag table is typed by hand any more: each command's is the
+    ``cli-flags`` directive, which renders the parser at build time."""
+    sources = {page.name: page.read_text(encoding="utf-8") for page in PAGES}
+    rendered = {c for text in sources.values() for c in CLI_FLAGS_DIRECTIVE.findall(text)}
+    assert rendered == set(command_parsers()) - {"keygen"}
+    hand_written = [
+        f"{page}:{number}"
+        for page, number, text in all_lines()
+        if re.match(r"\|\s*flag\s*\|\s*default\s*\|", text)
+    ]
+    assert not hand_written, f"hand-written flag tables: {hand_written}"
 
 
 def planted(text: str) -> list[Line]:
@@ -306,29 +310,18 @@ def test_a_wrong_config_default_is_found_whatever_the_phrasing() -> None:
     ]
 
 
-def test_a_wrong_flag_default_an_unknown_flag_and_a_missing_one_are_found() -> None:
-    rows = "\n".join(
-        f"| `{flag}` | {default} | ... |"
-        for flag, default in documented_defaults_of_proxy().items()
-        if flag != "--idle-timeout"
-    )
+def test_a_wrong_flag_default_and_unknown_flags_are_found() -> None:
     page = planted(
-        "### `trio-pd proxy`\n\n| flag | default | what |\n|---|---|---|\n"
-        + rows.replace("| `--port` | 8000 |", "| `--port` | 8080 |")
-        + "\n| `--no-such-flag` | 1 | ... |\n"
+        "`--grace` (default 10) and `--connect-timeout` (default 6); `--etcd-ttl`, default 10 s\n"
+        "run `trio-pd serve --idle-timeout 5` or `trio-pd proxy --idle-timeout 5`\n"
+        "`--no-such-flag`, `trio-pd nope --grace 1`, `nox -s demo -- --hosts 2 --help`\n"
     )
     problems = flag_problems(iter(page))
-    assert len(problems) == 3, problems
-    assert "'--port: 8080', but the code says trio-pd proxy default 8000" in problems[0]
-    assert "trio-pd proxy has no --no-such-flag" in problems[1]
-    assert problems[2] == "the flag table of trio-pd proxy lacks --idle-timeout"
-
-
-def documented_defaults_of_proxy() -> dict[str, str]:
-    """A correct table of ``trio-pd proxy``'s flags, made from the parser."""
-    table = {}
-    for flag, action in documented_flags(command_parsers()["proxy"]).items():
-        if flag.startswith("--"):
-            default = action.default
-            table[flag] = "none" if not default else str(default)
-    return table
+    assert problems == [
+        "planted.md:1: '`--connect-timeout` (default 6', "
+        "but the code says trio-pd proxy default 5.0",
+        "planted.md:2: 'trio-pd serve --idle-timeout 5', "
+        "but the code says trio-pd serve has no --idle-timeout",
+        "planted.md:3: '--no-such-flag', but the code says no trio-pd command has --no-such-flag",
+        "planted.md:3: 'trio-pd nope --grace 1', but the code says trio-pd has no command nope",
+    ]

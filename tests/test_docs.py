@@ -14,9 +14,12 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import attrs
+import msgspec
 import pytest
 
 import trio_pd
+import trio_pd._protocol as protocol
 import trio_pd.testing
 from trio_pd._engines import TRANSITIONS, EngineEvent, EngineState
 
@@ -145,6 +148,86 @@ def test_the_tp_picture_is_drawn_from_the_plan_and_moves_each_head_home(
     assert moved == [(g, g) for g in range(heads)]
 
 
+def _facts() -> ModuleType:
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        import pd_facts
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+    return pd_facts
+
+
+def test_the_fact_tables_have_every_flag_field_metric_and_key() -> None:
+    facts = _facts()
+    for command, parser in facts.command_parsers().items():
+        shown = {row[0].split()[0] for row in facts.flag_rows(parser)}
+        hidden = {"--parent-pid"} if command == "engine" else set()
+        every = {
+            a.option_strings[0] for a in parser._actions if a.option_strings[0] != "-h"
+        } - hidden
+        assert shown == every, command
+    assert [row[0] for row in facts.config_rows()] == [
+        f.name for f in attrs.fields(trio_pd.ConnectorConfig)
+    ]
+    engine = {row.name for row in facts.engine_metric_rows()}
+    assert {"trio_pd_serve_requests_total", "trio_pd_pulls_succeeded_total"} <= engine
+    assert "trio_pd_engines_ready" in engine  # a gauge: no _total
+    stats = {f.name for f in attrs.fields(trio_pd.ConnectorStatistics)} - {"backend_stuck_call"}
+    assert {name.removeprefix("trio_pd_").removesuffix("_total") for name in engine} >= stats
+    proxy = {row.name: row.labels for row in facts.proxy_metric_rows()}
+    assert proxy["trio_pd_proxy_engine_errors_total"] == ("role", "engine", "kind")
+    keys = [row[0] for row in facts.message_rows(protocol.LeaseEntry)]
+    assert keys == [f.name for f in msgspec.structs.fields(protocol.LeaseEntry)]
+    assert facts.message_rows(protocol.MetadataRequest)[:2] == [
+        ("type", "string", '`"metadata_request"`'),
+        ("protocol_version", "integer", f"`{protocol.PROTOCOL_VERSION}`"),
+    ]
+
+
+def test_a_default_that_the_docstring_misstates_fails_the_build() -> None:
+    @attrs.frozen
+    class Planted:
+        """A planted config.
+
+        Attributes:
+            timeout: how long. Default 5.0.
+            size: how much. Default 1 MiB.
+            name: which. Default ``"a"``.
+        """
+
+        timeout: float = 5.0
+        size: int = 2 << 20
+        name: str = "a"
+
+    with pytest.raises(ValueError, match=r"Planted.size: the docstring says 'Default 1 MiB'"):
+        _facts().config_rows(Planted)
+    Planted.__doc__ = (Planted.__doc__ or "").replace("Default 1 MiB", "Default 2 MiB")
+    rows = _facts().config_rows(Planted)
+    assert rows == [
+        ("timeout", "5.0", "how long."),
+        ("size", "2 MiB", "how much."),
+        ("name", "'a'", "which."),
+    ]
+
+
+def test_a_protocol_field_without_a_docstring_fails_the_build(tmp_path: Path) -> None:
+    (tmp_path / "planted_protocol.py").write_text(
+        "import msgspec\n\n"
+        "class Planted(msgspec.Struct, tag='planted', tag_field='type'):\n"
+        "    protocol_version: int\n"
+        "    said: str\n"
+        '    """Documented."""\n'
+        "    unsaid: int\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import planted_protocol
+    finally:
+        sys.path.remove(str(tmp_path))
+    with pytest.raises(ValueError, match=r"Planted\.unsaid has no docstring"):
+        _facts().message_rows(planted_protocol.Planted)
+
+
 def test_the_offline_inventories_point_at_the_public_docs(tmp_path: Path) -> None:
     sys.path.insert(0, str(DOCS))
     try:
@@ -197,6 +280,19 @@ def test_the_docs_build_with_warnings_as_errors(tmp_path: Path) -> None:
     images = re.findall(r'data="(_images/graphviz-\w+\.svg)"', design)
     assert len(images) == 5, images
     svgs = [(html / image).read_text() for image in images]
+    # The tables rendered from the code are on their pages.
+    facts = _facts()
+    serving = html_module.unescape((html / "serving.html").read_text())
+    for command in ("engine", "proxy", "serve"):
+        for flag, _, what in facts.flag_rows(facts.command_parsers()[command]):
+            assert f'<span class="pre">{flag.split()[0]}</span>' in serving, flag
+            assert what in serving, what
+    timeouts = (html / "timeouts.html").read_text()
+    for name, _, _ in facts.config_rows():
+        assert f'<span class="pre">{name}</span>' in timeouts, name
+    operations = (html / "operations.html").read_text()
+    for row in facts.proxy_metric_rows():
+        assert f'<span class="pre">{row.name}</span>' in operations, row.name
     assert any(all(state.name in svg for state in EngineState) for svg in svgs)
     assert any(all(f"decode rank {d}" in svg for d in range(4)) for svg in svgs)
 

@@ -66,8 +66,9 @@ class MetadataRequest(msgspec.Struct, tag="metadata_request", tag_field="type", 
 
     protocol_version: int
     engine_id: str
-    """The engine the consumer expects to reach."""
+    """The producer engine the consumer expects to reach."""
     consumer_engine_id: str
+    """The consumer's own engine id (informational)."""
 
 
 class LeaseEntry(msgspec.Struct, frozen=True):
@@ -76,11 +77,11 @@ class LeaseEntry(msgspec.Struct, frozen=True):
     request_id: str
     """The producer's request id (``remote_request_id``)."""
     token: str
-    """The exposure's token as the consumer received it (``remote_token``)."""
+    """``remote_token`` as the consumer received it (empty when the producer signs nothing)."""
     readers: Annotated[int, msgspec.Meta(ge=1)]
     """Ranks of the consumer's engine that read this producer rank (as in a notification)."""
     abandon: bool
-    """``False``: renew the lease; ``True``: this consumer will not read."""
+    """``false``: renew the lease; ``true``: this consumer will not read."""
     incarnation: str = ""
     """The incarnation the consumer's parameters name (``remote_incarnation``:
     rank 0's), so that another rank of a tensor-parallel engine can check a
@@ -94,9 +95,12 @@ class LeaseRequest(msgspec.Struct, tag="lease", tag_field="type", frozen=True):
     engine_id: str
     """The producer engine the consumer expects to reach."""
     consumer_engine_id: str
+    """The consumer's own engine id (logged)."""
     consumer_agent: str
-    """The consumer's transfer agent: an abandon counts for it as its notification would."""
+    """The consumer's NIXL agent name: an abandon counts for this agent as its
+    notification would."""
     entries: list[LeaseEntry]
+    """The held requests, one ``LeaseEntry`` map each."""
 
 
 class LeaseReply(msgspec.Struct, tag="lease_reply", tag_field="type", frozen=True):
@@ -104,12 +108,12 @@ class LeaseReply(msgspec.Struct, tag="lease_reply", tag_field="type", frozen=Tru
 
     protocol_version: int
     unknown: list[int]
-    """Entries (positions in the request's ``entries``) whose request is not
-    pending here: expired, resolved, or never exposed."""
+    """Entries (their positions in the request's ``entries``) whose request is
+    not pending here: expired, already resolved, or never exposed."""
     refused: list[int]
-    """Entries (positions) whose token did not verify. Positions, not request
-    ids: a consumer may hold the same request id under two tokens (one of
-    them forged), and only the refused one's hold is lost."""
+    """Entries (positions) whose token did not verify; positions, not request
+    ids, because one consumer may hold the same request id under a real and a
+    forged token, and only the forged entry's hold is lost."""
 
 
 class MetadataReply(msgspec.Struct, tag="metadata_reply", tag_field="type", frozen=True):
@@ -117,36 +121,54 @@ class MetadataReply(msgspec.Struct, tag="metadata_reply", tag_field="type", froz
 
     protocol_version: int
     compatibility_hash: str
+    """Hex SHA-256 of the protocol version and the producer's ``compatibility_key``
+    (``compatibility_hash()``); the consumer compares it with its own."""
     engine_metadata: bytes
+    """A MessagePack map, the ``EngineMetadata``, encoded separately: the
+    consumer compares the version and the hash before it decodes it."""
 
 
 class ErrorReply(msgspec.Struct, tag="error", tag_field="type", frozen=True):
     """The producer could not serve a request; ``code`` says why."""
 
     protocol_version: int
+    """the *producer's* version"""
     code: ErrorCode
+    """Why the request was refused."""
     reason: str
+    """One line, for humans and logs."""
 
 
 class EngineMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What a consumer needs to read a producer's KV blocks."""
 
     engine_id: str
+    """The producer's engine id; must be the one asked for."""
     incarnation: str
-    """Random per connector start: a restarted engine has a new one."""
+    """Random per connector start: a restarted producer has a new one."""
     agent_name: str
+    """The producer's NIXL agent name."""
     agent_metadata: bytes
-    """NIXL's serialized agent metadata (``get_agent_metadata``)."""
+    """NIXL's serialized agent metadata (``get_agent_metadata()``), for
+    ``add_remote_agent``."""
     num_blocks: int
+    """Blocks per region."""
     base_addrs: list[int]
+    """The start address of each region, in region order."""
     block_lens: list[int]
+    """Bytes per block of each region."""
     device_id: int
+    """NIXL device id (0 for host memory)."""
     mem_type: str
+    """NIXL memory type: ``"DRAM"`` or ``"VRAM"``."""
     dtype: str
+    """Element type of the regions, as torch prints it, e.g. ``"torch.float16"``."""
     kv_heads: int
-    """KV heads per block (dimension 1 of the regions), 0 if unknown."""
+    """KV heads per block (dimension 1 of the region tensors); 0 if the tensors
+    have no such dimension."""
     tp_rank: int
-    """This rank of the engine (its side channel is the base port + tp_rank)."""
+    """Which rank of its engine answers (its side channel is the engine's base
+    port + ``tp_rank``)."""
     tp_size: int
     """The engine's tensor-parallel size."""
 

@@ -62,11 +62,21 @@ def _parser() -> argparse.ArgumentParser:
         "--requests", type=int, default=defaults.requests, metavar="N", help="requests to run"
     )
     demo.add_argument(
-        "--regions", type=int, default=defaults.regions, help="KV regions (layers x K/V)"
+        "--regions",
+        type=int,
+        default=defaults.regions,
+        metavar="N",
+        help="KV regions (layers x K/V)",
     )
-    demo.add_argument("--blocks", type=int, default=defaults.blocks, help="blocks per region")
     demo.add_argument(
-        "--block-bytes", type=int, default=defaults.block_bytes, help="bytes per block per region"
+        "--blocks", type=int, default=defaults.blocks, metavar="N", help="blocks per region"
+    )
+    demo.add_argument(
+        "--block-bytes",
+        type=int,
+        default=defaults.block_bytes,
+        metavar="BYTES",
+        help="bytes per block per region",
     )
     demo.add_argument(
         "--max-prompt-blocks",
@@ -86,6 +96,7 @@ def _parser() -> argparse.ArgumentParser:
         "--seed",
         type=int,
         default=defaults.seed,
+        metavar="N",
         help="seeds the prompt sizes and the block contents (a run repeats with the same seed)",
     )
     demo.add_argument(
@@ -136,10 +147,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     serving = ServeOptions()
     serve.add_argument(
-        "--prefill", type=int, default=serving.prefill, metavar="N", help="prefill engines"
+        "--prefill",
+        type=int,
+        default=serving.prefill,
+        metavar="N",
+        help="prefill engines, each a trio-pd engine process",
     )
     serve.add_argument(
-        "--decode", type=int, default=serving.decode, metavar="M", help="decode engines"
+        "--decode",
+        type=int,
+        default=serving.decode,
+        metavar="M",
+        help="decode engines, each a trio-pd engine process",
     )
     serve.add_argument(
         "--prefill-tp",
@@ -156,7 +175,9 @@ def _parser() -> argparse.ArgumentParser:
         help="tensor-parallel size of each decode engine",
     )
     serve.add_argument(
-        "--host", default=serving.host, help="bind address of every server; may be 0.0.0.0"
+        "--host",
+        default=serving.host,
+        help="where every server binds; may be a wildcard (0.0.0.0, ::)",
     )
     serve.add_argument(
         "--advertise-host",
@@ -164,18 +185,21 @@ def _parser() -> argparse.ArgumentParser:
         metavar="HOST",
         help="the address the servers are dialled at (default: --host; 127.0.0.1 for a wildcard)",
     )
-    serve.add_argument("--port", type=int, default=serving.port, help="the proxy's port")
+    serve.add_argument(
+        "--port", type=int, default=serving.port, help="the proxy's port (0: any free port)"
+    )
     serve.add_argument(
         "--ready-file",
         default="",
         metavar="PATH",
-        help='write {"proxy": url, "prefill": [urls], "decode": [urls]} once all accept; '
-        "removed on exit",
+        help='{"proxy": url, "prefill": [urls], "decode": [urls]}, written once every engine '
+        "and the proxy accept requests; removed on exit",
     )
     serve.add_argument(
         "--grace",
         type=float,
         default=serving.grace,
+        metavar="SECONDS",
         help="seconds the proxy, then each engine, drains on SIGINT/SIGTERM",
     )
     serve.add_argument(
@@ -191,7 +215,7 @@ def _parser() -> argparse.ArgumentParser:
         default=serving.hosts,
         metavar="N",
         help="run the engines on N test hosts (network namespaces, root only), "
-        "found by the proxy through an etcd run here",
+        "found by the proxy through an etcd run here: the cluster's shape on one machine",
     )
     serve.add_argument(
         "--api-key",
@@ -199,7 +223,8 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY",
         help=f"a client key for the proxy, repeatable (default: ${API_KEY_ENV}); /v1/* "
-        "then needs 'Authorization: Bearer KEY'",
+        "then needs 'Authorization: Bearer KEY'; the engines get an internal key, so clients "
+        "reach them only through the proxy",
     )
     add_internal_key_argument(
         serve,
@@ -209,7 +234,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--no-curve",
         action="store_true",
-        help="plain-text side channels (default: CURVE, with keys made for this run)",
+        help="plain-text side channels (default: CURVE, every engine with a key pair made for "
+        "this run, the prefill engines letting only the decode engines in)",
     )
     serve.add_argument(
         "--etcd-ttl",

@@ -24,16 +24,14 @@ class UsageError(Exception):
     """A bad argument: the command prints it in one line and exits with status 2."""
 
 
-def add_etcd_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--etcd", default="", metavar="URL", help="cluster membership on etcd (its client URL)"
-    )
+def add_etcd_arguments(parser: argparse.ArgumentParser, what: str, ttl: str) -> None:
+    """``--etcd``, ``--etcd-prefix``, ``--etcd-ttl``: ``what`` the command does with
+    etcd, ``ttl`` what the TTL is to it."""
+    parser.add_argument("--etcd", default="", metavar="URL", help=f"etcd's client URL: {what}")
     parser.add_argument(
         "--etcd-prefix", default="/trio_pd/", metavar="PREFIX", help="key prefix in etcd"
     )
-    parser.add_argument(
-        "--etcd-ttl", type=float, default=10.0, metavar="SECONDS", help="etcd lease TTL"
-    )
+    parser.add_argument("--etcd-ttl", type=float, default=10.0, metavar="SECONDS", help=ttl)
 
 
 def membership_from_args(args: argparse.Namespace) -> Membership | None:

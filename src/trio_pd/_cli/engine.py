@@ -49,18 +49,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="what the engine does for the proxy",
     )
     parser.add_argument(
-        "--tp", type=int, default=1, metavar="N", help="tensor-parallel size (connectors)"
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tensor-parallel size: N connectors (N must divide the model's 2 KV heads)",
     )
     parser.add_argument(
-        "--host", default=defaults.host, help="bind address (HTTP and side channel); may be 0.0.0.0"
+        "--host",
+        default=defaults.host,
+        help="where HTTP and the side channel bind; may be a wildcard (0.0.0.0, ::)",
     )
     parser.add_argument(
         "--advertise-host",
         default="",
         metavar="HOST",
-        help="the address peers and the proxy dial (default: --host; required with a wildcard)",
+        help="the address that peers and the proxy dial, in kv_transfer_params and the ready "
+        "file (default: --host); required with a wildcard --host",
     )
-    parser.add_argument("--port", type=int, default=0, help="HTTP port (0: any free port)")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=0,
+        help="HTTP port (0: any free port, the ready file says which)",
+    )
     parser.add_argument(
         "--side-channel-port",
         type=int,
@@ -83,24 +95,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"prompt + max_tokens (default: {MAX_MODEL_LEN}, or what --num-blocks holds)",
     )
     parser.add_argument(
-        "--engine-id", default="", metavar="ID", help="default: ROLE-ADVERTISED_HOST-PORT"
+        "--engine-id",
+        default="",
+        metavar="ID",
+        help="the engine's name, in kv_transfer_params, errors and completion ids "
+        "(default: ROLE-ADVERTISED_HOST-PORT)",
     )
     parser.add_argument(
-        "--grace", type=float, default=defaults.grace, help="seconds to drain on SIGTERM/SIGINT"
+        "--grace",
+        type=float,
+        default=defaults.grace,
+        metavar="SECONDS",
+        help="how long requests in flight may finish after SIGTERM/SIGINT",
     )
     parser.add_argument(
         "--ready-file",
         default="",
         metavar="PATH",
-        help='written with {"url": ...} once the engine accepts requests; removed on exit',
+        help='{"url": ...} (the advertised address), written once the engine accepts requests; '
+        "removed on exit",
     )
     parser.add_argument(
         "--exposure-secret-file",
         default="",
         metavar="PATH",
-        help=f"the deployment's exposure secret, hex (default: ${EXPOSURE_SECRET_ENV})",
+        help=f"the deployment's exposure secret, hex, at least 16 bytes (default: "
+        f"${EXPOSURE_SECRET_ENV})",
     )
-    add_internal_key_argument(parser, "required on /v1/* (the proxy sends it)")
+    add_internal_key_argument(
+        parser,
+        "required on /v1/*, 401 without it (the proxy sends it); without one the engine "
+        "warns that anyone may call it",
+    )
     parser.add_argument(
         "--curve-key-file",
         default="",
@@ -114,7 +140,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='public keys: {"consumers": [...]} a prefill engine lets in, '
         '{"producers": {"ENGINE_ID or *": key}} a decode engine expects',
     )
-    add_etcd_arguments(parser)
+    add_etcd_arguments(
+        parser,
+        "register there once the engine accepts requests, withdraw first when it drains",
+        "the registration's lease: a dead engine leaves etcd within it",
+    )
     # trio-pd serve: drain when this process is no longer the parent.
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
 

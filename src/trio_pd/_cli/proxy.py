@@ -172,19 +172,33 @@ class _Router:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = ProxyOptions()
-    parser.add_argument("--host", default=defaults.host, help="bind address; may be 0.0.0.0")
+    parser.add_argument(
+        "--host", default=defaults.host, help="bind address; may be a wildcard (0.0.0.0, ::)"
+    )
     parser.add_argument(
         "--advertise-host",
         default="",
         metavar="HOST",
         help="the address in the ready file's URL (default: --host; required with a wildcard)",
     )
-    parser.add_argument("--port", type=int, default=defaults.port, help="0: any free port")
     parser.add_argument(
-        "--prefill", nargs="+", action="extend", default=[], metavar="URL", help="prefill engines"
+        "--port", type=int, default=defaults.port, help="the proxy's port (0: any free port)"
     )
     parser.add_argument(
-        "--decode", nargs="+", action="extend", default=[], metavar="URL", help="decode engines"
+        "--prefill",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="URL",
+        help="the prefill engines' base URLs (repeatable); required unless --etcd is given",
+    )
+    parser.add_argument(
+        "--decode",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="URL",
+        help="the decode engines' base URLs (repeatable); required unless --etcd is given",
     )
     parser.add_argument(
         "--max-model-len",
@@ -195,7 +209,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the engines judge)",
     )
     parser.add_argument(
-        "--grace", type=float, default=defaults.grace, help="seconds to drain on SIGTERM/SIGINT"
+        "--grace",
+        type=float,
+        default=defaults.grace,
+        metavar="SECONDS",
+        help="how long requests in flight may finish after SIGTERM/SIGINT",
     )
     parser.add_argument(
         "--ready-file",
@@ -219,10 +237,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY",
         help=f"a client key, repeatable (default: ${API_KEY_ENV}); /v1/* then needs "
-        "'Authorization: Bearer KEY' (prefer the variable: flags show in ps)",
+        "'Authorization: Bearer KEY', 401 otherwise; /health and /metrics stay open (prefer "
+        "the variable: flags show in ps)",
     )
     add_internal_key_argument(parser, "sent to the engines")
-    add_etcd_arguments(parser)
+    add_etcd_arguments(
+        parser,
+        "route to the engines registered under the prefix as they come and go (instead of "
+        "--prefill/--decode); keep the last view while etcd is away (/health says so)",
+        "accepted and unused (it is the engines' lease)",
+    )
 
 
 def _timeout_field(flag: str) -> str:

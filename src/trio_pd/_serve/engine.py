@@ -38,7 +38,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
@@ -124,6 +124,37 @@ EXPOSURE_SECRET_ENV = "TRIO_PD_EXPOSURE_SECRET"
 secret (hex): not on the command line, where ``ps`` shows it."""
 
 
+class EngineMetrics:
+    """An engine's Prometheus metrics (its own registry): its requests, its
+    pulls' times, its free KV blocks, and its connectors' statistics."""
+
+    def __init__(
+        self, free_blocks: Callable[[], int], connectors: Callable[[], list[Connector]]
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "trio_pd_serve_requests",
+            "Completion and chat requests by kind (prefill, decode, whole) "
+            "and outcome (ok, error, disconnected).",
+            ["kind", "outcome"],
+            registry=self.registry,
+        )
+        self.pull_seconds = Histogram(
+            "trio_pd_serve_pull_seconds",
+            "Time of each KV pull (handshake included), decode side.",
+            registry=self.registry,
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1, 5, math.inf),
+        )
+        free = Gauge(
+            "trio_pd_serve_kv_blocks_free",
+            "KV-cache blocks free in the engine's pool (all of them when idle: nothing leaked).",
+            registry=self.registry,
+        )
+        free.set_function(free_blocks)
+        self.connectors = ConnectorCollector(connectors)
+        self.registry.register(self.connectors)
+
+
 class Engine:
     """The model, its cache and block pool, and the requests on them.
 
@@ -163,26 +194,10 @@ class Engine:
         self.exposures_unresolved: AsyncValue[int] = AsyncValue(0)
         self.drain_deadline = math.inf  # (set when the drain starts: it ends by then)
         self._ids = itertools.count()
-        self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "trio_pd_serve_requests",
-            "Completion requests by kind and outcome.",
-            ["kind", "outcome"],
-            registry=self.registry,
-        )
-        self.pull_seconds = Histogram(
-            "trio_pd_serve_pull_seconds",
-            "Time of each KV pull (handshake included), decode side.",
-            registry=self.registry,
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1, 5, math.inf),
-        )
-        free = Gauge(
-            "trio_pd_serve_kv_blocks_free",
-            "KV-cache blocks free in the engine's pool.",
-            registry=self.registry,
-        )
-        free.set_function(lambda: self.pool.free)
-        self.registry.register(ConnectorCollector(lambda: self.connectors))
+        self.metrics = EngineMetrics(lambda: self.pool.free, lambda: self.connectors)
+        self.registry = self.metrics.registry
+        self.requests = self.metrics.requests
+        self.pull_seconds = self.metrics.pull_seconds
 
     def request_id(self, base: str, prefix: str = "cmpl") -> str:
         """A request id unique in this engine that contains ``base`` (the

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from .._connector import Connector
+from .._records import ConnectorStatistics
+
+BY_CAUSE = "handshake_failures_by_cause"
 
 
 class ConnectorCollector:
     """The connectors' statistics as Prometheus metrics (summed over the ranks),
-    read at each scrape."""
+    read at each scrape: every numeric field of :class:`ConnectorStatistics`
+    as ``trio_pd_<field>`` (a counter, or a gauge for those in ``GAUGES``),
+    and the failed handshakes by cause."""
 
     GAUGES = frozenset(
         {
@@ -33,23 +39,36 @@ class ConnectorCollector:
         connectors = self._connectors()
         if not connectors:
             return []
+        return self.families([c.statistics() for c in connectors])
+
+    def describe(self) -> list[Metric]:
+        """Every metric this collector exports (what the docs list), with no values."""
+        zero: dict[str, Any] = {
+            field.name: {} if field.name == BY_CAUSE else 0
+            for field in attrs.fields(ConnectorStatistics)
+            if field.default is attrs.NOTHING
+        }
+        return self.families([ConnectorStatistics(**zero)])
+
+    def families(self, statistics: Sequence[ConnectorStatistics]) -> list[Metric]:
+        """The metrics of these ranks' statistics, summed."""
         stats = [
             {
                 name: value
-                for name, value in attrs.asdict(c.statistics(), recurse=False).items()
+                for name, value in attrs.asdict(s, recurse=False).items()
                 if not isinstance(value, str)  # (backend_stuck_call: /health says it)
             }
-            for c in connectors
+            for s in statistics
         ]
         out: list[Metric] = []
         causes = CounterMetricFamily(
-            "trio_pd_handshake_failures_by_cause",
+            f"trio_pd_{BY_CAUSE}",
             "Failed handshakes by cause.",
             labels=["cause"],
         )
         by_cause: dict[str, int] = {}
         for rank in stats:
-            for cause, count in rank.pop("handshake_failures_by_cause").items():
+            for cause, count in rank.pop(BY_CAUSE).items():
                 by_cause[cause] = by_cause.get(cause, 0) + count
         for cause, count in by_cause.items():
             causes.add_metric([cause], count)

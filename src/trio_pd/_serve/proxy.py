@@ -119,7 +119,8 @@ class ProxyMetrics:
         r = self.registry
         self.requests = Counter(
             "trio_pd_proxy_requests",
-            "Completion requests by outcome.",
+            "Completion and chat requests by outcome: ok, client_error (4xx), overloaded (503), "
+            "timeout (504), engine_error (other 5xx), disconnected (the client left).",
             ["outcome"],
             registry=r,
         )
@@ -141,8 +142,8 @@ class ProxyMetrics:
         )
         self.engine_errors = Counter(
             "trio_pd_proxy_engine_errors",
-            "Failed requests to engines, by role, engine and kind "
-            "(refused, timeout, transport, status).",
+            "Failed requests to engines, by role, engine and kind: refused (passed over, "
+            "retried elsewhere), timeout, transport, status (a 5xx).",
             ["role", "engine", "kind"],
             registry=r,
         )
