@@ -220,6 +220,21 @@ async def test_a_slow_engine_is_a_504_naming_the_phase_and_is_not_retried() -> N
             assert (await client.post(f"{proxy}/v1/completions", json=BODY)).status_code == 200
 
 
+async def test_each_phase_has_its_own_deadline_not_the_gap_between_chunks() -> None:
+    # A prefill or a decode slower than the idle gap but within its phase's
+    # deadline is served (the client's read timeout used to cut it at idle).
+    timeouts = ProxyTimeouts(prefill=2.0, first_byte=2.0, idle=0.2)
+    with trio.fail_after(30):
+        async with (
+            engines(2) as ([prefill, decode], urls),
+            proxy_for(urls[:1], urls[1:], timeouts) as (_, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            prefill.delay = decode.delay = 0.6
+            response = await client.post(f"{proxy}/v1/completions", json=BODY)
+            assert response.status_code == 200, response.text
+
+
 async def test_503s_are_503s_a_prefill_503_is_tried_elsewhere_a_decode_503_is_not() -> None:
     with trio.fail_after(30):
         async with (

@@ -102,11 +102,11 @@ class ProxyTimeouts:
 
 def open_client(timeouts: ProxyTimeouts = ProxyTimeouts()) -> httpx2.AsyncClient:
     """The proxy's HTTP client: no cap on connections (the engines' own
-    admission decides what they take), its timeouts from ``timeouts``."""
+    admission decides what they take). It bounds connecting and writing;
+    reads are bounded by the proxy per phase (prefill, first byte, each gap
+    in a stream), so no read timeout cuts a phase short."""
     return httpx2.AsyncClient(
-        timeout=httpx2.Timeout(
-            connect=timeouts.connect, read=timeouts.idle, write=timeouts.idle, pool=None
-        ),
+        timeout=httpx2.Timeout(connect=timeouts.connect, read=None, write=timeouts.idle, pool=None),
         limits=httpx2.Limits(max_connections=None, max_keepalive_connections=512),
     )
 
@@ -391,7 +391,16 @@ class Proxy:
             streaming = True
             first = True
             async with aclosing(response.aiter_raw()) as chunks:
-                async for chunk in chunks:
+                while True:
+                    try:
+                        with trio.fail_after(self._timeouts.idle):
+                            chunk = await anext(chunks)
+                    except StopAsyncIteration:
+                        break
+                    except trio.TooSlowError:
+                        raise StreamStalled(
+                            f"no part of the answer for {self._timeouts.idle:g} s"
+                        ) from None
                     if first:
                         self.metrics.first_byte.observe(trio.current_time() - started)
                         first = False
@@ -401,8 +410,9 @@ class Proxy:
             raise _Refused(self._engine_error("decode", engine, "refused", exc)) from None
         except trio.TooSlowError:
             raise self._timed_out("decode", engine, self._timeouts.first_byte) from None
-        except httpx2.HTTPError as exc:
-            kind = "timeout" if isinstance(exc, httpx2.TimeoutException) else "transport"
+        except (httpx2.HTTPError, StreamStalled) as exc:
+            timeout = isinstance(exc, httpx2.TimeoutException | StreamStalled)
+            kind = "timeout" if timeout else "transport"
             error = self._engine_error("decode", engine, kind, exc)
             if not streaming:
                 raise error from None
@@ -444,6 +454,10 @@ class _Refused(Exception):
     def __init__(self, error: HTTPError) -> None:
         super().__init__(str(error))
         self.error = error
+
+
+class StreamStalled(Exception):
+    """A decode stream sent nothing for the idle deadline."""
 
 
 def _outcome(status: int) -> str:
