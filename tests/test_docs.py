@@ -53,6 +53,12 @@ DOCS = ROOT / "docs"
 EXAMPLES = {
     # program in docs/examples -> the page that shows it and its output
     "hello.py": "index.md",
+    "primer_nursery.py": "trio-primer.md",
+    "primer_start.py": "trio-primer.md",
+    "primer_cancel.py": "trio-primer.md",
+    "primer_shield.py": "trio-primer.md",
+    "primer_event.py": "trio-primer.md",
+    "primer_errors.py": "trio-primer.md",
     "tutorial_frontend.py": "tutorial.md",
     "handshake_failure.py": "tutorial.md",
     "shutdown.py": "tutorial.md",
