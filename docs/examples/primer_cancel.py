@@ -26,7 +26,8 @@ async def main() -> None:
     with trio.move_on_after(2) as outer:
         with trio.move_on_after(10) as inner:  # an inner deadline cannot extend the outer one
             await trio.sleep(5)
-    log(f"nested: the outer 2 s deadline fired (outer {outer.cancelled_caught}, inner {inner.cancelled_caught})")
+    caught = f"outer {outer.cancelled_caught}, inner {inner.cancelled_caught}"
+    log(f"nested: the outer 2 s deadline fired ({caught})")
 
     with trio.move_on_after(1):
         try:
