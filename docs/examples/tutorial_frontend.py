@@ -94,7 +94,10 @@ class DecodeEngine:
         remote = trio_pd.RemoteBlocks.from_kv_transfer_params(params)
         blocks = self.pool.allocate(len(remote.block_ids))
         try:
-            result = await self.conn.pull(request_id, blocks, remote)
+            # hold: if the request ends without its pull (cancelled, failed),
+            # the prefill engine is told to free its blocks at once.
+            async with self.conn.hold(remote):
+                result = await self.conn.pull(request_id, blocks, remote)
             for k, block in enumerate(blocks):
                 for region, tensor in enumerate(self.kv):
                     assert torch.all(tensor[block] == fake_kv_value(prompt, k, region))
@@ -106,16 +109,18 @@ class DecodeEngine:
 async def handle_request(
     request_id: str, prompt: str, prefill: PrefillEngine, decode: DecodeEngine
 ) -> str:
-    """What a P/D proxy does for one request."""
-    with trio.fail_after(REQUEST_DEADLINE):  # the caller owns the deadline
-        params = await prefill.prefill(request_id, prompt)
-        wire = json.dumps(params)  # in production: the prefill server's HTTP response
-        try:
+    """What a P/D proxy does for one request: its errors become its answer."""
+    try:
+        with trio.fail_after(REQUEST_DEADLINE):  # the caller owns the deadline
+            params = await prefill.prefill(request_id, prompt)
+            wire = json.dumps(params)  # in production: the prefill server's HTTP response
             return await decode.decode(request_id, prompt, json.loads(wire))
-        except trio_pd.HandshakeError as exc:
-            return f"failed: cannot reach {exc.engine_id}: {exc.reason}"
-        except trio_pd.TransferError as exc:
-            return f"failed: blocks {exc.failed_block_ids} hold no data: {exc.reason}"
+    except trio.TooSlowError:  # caught here, in this request's task: see the tutorial
+        return f"failed: not done within {REQUEST_DEADLINE} s"
+    except trio_pd.HandshakeError as exc:
+        return f"failed: cannot reach {exc.engine_id}: {exc.reason}"
+    except trio_pd.TransferError as exc:
+        return f"failed: blocks {exc.failed_block_ids} hold no data: {exc.reason}"
 
 
 PROMPTS = [

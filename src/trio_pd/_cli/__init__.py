@@ -2,7 +2,7 @@
 
 ``trio-pd demo`` runs a small real P/D deployment on this machine (see
 ``trio_pd._cli.demo``): prefill engines in their own processes, a decode engine
-and a driver playing the P/D proxy in this one. Every pulled byte is
+and a stand-in for the P/D proxy in this one. Every pulled byte is
 verified; the exit status is non-zero if any byte differs, or if a request
 failed without an injected fault.
 

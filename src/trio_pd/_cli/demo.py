@@ -6,7 +6,7 @@
   its share of the KV heads;
 * one decode engine: this process, with a connector on a KV cache of the same
   layout (``decode_tp`` connectors, one per rank, with ``decode_tp`` > 1);
-* a driver (also this process) that plays the P/D proxy: for each request it
+* a stand-in for the P/D proxy (also this process): for each request it
   picks a prefill engine, allocates blocks there, has the engine fill them with
   request-specific content and ``expose`` them, forwards the
   ``kv_transfer_params`` to the decoder, which allocates local blocks, pulls
