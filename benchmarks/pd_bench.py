@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import resource
+import secrets
 import signal
 import statistics
 import subprocess
@@ -473,7 +474,11 @@ async def bench_scale(quick: bool) -> Result:
             for e in range(per_process):
                 remotes += await w.expose_many([("r", [1], e)], engine=e)
         gc.collect()
-        async with trio_pd.open_connector("dec", kv(2, 16, 1024)) as d:
+        # A handshake's deadline covers its wait in the load queue (loads are
+        # serialized): 256 cold engines at once queue for seconds, so this
+        # measurement gives them a deadline that fits the queue.
+        config = trio_pd.ConnectorConfig(handshake_timeout=120.0)
+        async with trio_pd.open_connector("dec", kv(2, 16, 1024), config=config) as d:
             before = rss_bytes()
             started = trio.current_time()
             async with trio.open_nursery() as pulls:
@@ -738,9 +743,11 @@ async def bench_serve(quick: bool) -> Result:
     with tempfile.TemporaryDirectory() as scratch:
         ready = Path(scratch) / "ready.json"
         command = [sys.executable, "-m", "trio_pd", "serve", "--port", "0"]
+        # (the engine is called directly too: it needs the deployment's internal key)
+        internal_key = secrets.token_urlsafe(32)
         process = await trio.lowlevel.open_process(
             [*command, "--ready-file", str(ready)],
-            env={**os.environ, "NIXL_LOG_LEVEL": "WARN"},
+            env={**os.environ, "NIXL_LOG_LEVEL": "WARN", "TRIO_PD_INTERNAL_KEY": internal_key},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -752,7 +759,8 @@ async def bench_serve(quick: bool) -> Result:
             urls = json.loads(ready.read_text())
             targets = {"proxy (P/D)": urls["proxy"], "one engine": urls["decode"][0]}
             limits = httpx2.Limits(max_connections=None)
-            async with httpx2.AsyncClient(timeout=60, limits=limits) as client:
+            auth = {"Authorization": f"Bearer {internal_key}"}
+            async with httpx2.AsyncClient(timeout=60, limits=limits, headers=auth) as client:
 
                 async def one(url: str, prompt: str) -> tuple[float, float, int]:
                     body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True}
@@ -761,6 +769,8 @@ async def bench_serve(quick: bool) -> Result:
                         client.stream("POST", f"{url}/v1/completions", json=body) as response,
                         aclosing(response.aiter_lines()) as lines,
                     ):
+                        if response.status_code != 200:
+                            raise RuntimeError(f"{url}: {response.status_code}")
                         async for line in lines:
                             if line.startswith("data: {"):
                                 tokens += 1

@@ -113,6 +113,7 @@ class Load:
     proxy: str
     decode_engines: Callable[[], dict[str, str]]  # engine name (in completion ids) -> URL
     outcomes: list[Outcome] = attrs.Factory(list)
+    in_flight: dict[int, float] = attrs.Factory(dict)  # request number -> when it started
     _ids: Any = attrs.Factory(itertools.count)
 
     async def run(self, clients: int = 4) -> None:
@@ -122,13 +123,16 @@ class Load:
 
     async def _client(self) -> None:
         while True:
-            started = trio.current_time()
-            body = {"prompt": f"request {next(self._ids)} across hosts", "max_tokens": 4}
+            started, number = trio.current_time(), next(self._ids)
+            body = {"prompt": f"request {number} across hosts", "max_tokens": 4}
+            self.in_flight[number] = started
             try:
                 response = await self.client.post(f"{self.proxy}/v1/completions", json=body)
             except httpx2.TransportError as exc:  # (the proxy itself never fails here)
                 self.outcomes.append(Outcome(started, trio.current_time(), 0, "", repr(exc)))
                 continue
+            finally:
+                del self.in_flight[number]
             outcome = Outcome(started, trio.current_time(), response.status_code, "", "")
             if response.status_code == 200:
                 engine_id = response.json()["id"]
@@ -142,6 +146,10 @@ class Load:
     def since(self, moment: float) -> list[Outcome]:
         """The requests started at or after ``moment``."""
         return [o for o in self.outcomes if o.started >= moment]
+
+    def settled_until(self, moment: float) -> bool:
+        """Whether every request started by ``moment`` has ended (and is recorded)."""
+        return all(started > moment for started in self.in_flight.values())
 
     def failures(self) -> list[Outcome]:
         return [o for o in self.outcomes if o.status != 200]
@@ -262,7 +270,9 @@ async def test_a_cluster_on_etcd_rides_out_etcd_restarts_joins_partitions_and_cr
 
             await wait_for(one_decode_engine_left, TTL + 3, "decode-b leaves etcd")
             gone = trio.current_time()
-            await trio.sleep(1)
+            # (a request decode-b held ends at the proxy's 3 s first-byte deadline)
+            await wait_for(lambda: load.settled_until(gone), 5, "decode-b's requests end")
+            await trio.sleep(0.5)
             during = load.failures()
             assert during, "nothing was in flight at decode-b when its host was cut"
             for failure in during:
@@ -275,7 +285,17 @@ async def test_a_cluster_on_etcd_rides_out_etcd_restarts_joins_partitions_and_cr
             # Restored, it registers again and takes requests again.
             await hosts[2].restore()
             await wait_for(both_decode_engines_serve, 15, "decode-b serves again when restored")
-            assert len(load.failures()) == len(during)
+            # Right after the link is back, decode-b's first pull may still meet
+            # its UCX endpoint to prefill-a from before the cut (the agent is
+            # then given up and the next pull handshakes again): such a failure
+            # is decode-b's own, and names it.
+            settled = trio.current_time()
+            await wait_for(lambda: load.settled_until(settled), 5, "requests before it end")
+            aftermath = load.failures()[len(during) :]
+            for failure in aftermath:
+                assert decode_b in failure.error, failure
+            assert len(aftermath) <= 4, aftermath
+            during += aftermath
 
             # SIGKILL decode-b under load: only the requests it held fail,
             # each naming it; the proxy passes over it at once (its port
@@ -284,6 +304,7 @@ async def test_a_cluster_on_etcd_rides_out_etcd_restarts_joins_partitions_and_cr
             await c["decode_b_process"].wait()
             killed = trio.current_time()  # (dead: SIGKILL lands a moment after kill())
             await wait_for(one_decode_engine_left, TTL + 3, "the killed decode-b leaves etcd")
+            await wait_for(lambda: load.settled_until(killed), 5, "decode-b's requests end")
             await trio.sleep(0.5)
             crash = load.failures()[len(during) :]
             for failure in crash:

@@ -220,3 +220,35 @@ def _environment(pid: int) -> dict[str, str]:
     """A process's environment (root, or the same user)."""
     raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return dict(entry.decode().split("=", 1) for entry in raw if b"=" in entry)
+
+
+async def test_an_engine_that_refuses_the_proxys_key_is_a_502_not_the_clients_401() -> None:
+    # (the deployment's keys disagree: the client's key was fine)
+    with trio.fail_after(30):
+        async with (
+            engines(2) as ([prefill, _], [p_url, d_url]),
+            proxy_for([p_url], [d_url], internal_key=INTERNAL_KEY) as (_, url),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            prefill.status = 401
+            answer = await client.post(f"{url}/v1/completions", json=BODY)
+            assert answer.status_code == 502
+            error = answer.json()["error"]
+            assert error["type"] == "prefill_failed"
+            assert "internal key is not this engine's" in error["message"]
+            errors = metrics((await client.get(f"{url}/metrics")).text)
+            assert (
+                errors[
+                    f"trio_pd_proxy_engine_errors_total{{engine={p_url},kind=status,role=prefill}}"
+                ]
+                == 1
+            )
+
+
+def test_serve_refuses_a_client_key_that_is_the_internal_key() -> None:
+    from trio_pd._cli.serve import ServeOptions
+
+    keys = BearerKeys([CLIENT_KEY], audience="client")
+    with pytest.raises(ValueError, match="must not be the engines' internal key"):
+        ServeOptions(api_keys=keys, internal_key=CLIENT_KEY).check()
+    ServeOptions(api_keys=keys, internal_key=INTERNAL_KEY).check()

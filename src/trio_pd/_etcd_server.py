@@ -59,9 +59,10 @@ class EtcdServer:
     """A one-member etcd cluster run by :func:`open_etcd`.
 
     Attributes:
-        url: its client URL, ``http://127.0.0.1:PORT``.
-        addresses: the addresses it listens on (127.0.0.1 first), all on
-            ``url``'s port.
+        url: its client URL, ``http://127.0.0.1:PORT`` (in a network
+            namespace: ``http://ADDRESS:PORT``, its first address).
+        addresses: the addresses it listens on (127.0.0.1 first, outside a
+            namespace), all on ``url``'s port.
         data_dir: its data directory (kept across :meth:`start`).
 
     It runs with a 10 ms heartbeat and a 100 ms election timeout, so that
@@ -76,10 +77,16 @@ class EtcdServer:
         client_port: int,
         peer_port: int,
         addresses: Sequence[str] = (),
+        netns: str = "",
     ) -> None:
-        self.url = f"http://127.0.0.1:{client_port}"
-        self.addresses = ("127.0.0.1", *(a for a in addresses if a != "127.0.0.1"))
+        if netns and not addresses:
+            raise ValueError("etcd in a network namespace needs its address there")
+        if not netns:
+            addresses = ("127.0.0.1", *(a for a in addresses if a != "127.0.0.1"))
+        self.addresses = tuple(addresses)
         self._port = client_port
+        self._netns = netns
+        self.url = self.url_at(self.addresses[0])
         self.data_dir = directory / "data"
         self._binary = binary
         self._log = directory / "etcd.log"
@@ -113,6 +120,7 @@ class EtcdServer:
         if self.running:
             raise RuntimeError("etcd is already running")
         command = [
+            *(["ip", "netns", "exec", self._netns] if self._netns else []),  # (ip execs it)
             self._binary,
             "--name=test",
             f"--data-dir={self.data_dir}",
@@ -145,6 +153,9 @@ class EtcdServer:
             reason = f"no answer within {START_TIMEOUT} s"
         except EtcdUnavailable as exc:
             reason = str(exc)
+        except BaseException:  # (cancelled while it starts: it must not outlive us)
+            await self.kill()
+            raise
         else:
             return
         await self.kill()
@@ -187,10 +198,11 @@ class EtcdServer:
 
 
 @asynccontextmanager
-async def open_etcd(*, addresses: Sequence[str] = ()) -> AsyncIterator[EtcdServer]:
+async def open_etcd(*, addresses: Sequence[str] = (), netns: str = "") -> AsyncIterator[EtcdServer]:
     """Run a fresh etcd on free loopback ports while the block runs; it also
     listens on each of ``addresses`` (of this host: a test host link's root
-    end, say) on the same port.
+    end, say) on the same port. With ``netns`` it runs in that network
+    namespace (a test host), listening on ``addresses`` there (at least one).
 
     Raises:
         EtcdUnavailable: no ``etcd`` binary (not a skip: install it), or it
@@ -204,7 +216,7 @@ async def open_etcd(*, addresses: Sequence[str] = ()) -> AsyncIterator[EtcdServe
         server = None
         for attempt in range(3):  # free ports can be taken before etcd binds them
             base = free_port_range(2)
-            server = EtcdServer(binary, Path(directory), base, base + 1, addresses)
+            server = EtcdServer(binary, Path(directory), base, base + 1, addresses, netns)
             try:
                 await server.start()
                 break

@@ -45,6 +45,9 @@ from ._tp import plan_pull, readers_per_remote_rank, sizes_mismatch
 
 logger = logging.getLogger("trio_pd")
 
+MAX_BACKGROUND_ABANDONS = 64
+"""Abandons the lease task sends at once (each a socket for up to ``handshake_timeout``)."""
+
 Rank = tuple[str, str, int]
 """One producer rank: ``(engine_id, host, port)``."""
 
@@ -170,10 +173,26 @@ class Leases:
 
     def begin_close(self) -> None:
         """Refuse new holds and abandons; holds that end from now on send nothing;
-        abandons in flight in callers' tasks stop (see :meth:`wait_idle`)."""
+        abandons in flight stop (see :meth:`wait_idle`), and those not sent yet
+        are dropped: counted in ``abandons_failed`` and logged (their leases
+        expire on their own)."""
         self._closed = True
         for scope in self._abandoning:
             scope.cancel()
+        dropped = 0
+        while True:
+            try:
+                _, ranks = self._abandons.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+            dropped += len(ranks)
+        if dropped:
+            self.counters.abandons_failed += dropped
+            logger.warning(
+                "engine %s: %d abandons not sent before close (their leases expire on their own)",
+                self._engine_id,
+                dropped,
+            )
 
     async def wait_idle(self) -> None:
         """Until no abandon runs in a caller's task (their sockets are closed).
@@ -204,9 +223,20 @@ class Leases:
             await self._renew_rounds()
 
     async def _send_abandons(self) -> None:
+        # At most MAX_BACKGROUND_ABANDONS at once (each holds a socket for up
+        # to handshake_timeout when its producer is gone); the rest wait here.
+        slots = trio.Semaphore(MAX_BACKGROUND_ABANDONS)
+
+        async def send(remote: RemoteBlocks, ranks: list[Rank]) -> None:
+            try:
+                await self._abandon(remote, ranks)
+            finally:
+                slots.release()
+
         async with trio.open_nursery() as nursery:
             async for remote, ranks in self._abandons:
-                nursery.start_soon(self._abandon, remote, ranks)
+                await slots.acquire()
+                nursery.start_soon(send, remote, ranks)
 
     async def _renew_rounds(self) -> None:
         interval = self._config.heartbeat_interval

@@ -13,8 +13,11 @@ namespace (a decode engine on one host pulls from a prefill engine on
 another): each host routes ``198.18.0.0/16`` via its link's root end, and
 forwarding is enabled on the links' root ends only (their per-interface
 ``forwarding`` flag). The machine's global ``ip_forward`` and its other
-interfaces are left alone, the hosts get no default route, and the flags go
-with the links, so nothing is routed off the machine and nothing stays changed.
+interfaces are left alone, the hosts get no default route, the root namespace
+gets an ``unreachable`` route for ``198.18.0.0/16`` (so a packet for an
+address no host has dies here instead of leaving by the default route), and
+the flags go with the links: nothing is routed off the machine, and nothing
+stays changed (the fence route is deleted on exit).
 
 Everything made is deleted on every exit path (the namespaces, which takes
 their veth ends with them, then any root end left). The addresses are fixed,
@@ -146,7 +149,13 @@ async def open_test_hosts(count: int, *, routed: bool = False) -> AsyncIterator[
     tag = f"tpd{os.getpid() % 100000}"
     hosts: list[TestHost] = []
     made: list[TestHost] = []
+    fenced = False
     try:
+        if routed:
+            # The hosts route all of 198.18.0.0/16 here, and the links' root ends
+            # forward: what is not a host's must die here, not leave by the
+            # default route (the hosts' own /24s are more specific and win).
+            fenced = await _try("ip", "route", "add", "unreachable", HOSTS_NETWORK)
         for i in range(count):
             host = TestHost(
                 netns=f"{tag}h{i}",
@@ -168,6 +177,8 @@ async def open_test_hosts(count: int, *, routed: bool = False) -> AsyncIterator[
         _open = False
         with trio.CancelScope(shield=True):
             await _remove(made)
+            if fenced:
+                await _try("ip", "route", "del", "unreachable", HOSTS_NETWORK)
 
 
 async def _make(host: TestHost) -> None:
@@ -200,6 +211,12 @@ async def _route_to_hosts(host: TestHost) -> None:
     await _run("ip", "-n", host.netns, "route", "replace", HOSTS_NETWORK, "via", host.root_address)
 
 
+async def _try(*command: str) -> bool:
+    """Run ``command``; whether it succeeded (never raises)."""
+    result = await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False)
+    return result.returncode == 0
+
+
 async def _remove(hosts: Sequence[TestHost]) -> None:
     """Delete what :func:`_make` made, whatever of it exists; never raises."""
     for host in hosts:
@@ -207,4 +224,4 @@ async def _remove(hosts: Sequence[TestHost]) -> None:
             ("ip", "netns", "del", host.netns),
             ("ip", "link", "del", host.link),
         ):
-            await trio.run_process(command, capture_stdout=True, capture_stderr=True, check=False)
+            await _try(*command)

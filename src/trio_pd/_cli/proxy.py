@@ -71,12 +71,12 @@ class ProxyOptions:
         """Raises ValueError naming the flag that is wrong."""
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port {self.port} is not a port")
-        if self.grace <= 0:
+        if not self.grace > 0:  # (NaN too)
             raise ValueError("--grace must be > 0")
         if self.max_model_len is not None and not 1 <= self.max_model_len <= MAX_MODEL_LEN:
             raise ValueError(f"--max-model-len must be in [1, {MAX_MODEL_LEN}]")
         for flag, seconds in _timeout_flags(self.timeouts).items():
-            if seconds <= 0:
+            if not seconds > 0:  # (NaN too)
                 raise ValueError(f"{flag} must be > 0")
         if is_wildcard(self.advertise_host or self.host):
             raise ValueError(

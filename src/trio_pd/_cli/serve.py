@@ -17,8 +17,9 @@ During start-up a signal abandons the start (nothing is served).
 run on N test hosts (network namespaces joined by veth links, routed to each
 other through this one, see :mod:`trio_pd._netns`), engine ``k`` on host
 ``k mod N`` (prefill engines first), each bound to its host's address; an
-etcd runs here, listening on loopback and on each link's root end; every
-engine registers on it and the proxy (here) routes to what it finds there,
+etcd runs on one more test host of its own (reachable through the links
+only, as on a cluster network); every engine registers on it and the proxy
+(here) routes to what it finds there,
 as ``trio-pd engine --etcd`` and ``trio-pd proxy --etcd`` do across
 machines. The hosts and etcd outlive the engines' drain and are removed
 last.
@@ -41,7 +42,8 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack, contextmanager
 from pathlib import Path
 
 import attrs
@@ -61,7 +63,7 @@ from .._serve.binding import (
     write_json_atomically,
 )
 from .._serve.engine import EXPOSURE_SECRET_ENV
-from .._serve.keys import INTERNAL_KEY_ENV, BearerKeys
+from .._serve.keys import API_KEY_ENV, INTERNAL_KEY_ENV, BearerKeys
 from .._serve.membership import EngineSet, EtcdMembership, Membership
 from .._serve.model import ModelConfig
 from .._serve.openai import MAX_MODEL_LEN
@@ -110,7 +112,7 @@ class ServeOptions:
         """Raises ValueError naming the flag that is wrong."""
         if self.prefill < 1 or self.decode < 1:
             raise ValueError("--prefill and --decode need at least one engine each")
-        if self.grace <= 0:
+        if not self.grace > 0:  # (NaN too)
             raise ValueError("--grace must be > 0")
         if self.num_blocks < 1:
             raise ValueError(f"--num-blocks must be at least 1 (got {self.num_blocks})")
@@ -118,8 +120,10 @@ class ServeOptions:
             raise ValueError(f"--port {self.port} is not a port")
         if not 0 <= self.hosts <= 255:
             raise ValueError(f"--hosts must be in [0, 255] (got {self.hosts})")
-        if self.etcd_ttl <= 0:
+        if not self.etcd_ttl > 0:
             raise ValueError("--etcd-ttl must be > 0")
+        if self.api_keys is not None and self.api_keys.accepts(self.internal_key):
+            raise ValueError("a client key (--api-key) must not be the engines' internal key")
         if is_wildcard(self.advertised()):
             raise ValueError("--advertise-host must be an address clients can dial")
         heads = ModelConfig().kv_heads
@@ -191,7 +195,7 @@ async def run_serve(options: ServeOptions, console: Console) -> None:
             or the proxy could not start; one line.
     """
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k != API_KEY_ENV},  # (the proxy's alone)
         "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN"),
         # This deployment's exposure secret, shared by its engines.
         EXPOSURE_SECRET_ENV: secrets.token_bytes(32).hex(),
@@ -217,18 +221,39 @@ async def run_serve(options: ServeOptions, console: Console) -> None:
                 await _deploy(options, sock, env, stop, console, [], None)
                 return
             try:
-                async with (
-                    open_test_hosts(options.hosts, routed=True) as hosts,
-                    open_etcd(addresses=[host.root_address for host in hosts]) as etcd,
-                ):
+                async with AsyncExitStack() as stack:
+                    # The hosts, and etcd on a host of its own (reachable through
+                    # the links only, as on a cluster network); a stop request
+                    # abandons this set-up at once.
+                    with _cancelled_by(stop) as setting_up:
+                        hosts = await stack.enter_async_context(
+                            open_test_hosts(options.hosts + 1, routed=True)
+                        )
+                        *hosts, etcd_host = hosts
+                        etcd = await stack.enter_async_context(
+                            open_etcd(addresses=[etcd_host.address], netns=etcd_host.netns)
+                        )
+                    if setting_up.cancelled_caught or stop.requested.is_set():
+                        return
                     console.print(
                         f"{len(hosts)} test hosts ({', '.join(h.address for h in hosts)}), "
-                        f"etcd at {etcd.url}"
+                        f"etcd at {etcd.url} (a host of its own)"
                     )
-                    if not stop.requested.is_set():  # (a signal while they were made)
-                        await _deploy(options, sock, env, stop, console, hosts, etcd)
+                    await _deploy(options, sock, env, stop, console, hosts, etcd)
             except (TestHostsUnavailable, EtcdUnavailable) as exc:
                 raise ServeError(f"--hosts: {exc}") from None
+
+
+@contextmanager
+def _cancelled_by(stop: StopRequest) -> Iterator[trio.CancelScope]:
+    """A cancel scope that ``stop`` cancels (its ``starting`` scope is the
+    deployment's own, and a scope is entered once)."""
+    with trio.CancelScope() as scope:
+        stop.also_cancel(scope)
+        try:
+            yield scope
+        finally:
+            stop.also_cancel(None)
 
 
 async def _deploy(
@@ -468,7 +493,7 @@ def _engine_command(
         "--parent-pid": os.getpid(),  # (it drains if this command dies)
     }
     if engine.host is not None and etcd is not None:
-        flags["--etcd"] = etcd.url_at(engine.host.root_address)
+        flags["--etcd"] = etcd.url
         flags["--etcd-ttl"] = options.etcd_ttl
     command = [sys.executable, "-m", "trio_pd", "engine", *(f"{k}={v}" for k, v in flags.items())]
     command += curve_files.get(engine.name, [])

@@ -100,7 +100,7 @@ class EngineSettings:
             raise ValueError(f"--num-blocks must be at least 1 (got {self.num_blocks})")
         if not 1 <= self.max_model_len <= MAX_MODEL_LEN:
             raise ValueError(f"--max-model-len must be in [1, {MAX_MODEL_LEN}]")
-        if self.grace <= 0:
+        if not self.grace > 0:  # (NaN too)
             raise ValueError("--grace must be > 0")
         heads = ModelConfig().kv_heads
         if self.tp_size < 1 or heads % self.tp_size:

@@ -57,6 +57,13 @@ class BearerKeys:
     def __repr__(self) -> str:  # (never the keys)
         return f"BearerKeys({len(self._keys)} keys, audience={self.audience!r})"
 
+    def accepts(self, key: str) -> bool:
+        """Whether ``key`` is one of the keys (in constant time)."""
+        matched = False
+        for mine in self._keys:
+            matched |= hmac.compare_digest(mine, key.encode())
+        return matched
+
     def guards(self, path: str) -> bool:
         """Whether a request to ``path`` needs a key."""
         return path.startswith(GUARDED_PREFIX)
@@ -76,11 +83,8 @@ class BearerKeys:
         scheme, _, presented = values[0].strip().partition(b" ")
         if scheme.lower() != b"bearer" or not presented.strip():
             raise self._refused("the Authorization header is not 'Bearer <key>'")
-        presented = presented.strip()
-        matched = False
-        for key in self._keys:  # (all of them: the time says nothing about which)
-            matched |= hmac.compare_digest(key, presented)
-        if not matched:
+        # (all of them: the time says nothing about which)
+        if not self.accepts(presented.strip().decode(errors="replace")):
             raise self._refused("the key is not valid here")
 
     def _refused(self, why: str) -> HTTPError:

@@ -101,7 +101,10 @@ async def serve_engine(
     )
     config = Config()
     config.bind = [hypercorn_bind(sock)]
-    config.graceful_timeout = settings.grace
+    config.graceful_timeout = settings.grace  # (set again when the drain starts: what is left)
+    # hypercorn bounds the lifespan's shutdown by this: it waits for exposures
+    # within the drain's deadline, so never cut it short.
+    config.shutdown_timeout = settings.grace + 5
     config.accesslog = None
     config.loglevel = "WARNING"
     app: Any = build_app(engine)  # (hypercorn's ASGI types are stricter than plain dicts)
@@ -138,6 +141,8 @@ async def serve_engine(
                 with trio.move_on_at(engine.drain_deadline):
                     await withdrawn.wait()
             engine.accepting = False
+            # One deadline for the whole drain: requests get what the withdrawal left.
+            config.graceful_timeout = max(0.0, engine.drain_deadline - trio.current_time())
             drain.set()
             # hypercorn stops accepting and drains; leaving the nursery waits for it.
     except Exception as exc:

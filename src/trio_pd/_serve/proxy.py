@@ -376,7 +376,13 @@ class Proxy:
                 response = await self._client.send(request, stream=True)
             if response.status_code != 200:
                 self._count_status("decode", engine, response.status_code)
-                text = (await response.aread()).decode(errors="replace")
+                try:
+                    with trio.fail_after(self._timeouts.idle):  # (its error body, too)
+                        text = (await response.aread()).decode(errors="replace")
+                except trio.TooSlowError:
+                    raise StreamStalled(
+                        f"its {response.status_code} answer stalled for {self._timeouts.idle:g} s"
+                    ) from None
                 raise _relayed("decode", engine, response.status_code, text)
             await send(
                 {
@@ -444,7 +450,7 @@ class Proxy:
         )
 
     def _count_status(self, role: str, engine: str, status: int) -> None:
-        if status >= 500:
+        if status >= 500 or status in (401, 403):  # (the engine's fault, or the deployment's)
             self.metrics.engine_errors.labels(role, engine, "status").inc()
 
 
@@ -473,15 +479,26 @@ def _outcome(status: int) -> str:
 def _relayed(role: str, engine: str, status: int, text: str) -> HTTPError:
     """An engine's error answer, for the client.
 
-    A 4xx is the request's fault: relayed as is (the engine named). A 503
-    (the engine is overloaded or draining) stays a 503 with ``Retry-After``:
-    the client may retry. Anything else is the engine failing: a 502.
+    A 4xx is the request's fault: relayed as is (the engine named) -- but
+    not a 401 or 403: those refuse the *proxy* (its internal key is not the
+    engine's), so the client gets a 502 saying so, not an "invalid API key"
+    it can do nothing about. A 503 (the engine is overloaded or draining)
+    stays a 503 with ``Retry-After``: the client may retry. Anything else is
+    the engine failing: a 502.
     """
     try:
         error = json.loads(text)["error"]
         message = str(error["message"])
     except (ValueError, KeyError, TypeError):
         error, message = {}, text
+    if status in (401, 403):
+        return HTTPError(
+            502,
+            f"{role} engine {engine} refused the proxy ({status}): the proxy's internal key "
+            "is not this engine's (--internal-key-file / TRIO_PD_INTERNAL_KEY)",
+            f"{role}_failed",
+            engine=engine,
+        )
     if 400 <= status < 500 or status == 503:
         extra = {k: v for k, v in error.items() if k not in ("message", "type")}
         return HTTPError(

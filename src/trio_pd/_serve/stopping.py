@@ -24,6 +24,7 @@ class StopRequest:
         self.requested = trio.Event()
         self.starting = trio.CancelScope()  # (cancelled by a request during start-up)
         self.ready = False
+        self._also: trio.CancelScope | None = None
 
     def __call__(self, reason: str) -> None:
         if self.requested.is_set():
@@ -33,7 +34,13 @@ class StopRequest:
         else:
             self.report(f"{self.name}: {reason}: start-up abandoned")
             self.starting.cancel()
+            if self._also is not None:
+                self._also.cancel()
         self.requested.set()
+
+    def also_cancel(self, scope: trio.CancelScope | None) -> None:
+        """A request during start-up cancels ``scope`` too (``None``: no more)."""
+        self._also = scope
 
 
 @asynccontextmanager
