@@ -118,8 +118,8 @@ class ServeOptions:
             raise ValueError(f"--num-blocks must be at least 1 (got {self.num_blocks})")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port {self.port} is not a port")
-        if not 0 <= self.hosts <= 255:
-            raise ValueError(f"--hosts must be in [0, 255] (got {self.hosts})")
+        if not 0 <= self.hosts <= 254:  # (and one more host runs etcd)
+            raise ValueError(f"--hosts must be in [0, 254] (got {self.hosts})")
         if not self.etcd_ttl > 0:
             raise ValueError("--etcd-ttl must be > 0")
         if self.api_keys is not None and self.api_keys.accepts(self.internal_key):
