@@ -1,6 +1,7 @@
 """Sessions: ``tests`` (the CI gate), ``lint``, ``typecheck``, ``demo``, ``docs``, ``bench``,
-``soak`` (10 minutes across test hosts, as root) and ``chaos`` (long random
-runs of the chaos state machine); the last two are not run by default.
+``soak`` (10 minutes across test hosts, as root), ``cluster`` (the long
+cluster scenario across test hosts, as root) and ``chaos`` (long random runs
+of the chaos state machine); the last three are not run by default.
 
 ``chaos`` runs the partial-failure state machine of ``tests/test_chaos.py`` for
 long (the ``tests`` session runs a short, fixed-seed version of it): random
@@ -113,6 +114,17 @@ def bench(session: nox.Session) -> None:
         *session.posargs,
         env={"NIXL_LOG_LEVEL": "WARN", "PYTHONPATH": "benchmarks"},
     )
+
+
+@nox.session
+def cluster(session: nox.Session) -> None:
+    """The long cluster scenario across test hosts (root, about 30 s): engines on
+    three hosts found through etcd, riding out an etcd restart, a new engine, a
+    partitioned decode host and a killed one (``tests/test_cluster.py``); kept
+    out of ``tests`` for the suite's time."""
+    install_debian_tools(session, graphviz=False, etcd=True)
+    install_project(session, "test")
+    session.run("pytest", "-m", "cluster", *session.posargs, env={"NIXL_LOG_LEVEL": "WARN"})
 
 
 @nox.session

@@ -218,6 +218,7 @@ async def cluster(tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
             }
 
 
+@pytest.mark.cluster  # (nox -s cluster: about 25 s, kept out of the suite's time)
 async def test_a_cluster_on_etcd_rides_out_etcd_restarts_joins_partitions_and_crashes(
     tmp_path: Path,
 ) -> None:

@@ -134,7 +134,8 @@ async def test_a_deployment_serves_only_key_holders_and_its_side_channels_only_i
     finally:
         if process.returncode is None:
             process.kill()
-            await process.wait()
+            with trio.move_on_after(10, shield=True):
+                await process.wait()
     # No key, client or internal, in anything the deployment logged.
     text = log.read_text()
     assert "engine decode-0: SIGTERM: draining" in text  # (the engines' lines are in it)

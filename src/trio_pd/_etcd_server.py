@@ -154,7 +154,8 @@ class EtcdServer:
         except EtcdUnavailable as exc:
             reason = str(exc)
         except BaseException:  # (cancelled while it starts: it must not outlive us)
-            await self.kill()
+            with trio.move_on_after(STOP_TIMEOUT, shield=True):
+                await self.kill()
             raise
         else:
             return
