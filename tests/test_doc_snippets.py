@@ -143,6 +143,7 @@ def type_check(checked: list[Snippet], folder: Path) -> dict[str, list[str]]:
         env={**os.environ, "MYPYPATH": str(ROOT / "src")},
         check=False,
     )
+    assert "No module named mypy" not in result.stderr, "mypy is missing (the test extra has it)"
     errors: dict[str, list[str]] = {s.name: [] for s in checked}
     for line in result.stdout.splitlines():
         where = re.match(r"(snippet_\w+)\.py:(\d+): (error|note): (.*)", line)
