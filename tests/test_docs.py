@@ -190,6 +190,14 @@ def test_the_fact_tables_have_every_flag_field_metric_and_key() -> None:
     ]
 
 
+def test_the_logger_table_has_every_logger_the_sources_use() -> None:
+    import trio_pd._loggers as loggers
+
+    assert [name for name, _ in _facts().logger_rows()] == sorted(
+        loggers.loggers_used(), key=list(loggers.LOGGERS).index
+    )
+
+
 def test_a_default_that_the_docstring_misstates_fails_the_build() -> None:
     @attrs.frozen
     class Planted:
@@ -299,6 +307,8 @@ def test_the_docs_build_with_warnings_as_errors(tmp_path: Path) -> None:
     operations = (html / "operations.html").read_text()
     for row in facts.proxy_metric_rows():
         assert f'<span class="pre">{row.name}</span>' in operations, row.name
+    for name, _ in facts.logger_rows():
+        assert f'<span class="pre">{name}</span></code></p></td>' in operations, name
     assert any(all(state.name in svg for state in EngineState) for svg in svgs)
     assert any(all(f"decode rank {d}" in svg for d in range(4)) for svg in svgs)
 

@@ -20,6 +20,10 @@ Directives (for MyST pages: the descriptions are parsed as Markdown):
 ``protocol-message`` *STRUCT*
     The keys of one side-channel message (a msgspec Struct of
     ``trio_pd._protocol``): key, wire type, meaning (its docstring).
+``loggers``
+    Every logger of :data:`trio_pd._loggers.LOGGERS` and what it logs; a
+    ``logging.getLogger`` in the sources that names a logger not listed there,
+    or a listed logger that no code uses, is an error.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ import trio_pd._cli.engine as cli_engine
 import trio_pd._cli.proxy as cli_proxy
 import trio_pd._cli.serve as cli_serve
 import trio_pd._config as config
+import trio_pd._loggers as loggers
 import trio_pd._protocol as protocol
 import trio_pd._records as records
 import trio_pd._serve.engine as serve_engine
@@ -462,9 +467,42 @@ class ProtocolMessage(FactTable):
             yield Code(key), kind, Markdown(meaning)
 
 
+# ---- loggers ---------------------------------------------------------------------------------
+
+
+def logger_rows() -> list[tuple[str, str]]:
+    """(logger, what it logs) of every logger trio_pd uses.
+
+    Raises:
+        ValueError: the sources use a logger that is not listed, or a listed
+            logger is used nowhere.
+    """
+    problems = loggers.unlisted_or_unused()
+    if problems:
+        raise ValueError("; ".join(problems))
+    return list(loggers.LOGGERS.items())
+
+
+class Loggers(FactTable):
+    widths = (2, 8)
+    modules = (loggers,)
+
+    def header(self) -> Sequence[str]:
+        return ("logger", "what")
+
+    def rows(self) -> Iterable[Sequence[Cell]]:
+        try:
+            rows = logger_rows()
+        except ValueError as exc:
+            raise self.error(str(exc)) from None
+        for name, what in rows:
+            yield Code(name), Markdown(rst_to_myst(what))
+
+
 def setup(app: Sphinx) -> dict[str, Any]:
     app.add_directive("cli-flags", CliFlags)
     app.add_directive("config-fields", ConfigFields)
     app.add_directive("prometheus-metrics", PrometheusMetrics)
     app.add_directive("protocol-message", ProtocolMessage)
+    app.add_directive("loggers", Loggers)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}
