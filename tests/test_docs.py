@@ -198,6 +198,40 @@ def test_the_logger_table_has_every_logger_the_sources_use() -> None:
     )
 
 
+def test_the_exit_statuses_cover_every_command_and_only_the_exit_constants(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import trio_pd._cli.common as common
+
+    facts = _facts()
+    rows = facts.exit_status_rows(["engine", "proxy", "serve"])
+    assert [status for status, _ in rows] == [common.EXIT_OK, common.EXIT_FAILED, common.EXIT_USAGE]
+    assert rows[2][1] == ["bad arguments"] * 3
+    assert facts.exit_status_rows(["keygen"])[1] == (common.EXIT_USAGE, ["bad arguments"])
+    planted = {**common.EXIT_STATUSES, "serve": {**common.EXIT_STATUSES["serve"], 3: "x"}}
+    monkeypatch.setattr(common, "EXIT_STATUSES", planted)
+    with pytest.raises(ValueError, match=r"EXIT_STATUSES\['serve'\]: \[0, 1, 2, 3\]"):
+        facts.exit_status_rows(["serve"])
+    del planted["keygen"]
+    with pytest.raises(ValueError, match="the parser's commands are"):
+        facts.exit_status_rows(["engine"])
+
+
+def test_the_commands_exit_with_the_exit_constants_only() -> None:
+    """No ``return 1`` or ``sys.exit(0)`` in the CLI: a status is an ``EXIT_*``
+    constant, so the table the docs render from ``EXIT_STATUSES`` names it."""
+    for path in (ROOT / "src" / "trio_pd" / "_cli").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Return):
+                statuses = [node.value] if node.value is not None else []
+            elif isinstance(node, ast.Call) and ast.unparse(node.func) == "sys.exit":
+                statuses = [n for arg in node.args for n in ast.walk(arg)]
+            else:
+                continue
+            literal = [n for n in statuses if isinstance(n, ast.Constant) and type(n.value) is int]
+            assert not literal, f"{path.name}:{node.lineno}: a literal exit status"
+
+
 def test_a_default_that_the_docstring_misstates_fails_the_build() -> None:
     @attrs.frozen
     class Planted:
@@ -307,6 +341,9 @@ def test_the_docs_build_with_warnings_as_errors(tmp_path: Path) -> None:
     operations = (html / "operations.html").read_text()
     for row in facts.proxy_metric_rows():
         assert f'<span class="pre">{row.name}</span>' in operations, row.name
+    for status, whats in facts.exit_status_rows(["engine", "proxy", "serve"]):
+        assert f"<td><p>{status}</p></td>" in serving, status
+        assert all(what.replace("``", "") in re.sub(r"<[^>]+>", "", serving) for what in whats)
     for name, _ in facts.logger_rows():
         assert f'<span class="pre">{name}</span></code></p></td>' in operations, name
     assert any(all(state.name in svg for state in EngineState) for svg in svgs)

@@ -20,6 +20,11 @@ Directives (for MyST pages: the descriptions are parsed as Markdown):
 ``protocol-message`` *STRUCT*
     The keys of one side-channel message (a msgspec Struct of
     ``trio_pd._protocol``): key, wire type, meaning (its docstring).
+``exit-statuses`` *COMMAND* ...
+    The exit statuses of the ``trio-pd`` commands named, one column each, from
+    ``trio_pd._cli.common.EXIT_STATUSES``; a command of the parser with no entry
+    there, an entry for no command, or a status other than ``EXIT_OK``,
+    ``EXIT_FAILED`` and ``EXIT_USAGE`` is an error.
 ``loggers``
     Every logger of :data:`trio_pd._loggers.LOGGERS` and what it logs; a
     ``logging.getLogger`` in the sources that names a logger not listed there,
@@ -467,6 +472,52 @@ class ProtocolMessage(FactTable):
             yield Code(key), kind, Markdown(meaning)
 
 
+# ---- exit statuses ----------------------------------------------------------------------------
+
+
+def exit_status_rows(commands: Sequence[str]) -> list[tuple[int, list[str]]]:
+    """(status, what it means for each of ``commands``) for every status any of
+    them exits with ("" where one never does).
+
+    Raises:
+        ValueError: ``EXIT_STATUSES`` and the parser's commands differ, or a
+            status is not one of the ``EXIT_*`` constants.
+    """
+    table = cli_common.EXIT_STATUSES
+    parsed = set(command_parsers())
+    if set(table) != parsed:
+        raise ValueError(
+            f"trio_pd._cli.common.EXIT_STATUSES has {sorted(table)}, "
+            f"the parser's commands are {sorted(parsed)}"
+        )
+    known = {cli_common.EXIT_OK, cli_common.EXIT_FAILED, cli_common.EXIT_USAGE}
+    for command, statuses in table.items():
+        if not set(statuses) <= known:
+            raise ValueError(f"EXIT_STATUSES[{command!r}]: {sorted(statuses)} (not EXIT_*)")
+    for command in commands:
+        if command not in table:
+            raise ValueError(f"trio-pd has no command {command!r} ({', '.join(table)})")
+    used = sorted({status for command in commands for status in table[command]})
+    return [(status, [table[c].get(status, "") for c in commands]) for status in used]
+
+
+class ExitStatuses(FactTable):
+    required_arguments = 1
+    optional_arguments = 8
+    modules = (cli, cli_common)
+
+    def header(self) -> Sequence[str]:
+        return ("status", *(Markdown(f"`{command}`") for command in self.arguments))
+
+    def rows(self) -> Iterable[Sequence[Cell]]:
+        try:
+            rows = exit_status_rows(self.arguments)
+        except ValueError as exc:
+            raise self.error(str(exc)) from None
+        for status, whats in rows:
+            yield (str(status), *(Markdown(rst_to_myst(w)) if w else "" for w in whats))
+
+
 # ---- loggers ---------------------------------------------------------------------------------
 
 
@@ -504,5 +555,6 @@ def setup(app: Sphinx) -> dict[str, Any]:
     app.add_directive("config-fields", ConfigFields)
     app.add_directive("prometheus-metrics", PrometheusMetrics)
     app.add_directive("protocol-message", ProtocolMessage)
+    app.add_directive("exit-statuses", ExitStatuses)
     app.add_directive("loggers", Loggers)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}

@@ -36,6 +36,7 @@ from . import engine as engine_command
 from . import proxy as proxy_command
 from .common import (
     EXIT_FAILED,
+    EXIT_OK,
     EXIT_USAGE,
     UsageError,
     add_internal_key_argument,
@@ -295,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             json_out.write(json.dumps(summary, indent=2) + "\n")
     else:
         print(format_summary(summary))
-    sys.exit(0 if summary["verified"] else 1)
+    sys.exit(EXIT_OK if summary["verified"] else EXIT_FAILED)
 
 
 def _serving_command(args: argparse.Namespace) -> int:
@@ -339,7 +340,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ServeError as exc:
         print(f"trio-pd serve: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from .._auth import ANY_ENGINE, CurveAuth
@@ -18,6 +20,46 @@ from .._serve.membership import EtcdMembership, Membership
 EXIT_OK = 0
 EXIT_FAILED = 1  # could not start, or an engine failed
 EXIT_USAGE = 2  # bad arguments (as argparse)
+
+EXIT_STATUSES: Mapping[str, Mapping[int, str]] = MappingProxyType(
+    {
+        "engine": {
+            EXIT_OK: "drained after SIGTERM/SIGINT (or start-up abandoned on one)",
+            EXIT_FAILED: "could not start: its address, its connectors; one line on stderr",
+            EXIT_USAGE: "bad arguments",
+        },
+        "proxy": {
+            EXIT_OK: "drained",
+            EXIT_FAILED: "could not bind its address",
+            EXIT_USAGE: "bad arguments",
+        },
+        "serve": {
+            EXIT_OK: (
+                "drained, and every engine exited cleanly (or start-up abandoned on a signal)"
+            ),
+            EXIT_FAILED: (
+                "an engine failed (at start, while serving, or in its drain: killed after "
+                "``--grace`` + 5 s), or the proxy could not start"
+            ),
+            EXIT_USAGE: "bad arguments",
+        },
+        "demo": {
+            EXIT_OK: (
+                "verified: no KV block arrived corrupt, and no request failed "
+                "(but by the fault the flags injected)"
+            ),
+            EXIT_FAILED: (
+                "not verified (the summary says why), or options that cannot run "
+                "together, or ``--hosts`` unavailable (one line on stderr)"
+            ),
+            EXIT_USAGE: "bad arguments",
+        },
+        "keygen": {EXIT_OK: "the key pair printed", EXIT_USAGE: "bad arguments"},
+    }
+)
+"""``trio-pd`` command -> exit status -> what it means (inline reST), every
+status the command can exit with; ``docs/serving.md`` renders it (the
+``exit-statuses`` directive of ``docs/_ext/pd_facts.py``)."""
 
 
 class UsageError(Exception):
