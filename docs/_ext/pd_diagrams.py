@@ -13,15 +13,24 @@ Directives:
 ``.. tp-mapping-diagram::`` with ``:prefill-tp:``, ``:decode-tp:``, ``:heads:``
     Which KV heads of which prefill rank land where in which decode rank,
     drawn from :func:`trio_pd._tp.plan_pull` (the function pulls run).
+``.. failure-path-diagram::``
+    A handshake that fails, played on a real :class:`trio_pd._engines.EngineRecord`
+    with a fake clock: every state, action and error in the picture is what
+    the record returned (see :func:`failure_path`).
+``.. fetch-load-diagram::``
+    Parallel metadata fetches feeding the one handshake task that loads
+    agents in order, and what a stuck load does (see :func:`fetch_load_dot`).
 """
 
 from __future__ import annotations
 
 import inspect
+import random
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+import attrs
 from docutils import nodes
 from docutils.statemachine import StringList
 from sphinx.application import Sphinx
@@ -30,8 +39,20 @@ from sphinx.pycode import ModuleAnalyzer
 from sphinx.util.docutils import SphinxDirective
 
 import trio_pd._engines as engines
+import trio_pd._handshakes as handshakes
 import trio_pd._tp as tp
-from trio_pd._engines import TRANSITIONS, EngineEvent, EngineState
+from trio_pd._config import ConnectorConfig
+from trio_pd._engines import (
+    TRANSITIONS,
+    Backoff,
+    EngineEvent,
+    EngineRecord,
+    EngineState,
+    FailureCause,
+    PullAction,
+)
+from trio_pd._errors import HandshakeError
+from trio_pd._records import ConsumerStatistics
 
 SOURCE = "trio_pd._engines.TRANSITIONS"
 ANY = "any other state"
@@ -50,6 +71,11 @@ _FILL = {
 
 def _quote(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _label(text: str) -> str:
+    """A quoted Graphviz label; each newline in ``text`` starts a centred line."""
+    return _quote(text).replace("\n", "\\n")
 
 
 def _tooltip(state: EngineState) -> str:
@@ -179,8 +205,7 @@ def tp_mapping_dot(prefill_tp: int, decode_tp: int, total_heads: int) -> str:
 
     def rank_node(name: str, rank: int, heads: int, first: int, fill: str) -> str:
         rows = "".join(
-            f'<tr><td port="h{h}" bgcolor="{fill}">head {first + h}</td></tr>'
-            for h in range(heads)
+            f'<tr><td port="h{h}" bgcolor="{fill}">head {first + h}</td></tr>' for h in range(heads)
         )
         label = (
             '<table border="0" cellborder="1" cellspacing="0">'
@@ -237,9 +262,194 @@ class TPMappingDiagram(Graphviz):
         return super().run()
 
 
+# -- the failure path ------------------------------------------------------------
+
+ENGINE, HOST, PORT = "prefill-1", "10.0.0.2", 5600
+
+
+class DocsDrift(RuntimeError):
+    """The code no longer does what a generated picture shows: fix the picture's prose."""
+
+
+def _expect(what: str, got: object, wanted: object) -> None:
+    if got != wanted:
+        raise DocsDrift(f"failure path: {what} is {got!r}, the docs say {wanted!r}")
+
+
+@attrs.frozen
+class Step:
+    """One step of the failure path, as the record played it."""
+
+    key: str
+    actor: str
+    text: str
+    fill: str = "#ffffff"
+
+
+def failure_path() -> list[Step]:
+    """Play a failed handshake on a real ``EngineRecord`` (fake clock, defaults of
+    ``ConnectorConfig``) and return each step with what the record answered.
+
+    Two pulls wait on one attempt, its fetch fails (no reply in time), the
+    record backs off and the attempt's event is set; both waiters raise their
+    own copy of the error; a pull within the backoff fails fast; the first
+    pull after it starts attempt 2. If the record answers otherwise (a state
+    or action renamed, the policy changed), :class:`DocsDrift` fails the build.
+    """
+    defaults = {f.name: f.default for f in attrs.fields(ConnectorConfig)}
+    timeout: float = defaults["handshake_timeout"]
+    backoff = Backoff(
+        defaults["backoff_initial"], defaults["backoff_max"], defaults["backoff_jitter"]
+    )
+    record = EngineRecord(ENGINE, HOST, PORT)
+    event = attrs.fields(handshakes.RemoteEngine).attempt_done.name
+    stats = {f.name for f in attrs.fields(ConsumerStatistics)}
+    by_cause, in_backoff = "handshake_failures_by_cause", "pulls_rejected_in_backoff"
+    _expect("a consumer statistic", {by_cause, in_backoff} <= stats, True)
+    failing = inspect.getsource(handshakes.Handshakes._handshake_failed)
+    _expect(
+        "'the record is updated before the event is set'",
+        failing.index("record.failed(") < failing.rindex(f"{event}.set()"),
+        True,
+    )
+    steps: list[Step] = []
+
+    def pull(key: str, name: str, now: float, wanted: PullAction, state: EngineState) -> None:
+        action = record.on_pull("", now)
+        _expect(f"{name}'s action at t={now:g}", action, wanted)
+        _expect(f"the state after {name}", record.state, state)
+        text = (
+            f"{name}, t = {now:.2f} s\n"
+            f"{EngineRecord.on_pull.__qualname__}() -> {action.name}\n"
+            f"record: {record.state.name}, attempt {record.attempts}"
+        )
+        steps.append(Step(key, name, text, _FILL[record.state]))
+
+    pull("a", "pull A", 0.0, PullAction.START, EngineState.FETCHING)
+    attempt = record.attempts
+    pull("b", "pull B", 0.1, PullAction.WAIT, EngineState.FETCHING)
+    steps[-1] = attrs.evolve(steps[-1], text=steps[-1].text + f"\nawaits {event}.wait()")
+    reason = f"no reply from {HOST}:{PORT} within {timeout:g} s: connection refused"
+    error = HandshakeError(ENGINE, reason)
+    fetch_causes = [c for c in FailureCause if c not in (FailureCause.TIMEOUT, FailureCause.NIXL)]
+    causes = (
+        ", ".join(c.value for c in fetch_causes) + f"; a failed load: {FailureCause.NIXL.value}"
+    )
+    steps.append(
+        Step(
+            "fetch",
+            "fetch task",
+            f"the fetch fails at t = {timeout:g} s (handshake_timeout)\n"
+            f"cause {FailureCause.TIMEOUT.value!r} (others: {causes})",
+            "#f6d0cc",
+        )
+    )
+    delay = record.failed(error, timeout, backoff, random.Random(0))
+    _expect("the state after a failed attempt", record.state, EngineState.BACKOFF)
+    steps.append(
+        Step(
+            "failed",
+            "Handshakes",
+            f"{handshakes.Handshakes._handshake_failed.__qualname__}()\n"
+            f"{by_cause}[{FailureCause.TIMEOUT.value!r}] += 1\n"
+            f"{EngineRecord.failed.__qualname__}() -> {record.state.name} "
+            f"for {delay:.2f} s\n(backoff {backoff.initial:g} s, doubling to "
+            f"{backoff.maximum:g} s, up to {backoff.jitter:.0%} shorter)\n"
+            f"then {event}.set()",
+            _FILL[record.state],
+        )
+    )
+    seen: list[HandshakeError] = []
+    for key, name in (("raise_a", "pull A"), ("raise_b", "pull B")):
+        raised = record.attempt_error(attempt)
+        _expect(f"{name}'s attempt error", raised, error)
+        assert raised is not None
+        own = handshakes._copy(raised)
+        seen.append(own)
+        steps.append(
+            Step(
+                key,
+                name,
+                f"{EngineRecord.attempt_error.__qualname__}({attempt}) -> its own copy:\n"
+                f"raise {type(own).__name__}({own.engine_id!r},\n{own.reason!r})",
+                "#f6d0cc",
+            )
+        )
+    _expect("'each waiter raises its own object'", seen[0] is not seen[1], True)
+    pull("c", "pull C", timeout + delay / 2, PullAction.FAIL_FAST, EngineState.BACKOFF)
+    fast = handshakes._copy(record.fail_fast_error())
+    _expect("pull C's error", (fast.engine_id, fast.reason), (ENGINE, reason))
+    steps.append(
+        Step(
+            "raise_c",
+            "pull C",
+            f"at once: raise {EngineRecord.fail_fast_error.__qualname__}() (a copy)\n"
+            f"no new attempt; {in_backoff} += 1",
+            "#f6d0cc",
+        )
+    )
+    pull("d", "pull D", record.retry_at, PullAction.START, EngineState.FETCHING)
+    _expect("pull D's attempt", record.attempts, attempt + 1)
+    steps[-1] = attrs.evolve(steps[-1], text=steps[-1].text + "\na new event: a fresh fetch")
+    return steps
+
+
+def failure_path_dot() -> str:
+    """Graphviz source of :func:`failure_path`: one node per step, in order."""
+    steps = {s.key: s for s in failure_path()}
+    edges = [
+        ("a", "b", "meanwhile"),
+        ("a", "fetch", "starts"),
+        ("fetch", "failed", "FetchFailure"),
+        ("failed", "raise_a", "event set"),
+        ("failed", "raise_b", "event set"),
+        ("b", "failed", "waits"),
+        ("failed", "c", "within the backoff"),
+        ("c", "raise_c", ""),
+        ("c", "d", "after the backoff"),
+    ]
+    lines = [
+        "digraph failure_path {",
+        '  graph [rankdir=TB, nodesep=0.35, ranksep=0.45, fontname="Helvetica", '
+        'bgcolor="transparent"];',
+        '  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=11, '
+        'margin="0.15,0.06"];',
+        '  edge [fontname="Helvetica", fontsize=10, color="#444444", arrowsize=0.7];',
+    ]
+    for step in steps.values():
+        lines.append(
+            f"  {step.key} [label={_label(step.text)}, fillcolor={_quote(step.fill)}, "
+            f"tooltip={_quote(step.actor)}];"
+        )
+    for src, dst, label in edges:
+        lines.append(f"  {src} -> {dst} [label={_quote(label)}];")
+    lines.append("  {rank=same; a; b;}")
+    lines.append("  {rank=same; raise_a; raise_b; c;}")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+class FailurePathDiagram(Graphviz):
+    """:func:`failure_path_dot`, rendered by sphinx.ext.graphviz."""
+
+    has_content = False
+    required_arguments = 0
+    optional_arguments = 0
+
+    def run(self) -> list[nodes.Node]:
+        for module in (engines, handshakes):
+            self.env.note_dependency(inspect.getsourcefile(module) or "")
+        self.arguments = []
+        self.content = StringList(failure_path_dot().splitlines(), source="failure_path")
+        self.options.setdefault("alt", "a failed handshake, its backoff and its waiters")
+        self.options.setdefault("align", "center")
+        return super().run()
+
+
 def setup(app: Sphinx) -> dict[str, Any]:
     app.setup_extension("sphinx.ext.graphviz")
     app.add_directive("engine-state-diagram", EngineStateDiagram)
     app.add_directive("engine-transition-table", EngineTransitionTable)
     app.add_directive("tp-mapping-diagram", TPMappingDiagram)
+    app.add_directive("failure-path-diagram", FailurePathDiagram)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}
