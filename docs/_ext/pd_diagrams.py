@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import inspect
 import random
+import textwrap
+import types
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -446,10 +448,133 @@ class FailurePathDiagram(Graphviz):
         return super().run()
 
 
+# -- fetches vs loads ------------------------------------------------------------
+
+
+def _must_say(function: object, *fragments: str) -> None:
+    """Fail the build if ``function``'s source no longer contains what a picture shows."""
+    source = inspect.getsource(function)  # type: ignore[arg-type]
+    for fragment in fragments:
+        if fragment not in source:
+            name = getattr(function, "__qualname__", function)
+            raise DocsDrift(f"fetches vs loads: {name} no longer has {fragment!r}")
+
+
+def fetch_load_dot() -> str:
+    """Graphviz source: parallel fetches, the one handshake task, a stuck load.
+
+    Drawn from the code: the fetch limit is ``ConnectorConfig``'s default, the
+    names are the functions' own, the deadline error is the text
+    ``Handshakes._deadline_error`` writes and ``backend_stuck_call`` the text
+    ``NixlRemotes.stuck_call`` writes; :class:`DocsDrift` fails the build if
+    the handshake task stops loading one at a time under the deadline, or a
+    stuck load stops failing later loads fast.
+    """
+    from trio_pd import _nixl_remotes as remotes
+
+    hs = handshakes.Handshakes
+    defaults = {f.name: f.default for f in attrs.fields(ConnectorConfig)}
+    limit, timeout = defaults["max_concurrent_fetches"], defaults["handshake_timeout"]
+    _must_say(hs.__init__, "trio.CapacityLimiter(config.max_concurrent_fetches)")
+    _must_say(hs.run, "async for engine, attempt in self._loads_receive", "await self._load(")
+    _must_say(hs._load, "trio.move_on_at(engine.deadline)", "FailureCause.NIXL")
+    _must_say(remotes.NixlRemotes.load, "an earlier load is stuck in {stuck}", "abandon_on_cancel")
+    stuck_field = attrs.fields(ConsumerStatistics).backend_stuck_call.name
+    # The stuck call as NixlRemotes reports it, a handshake_timeout after it began.
+    nixl = remotes.NixlRemotes.__new__(remotes.NixlRemotes)
+    progress = remotes.LoadProgress("agent-prefill-0")
+    progress.call = "add_remote_agent"
+    progress.started -= timeout
+    nixl._stuck = progress
+    stuck = nixl.stuck_call
+    # The error of a load still queued at its deadline, as the shell writes it.
+    record = EngineRecord("prefill-1", HOST, PORT, state=EngineState.LOADING)
+    queued = types.SimpleNamespace(record=record, rank_label="")
+    shell = types.SimpleNamespace(
+        _config=ConnectorConfig.__new__(ConnectorConfig),
+        _loads_queued=1,
+        _backend=types.SimpleNamespace(stuck_call=stuck),
+    )
+    object.__setattr__(shell._config, "handshake_timeout", timeout)
+    late = hs._deadline_error(shell, queued)  # type: ignore[arg-type]
+    engines_ = ["prefill-0", "prefill-1", "prefill-2"]
+    fetching = f"fetch tasks, in parallel: at most {limit} at once (max_concurrent_fetches)"
+    lines = [
+        "digraph fetch_load {",
+        '  graph [rankdir=TB, nodesep=0.3, ranksep=0.4, fontname="Helvetica", '
+        'bgcolor="transparent", compound=true];',
+        '  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=11, '
+        'fillcolor="#ffffff", margin="0.15,0.06"];',
+        '  edge [fontname="Helvetica", fontsize=10, color="#444444", arrowsize=0.7];',
+        "  subgraph cluster_fetches {",
+        f"    label={_label(fetching)};",
+        '    style="rounded,dashed"; color="#888888"; fontsize=11;',
+    ]
+    for i, engine in enumerate(engines_):
+        text = f"{hs._fetch_metadata.__qualname__}()\n{engine}: metadata round trip"
+        lines.append(
+            f"    fetch{i} [label={_label(text)}, fillcolor={_quote(_FILL[EngineState.FETCHING])}];"
+        )
+    lines.append("  }")
+    channel = "memory channel: loads in the order their metadata arrived"
+    lines.append(f"  queue [shape=cds, label={_label(channel)}];")
+    for i in range(len(engines_)):
+        lines.append(f"  fetch{i} -> queue;")
+    lines += [
+        "  subgraph cluster_task {",
+        f"    label={_label(f'the handshake task ({hs.run.__qualname__}): one load at a time')};",
+        '    style="rounded"; color="#444444"; fontsize=11;',
+    ]
+    load0 = (
+        f"{hs._load.__qualname__}(prefill-0)\nNIXL add_remote_agent never returns:\n"
+        f"cancelled at its handshake's deadline ({timeout:g} s), thread abandoned\n"
+        f"its waiters: HandshakeError, cause {FailureCause.NIXL.value!r}\n"
+        f"{stuck_field} = {stuck!r}"
+    )
+    load1 = (
+        f"{hs._load.__qualname__}(prefill-1)\n"
+        "fails fast: an earlier load is stuck in ...\n"
+        "(or, still queued at its own deadline:\n"
+        f"{textwrap.fill(repr(late.reason), 64)})\n"
+        f"its waiters: HandshakeError, cause {FailureCause.NIXL.value!r}; backoff"
+    )
+    load2 = (
+        f"{hs._load.__qualname__}(prefill-2)\nfails fast too, while {stuck_field} is set;\n"
+        "an engine already READY needs no load: its pulls go on"
+    )
+    stuck_fill, failed_fill = "#f6d0cc", _FILL[EngineState.BACKOFF]
+    lines.append(f"    load0 [label={_label(load0)}, fillcolor={_quote(stuck_fill)}];")
+    lines.append(f"    load1 [label={_label(load1)}, fillcolor={_quote(failed_fill)}];")
+    lines.append(f"    load2 [label={_label(load2)}, fillcolor={_quote(failed_fill)}];")
+    lines.append('    load0 -> load1 -> load2 [label="next", style="bold"];')
+    lines += ["  }", "  queue -> load0 [lhead=cluster_task];", "}"]
+    return "\n".join(lines) + "\n"
+
+
+class FetchLoadDiagram(Graphviz):
+    """:func:`fetch_load_dot`, rendered by sphinx.ext.graphviz."""
+
+    has_content = False
+    required_arguments = 0
+    optional_arguments = 0
+
+    def run(self) -> list[nodes.Node]:
+        for module in (handshakes, engines):
+            self.env.note_dependency(inspect.getsourcefile(module) or "")
+        self.arguments = []
+        self.content = StringList(fetch_load_dot().splitlines(), source="fetch_load_dot")
+        self.options.setdefault(
+            "alt", "parallel metadata fetches, one load at a time, a stuck load"
+        )
+        self.options.setdefault("align", "center")
+        return super().run()
+
+
 def setup(app: Sphinx) -> dict[str, Any]:
     app.setup_extension("sphinx.ext.graphviz")
     app.add_directive("engine-state-diagram", EngineStateDiagram)
     app.add_directive("engine-transition-table", EngineTransitionTable)
     app.add_directive("tp-mapping-diagram", TPMappingDiagram)
     app.add_directive("failure-path-diagram", FailurePathDiagram)
+    app.add_directive("fetch-load-diagram", FetchLoadDiagram)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}
