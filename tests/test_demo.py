@@ -52,6 +52,18 @@ async def test_the_demo_survives_a_killed_engine_and_goes_on_behind_a_slow_link(
     assert summary["errors"]
     assert all("prefill-1" in str(e) for e in summary["errors"])  # type: ignore[attr-defined]
     assert summary["handshake_ms_max"] >= 100  # several round trips of 2 x 50 ms
+    # Per engine: the slow but healthy prefill-0 served all its requests, not
+    # held up by the killed prefill-1; the pulls that read prefill-1 failed with
+    # trio_pd's own errors (the engine died between its prefill and the pull).
+    per_engine = summary["per_engine"]
+    assert isinstance(per_engine, dict)
+    healthy, killed = per_engine["prefill-0"], per_engine["prefill-1"]
+    assert (healthy["requests_ok"], healthy["requests_failed"]) == (6, 0)
+    assert healthy["pull_p99_ms"] < 5000  # not a handshake_timeout behind the dead engine
+    assert killed["requests_failed"] >= 1
+    by_type = summary["errors_by_type"]
+    assert isinstance(by_type, dict)
+    assert by_type.keys() & {"HandshakeError", "TransferError"}, by_type
 
 
 async def test_keygen_prints_a_usable_key_pair() -> None:

@@ -21,7 +21,7 @@ import pytest
 import trio_pd
 import trio_pd._protocol as protocol
 import trio_pd.testing
-from trio_pd._engines import TRANSITIONS, EngineEvent, EngineState
+from trio_pd._engines import TRANSITIONS, EngineEvent, EngineRecord, EngineState, PullAction
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = re.compile(r"`(tests/[\w/]+\.py)(?:::(\w+))?`")
@@ -138,6 +138,51 @@ def test_the_state_diagram_is_drawn_from_the_transition_table() -> None:
     fewer = dict(TRANSITIONS)
     del fewer[EngineState.READY, EngineEvent.INCARNATION_MISMATCH]
     assert "incarnation mismatch" not in diagrams.engine_state_dot(fewer)
+
+
+def test_the_failure_path_is_what_the_record_does_and_drift_fails_the_build(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    diagrams = _diagrams()
+    dot = diagrams.failure_path_dot()
+    for action in (PullAction.START, PullAction.WAIT, PullAction.FAIL_FAST):
+        assert f"-> {action.name}" in dot, action
+    assert "BACKOFF for" in dot
+    assert "attempt 2" in dot
+    assert dot.count("raise HandshakeError('prefill-1',") == 2  # each waiter its own
+    # A record that answered otherwise (here: a pull in backoff would wait) fails the build.
+    real = EngineRecord.on_pull
+
+    def waits_in_backoff(self: EngineRecord, incarnation: str, now: float) -> PullAction:
+        if self.state is EngineState.BACKOFF and now < self.retry_at:
+            return PullAction.WAIT
+        return real(self, incarnation, now)
+
+    monkeypatch.setattr(EngineRecord, "on_pull", waits_in_backoff)
+    with pytest.raises(diagrams.DocsDrift, match="pull C's action"):
+        diagrams.failure_path_dot()
+
+
+def test_fetches_vs_loads_is_drawn_from_the_code_and_drift_fails_the_build(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    diagrams = _diagrams()
+    dot = diagrams.fetch_load_dot()
+    default = attrs.fields(trio_pd.ConnectorConfig).max_concurrent_fetches.default
+    assert f"at most {default} at once" in dot
+    assert "backend_stuck_call = " in dot
+    assert "add_remote_agent for agent 'agent-prefill-0' (5.0 s)" in dot
+    text = " ".join(dot.replace("\\n", " ").split())  # (labels are wrapped)
+    assert "of the handshake's start (1 loads queued); the transfer backend is stuck" in text
+    # A handshake task that loaded without the deadline would fail the build.
+    import trio_pd._handshakes as handshakes
+
+    async def load_without_deadline(self: object, engine: object, attempt: int) -> None:
+        pass
+
+    monkeypatch.setattr(handshakes.Handshakes, "_load", load_without_deadline)
+    with pytest.raises(diagrams.DocsDrift, match="move_on_at"):
+        diagrams.fetch_load_dot()
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 4), (4, 2), (2, 2)])
@@ -322,11 +367,12 @@ def test_the_docs_build_with_warnings_as_errors(tmp_path: Path) -> None:
     assert open_connector.endswith(") as connector")
     assert _signature(api, "trio_pd.Connector.pull").startswith("await pull(request_id: str,")
     assert _signature(api, "trio_pd.Connector.expose").startswith("expose(request_id: str,")
-    # The diagrams were rendered by Graphviz: task tree, first pull, state
-    # diagram (with every state), two TP mappings (with every decode rank).
+    # The diagrams were rendered by Graphviz: task tree, first pull, failure path,
+    # state diagram (with every state), two TP mappings (with every decode rank),
+    # fetches vs loads.
     design = (html / "design.html").read_text()
     images = re.findall(r'data="(_images/graphviz-\w+\.svg)"', design)
-    assert len(images) == 5, images
+    assert len(images) == 7, images
     svgs = [(html / image).read_text() for image in images]
     # The tables rendered from the code are on their pages.
     facts = _facts()

@@ -112,7 +112,8 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="N",
-        help="kill the last prefill engine after N requests",
+        help="kill the last prefill engine at its first request from the N-th on, after its "
+        "prefill and before the decode pulls it",
     )
     demo.add_argument(
         "--prefill-tp",

@@ -30,6 +30,7 @@ import math
 import os
 import random
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -42,6 +43,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from .._config import ConnectorConfig
 from .._connector import Connector, open_connector
+from .._errors import TrioPdError
 from .._groups import unwrapped_errors
 from .._netns import TestHost, open_test_hosts
 from .._ports import free_port_range
@@ -134,6 +136,26 @@ class _Pull:
 
 
 @attrs.define
+class _EngineTally:
+    """One prefill engine's requests: a reader sees whether the others were held up."""
+
+    ok: int = 0
+    failed: int = 0
+    latencies: list[float] = attrs.field(factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        """Its requests ok and failed; its pulls' latency (``None`` without a pull)."""
+        latencies = np.asarray(self.latencies) * 1e3
+        ok = latencies.size > 0
+        return {
+            "requests_ok": self.ok,
+            "requests_failed": self.failed,
+            "pull_p50_ms": round(float(np.percentile(latencies, 50)), 2) if ok else None,
+            "pull_p99_ms": round(float(np.percentile(latencies, 99)), 2) if ok else None,
+        }
+
+
+@attrs.define
 class _Tally:
     ok: int = 0
     failed: int = 0
@@ -144,6 +166,11 @@ class _Tally:
     pulls: list[_Pull] = attrs.field(factory=list)
     handshake_waits: dict[str, float] = attrs.field(factory=dict)
     errors: list[str] = attrs.field(factory=list)
+    """trio_pd's own errors (``TrioPdError``: the pulls'), then the demo's."""
+    demo_errors: list[str] = attrs.field(factory=list)
+    """The demo's own (its prefill step failed: ``WorkerError``, the engine is dead)."""
+    errors_by_type: Counter[str] = attrs.field(factory=Counter)
+    per_engine: dict[str, _EngineTally] = attrs.field(factory=dict)
     on_done: Callable[[], None] = lambda: None  # (the progress bar)
 
 
@@ -267,7 +294,15 @@ async def run_demo(options: DemoOptions) -> dict[str, Any]:
         "startup_s": round(startup, 2),
         "run_s": round(elapsed, 2),
         "faults_injected": faults,
-        "errors": tally.errors[:10],
+        # trio_pd's own errors first (HandshakeError, TransferError: engine and
+        # cause named), then the demo's (its prefill step failed: WorkerError)
+        "errors": (tally.errors + tally.demo_errors)[:10],
+        "errors_by_type": dict(tally.errors_by_type),
+        "handshake_failures_by_cause": dict(
+            sum((Counter(s.handshake_failures_by_cause) for s in stats), Counter[str]())
+        ),
+        # per prefill engine: was the healthy one held up by the faulty one?
+        "per_engine": {name: t.summary() for name, t in sorted(tally.per_engine.items())},
         "verified": tally.corrupt == 0 and (tally.failed == 0 or faults),
     }
 
@@ -289,12 +324,16 @@ async def _drive(
     async def one_request(n: int, engine: int, prompt_blocks: int, seed: int) -> None:
         ranks = engines[engine]
         rid = f"req-{n}"
+        mine = tally.per_engine.setdefault(ranks[0].engine_id, _EngineTally())
         remote_ids = await remote_pools[engine].take(prompt_blocks)
         local_ids = await local_pool.take(prompt_blocks)
         try:
             # prefill: every rank computes (here: fills) its share of the blocks
             # and exposes them; the proxy forwards rank 0's kv_transfer_params
             remote = (await _each_rank(lambda w: w.expose(rid, remote_ids, seed), ranks))[0]
+            if doomed(n, engine):  # it dies after its prefill, before the decode pulls
+                for worker in ranks:
+                    worker.kill()
             if engine == 0 and relay_ports:
                 remote = attrs.evolve(remote, host="127.0.0.1", port=relay_ports[0])
             params = remote.to_kv_transfer_params()
@@ -320,9 +359,14 @@ async def _drive(
             tally.bytes += pull.bytes
             tally.latencies.append(max(r.seconds for r in results))
             tally.pulls.append(pull)
+            mine.ok += 1
+            mine.latencies.append(max(r.seconds for r in results))
         except Exception as exc:  # a failed request is reported, the rest go on
             tally.failed += 1
-            tally.errors.append(f"{rid} ({ranks[0].engine_id}): {type(exc).__name__}: {exc}")
+            mine.failed += 1
+            tally.errors_by_type[type(exc).__name__] += 1
+            line = f"{rid} ({ranks[0].engine_id}): {type(exc).__name__}: {exc}"
+            (tally.errors if isinstance(exc, TrioPdError) else tally.demo_errors).append(line)
             remote_pools[engine].give_back(remote_ids)
         else:
             # the prefill engine frees its blocks once they were read; if it
@@ -341,11 +385,19 @@ async def _drive(
             tally.on_done()
             slots.release()
 
+    killed = False
+
+    def doomed(n: int, engine: int) -> bool:
+        """Whether the last engine dies now: at its first request from the N-th on."""
+        nonlocal killed
+        last = len(engines) - 1
+        if killed or not o.kill_engine_after or last == 0 or engine != last:
+            return False
+        killed = n >= o.kill_engine_after
+        return killed
+
     async with trio.open_nursery() as nursery:
         for n in range(o.requests):
-            if o.kill_engine_after and n == o.kill_engine_after and len(engines) > 1:
-                for worker in engines[-1]:
-                    worker.kill()
             engine = n % len(engines)
             prompt_blocks = rng.randint(1, o.max_prompt_blocks)
             seed = rng.getrandbits(32)
@@ -477,6 +529,35 @@ def format_summary(summary: dict[str, Any]) -> str:
         ),
         ("start-up / run", f"{s['startup_s']} s / {s['run_s']} s", ""),
     ]
+    if s["faults_injected"]:
+        # per prefill engine: the healthy one must not be held up by the faulty one
+        for name, e in s["per_engine"].items():
+            rows.append(
+                (
+                    f"  {name}",
+                    f"{e['requests_ok']} ok / {e['requests_failed']} failed, "
+                    + (
+                        f"pull p50 / p99 {e['pull_p50_ms']} / {e['pull_p99_ms']} ms"
+                        if e["pull_p50_ms"] is not None
+                        else "no pull succeeded"
+                    ),
+                    "",
+                )
+            )
+        if s["errors_by_type"]:
+            kinds = ", ".join(f"{k} {v}" for k, v in sorted(s["errors_by_type"].items()))
+            causes = ", ".join(
+                f"{k} {v}" for k, v in sorted(s["handshake_failures_by_cause"].items())
+            )
+            rows.append(
+                (
+                    "errors by type",
+                    kinds,
+                    "HandshakeError, TransferError: trio_pd's own, naming the engine and "
+                    "cause; WorkerError: the demo's prefill step found its engine dead"
+                    + (f"; handshake failures by cause: {causes}" if causes else ""),
+                )
+            )
     width = max(len(k) for k, _, _ in rows)
     lines = []
     for key, value, what in rows:
