@@ -116,10 +116,22 @@ def test_other_protocol_errors_are_fatal_and_give_the_code_in_hex() -> None:
 
 
 def test_handshake_failure_without_detail_suggests_a_wrong_server_key() -> None:
-    log = log_of(NO_DETAIL)
+    log = ConnectionLog(max_reply_bytes=LIMIT, curve=True)
+    log.record(NO_DETAIL, 0)
     assert log.fatal is not None
     assert "wrong producer key" in log.diagnosis()
     assert log.ends_round(NO_DETAIL)
+
+
+def test_without_curve_a_handshake_failure_without_detail_is_a_closed_connection() -> None:
+    # (no keys to mismatch: the peer closed the connection under the handshake,
+    # e.g. it was exiting; found in the demo, where it was called a CURVE refusal)
+    log = log_of(zmq.EVENT_CONNECTED, NO_DETAIL, zmq.EVENT_CONNECTED, NO_DETAIL)
+    assert log.fatal is None
+    assert not log.ends_round(NO_DETAIL)
+    assert log.handshakes_lost == 2
+    assert "closed during ZeroMQ's handshake 2 time(s)" in log.diagnosis()
+    assert "CURVE" not in log.diagnosis()
 
 
 @pytest.mark.parametrize("event", NON_FATAL_EVENTS)

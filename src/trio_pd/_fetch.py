@@ -78,10 +78,16 @@ class ConnectionLog:
 
     Attributes:
         max_reply_bytes: our reply size limit, named in the diagnosis of drops.
+        curve: the fetch uses CURVE (set by :func:`fetch_reply`): only then can a
+            security handshake that fails without detail be a key mismatch.
     """
 
     max_reply_bytes: int
     waiting_for_slot: bool = False
+    curve: bool = False
+    handshakes_lost: int = 0
+    """ZeroMQ handshakes that ended without detail on a plain-text socket: the
+    connection closed under them (the peer exiting, say); ZeroMQ retries."""
     """Still waiting for a fetch slot (``max_concurrent_fetches``, shared by
     every engine's handshakes): nothing was sent yet."""
     refused: int = 0
@@ -116,6 +122,8 @@ class ConnectionLog:
                 )
             else:
                 self.fatal = f"ZeroMQ handshake failed (protocol error {value:#x})"
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and not self.curve:
+            self.handshakes_lost += 1  # (no keys to mismatch: the connection closed)
         elif event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
             self.fatal = (
                 "the ZeroMQ security handshake failed: the CURVE keys or mechanisms do "
@@ -142,6 +150,11 @@ class ConnectionLog:
             )
         if self.connected:
             return "connected, but the peer never replied"
+        if self.handshakes_lost:
+            return (
+                f"the connection closed during ZeroMQ's handshake {self.handshakes_lost} "
+                "time(s) (the peer exited or restarted?)"
+            )
         if self.tcp_connected:
             return (
                 "the TCP connection was accepted, but the ZeroMQ handshake never "
@@ -180,6 +193,7 @@ async def fetch_reply(
         ValueError: a malformed reply envelope (not ``[b"", payload]``).
         zmq.ZMQError: the endpoint is invalid.
     """
+    log.curve = curve is not None
     while True:
         reply = await _one_round(context, endpoint, request, log, ipv6, curve)
         if reply is not None:
