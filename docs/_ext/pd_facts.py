@@ -361,7 +361,7 @@ def engine_metric_rows() -> list[MetricRow]:
 
 
 def proxy_metric_rows() -> list[MetricRow]:
-    return _wrapper_rows(serve_proxy.ProxyMetrics())
+    return _wrapper_rows(serve_metrics.ProxyMetrics())
 
 
 class PrometheusMetrics(FactTable):

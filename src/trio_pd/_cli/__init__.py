@@ -43,7 +43,8 @@ from .common import (
     client_keys,
     internal_key,
 )
-from .demo import DemoOptions, format_summary, run_demo
+from .demo import DemoOptions, run_demo
+from .demo_summary import format_summary
 from .serve import ServeError, ServeOptions, run_serve
 
 

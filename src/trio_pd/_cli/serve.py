@@ -37,12 +37,10 @@ import functools
 import json
 import os
 import secrets
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AsyncExitStack, contextmanager
 from pathlib import Path
 
@@ -68,6 +66,12 @@ from .._serve.membership import EngineSet, EtcdMembership, Membership
 from .._serve.model import ModelConfig
 from .._serve.openai import MAX_MODEL_LEN
 from .._serve.stopping import StopRequest, stop_requests
+from .engine_processes import (
+    EngineBoard,
+    EngineProcess,
+    notify_when,
+    run_engine_process,
+)
 from .proxy import ProxyOptions, ProxyStartError, serve_proxy
 
 
@@ -130,60 +134,6 @@ class ServeOptions:
         for flag, tp in (("--prefill-tp", self.prefill_tp), ("--decode-tp", self.decode_tp)):
             if tp < 1 or heads % tp:
                 raise ValueError(f"{flag} {tp} must divide the model's {heads} KV heads")
-
-
-@attrs.define(eq=False)
-class _Engine:
-    """One engine process, as this command sees it."""
-
-    role: str
-    index: int
-    ready_file: str
-    host: TestHost | None = None  # (with --hosts: the test host it runs on)
-    url: str = ""  # (from its ready file: it accepts requests)
-    status: int | None = None  # its exit status, once it exited
-    stopping: bool = False  # this command sent it SIGTERM
-    killed: bool = False  # it outlived --grace + 5 s
-
-    @property
-    def name(self) -> str:
-        return f"{self.role}-{self.index}"
-
-    def failure(self) -> str:
-        """How it failed ("" if it did not)."""
-        if self.status is None:
-            return ""
-        status = _describe(self.status)
-        if self.killed:
-            return f"engine {self.name} did not drain within --grace + 5 s (killed)"
-        if self.stopping:
-            stopped = self.status in (0, -signal.SIGTERM)  # (SIGTERM before its handler)
-            return "" if stopped else f"engine {self.name} exited with {status} in its drain"
-        if not self.url:
-            return f"engine {self.name} exited with {status} before it accepted requests"
-        return "" if self.status == 0 else f"engine {self.name} exited with {status} while serving"
-
-
-class _Board:
-    """The engines' states, and a way to wait for a condition on them."""
-
-    def __init__(self, engines: list[_Engine]) -> None:
-        self.engines = engines
-        self._changed = trio.Event()
-
-    def notify(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
-
-    async def wait_until(self, condition: Callable[[], bool]) -> None:
-        while not condition():
-            await self._changed.wait()
-
-    def urls(self, role: str) -> tuple[str, ...]:
-        return tuple(e.url for e in self.engines if e.role == role)
-
-    def serving(self, role: str) -> bool:
-        return any(e.role == role and e.status is None for e in self.engines)
 
 
 async def run_serve(options: ServeOptions, console: Console) -> None:
@@ -271,9 +221,9 @@ async def _deploy(
     failures: list[str] = []
     with tempfile.TemporaryDirectory(prefix="trio-pd-serve-") as scratch:  # (mode 0700)
         curve_files = _write_curve_keys(Path(scratch), options) if options.curve else {}
-        board = _Board(
+        board = EngineBoard(
             [
-                _Engine(
+                EngineProcess(
                     role,
                     i,
                     str(Path(scratch) / f"{role}-{i}.json"),
@@ -284,11 +234,11 @@ async def _deploy(
         )
         try:
             async with trio.open_nursery() as engines:
-                engines.start_soon(_notify_when, stop.requested.wait, board.notify)
+                engines.start_soon(notify_when, stop.requested.wait, board.notify)
                 for engine in board.engines:
                     command = _engine_command(options, engine, etcd, curve_files)
                     engines.start_soon(
-                        _run_engine, engine, command, env, options.grace, board, console
+                        run_engine_process, engine, command, env, options.grace, board, console
                     )
                 console.print(f"starting {len(board.engines)} engines")
                 with stop.starting:
@@ -307,7 +257,7 @@ async def _deploy(
                 console.print("draining the engines")
                 for engine in board.engines:
                     engine.stopping = engine.status is None
-                engines.cancel_scope.cancel()  # each engine gets SIGTERM (see _run_engine)
+                engines.cancel_scope.cancel()  # each engine gets SIGTERM (see run_engine_process)
         finally:
             remove_file(options.ready_file)
     failures += [failure for engine in board.engines if (failure := engine.failure())]
@@ -316,7 +266,7 @@ async def _deploy(
         raise ServeError("; ".join(dict.fromkeys(failures)))
 
 
-async def _wait_for_engines(board: _Board) -> list[str]:
+async def _wait_for_engines(board: EngineBoard) -> list[str]:
     """Until every engine accepts requests (``[]``) or one exited: why it failed."""
     await board.wait_until(lambda: all(e.url or e.status is not None for e in board.engines))
     return [failure for e in board.engines if (failure := e.failure())]
@@ -325,7 +275,7 @@ async def _wait_for_engines(board: _Board) -> list[str]:
 async def _serve_proxy(
     options: ServeOptions,
     sock: socket.socket,
-    board: _Board,
+    board: EngineBoard,
     stop: StopRequest,
     failures: list[str],
     console: Console,
@@ -380,65 +330,6 @@ async def _serve_proxy(
         console.print("the proxy drained")
 
 
-async def _run_engine(
-    engine: _Engine,
-    command: list[str],
-    env: dict[str, str],
-    grace: float,
-    board: _Board,
-    console: Console,
-) -> None:
-    """Run one engine process until it exits, or until cancelled: then SIGTERM it
-    (SIGKILL after ``grace`` + 5 s). Records its URL and exit status on ``board``."""
-
-    async def terminate(process: trio.Process) -> None:
-        process.send_signal(signal.SIGTERM)
-        with trio.move_on_after(grace + 5):
-            await process.wait()
-            return
-        console.print(f"[red]engine {engine.name} did not stop in time: killed[/]")
-        engine.killed = True
-        process.kill()
-
-    process: trio.Process | None = None
-    try:
-        async with trio.open_nursery() as nursery:
-            process = await nursery.start(
-                functools.partial(
-                    trio.run_process,
-                    command,
-                    check=False,
-                    deliver_cancel=terminate,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,  # (Ctrl-C in a terminal is this command's alone)
-                )
-            )
-            path = trio.Path(engine.ready_file)
-            while process.returncode is None and not engine.url:  # (the engine writes it)
-                if await path.exists():
-                    engine.url = json.loads(await path.read_text())["url"]
-                    board.notify()
-                await trio.sleep(0.05)
-    finally:
-        if process is not None:
-            engine.status = process.returncode
-            failure = engine.failure()
-            if failure:
-                console.print(f"[red]{failure}[/]")
-            elif engine.stopping:
-                status = _describe(engine.status) if engine.status is not None else "?"
-                console.print(f"engine {engine.name} stopped ({status})")
-            else:
-                console.print(f"[yellow]engine {engine.name} exited with status 0 while serving[/]")
-            board.notify()
-
-
-async def _notify_when(event: Callable[[], Awaitable[object]], notify: Callable[[], None]) -> None:
-    await event()
-    notify()
-
-
 def _roles(options: ServeOptions) -> list[tuple[str, int]]:
     return [("prefill", i) for i in range(options.prefill)] + [
         ("decode", i) for i in range(options.decode)
@@ -470,7 +361,7 @@ def _write_curve_keys(directory: Path, options: ServeOptions) -> dict[str, list[
 
 def _engine_command(
     options: ServeOptions,
-    engine: _Engine,
+    engine: EngineProcess,
     etcd: EtcdServer | None,
     curve_files: dict[str, list[str]],
 ) -> list[str]:
@@ -501,16 +392,6 @@ def _engine_command(
         # (ip execs the command: the engine is this command's child, and its signals reach it)
         return ["ip", "netns", "exec", engine.host.netns, *command]
     return command
-
-
-def _describe(status: int) -> str:
-    """An exit status in words: ``status 1``, ``SIGKILL``."""
-    if status < 0:
-        try:
-            return signal.Signals(-status).name
-        except ValueError:
-            return f"signal {-status}"
-    return f"status {status}"
 
 
 def _endpoints_table(ready: dict[str, object]) -> Table:

@@ -1,11 +1,13 @@
-"""The connectors' statistics as Prometheus metrics (read at each scrape)."""
+"""Prometheus metrics: the connectors' statistics (read at each scrape) and the proxy's own."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from .._connector import Connector
@@ -81,3 +83,41 @@ class ConnectorCollector:
             else:
                 out.append(CounterMetricFamily(f"trio_pd_{name}", doc, value=value))
         return out
+
+
+class ProxyMetrics:
+    """The proxy's Prometheus metrics (its own registry)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "trio_pd_proxy_requests",
+            "Completion and chat requests by outcome: ok, client_error (4xx), overloaded (503), "
+            "timeout (504), engine_error (other 5xx), disconnected (the client left).",
+            ["outcome"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "trio_pd_proxy_requests_in_flight", "Requests in flight.", registry=r
+        )
+        buckets = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, math.inf)
+        self.first_byte = Histogram(
+            "trio_pd_proxy_time_to_first_byte_seconds",
+            "From the request to the decode answer's first byte (first token when streaming).",
+            registry=r,
+            buckets=buckets,
+        )
+        self.seconds = Histogram(
+            "trio_pd_proxy_request_seconds",
+            "From the request to the end of its answer.",
+            registry=r,
+            buckets=buckets,
+        )
+        self.engine_errors = Counter(
+            "trio_pd_proxy_engine_errors",
+            "Failed requests to engines, by role, engine and kind: refused (passed over, "
+            "retried elsewhere), timeout, transport, status (a 5xx).",
+            ["role", "engine", "kind"],
+            registry=r,
+        )

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from typing import Any
@@ -48,7 +47,7 @@ from typing import Any
 import attrs
 import httpx2
 import trio
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import generate_latest
 
 from .asgi import (
     HTTPError,
@@ -62,6 +61,7 @@ from .asgi import (
     send_text,
 )
 from .keys import BearerKeys, bearer_header
+from .metrics import ProxyMetrics
 from .openai import (
     GenerationRequest,
     parse_chat_request,
@@ -109,44 +109,6 @@ def open_client(timeouts: ProxyTimeouts = ProxyTimeouts()) -> httpx2.AsyncClient
         timeout=httpx2.Timeout(connect=timeouts.connect, read=None, write=timeouts.idle, pool=None),
         limits=httpx2.Limits(max_connections=None, max_keepalive_connections=512),
     )
-
-
-class ProxyMetrics:
-    """The proxy's Prometheus metrics (its own registry)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter(
-            "trio_pd_proxy_requests",
-            "Completion and chat requests by outcome: ok, client_error (4xx), overloaded (503), "
-            "timeout (504), engine_error (other 5xx), disconnected (the client left).",
-            ["outcome"],
-            registry=r,
-        )
-        self.in_flight = Gauge(
-            "trio_pd_proxy_requests_in_flight", "Requests in flight.", registry=r
-        )
-        buckets = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, math.inf)
-        self.first_byte = Histogram(
-            "trio_pd_proxy_time_to_first_byte_seconds",
-            "From the request to the decode answer's first byte (first token when streaming).",
-            registry=r,
-            buckets=buckets,
-        )
-        self.seconds = Histogram(
-            "trio_pd_proxy_request_seconds",
-            "From the request to the end of its answer.",
-            registry=r,
-            buckets=buckets,
-        )
-        self.engine_errors = Counter(
-            "trio_pd_proxy_engine_errors",
-            "Failed requests to engines, by role, engine and kind: refused (passed over, "
-            "retried elsewhere), timeout, transport, status (a 5xx).",
-            ["role", "engine", "kind"],
-            registry=r,
-        )
 
 
 class Proxy:
