@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,3 +103,19 @@ async def wait_until(condition: Callable[[], object], interval: float = 0.001) -
     """
     while not condition():  # noqa: ASYNC110 -- nothing to wait on: foreign state
         await trio.sleep(interval)
+
+
+def run_doc_script(path: Path, timeout: float) -> str:
+    """Run a docs script (an example or an exercise) in its own interpreter:
+    its stdout (it must exit 0 and print something)."""
+    result = subprocess.run(
+        [sys.executable, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "NIXL_LOG_LEVEL": "WARN"},
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip(), result.stderr
+    return result.stdout

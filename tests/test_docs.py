@@ -23,6 +23,8 @@ import trio_pd._protocol as protocol
 import trio_pd.testing
 from trio_pd._engines import TRANSITIONS, EngineEvent, EngineRecord, EngineState, PullAction
 
+from .conftest import run_doc_script
+
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = re.compile(r"`(tests/[\w/]+\.py)(?:::(\w+))?`")
 
@@ -81,17 +83,7 @@ def _normalized(text: str) -> str:
 
 @pytest.mark.parametrize("example", sorted(EXAMPLES))
 def test_each_example_runs_and_prints_what_its_page_shows(example: str) -> None:
-    result = subprocess.run(
-        [sys.executable, str(DOCS / "examples" / example)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "NIXL_LOG_LEVEL": "WARN"},
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    output = _normalized(result.stdout).strip()
-    assert output, result.stderr
+    output = _normalized(run_doc_script(DOCS / "examples" / example, timeout=60)).strip()
     page = _normalized((DOCS / EXAMPLES[example]).read_text())
     assert output in page, f"{EXAMPLES[example]} does not show the output of {example}:\n{output}"
 

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import re
 import runpy
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from .conftest import run_doc_script
 from .test_docs import _normalized
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -58,17 +56,8 @@ def test_each_exercise_prints_what_its_page_shows(exercise: str) -> None:
 @pytest.mark.exercise_hosts
 @pytest.mark.parametrize("exercise", ON_TEST_HOSTS)
 def test_each_exercise_on_test_hosts_prints_what_its_page_shows(exercise: str) -> None:
-    result = subprocess.run(
-        [sys.executable, str(DOCS / "exercises" / exercise)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "NIXL_LOG_LEVEL": "WARN"},
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    output = _shown(result.stdout)
-    assert output, result.stderr
+    output = _shown(run_doc_script(DOCS / "exercises" / exercise, timeout=120))
+    assert output
     assert output in _page(), f"exercises.md does not show the output of {exercise}:\n{output}"
 
 
