@@ -8,10 +8,14 @@
 * :class:`CapturedBackends` and :func:`raw_nixl_read`: the connector's own
   NIXL agent and prepared descriptor lists, to time raw NIXL READs of exactly
   the descriptors trio_pd reads.
+* :class:`RecordingNixlBackend` and :func:`raw_replay_loads`: the remote-agent
+  loads of a trio_pd handshake storm, recorded and replayed with NIXL directly
+  from a plain thread, so head-of-line blocking has a raw NIXL anchor.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -70,11 +74,44 @@ class NixlOnEventLoop(trio_pd.NixlBackend):
         return await super().notifications(0.0)  # never sleep on the trio thread
 
 
+@attrs.frozen
+class RecordedLoad:
+    """One remote-agent load of a connector: when it began and what it loaded."""
+
+    began: float  # trio.current_time()
+    agent_name: str
+    agent_metadata: bytes
+    layout: trio_pd.KVLayout
+
+
+class RecordingNixlBackend(trio_pd.NixlBackend):
+    """The NIXL backend, recording every remote agent it loads (in :attr:`loads`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.loads: list[RecordedLoad] = []
+
+    async def load_remote(
+        self,
+        engine_id: str,
+        incarnation: str,
+        agent_name: str,
+        agent_metadata: bytes,
+        layout: trio_pd.KVLayout,
+        local_layout: trio_pd.KVLayout,
+    ) -> trio_pd.RemoteAgent:
+        self.loads.append(RecordedLoad(trio.current_time(), agent_name, agent_metadata, layout))
+        return await super().load_remote(
+            engine_id, incarnation, agent_name, agent_metadata, layout, local_layout
+        )
+
+
 class CapturedBackends:
     """A backend factory that keeps the NIXL backends it creates."""
 
-    def __init__(self) -> None:
+    def __init__(self, cls: type[trio_pd.NixlBackend] = trio_pd.NixlBackend) -> None:
         self.backends: list[trio_pd.NixlBackend] = []
+        self._cls = cls
 
     async def __call__(
         self,
@@ -83,7 +120,7 @@ class CapturedBackends:
         layout: trio_pd.KVLayout,
         config: trio_pd.ConnectorConfig,
     ) -> trio_pd.NixlBackend:
-        backend = await trio_pd.NixlBackend.create(agent_name, kv_caches, layout, config)
+        backend = await self._cls.create(agent_name, kv_caches, layout, config)
         self.backends.append(backend)
         return backend
 
@@ -146,3 +183,47 @@ def raw_nixl_read_at_once(
         assert agent.check_xfer_state(handle) == "DONE"
         handle.release()
     return elapsed
+
+
+def raw_replay_loads(
+    agent: Any, loads: Sequence[tuple[float, RecordedLoad]], done: threading.Event
+) -> None:
+    """Load each remote agent at its offset (seconds after this call), one after
+    the other, as trio_pd's handshake thread does: ``add_remote_agent``,
+    ``prep_xfer_dlist`` and ``make_connection`` with NIXL directly; then set
+    ``done`` and unload them all. Blocks its caller (a plain thread)."""
+    started = time.perf_counter()
+    loaded = []
+    try:
+        for offset, load in loads:
+            time.sleep(max(0.0, started + offset - time.perf_counter()))
+            name = agent.add_remote_agent(load.agent_metadata)
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            dlist = agent.prep_xfer_dlist(
+                name, load.layout.strided_descriptors(), load.layout.mem_type
+            )
+            loaded.append((name, dlist))
+            agent.make_connection(name)
+    finally:
+        done.set()
+        for name, dlist in loaded:
+            dlist.release()
+            agent.remove_remote_agent(name)
+
+
+def raw_paced_reads(
+    backend: trio_pd.NixlBackend,
+    engine_id: str,
+    reads: Sequence[tuple[np.ndarray, bytes]],
+    gap: float,
+    until: threading.Event | None = None,
+) -> list[float]:
+    """:func:`raw_nixl_read` of each ``(block ids, notification)``, ``gap`` seconds
+    apart, until ``until`` is set (if given); returns each read's seconds."""
+    seconds = []
+    for block_ids, notification in reads:
+        if until is not None and until.is_set():
+            break
+        seconds.append(raw_nixl_read(backend, engine_id, block_ids, notification))
+        time.sleep(gap)
+    return seconds

@@ -29,6 +29,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
@@ -42,8 +43,12 @@ from comparison import (
     CapturedBackends,
     InlineHandshakes,
     NixlOnEventLoop,
+    RecordedLoad,
+    RecordingNixlBackend,
     raw_nixl_read,
     raw_nixl_read_at_once,
+    raw_paced_reads,
+    raw_replay_loads,
 )
 
 import trio_pd
@@ -102,37 +107,61 @@ def ms(seconds: float) -> float:
 
 
 async def bench_head_of_line(quick: bool) -> Result:
-    """Warm-pull latency while K engines handshake behind a slow link."""
-    k, delay = (4, 0.1) if quick else (16, 0.1)
+    """Warm-pull latency while K engines handshake behind a slow link.
+
+    Three modes, each on a fresh decoder, against the same producers: trio_pd;
+    raw NIXL under the same loads (the remote agents trio_pd loaded, replayed
+    from a plain thread at the same offsets while another plain thread posts
+    the warm READs: NIXL's own head-of-line blocking, the anchor); and the
+    inline handshakes of vLLM before PR #19836.
+    """
+    k, delay, rounds = (4, 0.1, 1) if quick else (16, 0.1, 3)
     regions, blocks, block_bytes = 4, 1024, 4096
     baseline_pulls, storm_cap, gap = 100, 300, 0.005
-    out: Result = {"cold_engines": k, "link_delay_s": delay, "modes": {}}
+    out: Result = {"cold_engines": k, "link_delay_s": delay, "rounds": rounds, "modes": {}}
     worker_spec = spec("hol", regions, blocks, block_bytes, engines=k + 1)
+    storm_loads: list[tuple[float, RecordedLoad]] = []  # (offset in the storm, load)
+    all_pulls: list[tuple[float, float, str]] = []  # trio_pd's storm pulls, every round
+    all_jobs: dict[str, Job] = {}
+    samples: dict[str, tuple[list[float], list[float], list[float]]] = {}  # base, storm, s
+    modes = ["trio_pd", "raw NIXL, same loads"] * rounds + ["inline (pre-#19836)"]
     async with open_prefill_worker(worker_spec) as w:  # noqa: SIM117 - the relays need w
         async with open_delay_relays([(h, p) for _, h, p in w.addresses[1:]], delay) as ports:
-            for mode in ("trio_pd", "inline (pre-#19836)"):
+            for n, mode in enumerate(modes):
                 config = trio_pd.ConnectorConfig(handshake_timeout=60.0)
                 warm = await w.expose_many(
-                    [(f"{mode}-w{i}", [i], i) for i in range(baseline_pulls + storm_cap + 1)]
+                    [(f"{n}-w{i}", [i], i) for i in range(baseline_pulls + storm_cap + 1)]
                 )
                 cold = []
                 for e in range(1, k + 1):
-                    [remote] = await w.expose_many([(f"{mode}-c", [0], e)], engine=e)
+                    [remote] = await w.expose_many([(f"{n}-c", [0], e)], engine=e)
                     cold.append(via(remote, ports[e - 1]))
                 local = kv(regions, blocks, block_bytes)
-                captured = CapturedBackends()
+                captured = CapturedBackends(RecordingNixlBackend)
                 jobs: dict[str, Job] = {}
+                base, storm, seconds = samples.setdefault(mode, ([], [], []))
                 async with trio_pd.open_connector(
-                    f"dec-{len(out['modes'])}", local, config=config, backend=captured
+                    f"dec-{n}", local, config=config, backend=captured
                 ) as connector:
-                    captured.backends[0].job_observer = functools.partial(_keep_job, jobs)
+                    backend = captured.backends[0]
+                    assert isinstance(backend, RecordingNixlBackend)
+                    backend.job_observer = functools.partial(_keep_job, jobs)
+                    await connector.pull("warm-up", [0], warm[0])
+                    if mode.startswith("raw"):
+                        await _raw_storm(
+                            backend,
+                            warm,
+                            baseline_pulls,
+                            storm_cap,
+                            gap,
+                            storm_loads,
+                            samples[mode],
+                        )
+                        continue
                     d = connector if mode == "trio_pd" else InlineHandshakes(connector)
-                    await d.pull("warm-up", [0], warm[0])
-                    base: list[float] = []
                     for i in range(1, baseline_pulls + 1):
                         base.append((await d.pull(f"b{i}", [i], warm[i])).seconds)
                         await trio.sleep(gap)
-                    storm: list[float] = []
                     storm_pulls: list[tuple[float, float, str]] = []  # (start, end, request)
                     storm_done = trio.Event()
                     started = trio.current_time()
@@ -147,23 +176,77 @@ async def bench_head_of_line(quick: bool) -> Result:
                             storm_pulls.append((began, time.monotonic(), warm[i].request_id))
                             i += 1
                             await trio.sleep(gap)
-                    storm_seconds = trio.current_time() - started
+                    seconds.append(trio.current_time() - started)
                     stats = d.statistics()
                     assert stats.pulls_failed == 0
                     assert stats.handshakes_succeeded == k + 1
                 if mode == "trio_pd":
-                    out["storm_breakdown_ms"] = _breakdown(storm_pulls, jobs)
-                out["modes"][mode] = {
-                    "baseline_p50_ms": ms(pct(base, 50)),
-                    "baseline_p99_ms": ms(pct(base, 99)),
-                    "during_handshakes_p50_ms": ms(pct(storm, 50)),
-                    "during_handshakes_p99_ms": ms(pct(storm, 99)),
-                    "pulls_during_handshakes": len(storm),
-                    "handshake_storm_s": round(storm_seconds, 3),
-                    "ratio_p50": round(pct(storm, 50) / pct(base, 50), 2),
-                    "ratio_p99": round(pct(storm, 99) / pct(base, 99), 2),
-                }
+                    all_pulls.extend(storm_pulls)
+                    all_jobs.update(jobs)
+                    storm_loads[:] = [(x.began - started, x) for x in backend.loads[1:]]
+    out["storm_breakdown_ms"] = _breakdown(all_pulls, all_jobs)
+    for mode, (base, storm, seconds) in samples.items():
+        out["modes"][mode] = _hol_row(base, storm, statistics.median(seconds))
+    trio_ratio = out["modes"]["trio_pd"]["ratio_p99"]
+    raw_ratio = out["modes"]["raw NIXL, same loads"]["ratio_p99"]
+    out["p99_ratio_over_raw"] = round(trio_ratio / raw_ratio, 2)
     return out
+
+
+def _hol_row(base: list[float], storm: list[float], storm_seconds: float) -> Result:
+    return {
+        "baseline_p50_ms": ms(pct(base, 50)),
+        "baseline_p99_ms": ms(pct(base, 99)),
+        "during_handshakes_p50_ms": ms(pct(storm, 50)),
+        "during_handshakes_p99_ms": ms(pct(storm, 99)),
+        "pulls_during_handshakes": len(storm),
+        "handshake_storm_s": round(storm_seconds, 3),
+        "ratio_p50": round(pct(storm, 50) / pct(base, 50), 2),
+        "ratio_p99": round(pct(storm, 99) / pct(base, 99), 2),
+    }
+
+
+async def _raw_storm(
+    backend: trio_pd.NixlBackend,
+    warm: list[trio_pd.RemoteBlocks],
+    baseline_pulls: int,
+    storm_cap: int,
+    gap: float,
+    loads: list[tuple[float, RecordedLoad]],
+    samples: tuple[list[float], list[float], list[float]],
+) -> None:
+    """Raw NIXL's head-of-line anchor: warm READs posted from a plain thread,
+    idle and then while another plain thread loads ``loads`` at their offsets.
+    The connector is idle meanwhile (its agent and descriptor lists are used).
+    Appends to ``samples``: (idle seconds, storm seconds, storm duration)."""
+    assert loads, "the trio_pd mode records the loads first"
+
+    def reads(first: int, n: int) -> list[tuple[np.ndarray, bytes]]:
+        return [
+            (np.asarray([i]), encode_notification(warm[i].request_id))
+            for i in range(first, first + n)
+        ]
+
+    engine = warm[0].engine_id
+    base, storm, seconds = samples
+    base += await trio.to_thread.run_sync(
+        raw_paced_reads, backend, engine, reads(1, baseline_pulls), gap
+    )
+    done = threading.Event()
+    started = time.perf_counter()
+
+    async def warm_reads() -> None:
+        await trio.sleep(0.01)  # as in the trio_pd mode: let the loads start
+        storm.extend(
+            await trio.to_thread.run_sync(
+                raw_paced_reads, backend, engine, reads(baseline_pulls + 1, storm_cap), gap, done
+            )
+        )
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(warm_reads)
+        await trio.to_thread.run_sync(raw_replay_loads, backend.agent, loads, done)
+    seconds.append(time.perf_counter() - started)
 
 
 def _keep_job(jobs: dict[str, Job], job: Job) -> None:
