@@ -28,7 +28,7 @@ from trio_pd.testing import (
 )
 from trio_pd.testing._prefill_worker import config_overrides
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.test_hosts]
 
 TCP = {"UCX_TLS": "tcp"}
 SPEC = {"regions": 4, "blocks": 64, "block_shape": (16384,), "dtype": "float16"}  # 32 KiB blocks

@@ -31,6 +31,7 @@ from .test_serve import complete, deployment_client, open_deployment, prompts, s
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.test_hosts,
     pytest.mark.skipif(os.geteuid() != 0, reason="test hosts need root"),
 ]
 

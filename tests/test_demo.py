@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+import pytest
 import trio
 
 import trio_pd
@@ -91,6 +92,7 @@ async def test_the_demo_refuses_options_it_cannot_run() -> None:
     assert code != 0
 
 
+@pytest.mark.test_hosts
 async def test_the_demo_across_test_hosts_over_tcp() -> None:
     code, summary = await _run("demo", *SMALL, "--hosts", "2")
     assert code == 0

@@ -54,6 +54,7 @@ def test_each_exercise_prints_what_its_page_shows(exercise: str) -> None:
 
 
 @pytest.mark.exercise_hosts
+@pytest.mark.test_hosts
 @pytest.mark.parametrize("exercise", ON_TEST_HOSTS)
 def test_each_exercise_on_test_hosts_prints_what_its_page_shows(exercise: str) -> None:
     output = _shown(run_doc_script(DOCS / "exercises" / exercise, timeout=120))

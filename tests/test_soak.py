@@ -141,6 +141,7 @@ def test_the_soak_section_ends_the_performance_page_and_is_replaced_in_place() -
 
 
 @pytest.mark.slow
+@pytest.mark.test_hosts
 @pytest.mark.soak  # (25 s: nox -s soak runs it, before the long soak)
 async def test_a_short_soak_across_hosts_keeps_every_must_be_zero_count_at_zero(
     tmp_path: Path,
