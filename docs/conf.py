@@ -38,6 +38,8 @@ extensions = [
     "myst_parser",
     "pd_diagrams",
     "pd_facts",
+    "pd_shutdown",
+    "pd_budget",
 ]
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}

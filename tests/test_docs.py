@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import ast
 import html as html_module
+import importlib
 import os
 import posixpath
 import re
 import subprocess
 import sys
+from contextlib import asynccontextmanager
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import attrs
 import msgspec
@@ -175,6 +178,82 @@ def test_fetches_vs_loads_is_drawn_from_the_code_and_drift_fails_the_build(
     monkeypatch.setattr(handshakes.Handshakes, "_load", load_without_deadline)
     with pytest.raises(diagrams.DocsDrift, match="move_on_at"):
         diagrams.fetch_load_dot()
+
+
+def _extension(name: str) -> ModuleType:
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+
+
+def test_the_shutdown_timeline_is_read_from_the_code_and_drift_fails_the_build(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    timelines = _extension("pd_shutdown")
+    dot = timelines.shutdown_timeline_dot()
+    close = attrs.fields(trio_pd.ConnectorConfig).close_timeout.default
+    shield = f"2 * config.close_timeout = {2 * close:g} s from here"
+    # The scopes nest as in the source: the release and ZeroMQ's end are inside the shield.
+    assert dot.index(shield) < dot.index("NixlBackend.aclose()") < dot.index("context.destroy")
+    assert dot.count("shielded: the cancellation outside does not reach in") == 2
+    for task in ("serve_zap", "producer.serve_listener", "consumer.run_handshakes", "leases.run"):
+        assert task in dot, task
+    assert "Leases.begin_close(): Refuse new holds and" in dot  # (its docstring)
+    # Other deadlines, another picture: nothing is typed by hand.
+    other = timelines.shutdown_timeline_dot(trio_pd.ConnectorConfig(close_timeout=2.0))
+    assert "2 * config.close_timeout = 4 s from here" in other
+    # A release that is no longer shielded fails the build.
+    import trio
+
+    import trio_pd._connector as connector_module
+    from trio_pd._connector import _release
+
+    @asynccontextmanager
+    async def unshielded(config: Any, transfers: Any, connector: Any, *args: Any) -> Any:
+        try:
+            async with trio.open_nursery() as nursery:
+                try:
+                    yield connector
+                finally:
+                    connector._begin_close()
+                    nursery.cancel_scope.cancel()
+        finally:
+            transfers.begin_close()
+            with trio.move_on_after(2 * config.close_timeout):
+                await _release(*args)
+
+    monkeypatch.setattr(connector_module, "open_connector", unshielded)
+    with pytest.raises(timelines.DocsDrift, match=r"transfers\.aclose no longer runs shielded"):
+        timelines.shutdown_timeline_dot()
+
+
+def test_the_deadline_budget_adds_up_the_code_s_deadlines_and_drift_fails_the_build(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from trio_pd._handshakes import HANDSHAKES_PER_PULL, Handshakes
+
+    timelines = _extension("pd_budget")
+    for config in (trio_pd.ConnectorConfig(), trio_pd.ConnectorConfig(handshake_timeout=7.0)):
+        dot = timelines.deadline_budget_dot(config)
+        text = " ".join(dot.replace("\\n", " ").split())
+        wait = max(config.handshake_timeout, config.backoff_initial)
+        worst = HANDSHAKES_PER_PULL * wait + config.transfer_timeout + 2 * config.close_timeout
+        assert f"handshake_timeout = {config.handshake_timeout:g} s, for all four phases" in text
+        assert f"HANDSHAKES_PER_PULL = {HANDSHAKES_PER_PULL} waits" in text
+        assert f"= {worst:g} s several remote ranks: {worst + HANDSHAKES_PER_PULL * wait:g} s" in (
+            text
+        )
+    # An attempt that no longer sets its one deadline fails the build.
+    real = Handshakes._start_attempt
+
+    def start_without_a_deadline(self: Handshakes, engine: Any) -> None:
+        real(self, engine)
+
+    monkeypatch.setattr(Handshakes, "_start_attempt", start_without_a_deadline)
+    with pytest.raises(timelines.DocsDrift, match=r"no longer has .engine\.deadline = "):
+        timelines.deadline_budget_dot()
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 4), (4, 2), (2, 2)])
@@ -359,13 +438,21 @@ def test_the_docs_build_with_warnings_as_errors(tmp_path: Path) -> None:
     assert open_connector.endswith(") as connector")
     assert _signature(api, "trio_pd.Connector.pull").startswith("await pull(request_id: str,")
     assert _signature(api, "trio_pd.Connector.expose").startswith("expose(request_id: str,")
-    # The diagrams were rendered by Graphviz: task tree, first pull, failure path,
-    # state diagram (with every state), two TP mappings (with every decode rank),
-    # fetches vs loads.
-    design = (html / "design.html").read_text()
-    images = re.findall(r'data="(_images/graphviz-\w+\.svg)"', design)
-    assert len(images) == 7, images
-    svgs = [(html / image).read_text() for image in images]
+
+    # The diagrams were rendered by Graphviz: on the design page the task tree,
+    # first pull, failure path, state diagram (with every state), fetches vs
+    # loads and the shutdown timeline; two TP mappings (with every decode rank)
+    # on the internals page; the deadline budget on the timeouts page.
+    def images(page: str) -> list[str]:
+        found = re.findall(r'data="(_images/graphviz-\w+\.svg)"', (html / page).read_text())
+        return [(html / image).read_text() for image in found]
+
+    svgs = images("design.html")
+    assert len(svgs) == 6, len(svgs)
+    assert any("nursery.cancel_scope.cancel()" in svg for svg in svgs)
+    tp_svgs = images("internals.html")
+    assert len(tp_svgs) == 2, len(tp_svgs)
+    assert any("HANDSHAKES_PER_PULL" in svg for svg in images("timeouts.html"))
     # The tables rendered from the code are on their pages.
     facts = _facts()
     serving = html_module.unescape((html / "serving.html").read_text())
@@ -385,7 +472,7 @@ def test_the_docs_build_with_warnings_as_errors(tmp_path: Path) -> None:
     for name, _ in facts.logger_rows():
         assert f'<span class="pre">{name}</span></code></p></td>' in operations, name
     assert any(all(state.name in svg for state in EngineState) for svg in svgs)
-    assert any(all(f"decode rank {d}" in svg for d in range(4)) for svg in svgs)
+    assert any(all(f"decode rank {d}" in svg for d in range(4)) for svg in tp_svgs)
 
 
 def _signature(page: str, object_id: str) -> str:
