@@ -325,3 +325,20 @@ def test_a_wrong_flag_default_and_unknown_flags_are_found() -> None:
         "planted.md:3: '--no-such-flag', but the code says no trio-pd command has --no-such-flag",
         "planted.md:3: 'trio-pd nope --grace 1', but the code says trio-pd has no command nope",
     ]
+
+
+REPO_PATH = re.compile(r"`((?:docs|src|tests|benchmarks|\.ci)/[\w./-]+)`")
+
+
+def test_every_repository_path_a_page_names_exists() -> None:
+    """A file a page sends the reader to ("`docs/_ext/pd_budget.py`") is there
+    (build outputs, ``docs/_build``, aside)."""
+    problems = []
+    for page in PAGES:
+        for line in prose_lines(page.name, page.read_text()):
+            for path in REPO_PATH.findall(line[2]):
+                if path.startswith("docs/_build"):
+                    continue
+                if not (ROOT / path.rstrip("/.")).exists():
+                    problems.append(_problem(line, path, "no such file or folder"))
+    assert not problems, "\n".join(problems)
