@@ -227,6 +227,21 @@ def test_the_fact_tables_have_every_flag_field_metric_and_key() -> None:
     ]
 
 
+def test_the_error_tables_have_every_row_of_the_code() -> None:
+    from trio_pd._serve.errors import ERROR_STATUSES
+
+    facts = _facts()
+    rows = {w: facts.error_status_rows(w) for w in ("engine", "proxy")}
+    shown = {name for w in rows for row in rows[w] for name in row.exceptions}
+    assert shown == {facts.exception_name(cls) for cls in ERROR_STATUSES}
+    assert "trio_pd.HandshakeError" in shown
+    assert "Exception" in shown
+    [pulls] = [row for row in rows["engine"] if "trio_pd.TransferError" in row.exceptions]
+    assert (pulls.status, pulls.type) == ("502", "the exception's class name")
+    [busy] = [row for row in rows["engine"] if row.status.startswith("503")]
+    assert busy.status == "503, Retry-After: 1"
+
+
 def test_the_logger_table_has_every_logger_the_sources_use() -> None:
     import trio_pd._loggers as loggers
 
@@ -384,6 +399,10 @@ def test_the_docs_build_with_warnings_as_errors(tmp_path: Path) -> None:
         assert all(what.replace("``", "") in re.sub(r"<[^>]+>", "", serving) for what in whats)
     for name, _ in facts.logger_rows():
         assert f'<span class="pre">{name}</span></code></p></td>' in operations, name
+    for where in ("engine", "proxy"):
+        for row in facts.error_status_rows(where):
+            for name in row.exceptions:
+                assert f'<span class="pre">{name}</span>' in serving, name
     assert any(all(state.name in svg for state in EngineState) for svg in svgs)
     assert any(all(f"decode rank {d}" in svg for d in range(4)) for svg in svgs)
 

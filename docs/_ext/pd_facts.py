@@ -25,6 +25,11 @@ Directives (for MyST pages: the descriptions are parsed as Markdown):
     ``trio_pd._cli.common.EXIT_STATUSES``; a command of the parser with no entry
     there, an entry for no command, or a status other than ``EXIT_OK``,
     ``EXIT_FAILED`` and ``EXIT_USAGE`` is an error.
+``error-statuses`` *engine* | *proxy*
+    How the engine or the proxy answers each exception it catches, from
+    ``trio_pd._serve.errors.ERROR_STATUSES``: exception, status, the error
+    body's ``type``, when (with ``param``, ``Retry-After`` and the metric it
+    is counted in). A row with no meaning, or for no server, is an error.
 ``loggers``
     Every logger of :data:`trio_pd._loggers.LOGGERS` and what it logs; a
     ``logging.getLogger`` in the sources that names a logger not listed there,
@@ -38,6 +43,7 @@ import ast
 import inspect
 import math
 import re
+import sys
 import types
 import typing
 from collections.abc import Callable, Iterable, Sequence
@@ -62,6 +68,7 @@ import trio_pd._loggers as loggers
 import trio_pd._protocol as protocol
 import trio_pd._records as records
 import trio_pd._serve.engine as serve_engine
+import trio_pd._serve.errors as serve_errors
 import trio_pd._serve.metrics as serve_metrics
 import trio_pd._serve.proxy as serve_proxy
 from trio_pd import ConnectorConfig, ConnectorStatistics
@@ -518,6 +525,83 @@ class ExitStatuses(FactTable):
             yield (str(status), *(Markdown(rst_to_myst(w)) if w else "" for w in whats))
 
 
+# ---- exceptions -> HTTP statuses ----------------------------------------------------------
+
+
+def exception_name(cls: type) -> str:
+    """``cls`` as a reader imports it: ``trio_pd.HandshakeError``, ``httpx2.ConnectError``
+    (from the top-level package when it exports it), else module and name."""
+    if cls.__module__ == "builtins":
+        return cls.__qualname__
+    package = cls.__module__.split(".")[0]
+    if getattr(sys.modules.get(package), cls.__name__, None) is cls:
+        return f"{package}.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@attrs.frozen
+class ErrorRow:
+    exceptions: tuple[str, ...]
+    status: str
+    type: str  # Markdown
+    meaning: str  # Markdown
+
+
+def error_status_rows(where: str) -> list[ErrorRow]:
+    """The rows of ``ERROR_STATUSES`` that ``where`` (engine or proxy) answers,
+    exceptions that share a row on one line, in the table's order.
+
+    Raises:
+        ValueError: a row with no meaning, or for a server that is neither.
+    """
+    grouped: dict[int, tuple[serve_errors.ErrorStatus, list[str]]] = {}
+    for cls, row in serve_errors.ERROR_STATUSES.items():
+        if not row.meaning.strip():
+            raise ValueError(f"ERROR_STATUSES[{cls.__name__}] has no meaning")
+        if not row.where or not set(row.where) <= {"engine", "proxy"}:
+            raise ValueError(f"ERROR_STATUSES[{cls.__name__}]: where={row.where!r}")
+        if where in row.where:
+            grouped.setdefault(id(row), (row, []))[1].append(exception_name(cls))
+    rows = []
+    for row, names in grouped.values():
+        status = str(row.status)
+        if row.retry_after is not None:
+            status += f", Retry-After: {row.retry_after}"
+        if row.type == "{cls}":
+            kind = "the exception's class name"
+        elif "{role}" in row.type:
+            kind = " or ".join(f"`{row.type.format(role=r)}`" for r in ("prefill", "decode"))
+        else:
+            kind = f"`{row.type}`"
+        meaning = rst_to_myst(row.meaning)
+        if row.param is not None:
+            meaning += f" `param`: `{row.param.replace('{exc.field}', '<key>')}`."
+        if row.counted is not None:
+            meaning += f' Counted in `trio_pd_proxy_engine_errors_total` as `kind="{row.counted}"`.'
+        rows.append(ErrorRow(tuple(names), status, kind, meaning))
+    return rows
+
+
+class ErrorStatuses(FactTable):
+    required_arguments = 1
+    widths = (4, 2, 3, 8)
+    modules = (serve_errors,)
+
+    def header(self) -> Sequence[str]:
+        return ("exception", "status", Markdown("`type`"), "when")
+
+    def rows(self) -> Iterable[Sequence[Cell]]:
+        if self.arguments[0] not in ("engine", "proxy"):
+            raise self.error(f"no errors of {self.arguments[0]!r} (engine or proxy)")
+        try:
+            rows = error_status_rows(self.arguments[0])
+        except ValueError as exc:
+            raise self.error(str(exc)) from None
+        for row in rows:
+            names = Markdown(", ".join(f"`{name}`" for name in row.exceptions))
+            yield names, row.status, Markdown(row.type), Markdown(row.meaning)
+
+
 # ---- loggers ---------------------------------------------------------------------------------
 
 
@@ -556,5 +640,6 @@ def setup(app: Sphinx) -> dict[str, Any]:
     app.add_directive("prometheus-metrics", PrometheusMetrics)
     app.add_directive("protocol-message", ProtocolMessage)
     app.add_directive("exit-statuses", ExitStatuses)
+    app.add_directive("error-statuses", ErrorStatuses)
     app.add_directive("loggers", Loggers)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}
