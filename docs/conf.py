@@ -38,6 +38,7 @@ extensions = [
     "myst_parser",
     "pd_diagrams",
     "pd_facts",
+    "pd_facts_wire",
 ]
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
