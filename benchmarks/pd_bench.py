@@ -38,18 +38,13 @@ from typing import Any
 import numpy as np
 import torch
 import trio
-from comparison import (
-    CapturedBackends,
-    InlineHandshakes,
-    NixlOnEventLoop,
-    raw_nixl_read,
-    raw_nixl_read_at_once,
-)
+from comparison import InlineHandshakes, NixlOnEventLoop
 
 import trio_pd
 from trio_pd._jobs import Job
 from trio_pd._protocol import decode_notification
 from trio_pd.testing import (
+    CapturedBackends,
     LoopStallMonitor,
     PrefillWorker,
     WorkerSpec,
@@ -61,6 +56,8 @@ from trio_pd.testing import (
     open_prefill_worker,
     open_prefill_workers,
     open_test_hosts,
+    raw_nixl_read,
+    raw_nixl_read_at_once,
 )
 
 Result = dict[str, Any]
