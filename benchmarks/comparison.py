@@ -5,12 +5,13 @@
   pull) is done, so every other pull waits behind every handshake.
 * :class:`NixlOnEventLoop`: the NIXL backend with every NIXL call made on the
   trio thread, as a naive integration would (the loop stalls for each call).
-* :class:`CapturedBackends` and :func:`raw_nixl_read`: the connector's own
-  NIXL agent and prepared descriptor lists, to time raw NIXL READs of exactly
-  the descriptors trio_pd reads.
 * :class:`RecordingNixlBackend` and :func:`raw_replay_loads`: the remote-agent
   loads of a trio_pd handshake storm, recorded and replayed with NIXL directly
   from a plain thread, so head-of-line blocking has a raw NIXL anchor.
+
+The raw NIXL reads that trio_pd is measured against are
+``trio_pd.testing.CapturedBackends`` and ``raw_nixl_read`` (the demo measures
+one too).
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from typing import Any, TypeVar
 
 import attrs
 import numpy as np
-import torch
 import trio
 
 import trio_pd
+from trio_pd.testing import raw_nixl_read
 
 _T = TypeVar("_T")
 
@@ -104,85 +105,6 @@ class RecordingNixlBackend(trio_pd.NixlBackend):
         return await super().load_remote(
             engine_id, incarnation, agent_name, agent_metadata, layout, local_layout
         )
-
-
-class CapturedBackends:
-    """A backend factory that keeps the NIXL backends it creates."""
-
-    def __init__(self, cls: type[trio_pd.NixlBackend] = trio_pd.NixlBackend) -> None:
-        self.backends: list[trio_pd.NixlBackend] = []
-        self._cls = cls
-
-    async def __call__(
-        self,
-        agent_name: str,
-        kv_caches: Sequence[torch.Tensor],
-        layout: trio_pd.KVLayout,
-        config: trio_pd.ConnectorConfig,
-    ) -> trio_pd.NixlBackend:
-        backend = await self._cls.create(agent_name, kv_caches, layout, config)
-        self.backends.append(backend)
-        return backend
-
-
-def raw_nixl_read(
-    backend: trio_pd.NixlBackend, engine_id: str, block_ids: np.ndarray, notification: bytes = b""
-) -> float:
-    """One READ of ``block_ids`` (same ids on both sides) with NIXL directly.
-
-    It uses the connector's own agent and prepared descriptor lists, so trio_pd
-    and this read move exactly the same descriptors; it blocks its caller (no
-    trio, no threads) and returns the seconds from posting to DONE.
-    """
-    [remote] = [r for r in backend.remote_agents() if r.engine_id == engine_id and not r.retired]
-    agent = backend.agent
-    local_idx = backend.layout.descriptor_indices(block_ids)
-    remote_idx = remote.layout.descriptor_indices(block_ids)
-    started = time.perf_counter()
-    handle = agent.make_prepped_xfer(
-        "READ", backend.local_descriptors, local_idx, remote.handle, remote_idx, notification
-    )
-    status = agent.transfer(handle)
-    while status == "PROC":
-        status = agent.check_xfer_state(handle)
-    elapsed = time.perf_counter() - started
-    assert status == "DONE", status
-    handle.release()
-    return elapsed
-
-
-def raw_nixl_read_at_once(
-    backend: trio_pd.NixlBackend,
-    engine_id: str,
-    chunks: Sequence[np.ndarray],
-    notifications: Sequence[bytes],
-) -> float:
-    """One READ per chunk of block ids, all posted at once from this thread, then
-    polled together until every one is done; returns the seconds taken."""
-    [remote] = [r for r in backend.remote_agents() if r.engine_id == engine_id and not r.retired]
-    agent = backend.agent
-    started = time.perf_counter()
-    handles = []
-    for ids, notification in zip(chunks, notifications, strict=True):
-        handle = agent.make_prepped_xfer(
-            "READ",
-            backend.local_descriptors,
-            backend.layout.descriptor_indices(ids),
-            remote.handle,
-            remote.layout.descriptor_indices(ids),
-            notification,
-        )
-        status = agent.transfer(handle)
-        assert status in ("DONE", "PROC"), status
-        handles.append(handle)
-    pending = list(handles)
-    while pending:
-        pending = [h for h in pending if agent.check_xfer_state(h) == "PROC"]
-    elapsed = time.perf_counter() - started
-    for handle in handles:
-        assert agent.check_xfer_state(handle) == "DONE"
-        handle.release()
-    return elapsed
 
 
 def raw_replay_loads(

@@ -40,13 +40,10 @@ import numpy as np
 import torch
 import trio
 from comparison import (
-    CapturedBackends,
     InlineHandshakes,
     NixlOnEventLoop,
     RecordedLoad,
     RecordingNixlBackend,
-    raw_nixl_read,
-    raw_nixl_read_at_once,
     raw_paced_reads,
     raw_replay_loads,
 )
@@ -55,6 +52,7 @@ import trio_pd
 from trio_pd._jobs import Job
 from trio_pd._protocol import decode_notification
 from trio_pd.testing import (
+    CapturedBackends,
     LoopStallMonitor,
     PrefillWorker,
     WorkerSpec,
@@ -66,6 +64,8 @@ from trio_pd.testing import (
     open_prefill_worker,
     open_prefill_workers,
     open_test_hosts,
+    raw_nixl_read,
+    raw_nixl_read_at_once,
 )
 
 Result = dict[str, Any]

@@ -40,6 +40,7 @@ extensions = [
     "pd_facts",
     "pd_shutdown",
     "pd_budget",
+    "pd_facts_wire",
 ]
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}

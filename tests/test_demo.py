@@ -38,6 +38,14 @@ async def test_the_demo_pulls_and_verifies_every_request() -> None:
     assert summary["requests_failed"] == summary["requests_corrupt"] == 0
     assert summary["handshakes"] == 2
     assert summary["bytes_pulled"] > 0
+    # After the run, the same pull through trio_pd and as one raw NIXL READ on
+    # the decoder's own agent (the figures are machine-dependent: only that
+    # both were measured, on the largest pull's blocks).
+    assert summary["vs_raw_bytes"] == 8 * 4 * 4096
+    assert summary["vs_raw_engine"] == "prefill-0"
+    for key in ("vs_raw_trio_pd_gb_per_s", "vs_raw_nixl_gb_per_s", "trio_pd_vs_raw"):
+        assert isinstance(summary[key], float), key
+    assert summary["vs_raw_repetitions"] == 5
 
 
 async def test_the_demo_survives_a_killed_engine_and_goes_on_behind_a_slow_link() -> None:
@@ -65,6 +73,7 @@ async def test_the_demo_survives_a_killed_engine_and_goes_on_behind_a_slow_link(
     by_type = summary["errors_by_type"]
     assert isinstance(by_type, dict)
     assert by_type.keys() & {"HandshakeError", "TransferError"}, by_type
+    assert summary["vs_raw_engine"] == "prefill-0"  # (its pulls go through the slow link)
 
 
 async def test_keygen_prints_a_usable_key_pair() -> None:
@@ -85,6 +94,7 @@ async def test_the_demo_with_tensor_parallel_engines_verifies_every_head() -> No
     assert summary["requests_corrupt"] == 0
     assert (summary["prefill_tp"], summary["decode_tp"]) == (2, 4)
     assert summary["handshakes"] == 2 * 4  # each decode rank: its prefill rank of 2 engines
+    assert summary["trio_pd_vs_raw"] is None  # (a rank's heads are not one READ)
 
 
 async def test_the_demo_refuses_options_it_cannot_run() -> None:

@@ -274,6 +274,22 @@ def test_every_command_has_its_flag_table_rendered_from_its_parser() -> None:
     assert not hand_written, f"hand-written flag tables: {hand_written}"
 
 
+def test_no_table_of_keys_or_errors_is_typed_by_hand() -> None:
+    """The wire protocol's keys (messages, envelope, ``kv_transfer_params``)
+    and the servers' error answers are rendered from the code
+    (``docs/_ext/pd_facts_wire.py``): no page types such a table again."""
+    hand_written = [
+        f"{page}:{number}"
+        for page, number, text in all_lines()
+        if re.match(r"\|\s*(key|exception|status)\s*\|\s*(type|meaning|status|`type`)\s*\|", text)
+    ]
+    assert not hand_written, f"hand-written key or error tables: {hand_written}"
+    text = (ROOT / "docs" / "protocol.md").read_text(encoding="utf-8")
+    assert "```{protocol-envelope}" in text
+    assert "```{kv-transfer-params}" in text
+    assert (ROOT / "docs" / "serving.md").read_text(encoding="utf-8").count("{error-statuses}") == 2
+
+
 def planted(text: str) -> list[Line]:
     return list(prose_lines("planted.md", text))
 

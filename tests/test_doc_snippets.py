@@ -17,12 +17,20 @@ fence (invisible on the rendered page and on GitHub):
 
 mypy runs once over every snippet (and two planted wrong ones, which must
 fail: the check would otherwise pass whatever the pages say).
+
+Shell blocks (```sh, ```bash, ```shell, ```console) are not run; the commands
+in them are checked (see "shell blocks" below): ``trio-pd`` lines parse with
+the real parsers, ``nox -s`` names sessions that exist, scripts exist.
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import io
 import os
 import re
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -31,6 +39,10 @@ from pathlib import Path
 
 import attrs
 import pytest
+
+from trio_pd._cli import _parser
+
+from .test_doc_claims import command_parsers
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -244,3 +256,195 @@ def test_the_extraction_reads_markers_fences_and_indentation() -> None:
         Snippet("p.md", 4, "print(1)\n", True, ()),
         Snippet("p.md", 11, "a.b(b)\n", False, ("a", "b")),
     ]
+
+
+# ---- shell blocks: the commands they name exist ----------------------------------------
+#
+# ```sh, ```bash, ```shell and ```console blocks are not run (they start
+# servers, need root or another host); each command in them is checked
+# instead: a ``trio-pd`` command line is parsed by the real argparse parsers
+# (nothing runs) and may name only flags that exist, spelled out; ``nox -s X``
+# names a session of the noxfile (anywhere on a page, prose too); ``python
+# path.py`` and ``nox -s tests -- path`` name files of this checkout.
+
+SHELL = {"sh", "bash", "shell", "console"}
+OPERATORS = {";", "&&", "||", "|", "&", "(", ")"}
+REDIRECTS = {">", ">>", "<", "2>", "&>", ">&"}
+
+
+def shell_blocks(page: str, text: str) -> Iterator[tuple[str, int, list[str]]]:
+    """(page, line of the first line, lines) of each shell block of a page.
+    In a ``console`` block only the ``$ `` lines are commands (the rest is output)."""
+    lines = text.splitlines()
+    number = 0
+    while number < len(lines):
+        fence = FENCE.match(lines[number])
+        if not fence:
+            number += 1
+            continue
+        indent, mark, info = fence.groups()
+        end = number + 1
+        while end < len(lines) and lines[end].strip() != mark:
+            end += 1
+        if info in SHELL:
+            body = [line.removeprefix(indent) for line in lines[number + 1 : end]]
+            if info == "console":
+                body = [line[2:] if line.startswith("$ ") else "" for line in body]
+            yield page, number + 2, body
+        number = end + 1
+
+
+def shell_commands(first: int, body: list[str]) -> Iterator[tuple[int, list[str]]]:
+    """(line, argv) of each simple command of a block: continuations joined,
+    comments, ``VAR=value`` prefixes, ``sudo`` and redirections dropped, split
+    at ``;``, ``&&``, ``||``, ``|`` and ``&``."""
+    number = 0
+    while number < len(body):
+        start, line = number, body[number]
+        while line.endswith("\\") and number + 1 < len(body):
+            number += 1
+            line = line[:-1] + " " + body[number]
+        number += 1
+        lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        lexer.commenters = "#"
+        argv: list[str] = []
+        tokens = list(lexer)
+        skip = False
+        for token in [*tokens, ";"]:
+            if skip:
+                skip = False
+            elif token in REDIRECTS:
+                skip = True  # (and its target)
+            elif token in OPERATORS:
+                while argv and (re.fullmatch(r"\w+=.*", argv[0]) or argv[0] == "sudo"):
+                    argv.pop(0)
+                if argv:
+                    yield first + start, argv
+                argv = []
+            else:
+                argv.append(token)
+
+
+def nox_sessions() -> set[str]:
+    """The noxfile's sessions (read, not imported: nox need not be installed)."""
+    tree = ast.parse((ROOT / "noxfile.py").read_text())
+    return {
+        node.name
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef)
+        and any("nox.session" in ast.unparse(d) for d in node.decorator_list)
+    }
+
+
+def parse_problem(argv: list[str]) -> str | None:
+    """Why the real ``trio-pd`` parser refuses ``argv`` (the words after
+    ``trio-pd``), or a flag it would take only abbreviated; ``None`` if it parses."""
+    parsers = command_parsers()
+    if argv and argv[0] in parsers:
+        flags = {option for action in parsers[argv[0]]._actions for option in action.option_strings}
+        for word in argv[1:]:
+            if word == "--":
+                break
+            if word.startswith("--") and word.split("=")[0] not in flags:
+                return f"trio-pd {argv[0]} has no {word.split('=')[0]}"
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said), contextlib.redirect_stdout(io.StringIO()):
+            _parser().parse_args(argv)
+    except SystemExit as exc:
+        if exc.code:
+            return said.getvalue().strip().splitlines()[-1]
+    return None
+
+
+def command_problems(argv: list[str]) -> list[str]:
+    """What in one shell command names something that does not exist."""
+    shown = " ".join(argv)
+    if argv[:3] == ["python", "-m", "trio_pd"]:
+        argv = ["trio-pd", *argv[3:]]
+    if argv[0] == "trio-pd":
+        problem = parse_problem(argv[1:])
+        return [f"{shown!r}: {problem}"] if problem else []
+    if argv[:2] == ["nox", "-s"] and len(argv) > 2:
+        session, rest = argv[2], argv[3:]
+        if session not in nox_sessions():
+            return [f"{shown!r}: the noxfile has no session {session!r}"]
+        posargs = rest[rest.index("--") + 1 :] if "--" in rest else []
+        if session == "demo":  # (nox -s demo -- ARGS runs trio-pd demo ARGS)
+            problem = parse_problem(["demo", *posargs])
+            return [f"{shown!r}: {problem}"] if problem else []
+        if session == "tests":
+            paths = [p.split("::")[0] for p in posargs if p.startswith("tests/")]
+            return [f"{shown!r}: no file {p}" for p in paths if not (ROOT / p).exists()]
+        return []
+    if argv[0] in ("python", "python3") and len(argv) > 1 and argv[1].endswith(".py"):
+        return [] if (ROOT / argv[1]).is_file() else [f"{shown!r}: no file {argv[1]}"]
+    return []
+
+
+NOX_IN_PROSE = re.compile(r"`nox -s (\w+)")
+
+
+def shell_problems(page: str, text: str) -> tuple[list[str], int]:
+    """The problems of a page's shell blocks and ``nox -s`` spans, and how many
+    ``trio-pd`` and ``nox`` commands were checked."""
+    problems, checked = [], 0
+    for _, first, body in shell_blocks(page, text):
+        for line, argv in shell_commands(first, body):
+            if argv[0] in ("trio-pd", "nox") or argv[:3] == ["python", "-m", "trio_pd"]:
+                checked += 1
+            problems += [f"{page}:{line}: {p}" for p in command_problems(argv)]
+    sessions = nox_sessions()
+    for number, line in enumerate(text.splitlines(), 1):
+        for session in NOX_IN_PROSE.findall(line):
+            checked += 1
+            if session not in sessions:
+                problems.append(f"{page}:{number}: the noxfile has no session {session!r}")
+    return problems, checked
+
+
+def test_every_shell_command_names_commands_flags_and_sessions_that_exist() -> None:
+    problems, checked = [], 0
+    for page in PAGES:
+        found, count = shell_problems(page.name, page.read_text(encoding="utf-8"))
+        problems += found
+        checked += count
+    assert not problems, "\n".join(problems)
+    assert checked >= 25, checked  # (a check that finds no command passes forever)
+
+
+def test_a_wrong_command_flag_session_or_file_in_a_shell_block_is_found() -> None:
+    page = (
+        "```sh\n"
+        "trio-pd serve --prefill 1 --decod 1 --port 8000 \\\n"
+        "    --ready-file r.json &   # a comment --nope\n"
+        "sudo TRIO_PD_X=1 trio-pd engin --role prefill > log\n"
+        "trio-pd proxy --port 80 --idle 5 && nox -s tset\n"
+        "nox -s demo -- --hosts 2 --kill-engine-afterwards 3\n"
+        "python docs/examples/nope.py | tee out\n"
+        "```\n"
+        "```console\n"
+        "$ trio-pd engine --role both\n"
+        "trio-pd engine --role output-is-not-checked\n"
+        "```\n"
+        "and in prose, `nox -s lint` and `nox -s lnt`.\n"
+    )
+    problems, checked = shell_problems("planted.md", page)
+    expected = [  # (the start of each problem, and what argparse's own message says)
+        ("planted.md:2: 'trio-pd serve --prefill 1 --decod 1 --port 8000 --ready-file r.json'",
+         "trio-pd serve has no --decod"),
+        ("planted.md:4: 'trio-pd engin --role prefill'", "invalid choice: 'engin'"),
+        ("planted.md:5: 'trio-pd proxy --port 80 --idle 5'", "trio-pd proxy has no --idle"),
+        ("planted.md:5: 'nox -s tset'", "the noxfile has no session 'tset'"),
+        ("planted.md:6: 'nox -s demo -- --hosts 2 --kill-engine-afterwards 3'",
+         "trio-pd demo has no --kill-engine-afterwards"),
+        ("planted.md:7: 'python docs/examples/nope.py'", "no file docs/examples/nope.py"),
+        ("planted.md:10: 'trio-pd engine --role both'", "invalid choice: 'both'"),
+        ("planted.md:13:", "the noxfile has no session 'lnt'"),
+    ]  # fmt: skip
+    assert len(problems) == len(expected), "\n".join(problems)
+    for problem, (start, said) in zip(problems, expected, strict=True):
+        assert problem.startswith(start), problem
+        assert said in problem, problem
+    assert checked == 8

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import html as html_module
 import importlib
+import json
 import os
 import posixpath
 import re
@@ -279,6 +280,15 @@ def _facts() -> ModuleType:
     return pd_facts
 
 
+def _wire() -> ModuleType:
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        import pd_facts_wire
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+    return pd_facts_wire
+
+
 def test_the_fact_tables_have_every_flag_field_metric_and_key() -> None:
     facts = _facts()
     for command, parser in facts.command_parsers().items():
@@ -298,12 +308,74 @@ def test_the_fact_tables_have_every_flag_field_metric_and_key() -> None:
     assert {name.removeprefix("trio_pd_").removesuffix("_total") for name in engine} >= stats
     proxy = {row.name: row.labels for row in facts.proxy_metric_rows()}
     assert proxy["trio_pd_proxy_engine_errors_total"] == ("role", "engine", "kind")
-    keys = [row[0] for row in facts.message_rows(protocol.LeaseEntry)]
+    wire = _wire()
+    keys = [row[0] for row in wire.message_rows(protocol.LeaseEntry)]
     assert keys == [f.name for f in msgspec.structs.fields(protocol.LeaseEntry)]
-    assert facts.message_rows(protocol.MetadataRequest)[:2] == [
+    assert wire.message_rows(protocol.MetadataRequest)[:2] == [
         ("type", "string", '`"metadata_request"`'),
         ("protocol_version", "integer", f"`{protocol.PROTOCOL_VERSION}`"),
     ]
+
+
+def test_the_envelope_table_names_every_message_and_the_version() -> None:
+    wire = _wire()
+    (type_key, type_kind, tags), (version_key, _, version) = wire.envelope_rows()
+    assert (type_key, type_kind, version_key) == ("type", "string", "protocol_version")
+    named = re.findall(r'`"(\w+)"`', tags)
+    assert named == ["metadata_request", "lease", "lease_reply", "metadata_reply", "error"]
+    assert version.startswith(f"`{protocol.PROTOCOL_VERSION}` ")
+
+
+def test_a_message_without_the_envelope_fails_the_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Planted(msgspec.Struct, tag="planted", tag_field="type"):
+        said: str
+
+    monkeypatch.setattr(protocol, "Planted", Planted, raising=False)
+    with pytest.raises(ValueError, match="Planted has no 'protocol_version'"):
+        _wire().envelope_rows()
+
+
+def test_the_kv_transfer_params_table_is_what_the_parser_takes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The keys the table shows are those the producer sends, and a key the
+    table calls optional is one the consumer's parser lets go (with the default
+    shown), a required one is one it refuses to go without."""
+    import trio_pd._records as records
+
+    rows = _wire().kv_param_rows()
+    sent = trio_pd.RemoteBlocks("p", "h", 5, [1, 2], "r", "i", 2, "t").to_kv_transfer_params()
+    assert [key for key, _, _ in rows] == list(sent)
+    for key, kind, meaning in rows:
+        assert meaning, key
+        without = {k: v for k, v in sent.items() if k != key}
+        optional = re.search(r"optional \(absent or null: `(.*)`\)", kind)
+        if optional is None:
+            with pytest.raises(ValueError, match=f"lacks '{key}'"):
+                trio_pd.RemoteBlocks.from_kv_transfer_params(without)
+            continue
+        name = records.KV_TRANSFER_PARAMS[key]
+        for absent in (without, {**without, key: None}):
+            parsed = trio_pd.RemoteBlocks.from_kv_transfer_params(absent)
+            assert getattr(parsed, name) == json.loads(optional.group(1)), key
+    monkeypatch.setitem(records.KV_TRANSFER_PARAMS, "remote_token", "signature")
+    with pytest.raises(ValueError, match="KV_TRANSFER_PARAMS carries"):
+        _wire().kv_param_rows()
+
+
+def test_the_error_tables_have_every_row_of_the_code() -> None:
+    from trio_pd._serve.errors import ERROR_STATUSES
+
+    wire = _wire()
+    rows = {w: wire.error_status_rows(w) for w in ("engine", "proxy")}
+    shown = {name for w in rows for row in rows[w] for name in row.exceptions}
+    assert shown == {wire.exception_name(cls) for cls in ERROR_STATUSES}
+    assert "trio_pd.HandshakeError" in shown
+    assert "Exception" in shown
+    [pulls] = [row for row in rows["engine"] if "trio_pd.TransferError" in row.exceptions]
+    assert (pulls.status, pulls.type) == ("502", "the exception's class name")
+    [busy] = [row for row in rows["engine"] if row.status.startswith("503")]
+    assert busy.status == "503, Retry-After: 1"
 
 
 def test_the_logger_table_has_every_logger_the_sources_use() -> None:
@@ -389,7 +461,7 @@ def test_a_protocol_field_without_a_docstring_fails_the_build(tmp_path: Path) ->
     finally:
         sys.path.remove(str(tmp_path))
     with pytest.raises(ValueError, match=r"Planted\.unsaid has no docstring"):
-        _facts().message_rows(planted_protocol.Planted)
+        _wire().message_rows(planted_protocol.Planted)
 
 
 def test_the_offline_inventories_point_at_the_public_docs(tmp_path: Path) -> None:
@@ -471,6 +543,13 @@ def test_the_docs_build_with_warnings_as_errors(tmp_path: Path) -> None:
         assert all(what.replace("``", "") in re.sub(r"<[^>]+>", "", serving) for what in whats)
     for name, _ in facts.logger_rows():
         assert f'<span class="pre">{name}</span></code></p></td>' in operations, name
+    protocol_page = (html / "protocol.html").read_text()
+    for key, _, _ in [*_wire().envelope_rows(), *_wire().kv_param_rows()]:
+        assert f'<span class="pre">{key}</span>' in protocol_page, key
+    for where in ("engine", "proxy"):
+        for row in _wire().error_status_rows(where):
+            for name in row.exceptions:
+                assert f'<span class="pre">{name}</span>' in serving, name
     assert any(all(state.name in svg for state in EngineState) for svg in svgs)
     assert any(all(f"decode rank {d}" in svg for d in range(4)) for svg in tp_svgs)
 

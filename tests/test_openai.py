@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 from trio_pd._serve import app as app_module
 from trio_pd._serve.app import build_app
-from trio_pd._serve.asgi import HTTPError
 from trio_pd._serve.engine import Engine, EngineSettings
+from trio_pd._serve.errors import HTTPError
 from trio_pd._serve.fields import CHAT, CHAT_NEUTRAL, COMPLETIONS, COMPLETIONS_NEUTRAL, KV_TYPES
 from trio_pd._serve.model import ModelConfig, TinyLlama
 from trio_pd._serve.openai import (

@@ -16,7 +16,7 @@ import pytest
 import trio
 
 import trio_pd
-from trio_pd._serve.asgi import HTTPError
+from trio_pd._serve.errors import HTTPError
 from trio_pd._serve.keys import BearerKeys
 from trio_pd._serve.openai import MODEL_NAME
 

@@ -17,9 +17,6 @@ Directives (for MyST pages: the descriptions are parsed as Markdown):
     The metrics an engine or the proxy exports at ``/metrics``: name as
     exposed, type, labels, help (for the connector's statistics, the
     :class:`trio_pd.ConnectorStatistics` field's description).
-``protocol-message`` *STRUCT*
-    The keys of one side-channel message (a msgspec Struct of
-    ``trio_pd._protocol``): key, wire type, meaning (its docstring).
 ``exit-statuses`` *COMMAND* ...
     The exit statuses of the ``trio-pd`` commands named, one column each, from
     ``trio_pd._cli.common.EXIT_STATUSES``; a command of the parser with no entry
@@ -29,6 +26,9 @@ Directives (for MyST pages: the descriptions are parsed as Markdown):
     Every logger of :data:`trio_pd._loggers.LOGGERS` and what it logs; a
     ``logging.getLogger`` in the sources that names a logger not listed there,
     or a listed logger that no code uses, is an error.
+
+The wire protocol's tables and the servers' error answers are rendered by
+``pd_facts_wire``, with this module's tables.
 """
 
 from __future__ import annotations
@@ -39,16 +39,13 @@ import inspect
 import math
 import re
 import types
-import typing
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
 import attrs
-import msgspec
 from docutils import nodes
 from docutils.statemachine import StringList
 from sphinx.application import Sphinx
-from sphinx.pycode import ModuleAnalyzer
 from sphinx.util.docutils import SphinxDirective
 
 import trio_pd._cli as cli
@@ -59,7 +56,6 @@ import trio_pd._cli.proxy as cli_proxy
 import trio_pd._cli.serve as cli_serve
 import trio_pd._config as config
 import trio_pd._loggers as loggers
-import trio_pd._protocol as protocol
 import trio_pd._records as records
 import trio_pd._serve.engine as serve_engine
 import trio_pd._serve.metrics as serve_metrics
@@ -394,84 +390,6 @@ class PrometheusMetrics(FactTable):
             )
 
 
-# ---- the wire protocol ---------------------------------------------------------------------
-
-
-def wire_type(annotation: Any) -> str:
-    """How a field's type travels in MessagePack, in words."""
-    origin = typing.get_origin(annotation)
-    if origin is typing.Annotated:
-        inner, *meta = typing.get_args(annotation)
-        text = wire_type(inner)
-        for m in meta:
-            if isinstance(m, msgspec.Meta) and m.ge is not None:
-                text += f" ≥ {m.ge}"
-        return text
-    if origin is typing.Literal:
-        values = [f'`"{v}"`' for v in typing.get_args(annotation)]
-        return "string: " + ", ".join(values[:-1]) + " or " + values[-1]
-    if origin is list:
-        (item,) = typing.get_args(annotation)
-        items = wire_type(item)
-        return "array of " + ("maps" if items == "map" else items.replace("integer", "integers"))
-    if isinstance(annotation, type) and issubclass(annotation, msgspec.Struct):
-        return "map"
-    names = {str: "string", int: "integer", bytes: "binary", bool: "boolean"}
-    if annotation in names:
-        return names[annotation]
-    raise ValueError(f"no wire type for {annotation!r}")
-
-
-def message_rows(struct: type[msgspec.Struct]) -> list[tuple[str, str, str]]:
-    """(key, type, meaning) of each key of a message, in wire order.
-
-    Raises:
-        ValueError: a field whose meaning is not documented in the code.
-    """
-    docs = ModuleAnalyzer.for_module(struct.__module__).find_attr_docs()
-    hints = typing.get_type_hints(struct, include_extras=True, localns=vars(protocol))
-    info = msgspec.structs.fields(struct)
-    rows = []
-    tag = struct.__struct_config__.tag
-    if isinstance(tag, str):
-        rows.append((struct.__struct_config__.tag_field or "type", "string", f'`"{tag}"`'))
-    for field in info:
-        lines = docs.get((struct.__name__, field.name))
-        if field.name == "protocol_version":
-            said = f" ({rst_to_myst(' '.join(' '.join(lines).split()))})" if lines else ""
-            rows.append((field.name, "integer", f"`{protocol.PROTOCOL_VERSION}`{said}"))
-            continue
-        if not lines:
-            raise ValueError(f"{struct.__name__}.{field.name} has no docstring in the code")
-        meaning = rst_to_myst(" ".join(" ".join(lines).split()))
-        kind = wire_type(hints[field.name])
-        if field.default is not msgspec.NODEFAULT:
-            kind += ", optional"
-            meaning += f" Default `{msgspec.json.encode(field.default).decode()}`."
-        rows.append((field.name, kind, meaning))
-    return rows
-
-
-class ProtocolMessage(FactTable):
-    required_arguments = 1
-    widths = (3, 3, 8)
-    modules = (protocol,)
-
-    def header(self) -> Sequence[str]:
-        return ("key", "type", "meaning")
-
-    def rows(self) -> Iterable[Sequence[Cell]]:
-        struct = getattr(protocol, self.arguments[0], None)
-        if not (isinstance(struct, type) and issubclass(struct, msgspec.Struct)):
-            raise self.error(f"trio_pd._protocol has no message {self.arguments[0]!r}")
-        try:
-            rows = message_rows(struct)
-        except ValueError as exc:
-            raise self.error(str(exc)) from None
-        for key, kind, meaning in rows:
-            yield Code(key), kind, Markdown(meaning)
-
-
 # ---- exit statuses ----------------------------------------------------------------------------
 
 
@@ -554,7 +472,6 @@ def setup(app: Sphinx) -> dict[str, Any]:
     app.add_directive("cli-flags", CliFlags)
     app.add_directive("config-fields", ConfigFields)
     app.add_directive("prometheus-metrics", PrometheusMetrics)
-    app.add_directive("protocol-message", ProtocolMessage)
     app.add_directive("exit-statuses", ExitStatuses)
     app.add_directive("loggers", Loggers)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}

@@ -196,7 +196,9 @@ class _Envelope(msgspec.Struct):
     """The two fields every version of every message keeps."""
 
     type: str
+    """Which message it is."""
     protocol_version: int
+    """The sender's protocol version: a receiver that speaks another names both."""
 
 
 _UNDECODABLE = (msgspec.DecodeError, RecursionError)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import attrs
 
@@ -26,8 +26,9 @@ class RemoteBlocks:
         engine_id: the producer engine.
         host: the producer's side-channel host as consumers reach it (its
             ``advertise_host``); IPv6 addresses without brackets.
-        port: the producer's side-channel port: the engine's *base* port
-            (rank ``r`` of a tensor-parallel engine listens on ``port + r``).
+        port: the producer's side-channel port, 1 to 65535: the engine's
+            *base* port (rank ``r`` of a tensor-parallel engine listens on
+            ``port + r``, which must be a port too).
         block_ids: the producer's block ids, in the order they are read.
         request_id: the producer's request id (named in the notification).
         incarnation: the producer connector's incarnation (random per start).
@@ -36,7 +37,8 @@ class RemoteBlocks:
             belonged to the old one. Empty when unknown (e.g. parameters from a
             producer that is not trio_pd); then no such check is possible.
             For a tensor-parallel engine, rank 0's incarnation.
-        tp_size: the producer engine's tensor-parallel size (its ranks).
+        tp_size: the producer engine's tensor-parallel size (its ranks; vLLM's
+            key).
         token: the producer's signature over all of the above (see
             ``ConnectorConfig.exposure_secret``); empty when the producer
             has no secret. A consumer with a secret reads only blocks whose
@@ -59,16 +61,9 @@ class RemoteBlocks:
         pass unknown keys along. ``tp_size`` is vLLM's key for the
         producer's tensor-parallel size.
         """
-        return {
-            "remote_engine_id": self.engine_id,
-            "remote_host": self.host,
-            "remote_port": self.port,
-            "remote_block_ids": list(self.block_ids),
-            "remote_request_id": self.request_id,
-            "remote_incarnation": self.incarnation,
-            "tp_size": self.tp_size,
-            "remote_token": self.token,
-        }
+        params = {key: getattr(self, name) for key, name in KV_TRANSFER_PARAMS.items()}
+        params["remote_block_ids"] = list(self.block_ids)  # (JSON has no tuples)
+        return params
 
     @classmethod
     def from_kv_transfer_params(cls, params: Mapping[str, Any]) -> RemoteBlocks:
@@ -80,14 +75,14 @@ class RemoteBlocks:
         Raises:
             ValueError: a key is missing or has the wrong type.
         """
-        try:
-            engine_id = params["remote_engine_id"]
-            host = params["remote_host"]
-            port = params["remote_port"]
-            block_ids = params["remote_block_ids"]
-            request_id = params["remote_request_id"]
-        except KeyError as exc:
-            raise ValueError(f"kv_transfer_params lacks {exc.args[0]!r}") from None
+        missing = [key for key in REQUIRED_PARAMS if key not in params]
+        if missing:
+            raise ValueError(f"kv_transfer_params lacks {missing[0]!r}")
+        engine_id = params["remote_engine_id"]
+        host = params["remote_host"]
+        port = params["remote_port"]
+        block_ids = params["remote_block_ids"]
+        request_id = params["remote_request_id"]
         if not isinstance(engine_id, str) or not isinstance(host, str):
             raise ValueError("remote_engine_id and remote_host must be strings")
         if not isinstance(request_id, str):
@@ -111,6 +106,28 @@ class RemoteBlocks:
         ):
             raise ValueError("remote_block_ids must be a list of ints")
         return cls(engine_id, host, port, block_ids, request_id, incarnation, tp_size, token)
+
+
+KV_TRANSFER_PARAMS: Final = {
+    "remote_engine_id": "engine_id",
+    "remote_host": "host",
+    "remote_port": "port",
+    "remote_block_ids": "block_ids",
+    "remote_request_id": "request_id",
+    "remote_incarnation": "incarnation",
+    "tp_size": "tp_size",
+    "remote_token": "token",
+}
+"""The ``kv_transfer_params`` keys, in order, and the :class:`RemoteBlocks`
+attribute each carries: a key is required when its attribute has no default,
+else optional (absent or ``null``: the default)."""
+
+REQUIRED_PARAMS: Final = tuple(
+    key
+    for key, name in KV_TRANSFER_PARAMS.items()
+    if attrs.fields_dict(RemoteBlocks)[name].default is attrs.NOTHING
+)
+"""The keys that :meth:`RemoteBlocks.from_kv_transfer_params` requires."""
 
 
 @attrs.frozen

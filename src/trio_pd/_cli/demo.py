@@ -48,6 +48,7 @@ from .._groups import unwrapped_errors
 from .._netns import TestHost, open_test_hosts
 from .._ports import free_port_range
 from .._records import RemoteBlocks
+from .demo_raw import NOT_MEASURED, compare_with_raw_nixl
 
 if TYPE_CHECKING:
     from ..testing._prefill_worker import PrefillWorker
@@ -181,6 +182,7 @@ async def run_demo(options: DemoOptions) -> dict[str, Any]:
     # The demo is built on the testing toolkit (prefill workers, relays);
     # it is loaded here, so that the serving commands never load it.
     from ..testing._prefill_worker import WorkerSpec, open_prefill_workers
+    from ..testing._raw_nixl import CapturedBackends
     from ..testing._relay import open_delay_relays
     from ..testing._stall import LoopStallMonitor
 
@@ -224,6 +226,8 @@ async def run_demo(options: DemoOptions) -> dict[str, Any]:
         relays = open_delay_relays(targets, delay) if delay else _no_relays()
         relay_ports = await stack.enter_async_context(relays)
         config = ConnectorConfig(handshake_timeout=max(5.0, 20 * delay))
+        # (the decoder's NIXL agent, kept for the comparison with raw NIXL)
+        captured = None if o.tensor_parallel else CapturedBackends()
         base = free_port_range(o.decode_tp) if o.decode_tp > 1 else 0
         decoders: list[tuple[Connector, list[Any]]] = []
         for rank in range(o.decode_tp):
@@ -231,7 +235,13 @@ async def run_demo(options: DemoOptions) -> dict[str, Any]:
             local = [torch.zeros(shape, dtype=torch.float16) for _ in range(o.regions)]
             conn = await stack.enter_async_context(
                 open_connector(
-                    "decode-0", local, port=base, config=config, tp_rank=rank, tp_size=o.decode_tp
+                    "decode-0",
+                    local,
+                    port=base,
+                    config=config,
+                    tp_rank=rank,
+                    tp_size=o.decode_tp,
+                    backend=captured,
                 )
             )
             decoders.append((conn, local))
@@ -250,6 +260,14 @@ async def run_demo(options: DemoOptions) -> dict[str, Any]:
             trio.lowlevel.remove_instrument(monitor)
             gc.unfreeze()
         stats = [conn.statistics() for conn, _ in decoders]
+        vs_raw = NOT_MEASURED
+        first = tally.per_engine.get(engines[0][0].engine_id, _EngineTally())
+        if captured is not None and first.ok:
+            # after the run, so that its figures are not disturbed
+            relay = relay_ports[0] if relay_ports else None
+            vs_raw = await compare_with_raw_nixl(
+                engines[0][0], decoders[0][0], captured.backends[0], o.max_prompt_blocks, relay
+            )
     latencies = np.asarray(tally.latencies or [0.0]) * 1e3
     waits = list(tally.handshake_waits.values()) or [0.0]
     faults = bool(o.kill_engine_after or o.slow_engine_delay)
@@ -285,6 +303,9 @@ async def run_demo(options: DemoOptions) -> dict[str, Any]:
         # bytes over the whole run: filling the prefill blocks and checking
         # every pulled byte included
         "gb_per_s": round(tally.bytes / elapsed / 1e9, 3) if elapsed else 0.0,
+        # after the run: one pull of the largest size at a time, through trio_pd
+        # and as one READ with NIXL directly on the decoder's agent (medians)
+        **vs_raw,
         # the longest the trio loop of this (decode) process went without I/O,
         # and how much of that its thread itself ran; what shared the cores:
         "largest_loop_stall_ms": round(monitor.longest * 1e3, 2),

@@ -42,6 +42,7 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{s['per_pull_gb_per_s_p50']} GB/s",
             "a pull's bytes over its own time, handshake wait left out",
         ),
+        _vs_raw(s),
         (
             "run throughput",
             f"{s['gb_per_s']} GB/s",
@@ -97,6 +98,26 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append("first errors:")
         lines += [f"  {e}" for e in s["errors"]]
     return "\n".join(lines)
+
+
+def _vs_raw(s: dict[str, Any]) -> tuple[str, str, str]:
+    """The line that compares a pull with raw NIXL (measured after the run)."""
+    if s["trio_pd_vs_raw"] is None:
+        return (
+            "  vs raw NIXL",
+            "not measured in this run",
+            "with tensor parallelism a rank reads strided heads, not one READ; "
+            "see docs/performance.md, 'throughput vs raw NIXL'",
+        )
+    return (
+        "  vs raw NIXL",
+        f"x{s['trio_pd_vs_raw']}: {s['vs_raw_trio_pd_gb_per_s']} GB/s trio_pd, "
+        f"{s['vs_raw_nixl_gb_per_s']} GB/s raw NIXL",
+        f"after the run, one pull of {_size(s['vs_raw_bytes'])} from {s['vs_raw_engine']} "
+        f"at a time, median of {s['vs_raw_repetitions']} each, interleaved: through trio_pd, "
+        "and as one READ "
+        "with NIXL directly on the decoder's own agent and descriptors",
+    )
 
 
 def _size(count: int) -> str:

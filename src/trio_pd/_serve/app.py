@@ -1,5 +1,6 @@
 """The engine's ASGI application: routes, the lifespan that owns the connectors,
-and the generation handlers (errors mapped to HTTP statuses here).
+and the generation handlers (the exceptions they catch are answered by their
+row of :data:`~.errors.ERROR_STATUSES`).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET
 /v1/models`` (and ``/v1/models/{id}``), ``GET /health``, ``GET /metrics``. A
@@ -32,7 +33,6 @@ from .._connector import open_connector
 from .._errors import HandshakeError, ParamsRejectedError, TransferError
 from .._ports import free_port_range
 from .asgi import (
-    HTTPError,
     Receive,
     Scope,
     Send,
@@ -45,6 +45,7 @@ from .asgi import (
     start_events,
 )
 from .engine import Engine
+from .errors import HTTPError, ParamsInUse, http_error
 from .openai import (
     MODEL_NAME,
     GenerationRequest,
@@ -56,6 +57,10 @@ from .pool import OutOfBlocks
 from .responses import Shapes, model_card, model_list
 
 logger = logging.getLogger("trio_pd.serve")
+
+PULL_ERRORS = (OutOfBlocks, ParamsRejectedError, ParamsInUse, HandshakeError, TransferError)
+"""What a generation request may fail with besides its own refusals: answered
+by their rows of :data:`~.errors.ERROR_STATUSES`."""
 
 ROUTES: dict[str, tuple[str, ...]] = {
     "/v1/completions": ("POST",),
@@ -84,16 +89,14 @@ def build_app(engine: Engine) -> Callable[[Scope, Receive, Send], Any]:
             level = logging.WARNING if exc.status >= 500 else logging.INFO
             logger.log(level, "request %s: %d %s", request_id, exc.status, exc)
             await response.error(exc)
-        except Exception:
+        except Exception as exc:
             logger.exception(
                 "request %s: %s %s failed unexpectedly",
                 request_id,
                 scope["method"],
                 scope["path"][:200],
             )
-            await response.error(
-                HTTPError(500, f"internal error (request {request_id}; logged)", "server_error")
-            )
+            await response.error(http_error(exc, row_of=Exception, request_id=request_id))
 
     return response_completes(app)
 
@@ -302,26 +305,9 @@ async def _generation(engine: Engine, receive: Receive, send: Send, rid: str, ch
             else:
                 await _generate(engine, send_tracked, shapes, request)
         outcome = "ok" if answered else "disconnected"
-    except OutOfBlocks as exc:
-        raise HTTPError(
-            503, f"engine {engine.settings.engine_id}: {exc}", "overloaded", retry_after=1
-        ) from None
-    except ParamsRejectedError as exc:
-        raise HTTPError(
-            400,
-            f"engine {engine.settings.engine_id}: {exc}",
-            "invalid_request_error",
-            param=f"kv_transfer_params.{exc.field}",
-        ) from None
-    except (HandshakeError, TransferError) as exc:
-        source = params.get("remote_engine_id")
-        raise HTTPError(
-            502,
-            f"engine {engine.settings.engine_id}: pulling the KV cache from engine "
-            f"{source!r} failed: {exc}",
-            type(exc).__name__,
-            engine=engine.settings.engine_id,
-            remote_engine=source,
+    except PULL_ERRORS as exc:
+        raise http_error(
+            exc, engine=engine.settings.engine_id, remote_engine=params.get("remote_engine_id")
         ) from None
     finally:
         engine.requests.labels(request.kind, outcome).inc()

@@ -17,6 +17,7 @@ from typing import Any
 import trio
 
 from .._groups import unwrapped_errors
+from .errors import BodyNotJSON, HTTPError, http_error
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -25,42 +26,13 @@ Send = Callable[[Message], Awaitable[None]]
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-class HTTPError(Exception):
-    """An error reply: ``status`` and OpenAI's JSON error body,
-    ``{"error": {"message", "type", "param", "code", ...extra}}``.
-
-    ``param`` names the request's field at fault; ``code`` is OpenAI's
-    machine-readable reason (``"model_not_found"``...), both ``null`` when
-    there is none. ``retry_after`` (seconds) becomes a ``Retry-After``
-    header (for 503s).
-    """
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        retry_after: int | None = None,
-        **extra: Any,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = {
-            "error": {"message": message, "type": kind, "param": param, "code": code, **extra}
-        }
-        self.headers: list[tuple[bytes, bytes]] = []
-        if retry_after is not None:
-            self.headers.append((b"retry-after", str(retry_after).encode()))
-
-
 async def read_json(receive: Receive, limit: int = 1 << 20) -> dict[str, Any]:
     """The request body as a JSON object.
 
     Raises:
-        HTTPError: 400 if it is not a JSON object or larger than ``limit``.
+        HTTPError: 413 if it is larger than ``limit``, 400 if it is not a JSON
+            object (not JSON: :class:`~.errors.BodyNotJSON`'s row), 499 if
+            the client went away.
     """
     body = bytearray()
     while True:
@@ -75,9 +47,9 @@ async def read_json(receive: Receive, limit: int = 1 << 20) -> dict[str, Any]:
     try:
         data = json.loads(body)
     except ValueError as exc:
-        raise HTTPError(400, f"body is not JSON: {exc}", "invalid_request_error") from None
+        raise http_error(BodyNotJSON(f"body is not JSON: {exc}")) from None
     except RecursionError:
-        raise HTTPError(400, "body is nested too deeply", "invalid_request_error") from None
+        raise http_error(BodyNotJSON("body is nested too deeply")) from None
     if not isinstance(data, dict):
         raise HTTPError(400, "body must be a JSON object", "invalid_request_error")
     return data

@@ -57,8 +57,8 @@ from .._connector import Connector
 from .._errors import IncompatibleEngineError, ParamsRejectedError
 from .._groups import first_failure_wins
 from .._records import RemoteBlocks
-from .asgi import HTTPError
 from .binding import is_wildcard
+from .errors import HTTPError, ParamsInUse
 from .keys import BearerKeys
 from .metrics import ConnectorCollector
 from .model import ModelConfig, TinyLlama
@@ -315,9 +315,10 @@ class Engine:
 
         Raises:
             HandshakeError, TransferError: the pull failed.
-            ParamsRejectedError: ``params`` claim what the producer did not issue.
-            HTTPError: ``params`` are malformed, do not match the prompt, or
-                name a TP size that this engine cannot read from (400).
+            ParamsRejectedError: ``params`` claim what the producer did not
+                issue, or name a TP size that this engine cannot read from.
+            ParamsInUse: another request holds the same ``params``.
+            HTTPError: ``params`` are malformed or do not match the prompt (400).
             OutOfBlocks: not enough blocks freed within ``admission_timeout``.
         """
         config = self.model.config
@@ -338,17 +339,12 @@ class Engine:
                         try:
                             await holds.enter_async_context(connector.hold(remote))
                         except ParamsRejectedError:
-                            raise  # (a 400 naming the field)
+                            raise
                         except ValueError as exc:  # (the same parameters in two requests)
-                            raise HTTPError(
-                                409, str(exc), "invalid_request_error", param="kv_transfer_params"
-                            ) from None
+                            raise ParamsInUse(str(exc)) from None
                         except IncompatibleEngineError as exc:  # (before any I/O: the params')
-                            raise HTTPError(
-                                400,
-                                f"engine {self.settings.engine_id} cannot read these blocks: {exc}",
-                                "invalid_request_error",
-                                param="kv_transfer_params.tp_size",
+                            raise ParamsRejectedError(
+                                request_id, "tp_size", f"cannot be read here: {exc.reason}"
                             ) from None
                 if remote is not None:
                     check_prompt_blocks(remote, config.blocks_for(before), len(prompt))

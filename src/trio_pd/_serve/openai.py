@@ -1,7 +1,7 @@
 """OpenAI-compatible requests, and vLLM's P/D parameters: strict parsing (no I/O).
 
 Each parser takes a decoded JSON body -- any JSON value -- and returns a
-checked :class:`GenerationRequest` or raises :class:`~.asgi.HTTPError`: a
+checked :class:`GenerationRequest` or raises :class:`~.errors.HTTPError`: a
 4xx whose ``param`` names the field, never another exception (the tests fuzz
 this). The policy, field by field (``docs/serving.md`` has the table):
 
@@ -29,7 +29,7 @@ from typing import Any, Literal
 import attrs
 
 from .._records import RemoteBlocks
-from .asgi import HTTPError
+from .errors import HTTPError
 from .fields import (
     ANY,
     CHAT,

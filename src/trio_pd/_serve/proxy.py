@@ -50,7 +50,6 @@ import trio
 from prometheus_client import generate_latest
 
 from .asgi import (
-    HTTPError,
     Receive,
     Scope,
     Send,
@@ -60,6 +59,7 @@ from .asgi import (
     send_json,
     send_text,
 )
+from .errors import HTTPError, StreamStalled, error_status, http_error
 from .keys import BearerKeys, bearer_header
 from .metrics import ProxyMetrics
 from .openai import (
@@ -278,12 +278,14 @@ class Proxy:
                         )
                 except (httpx2.ConnectError, httpx2.ConnectTimeout) as exc:
                     engines.refused(engine, trio.current_time())
-                    failure = self._engine_error("prefill", engine, "refused", exc)
+                    failure = self._engine_error("prefill", engine, exc)
                     continue
-                except trio.TooSlowError:
-                    raise self._timed_out("prefill", engine, self._timeouts.prefill) from None
-                except httpx2.TransportError as exc:
-                    raise self._engine_error("prefill", engine, "transport", exc) from None
+                except trio.TooSlowError as exc:
+                    raise self._engine_error(
+                        "prefill", engine, exc, phase="no answer", seconds=self._timeouts.prefill
+                    ) from None
+                except httpx2.HTTPError as exc:
+                    raise self._engine_error("prefill", engine, exc) from None
             if response.status_code == 503:
                 failure = _relayed("prefill", engine, response.status_code, response.text)
                 continue
@@ -375,13 +377,17 @@ class Proxy:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
         except (httpx2.ConnectError, httpx2.ConnectTimeout) as exc:
-            raise _Refused(self._engine_error("decode", engine, "refused", exc)) from None
-        except trio.TooSlowError:
-            raise self._timed_out("decode", engine, self._timeouts.first_byte) from None
+            raise _Refused(self._engine_error("decode", engine, exc)) from None
+        except trio.TooSlowError as exc:
+            raise self._engine_error(
+                "decode",
+                engine,
+                exc,
+                phase="not even the first byte of an answer",
+                seconds=self._timeouts.first_byte,
+            ) from None
         except (httpx2.HTTPError, StreamStalled) as exc:
-            timeout = isinstance(exc, httpx2.TimeoutException | StreamStalled)
-            kind = "timeout" if timeout else "transport"
-            error = self._engine_error("decode", engine, kind, exc)
+            error = self._engine_error("decode", engine, exc)
             if not streaming:
                 raise error from None
             # Mid-stream: the status is sent; end the stream with an error event.
@@ -391,25 +397,13 @@ class Proxy:
                 with trio.CancelScope(shield=True):
                     await response.aclose()
 
-    def _engine_error(self, role: str, engine: str, kind: str, exc: BaseException) -> HTTPError:
-        self.metrics.engine_errors.labels(role, engine, kind).inc()
-        status = 504 if kind == "timeout" else 502
-        return HTTPError(
-            status,
-            f"{role} engine {engine} failed: {type(exc).__name__}: {exc}",
-            f"{role}_failed",
-            engine=engine,
-        )
-
-    def _timed_out(self, role: str, engine: str, seconds: float) -> HTTPError:
-        self.metrics.engine_errors.labels(role, engine, "timeout").inc()
-        phase = "no answer" if role == "prefill" else "not even the first byte of an answer"
-        return HTTPError(
-            504,
-            f"{role} engine {engine}: {phase} within {seconds:g} s",
-            f"{role}_timeout",
-            engine=engine,
-        )
+    def _engine_error(self, role: str, engine: str, exc: BaseException, **fields: Any) -> HTTPError:
+        """The answer to ``exc`` from ``role``'s ``engine`` (its row of
+        :data:`~.errors.ERROR_STATUSES`), counted in ``engine_errors``."""
+        kind = error_status(exc).counted
+        if kind is not None:
+            self.metrics.engine_errors.labels(role, engine, kind).inc()
+        return http_error(exc, role=role, engine=engine, **fields)
 
     def _count_status(self, role: str, engine: str, status: int) -> None:
         if status >= 500 or status in (401, 403):  # (the engine's fault, or the deployment's)
@@ -422,10 +416,6 @@ class _Refused(Exception):
     def __init__(self, error: HTTPError) -> None:
         super().__init__(str(error))
         self.error = error
-
-
-class StreamStalled(Exception):
-    """A decode stream sent nothing for the idle deadline."""
 
 
 def _outcome(status: int) -> str:

@@ -26,6 +26,10 @@
 * :func:`free_port_range`: a base port with free ports after it (TP ranks).
 * :func:`encode_notification`: the notification a consumer posts after
   reading a request's blocks (for raw NIXL comparisons and foreign consumers).
+* :class:`CapturedBackends`, :func:`raw_nixl_read`,
+  :func:`raw_nixl_read_at_once`: READs with NIXL directly, on a connector's
+  own agent and descriptors, to compare trio_pd with (the benchmarks, the
+  demo).
 * ``trio_pd.testing.fixtures``: pytest fixtures built on these; enable them
   with ``pytest_plugins = ["trio_pd.testing.fixtures"]`` in a ``conftest.py``.
 """
@@ -50,10 +54,12 @@ from ._prefill_worker import (
     open_prefill_worker,
     open_prefill_workers,
 )
+from ._raw_nixl import CapturedBackends, raw_nixl_read, raw_nixl_read_at_once
 from ._relay import open_delay_relays, serve_delay_relay
 from ._stall import LoopStallMonitor
 
 __all__ = [
+    "CapturedBackends",
     "EtcdServer",
     "EtcdUnavailable",
     "LoopStallMonitor",
@@ -78,5 +84,7 @@ __all__ = [
     "open_prefill_worker",
     "open_prefill_workers",
     "open_test_hosts",
+    "raw_nixl_read",
+    "raw_nixl_read_at_once",
     "serve_delay_relay",
 ]
