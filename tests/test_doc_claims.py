@@ -343,18 +343,22 @@ def test_a_wrong_flag_default_and_unknown_flags_are_found() -> None:
     ]
 
 
-REPO_PATH = re.compile(r"`((?:docs|src|tests|benchmarks|\.ci)/[\w./-]+)`")
+REPO_PATH = re.compile(r"`((?:docs|src|tests|benchmarks|\.ci)/[\w./-]+)(?:::(\w+))?")
 
 
 def test_every_repository_path_a_page_names_exists() -> None:
     """A file a page sends the reader to ("`docs/_ext/pd_budget.py`") is there
-    (build outputs, ``docs/_build``, aside)."""
+    (build outputs, ``docs/_build``, aside), and so is a test it names
+    ("`tests/test_tokens.py::test_a_forged_token_is_refused`")."""
     problems = []
     for page in PAGES:
         for line in prose_lines(page.name, page.read_text()):
-            for path in REPO_PATH.findall(line[2]):
+            for path, test in REPO_PATH.findall(line[2]):
                 if path.startswith("docs/_build"):
                     continue
-                if not (ROOT / path.rstrip("/.")).exists():
+                file = ROOT / path.rstrip("/.")
+                if not file.exists():
                     problems.append(_problem(line, path, "no such file or folder"))
+                elif test and not re.search(rf"^(async )?def {test}\(", file.read_text(), re.M):
+                    problems.append(_problem(line, f"{path}::{test}", "no such test"))
     assert not problems, "\n".join(problems)
