@@ -108,13 +108,17 @@ async def send_text(send: Send, status: int, text: str, content_type: str) -> No
     await send({"type": "http.response.body", "body": text.encode()})
 
 
-async def start_events(send: Send) -> None:
+async def start_events(send: Send, headers: list[tuple[bytes, bytes]] | None = None) -> None:
     """Start a server-sent-events response (then :func:`send_event` each chunk)."""
     await send(
         {
             "type": "http.response.start",
             "status": 200,
-            "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
+            "headers": [
+                (b"content-type", b"text/event-stream"),
+                (b"cache-control", b"no-cache"),
+                *(headers or []),
+            ],
         }
     )
 
@@ -178,3 +182,16 @@ def response_completes(app: App) -> App:
         await app(scope, receiving, sending)
 
     return wrapped
+
+
+async def trivial_lifespan(receive: Receive, send: Send) -> None:
+    """Answer ASGI lifespan messages (an application with nothing to start or stop)."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        else:  # pragma: no cover
+            await trio.lowlevel.checkpoint()
