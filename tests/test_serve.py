@@ -328,6 +328,9 @@ async def answers_say_where_their_time_went(deployment: dict[str, Any]) -> None:
                     async with request as response:
                         assert response.status_code == 200
                         timing = parse_server_timing(response.headers["server-timing"])
+                        if url == decode and not stream:  # (a whole answer: its length, unchunked)
+                            assert "transfer-encoding" not in response.headers
+                            assert int(response.headers["content-length"]) > 0
                     assert list(timing) == phases, (url, stream)
                     assert all(ms >= 0 for ms in timing.values())
 
