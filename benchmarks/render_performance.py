@@ -539,7 +539,7 @@ def _ttft_breakdown(sv: dict[str, Any], overhead: dict[str, Any] | None) -> list
         rows.append([label, "" if p is None else p, "" if o is None else o, added])
     rows.append(
         [
-            "**time to first token**",
+            "**time to first token** (mean of the middle 80%)",
             proxy["ttft"],
             one["ttft"],
             round(proxy["ttft"] - one["ttft"], 3),
@@ -548,14 +548,14 @@ def _ttft_breakdown(sv: dict[str, Any], overhead: dict[str, Any] | None) -> list
     lines = [
         "Where the time to first token goes at 1 client "
         f"({sv.get('passes_at_1_client', 1) * sv['prompts']} requests to each target, "
-        "taking turns): the median of each phase, in ms, from each answer's "
-        "`Server-Timing` (the engines' phases, and the proxy's prefill and decode "
-        "requests) and the client's clock (when the headers and the first token "
-        "arrived). Medians of phases need not add up to the median total. The "
-        "proxy sends its headers once the decode engine's answer started, so the "
-        "first row of the proxy is the client's request to it and the proxy's own "
-        "work; for one engine it is the whole HTTP exchange and the engine's "
-        "request handling.",
+        "taking turns), in ms: each phase's mean over the middle 80% of the requests "
+        "by time to first token, so the rows add up to the last one. From each "
+        "answer's `Server-Timing` (the engines' phases, the proxy's prefill and "
+        "decode requests) and the client's clock (when the headers and the first "
+        "token arrived). The proxy sends its headers once the decode engine's "
+        "answer started, so the proxy's first row is the client's request to it "
+        "and the proxy's own work; for one engine it is the whole HTTP exchange "
+        "and the engine's request handling.",
         "",
         _table(["phase", "via proxy", "one engine", "added"], rows),
         "",
@@ -632,6 +632,22 @@ FINDINGS = """## What we found
   the wait for the driver thread to run, not trio_pd's Python. With a thread
   per pull, the worst warm pulls had waited for a transfer thread held by
   the cold engines' first pulls; the driver has no such slots.
+* **P/D latency: no fixed waits, but three processes per request.** Looked
+  for on the way to a disaggregated request's first token: the proxy reuses
+  one connection per engine (checked with `ss` after 30 requests), every
+  socket has `TCP_NODELAY` (trio's default, on both sides), a decode
+  engine's hold sends nothing (lease heartbeats go at most once a second,
+  not per request), the step loop has no pause, and whole JSON answers now
+  carry `Content-Length` (hypercorn chunked them: one write more, and one
+  read more for the proxy). What P/D adds is benchmark 11's breakdown: two
+  HTTP exchanges more, the prefill engine's request handling, expose and
+  hold (about 0.2 ms each) and the pull (1-2.5 ms, two thread hand-offs
+  around the READ). The proxy's two exchanges alone cost benchmark 12's
+  2.2-2.9 ms in one process, more than the goal's 2 ms; across processes on
+  these 2 shared cores each hop also waits for a core, which is most of the
+  prefill and decode rows. The prefill engine's notification thread polls
+  every 100 us from expose until the read (each `time.sleep(100 us)` takes
+  about 165 us and 20 us of CPU here: the kernel's 50 us timer slack).
 """
 
 
