@@ -812,15 +812,21 @@ async def bench_producer_cpu(quick: bool) -> Result:
 async def bench_serve(quick: bool) -> Result:
     """``trio-pd serve``: time to first token and tokens/s through the P/D proxy
     against one engine serving the whole request, the same prompts, at 1, 8
-    and 32 clients; both targets measured in turn within each client count."""
+    and 32 clients. At 1 client the two targets take turns request by
+    request (every prompt three times), and each answer's ``Server-Timing``
+    splits its time to first token (:func:`_ttft_breakdown`); at 8 and 32
+    the targets take turns by client count."""
     import tempfile
     from contextlib import aclosing
 
     import httpx2
 
+    from trio_pd._serve.timing import parse as parse_server_timing
+
     prompts = [f"request {i}: " + "tell me about trio nurseries " * (1 + i % 9) for i in range(32)]
     max_tokens = 16 if quick else 32
     client_counts = (1, 8) if quick else (1, 8, 32)
+    passes = 1 if quick else 3  # (over the prompts, at 1 client)
     if quick:
         prompts = prompts[:12]
     with tempfile.TemporaryDirectory() as scratch:
@@ -845,25 +851,50 @@ async def bench_serve(quick: bool) -> Result:
             auth = {"Authorization": f"Bearer {internal_key}"}
             async with httpx2.AsyncClient(timeout=60, limits=limits, headers=auth) as client:
 
-                async def one(url: str, prompt: str) -> tuple[float, float, int]:
+                async def one(url: str, prompt: str) -> Result:
+                    """One streamed request: seconds to its headers, to its first
+                    token and to its end; its tokens; its Server-Timing (ms)."""
                     body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True}
                     started, first, tokens = time.perf_counter(), 0.0, 0
                     async with (
                         client.stream("POST", f"{url}/v1/completions", json=body) as response,
                         aclosing(response.aiter_lines()) as lines,
                     ):
+                        headers = time.perf_counter() - started
                         if response.status_code != 200:
                             raise RuntimeError(f"{url}: {response.status_code}")
                         async for line in lines:
                             if line.startswith("data: {"):
                                 tokens += 1
                                 first = first or time.perf_counter() - started
-                    return first, time.perf_counter() - started, tokens
+                    timing = parse_server_timing(response.headers.get("server-timing", ""))
+                    return {
+                        "headers": headers,
+                        "first": first,
+                        "seconds": time.perf_counter() - started,
+                        "tokens": tokens,
+                        "timing": timing,
+                    }
 
                 for url in targets.values():  # warm-up: handshakes, first allocations
-                    await one(url, prompts[0])
+                    for prompt in prompts[:4]:
+                        await one(url, prompt)
                 rows: dict[int, dict[str, dict[str, float]]] = {}
-                for clients in client_counts:
+                answers: dict[str, list[Result]] = {name: [] for name in targets}
+                for _ in range(passes):  # 1 client: the targets take turns
+                    for prompt in prompts:
+                        for name, url in targets.items():
+                            answers[name].append(await one(url, prompt))
+                rows[1] = {
+                    name: {
+                        "ttft_p50_ms": ms(statistics.median(a["first"] for a in done)),
+                        "tokens_per_s": round(
+                            sum(a["tokens"] for a in done) / sum(a["seconds"] for a in done)
+                        ),
+                    }
+                    for name, done in answers.items()
+                }
+                for clients in client_counts[1:]:
                     rows[clients] = {}
                     for name, url in targets.items():
                         limiter = trio.CapacityLimiter(clients)
@@ -878,9 +909,9 @@ async def bench_serve(quick: bool) -> Result:
                             prompt: str = "",
                         ) -> None:
                             async with limiter:
-                                first, _, tokens = await one(url, prompt)
-                                first_tokens.append(first)
-                                counted.append(tokens)
+                                answer = await one(url, prompt)
+                                first_tokens.append(answer["first"])
+                                counted.append(answer["tokens"])
 
                         started = time.perf_counter()
                         async with trio.open_nursery() as nursery:
@@ -896,19 +927,66 @@ async def bench_serve(quick: bool) -> Result:
             with trio.move_on_after(30, shield=True):
                 await process.wait()
     proxy, one_engine = "proxy (P/D)", "one engine"
+    ttft = {c: (r[proxy]["ttft_p50_ms"], r[one_engine]["ttft_p50_ms"]) for c, r in rows.items()}
     return {
         "prompts": len(prompts),
         "max_tokens": max_tokens,
+        "passes_at_1_client": passes,
         "by_clients": {str(c): r for c, r in rows.items()},
-        "ttft_ratio": {
-            str(c): round(r[proxy]["ttft_p50_ms"] / r[one_engine]["ttft_p50_ms"], 2)
-            for c, r in rows.items()
-        },
+        "ttft_ratio": {str(c): round(p / o, 2) for c, (p, o) in ttft.items()},
+        "ttft_added_ms": {str(c): ms((p - o) / 1e3) for c, (p, o) in ttft.items()},
         "tokens_per_s_ratio": {
             str(c): round(r[proxy]["tokens_per_s"] / r[one_engine]["tokens_per_s"], 2)
             for c, r in rows.items()
         },
+        "ttft_breakdown_ms": _ttft_breakdown(answers[proxy], answers[one_engine]),
     }
+
+
+def _ttft_breakdown(proxied: list[Result], whole: list[Result]) -> Result:
+    """Where each target's time to first token goes at 1 client, in ms: each
+    phase's mean over the middle 80% of the requests by time to first token
+    (the slowest and fastest tenth left out), so that the rows add up to
+    that mean, shown as ``ttft``.
+
+    From each answer's ``Server-Timing`` (see ``trio_pd._serve.timing``) and
+    the client's own clock: when the answer's headers arrived and when its
+    first token did. The proxy's headers leave once the decode engine's
+    answer started, so ``front`` -- the client's request to the proxy and
+    the proxy's own work -- is what is left of the headers' time once its
+    ``prefill`` and ``decode`` requests are taken out.
+    """
+
+    def phases(answer: Result, proxy: bool) -> dict[str, float]:
+        t = answer["timing"]
+        headers, first = answer["headers"] * 1e3, answer["first"] * 1e3
+        if not proxy:
+            forward = t.get("admission", 0.0) + t.get("forward", 0.0)
+            return {"front": headers - forward, "forward": forward, "first_step": first - headers}
+        forward = t.get("prefill.admission", 0.0) + t.get("prefill.forward", 0.0)
+        expose = t.get("prefill.expose", 0.0)
+        hold = t.get("decode.hold", 0.0) + t.get("decode.admission", 0.0)
+        pull = t.get("decode.pull", 0.0)
+        return {
+            "front": headers - t["prefill"] - t["decode"],
+            "prefill_http": t["prefill"] - forward - expose,
+            "forward": forward,
+            "expose": expose,
+            "decode_http": t["decode"] - hold - pull,
+            "hold": hold,
+            "pull": pull,
+            "first_step": first - headers,
+        }
+
+    out: Result = {}
+    for name, answers, proxy in (("proxy (P/D)", proxied, True), ("one engine", whole, False)):
+        ranked = sorted(answers, key=lambda a: float(a["first"]))
+        cut = len(ranked) // 10
+        middle = ranked[cut : len(ranked) - cut]
+        split = [phases(a, proxy) for a in middle]
+        out[name] = {key: round(statistics.fmean(s[key] for s in split), 3) for key in split[0]}
+        out[name]["ttft"] = round(statistics.fmean(a["first"] for a in middle) * 1e3, 3)
+    return out
 
 
 # ---- 12. the proxy's own cost ---------------------------------------------------

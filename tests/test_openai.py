@@ -503,6 +503,8 @@ async def call(
     await app(scope, receive, send)
     start, data = sent[0], b"".join(m.get("body", b"") for m in sent[1:])
     head = dict(start["headers"])
+    if head[b"content-type"] != b"text/event-stream":  # (a whole answer says its length)
+        assert int(head[b"content-length"]) == len(data)
     return start["status"], head, json.loads(data) if b"json" in head[b"content-type"] else data
 
 

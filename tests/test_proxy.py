@@ -19,12 +19,14 @@ from typing import Any
 
 import attrs
 import httpx2
+import pytest
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from trio_pd._serve.asgi import read_json, send_json
 from trio_pd._serve.proxy import Proxy, ProxyTimeouts, open_client
+from trio_pd._serve.timing import PhaseTimes, parse
 
 from .test_serve import metrics
 
@@ -42,6 +44,7 @@ class Scripted:
     authorizations: list[str] = attrs.field(factory=list)
     in_flight: int = 0
     most_in_flight: int = 0
+    server_timing: str = ""  # (sent as Server-Timing when set)
 
     async def app(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -62,13 +65,14 @@ class Scripted:
             await trio.sleep(self.delay)
         finally:
             self.in_flight -= 1
+        timing = [(b"server-timing", self.server_timing.encode())] if self.server_timing else []
         if self.status != 200:
             error = {"error": {"message": f"scripted {self.status}", "type": "scripted"}}
             await send_json(send, self.status, error)
         elif body.get("kv_transfer_params", {}).get("do_remote_decode"):
-            await send_json(send, 200, {"kv_transfer_params": KV})
+            await send_json(send, 200, {"kv_transfer_params": KV}, timing)
         else:
-            await send_json(send, 200, {"choices": [{"text": "ok"}]})
+            await send_json(send, 200, {"choices": [{"text": "ok"}]}, timing)
 
 
 async def start_http(nursery: trio.Nursery, app: Any) -> str:
@@ -166,6 +170,55 @@ async def test_a_request_id_is_passed_on_returned_and_minted_when_missing() -> N
             assert prefill.request_ids[0] == decode.request_ids[0] == "abc-123"
             assert prefill.request_ids[1:] == decode.request_ids[1:]
             assert len(set(prefill.request_ids)) == 4
+
+
+def test_phase_times_and_server_timing_values() -> None:
+    now = [0.0]
+    times = PhaseTimes(clock=lambda: now[0])
+    with times.phase("prefill"):
+        now[0] += 0.0025
+
+    def failing() -> None:
+        with times.phase("decode"):  # (timed however it ends)
+            now[0] += 0.001
+            raise RuntimeError
+
+    with pytest.raises(RuntimeError):
+        failing()
+    with times.phase("prefill"):  # (a retry adds to the phase)
+        now[0] += 0.0005
+    times.relay("decode.", "pull;dur=1.25, hold;desc=x, junk, ;dur=1, cpu;dur=-1, a b;dur=2")
+    times.relay("decode.", None)
+    assert times.as_dict() == pytest.approx({"prefill": 3.0, "decode": 1.0, "decode.pull": 1.25})
+    assert times.header() == (
+        b"server-timing",
+        b"prefill;dur=3.000, decode;dur=1.000, decode.pull;dur=1.250",
+    )
+    assert parse(times.header()[1].decode()) == times.as_dict()
+    assert parse("") == {}
+
+
+async def test_the_answer_says_where_the_time_went_engines_phases_relayed() -> None:
+    with trio.fail_after(30):
+        async with (
+            engines(2) as ([prefill, decode], urls),
+            proxy_for(urls[:1], urls[1:]) as (_, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            prefill.server_timing = "forward;dur=2.5, expose;dur=0.5"
+            decode.server_timing = "pull;dur=1.25, something odd"
+            response = await client.post(f"{proxy}/v1/completions", json=BODY)
+            assert response.status_code == 200
+            timing = parse(response.headers["server-timing"])
+            phases = ["prefill", "prefill.forward", "prefill.expose", "decode", "decode.pull"]
+            assert list(timing) == phases
+            assert (timing["prefill.forward"], timing["prefill.expose"]) == (2.5, 0.5)
+            assert timing["decode.pull"] == 1.25
+            assert min(timing["prefill"], timing["decode"]) >= 0
+            # Engines that say nothing: the proxy's own phases alone.
+            prefill.server_timing = decode.server_timing = ""
+            response = await client.post(f"{proxy}/v1/completions", json=BODY)
+            assert list(parse(response.headers["server-timing"])) == ["prefill", "decode"]
 
 
 async def test_an_engine_that_refuses_is_passed_over_and_counted() -> None:

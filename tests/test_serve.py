@@ -22,6 +22,8 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from trio_pd._serve.timing import parse as parse_server_timing
+
 pytestmark = pytest.mark.slow
 
 BLOCK = 16  # tokens per KV block (the model's default)
@@ -308,13 +310,40 @@ async def sigterm_lets_requests_in_flight_finish_then_stops(
         assert await process.wait() == 0
 
 
+async def answers_say_where_their_time_went(deployment: dict[str, Any]) -> None:
+    """Each answer's ``Server-Timing`` names the phases before its first token:
+    the proxy's two requests and, relayed under their role, the engines' own
+    phases; an engine serving a request whole names its admission and forward."""
+    proxy, [decode] = deployment["proxy"], deployment["decode"]
+    body = {"prompt": "where did the time go?", "max_tokens": 3}
+    prefill = ["prefill", "prefill.admission", "prefill.forward", "prefill.expose"]
+    pulled = ["decode", "decode.hold", "decode.admission", "decode.pull"]
+    with trio.fail_after(60):
+        async with deployment_client(30) as client:
+            for url, phases in [(proxy, [*prefill, *pulled]), (decode, ["admission", "forward"])]:
+                for stream in (True, False):
+                    request = client.stream(
+                        "POST", f"{url}/v1/completions", json={**body, "stream": stream}
+                    )
+                    async with request as response:
+                        assert response.status_code == 200
+                        timing = parse_server_timing(response.headers["server-timing"])
+                        if url == decode and not stream:  # (a whole answer: its length, unchunked)
+                            assert "transfer-encoding" not in response.headers
+                            assert int(response.headers["content-length"]) > 0
+                    assert list(timing) == phases, (url, stream)
+                    assert all(ms >= 0 for ms in timing.values())
+
+
 async def test_bad_requests_a_client_that_disconnects_and_sigterm_on_one_deployment(
     deployment: dict[str, Any],
 ) -> None:
-    """Three stories on one deployment (each start costs seconds): bad requests
-    get clear errors and the engines keep serving; a client that disconnects
-    cancels its request end to end (every block back in both pools); SIGTERM
-    lets a request in flight finish, then stops."""
+    """Four stories on one deployment (each start costs seconds): answers say
+    where their time went; bad requests get clear errors and the engines keep
+    serving; a client that disconnects cancels its request end to end (every
+    block back in both pools); SIGTERM lets a request in flight finish, then
+    stops."""
+    await answers_say_where_their_time_went(deployment)
     await bad_requests_get_clear_errors_and_the_engines_keep_serving(deployment)
     await a_client_that_disconnects_cancels_its_request_end_to_end(deployment)
     await sigterm_lets_requests_in_flight_finish_then_stops(deployment)

@@ -55,6 +55,7 @@ from .openai import (
 )
 from .pool import OutOfBlocks
 from .responses import Shapes, model_card, model_list
+from .timing import PhaseTimes
 
 logger = logging.getLogger("trio_pd.serve")
 
@@ -297,13 +298,15 @@ async def _generation(engine: Engine, receive: Receive, send: Send, rid: str, ch
         await send(message)
 
     params = request.kv_transfer_params
+    times = PhaseTimes()
     try:
         async with cancel_on_disconnect(receive):
             if request.kind == "prefill":
-                kv = await engine.prefill_for_remote(request_id, request.prompt)
-                await send_json(send_tracked, 200, shapes.whole("", [], kv_transfer_params=kv))
+                kv = await engine.prefill_for_remote(request_id, request.prompt, times)
+                whole = shapes.whole("", [], kv_transfer_params=kv)
+                await send_json(send_tracked, 200, whole, [times.header()])
             else:
-                await _generate(engine, send_tracked, shapes, request)
+                await _generate(engine, send_tracked, shapes, request, times)
         outcome = "ok" if answered else "disconnected"
     except PULL_ERRORS as exc:
         raise http_error(
@@ -321,21 +324,26 @@ async def _generation(engine: Engine, receive: Receive, send: Send, rid: str, ch
         )
 
 
-async def _generate(engine: Engine, send: Send, shapes: Shapes, request: GenerationRequest) -> None:
+async def _generate(
+    engine: Engine, send: Send, shapes: Shapes, request: GenerationRequest, times: PhaseTimes
+) -> None:
     """Generate ``request``'s tokens (pulling its prompt's KV if it is a decode
-    request) and send them, whole or as server-sent events."""
+    request) and send them, whole or as server-sent events; the response's
+    ``Server-Timing`` names the phases before the first token (``times``)."""
     remote = request.kv_transfer_params if request.kind == "decode" else None
     async with (
-        engine.generation(shapes.request_id, request.prompt, request.max_tokens, remote) as tokens_,
+        engine.generation(
+            shapes.request_id, request.prompt, request.max_tokens, remote, times
+        ) as tokens_,
         aclosing(tokens_) as tokens,  # (closed even when the client hangs up)
     ):
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         if not request.stream:
             ids = [token async for token in tokens]
             text = decoder.decode(bytes(ids), final=True)
-            await send_json(send, 200, shapes.whole(text, ids))
+            await send_json(send, 200, shapes.whole(text, ids), [times.header()])
             return
-        await start_events(send)
+        await start_events(send, [times.header()])
         first = shapes.first_chunk()
         if first is not None:
             await send_event(send, first)

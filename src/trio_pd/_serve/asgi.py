@@ -58,35 +58,49 @@ async def read_json(receive: Receive, limit: int = 1 << 20) -> dict[str, Any]:
 async def send_json(
     send: Send, status: int, data: Any, headers: list[tuple[bytes, bytes]] | None = None
 ) -> None:
-    body = json.dumps(data).encode()
+    await _send_whole(send, status, json.dumps(data).encode(), b"application/json", headers)
+
+
+async def send_text(send: Send, status: int, text: str, content_type: str) -> None:
+    await _send_whole(send, status, text.encode(), content_type.encode())
+
+
+async def _send_whole(
+    send: Send,
+    status: int,
+    body: bytes,
+    content_type: bytes,
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    """A whole response, its ``Content-Length`` given: HTTP/1.1 then sends it
+    unchunked, so the body's one write completes it (no closing chunk: one
+    write and, for the peer, one read fewer -- the prefill answer is on every
+    disaggregated request's way to its first token)."""
     await send(
         {
             "type": "http.response.start",
             "status": status,
-            "headers": [(b"content-type", b"application/json"), *(headers or [])],
+            "headers": [
+                (b"content-type", content_type),
+                (b"content-length", str(len(body)).encode()),
+                *(headers or []),
+            ],
         }
     )
     await send({"type": "http.response.body", "body": body})
 
 
-async def send_text(send: Send, status: int, text: str, content_type: str) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", content_type.encode())],
-        }
-    )
-    await send({"type": "http.response.body", "body": text.encode()})
-
-
-async def start_events(send: Send) -> None:
+async def start_events(send: Send, headers: list[tuple[bytes, bytes]] | None = None) -> None:
     """Start a server-sent-events response (then :func:`send_event` each chunk)."""
     await send(
         {
             "type": "http.response.start",
             "status": 200,
-            "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
+            "headers": [
+                (b"content-type", b"text/event-stream"),
+                (b"cache-control", b"no-cache"),
+                *(headers or []),
+            ],
         }
     )
 
@@ -150,3 +164,16 @@ def response_completes(app: App) -> App:
         await app(scope, receiving, sending)
 
     return wrapped
+
+
+async def trivial_lifespan(receive: Receive, send: Send) -> None:
+    """Answer ASGI lifespan messages (an application with nothing to start or stop)."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        else:  # pragma: no cover
+            await trio.lowlevel.checkpoint()

@@ -64,6 +64,7 @@ from .metrics import ConnectorCollector
 from .model import ModelConfig, TinyLlama
 from .openai import MAX_MODEL_LEN, check_prompt_blocks, parse_remote_blocks
 from .pool import BlockPool
+from .timing import PhaseTimes
 
 logger = logging.getLogger("trio_pd.serve")
 
@@ -245,26 +246,33 @@ class Engine:
                 param="max_tokens",
             )
 
-    async def prefill_for_remote(self, request_id: str, prompt: list[int]) -> dict[str, Any]:
+    async def prefill_for_remote(
+        self, request_id: str, prompt: list[int], times: PhaseTimes | None = None
+    ) -> dict[str, Any]:
         """Compute the prompt's KV (all but the last token) and expose its blocks.
 
         The blocks go back to the pool once every rank's exposure resolved
-        (read, abandoned or expired).
+        (read, abandoned or expired). ``times`` gets the phases ``admission``,
+        ``forward`` and ``expose``.
 
         Raises:
             OutOfBlocks: not enough blocks freed within ``admission_timeout``.
         """
+        times = times or PhaseTimes()
         connectors = self._connectors()
         self.check_fits(prompt, 1)
-        blocks = await self.pool.allocate(
-            self.model.config.blocks_for(len(prompt) - 1), deadline=self.admission_deadline()
-        )
+        with times.phase("admission"):
+            blocks = await self.pool.allocate(
+                self.model.config.blocks_for(len(prompt) - 1), deadline=self.admission_deadline()
+            )
         try:
             if len(prompt) > 1:
-                await self.step(blocks, prompt[:-1], 0)
+                with times.phase("forward"):
+                    await self.step(blocks, prompt[:-1], 0)
             # Every rank exposes its head slice; rank 0's parameters go to the
             # decode engine (they name the base port and the TP size).
-            exposed = [connector.expose(request_id, blocks) for connector in connectors]
+            with times.phase("expose"):
+                exposed = [connector.expose(request_id, blocks) for connector in connectors]
             remote = exposed[0]
         except BaseException:
             self.pool.release(blocks)
@@ -299,12 +307,19 @@ class Engine:
 
     @asynccontextmanager
     async def generation(
-        self, request_id: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None
+        self,
+        request_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        params: dict[str, Any] | None,
+        times: PhaseTimes | None = None,
     ) -> AsyncIterator[AsyncGenerator[int, None]]:
         """Blocks for the whole request, the prompt's KV in them, and a token iterator.
 
         With ``params`` (from a prefill engine) the prompt's KV is pulled;
-        without, computed here. Waits up to ``admission_timeout`` for free
+        without, computed here. ``times`` gets the phases before the first
+        token: ``hold`` (with ``params``), ``admission``, then ``pull`` or
+        ``forward`` (the prompt's KV computed here). Waits up to ``admission_timeout`` for free
         blocks; meanwhile every rank *holds* the prefill's blocks (renewing
         their lease), and if the request fails or is cancelled before its
         pull, leaving the hold gives them back to the prefill engine at once.
@@ -322,6 +337,7 @@ class Engine:
             OutOfBlocks: not enough blocks freed within ``admission_timeout``.
         """
         config = self.model.config
+        times = times or PhaseTimes()
         before = len(prompt) - 1
         remote: RemoteBlocks | None = None
         if params is not None:
@@ -337,7 +353,8 @@ class Engine:
                     # leaves before the pull (leaving a hold abandons it).
                     for connector in connectors:
                         try:
-                            await holds.enter_async_context(connector.hold(remote))
+                            with times.phase("hold"):
+                                await holds.enter_async_context(connector.hold(remote))
                         except ParamsRejectedError:
                             raise
                         except ValueError as exc:  # (the same parameters in two requests)
@@ -349,16 +366,20 @@ class Engine:
                 if remote is not None:
                     check_prompt_blocks(remote, config.blocks_for(before), len(prompt))
                 self.check_fits(prompt, max_tokens)
-                blocks = await self.pool.allocate(
-                    config.blocks_for(len(prompt) + max_tokens), deadline=self.admission_deadline()
-                )
+                with times.phase("admission"):
+                    blocks = await self.pool.allocate(
+                        config.blocks_for(len(prompt) + max_tokens),
+                        deadline=self.admission_deadline(),
+                    )
                 if remote is not None:
                     started = time.monotonic()
                     into = blocks[: len(remote.block_ids)]
-                    await _pull_every_rank(connectors, request_id, into, remote)
+                    with times.phase("pull"):
+                        await _pull_every_rank(connectors, request_id, into, remote)
                     self.pull_seconds.observe(time.monotonic() - started)
                 elif before > 0:
-                    await self.step(blocks, prompt[:-1], 0)
+                    with times.phase("forward"):
+                        await self.step(blocks, prompt[:-1], 0)
             yield self._tokens(blocks, prompt, max_tokens)
         finally:
             if blocks is not None:

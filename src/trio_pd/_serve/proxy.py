@@ -28,6 +28,8 @@ An operator can run it (see docs/serving.md):
   in every log line about the request.
 * ``GET /metrics``: requests by outcome, time to first byte and end to end,
   requests in flight, engine errors by role, engine and kind.
+* ``Server-Timing`` on each answer: the prefill request, the decode request
+  until its answer started, and the engines' own phases (``_serve.timing``).
 
 A client that disconnects cancels its request's scope: the request to the
 decode engine is closed, which cancels that engine's pull or decoding (before
@@ -58,6 +60,7 @@ from .asgi import (
     send_event,
     send_json,
     send_text,
+    trivial_lifespan,
 )
 from .errors import HTTPError, StreamStalled, error_status, http_error
 from .keys import BearerKeys, bearer_header
@@ -69,6 +72,7 @@ from .openai import (
     request_id_from_headers,
 )
 from .routing import EngineSet
+from .timing import PhaseTimes
 
 logger = logging.getLogger("trio_pd.proxy")
 
@@ -161,7 +165,7 @@ class Proxy:
     def app(self) -> Callable[[Scope, Receive, Send], Any]:
         async def app(scope: Scope, receive: Receive, send: Send) -> None:
             if scope["type"] == "lifespan":
-                await _trivial_lifespan(receive, send)
+                await trivial_lifespan(receive, send)
                 return
             if scope["type"] != "http":
                 return
@@ -236,10 +240,16 @@ class Proxy:
                     outcome = "ok"
                 await send(message)
 
+            times = PhaseTimes()
             async with cancel_on_disconnect(receive):
-                kv = await self._prefill(path, request_id, body)
+                kv = await self._prefill(path, request_id, body, times)
                 await self._decode(
-                    path, request_id, {**body, "kv_transfer_params": kv}, send_tracked, started
+                    path,
+                    request_id,
+                    {**body, "kv_transfer_params": kv},
+                    send_tracked,
+                    started,
+                    times,
                 )
         except HTTPError as exc:
             outcome = _outcome(exc.status)
@@ -250,12 +260,15 @@ class Proxy:
             self.metrics.requests.labels(outcome).inc()
             self.metrics.seconds.observe(trio.current_time() - started)
 
-    async def _prefill(self, path: str, request_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _prefill(
+        self, path: str, request_id: str, body: dict[str, Any], times: PhaseTimes
+    ) -> dict[str, Any]:
         """The KV of ``body``'s prompt, from a prefill engine that answers.
 
         An engine that refuses the connection, or answers 503 (it did no
         work), is passed over for the next; any other failure is this
-        request's (see the module docstring).
+        request's (see the module docstring). ``times`` gets the phase
+        ``prefill`` (every attempt) and the answering engine's phases.
         """
         request = {
             **body,
@@ -270,7 +283,7 @@ class Proxy:
         for engine in engines.candidates(trio.current_time()):
             with engines.attempt(engine):
                 try:
-                    with trio.fail_after(self._timeouts.prefill):
+                    with times.phase("prefill"), trio.fail_after(self._timeouts.prefill):
                         response = await self._client.post(
                             f"{engine}{path}",
                             json=request,
@@ -293,11 +306,18 @@ class Proxy:
                 self._count_status("prefill", engine, response.status_code)
                 raise _relayed("prefill", engine, response.status_code, response.text)
             kv: dict[str, Any] = response.json()["kv_transfer_params"]
+            times.relay("prefill.", response.headers.get("server-timing"))
             return kv
         raise failure or HTTPError(503, "no prefill engine", "unavailable", retry_after=1)
 
     async def _decode(
-        self, path: str, request_id: str, body: dict[str, Any], send: Send, started: float
+        self,
+        path: str,
+        request_id: str,
+        body: dict[str, Any],
+        send: Send,
+        started: float,
+        times: PhaseTimes,
     ) -> None:
         """Relay ``body``'s decoding from a decode engine that can be reached.
 
@@ -310,7 +330,7 @@ class Proxy:
         for engine in engines.candidates(trio.current_time()):
             with engines.attempt(engine):
                 try:
-                    await self._decode_on(engine, path, request_id, body, send, started)
+                    await self._decode_on(engine, path, request_id, body, send, started, times)
                 except _Refused as exc:
                     engines.refused(engine, trio.current_time())
                     failure = exc.error
@@ -326,6 +346,7 @@ class Proxy:
         body: dict[str, Any],
         send: Send,
         started: float,
+        times: PhaseTimes,
     ) -> None:
         streaming = False
         request = self._client.build_request(
@@ -336,7 +357,7 @@ class Proxy:
         )
         response: httpx2.Response | None = None
         try:
-            with trio.fail_after(self._timeouts.first_byte):
+            with times.phase("decode"), trio.fail_after(self._timeouts.first_byte):
                 response = await self._client.send(request, stream=True)
             if response.status_code != 200:
                 self._count_status("decode", engine, response.status_code)
@@ -348,6 +369,7 @@ class Proxy:
                         f"its {response.status_code} answer stalled for {self._timeouts.idle:g} s"
                     ) from None
                 raise _relayed("decode", engine, response.status_code, text)
+            times.relay("decode.", response.headers.get("server-timing"))
             await send(
                 {
                     "type": "http.response.start",
@@ -355,6 +377,7 @@ class Proxy:
                     "headers": [
                         (b"content-type", response.headers["content-type"].encode()),
                         (REQUEST_ID_HEADER.encode(), request_id.encode()),
+                        times.header(),
                     ],
                 }
             )
@@ -463,15 +486,3 @@ def _relayed(role: str, engine: str, status: int, text: str) -> HTTPError:
     return HTTPError(
         502, f"{role} engine {engine} failed: {status} {message}", f"{role}_failed", engine=engine
     )
-
-
-async def _trivial_lifespan(receive: Receive, send: Send) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-        else:  # pragma: no cover
-            await trio.lowlevel.checkpoint()
