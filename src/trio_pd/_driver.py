@@ -66,6 +66,7 @@ from ._config import ConnectorConfig
 from ._jobs import Job, Outcome, wake
 from ._nixl_errors import backend_error, describe
 from ._protocol import join_notifications
+from ._timer_slack import fine_timer_slack
 
 logger = logging.getLogger("trio_pd.nixl")
 
@@ -155,6 +156,7 @@ class TransferDriver:
     # ---- the thread -----------------------------------------------------
 
     def _run(self) -> None:
+        fine_timer_slack()  # (its poll_interval sleeps end on time)
         try:
             self._loop()
             self._ended = True  # (from now on, submit() answers new jobs itself)

@@ -22,6 +22,7 @@ import trio
 from ._config import ConnectorConfig
 from ._nixl_errors import nixl_errors
 from ._nixl_remotes import RunBlocking
+from ._timer_slack import fine_timer_slack
 
 READS_EXPECTED_FOR = 0.5
 """How long after blocks are exposed, or a notification arrives, the producer
@@ -97,6 +98,7 @@ class NotificationPoller:
         """
         agent = self._agent()
         config = self._config
+        fine_timer_slack()  # (a worker thread of trio's: it only makes its sleeps precise)
         now = time.monotonic()
         give_up = now + wait
         while True:
