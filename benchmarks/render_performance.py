@@ -45,6 +45,67 @@ def _goal(name: str, measured: str, ok: bool) -> list[str]:
     return [name, measured, GOALS[name], "met" if ok else "**not met**"]
 
 
+def _throughput_notes(sizes: dict[str, Any]) -> list[str]:
+    """What bounds one large pull, and what NIXL's thread pool changes (section 4)."""
+    single, pooled = sizes.get("64 KiB blocks"), sizes.get("64 KiB blocks, 2 NIXL threads")
+    out = [
+        "On one host UCX serves NIXL's READ with `cma` (zero-copy, one "
+        "`process_vm_readv` per merged descriptor) in the thread that posts it: "
+        "`transfer()` *is* the copy, on one core, and a notification is an active "
+        "message over `tcp/lo` (with `ucx_error_handling_mode=peer`, UCX picks no "
+        "shared-memory transport for those). So one pull is bound by one core "
+        "copying through `process_vm_readv`: measured outside this benchmark with "
+        "the thread's CPU time, 160-240 ms per GiB, where memcpy on one core takes "
+        "about 100 ms. UCX's transport and rendezvous settings change nothing or "
+        "make it worse (raw NIXL, two "
+        "processes, medians of interleaved runs, against the defaults): without "
+        "`cma` in `UCX_TLS` x0.12; `RNDV_THRESH=0` with `RNDV_SCHEME=get_zcopy` "
+        "x0.11 (rendezvous settings are for tagged and active messages, not RMA "
+        "reads); `MAX_RMA_LANES`/`MAX_RMA_RAILS` 2, `num_workers=2` and NIXL's "
+        "progress thread no gain. What moves it is a second copying thread: NIXL's "
+        "UCX thread pool (`nixl_num_threads`). trio_pd then sets "
+        "`split_batch_size=1`, because NIXL merges a contiguous 8 MiB chunk into "
+        "one descriptor and sends only transfers of at least `split_batch_size` "
+        "descriptors to the pool; the pool's threads copy the transfer driver's "
+        "chunks (4 of a pull in flight) while the driver polls.",
+        "",
+    ]
+    if single and pooled:
+        gain = round(pooled["GB_per_s"]["trio_pd"] / single["GB_per_s"]["trio_pd"], 2)
+        out += [
+            f"In this run the pool took one pull from x{single['trio_pd_vs_memcpy']} "
+            f"to x{pooled['trio_pd_vs_memcpy']} of memcpy (x{gain} the rate without "
+            "it). That row's raw NIXL READ polls without a pause, like the others, "
+            "and on 2 cores the polling thread takes a core from the pool's two "
+            "copying threads (in separate raw NIXL runs the pool's READ was x0.78 "
+            "of the single-threaded one when polled without a pause, x1.17 with "
+            "100 us pauses). It is not the "
+            "default: after a peer failed, UCX left the failed READ's request "
+            "unreturned (20 of 28 runs of `tests/test_failures.py`'s restart tests "
+            "with the pool) and twice aborted the consumer process with an assertion "
+            "(`arbiter.c`, `ucs_arbiter_group_is_empty`) when the agent was released; "
+            "none of that in 22 runs without it. Measured outside this benchmark, "
+            "15 interleaved repetitions of one pull gave the pool x1.3 (median; "
+            "x0.9 to x2.3 between runs on this shared machine), and sequential "
+            "1-4 block pulls x1.5.",
+            "",
+        ]
+    out += [
+        "trio_pd's own cost in one pull is its chunks. Measured outside this "
+        "benchmark (thread CPU time, one run): its transfer driver's thread takes "
+        "the same CPU time per GiB as raw NIXL posting the same 8 MiB chunks one "
+        "after another (239 vs 238 ms), about 14% more than one "
+        "unchunked READ (208 ms); with 64 MiB chunks it would be 7% more, at the "
+        "price of a small pull waiting up to 8x longer behind a chunk's copy. The "
+        "rest of "
+        "the gap between trio_pd and raw NIXL in a run is which of them the "
+        "scheduler gave the two cores to: with other processes busy, the same "
+        "pull's time moves by x2 between repetitions.",
+        "",
+    ]
+    return out
+
+
 def render(results: dict[str, Any]) -> str:
     m = results["machine"]
     r = results["results"]
@@ -245,7 +306,10 @@ def render(results: dict[str, Any]) -> str:
             f"One {tp['bytes'] >> 20} MiB pull across processes (16 regions, "
             "identity block mapping) through trio_pd, the same READ on the same "
             "prepared descriptor lists with NIXL directly, and a memcpy of the same "
-            "bytes in one process (the ceiling); medians of 5 interleaved repetitions.",
+            "bytes in one process (the ceiling); medians of 5 interleaved repetitions. "
+            "The row with 2 NIXL threads is a second connector on the same KV caches "
+            "with `nixl_num_threads=2`, measured in the same repetitions (its raw "
+            "NIXL READ runs on that connector's agent).",
             "",
             _table(
                 [
@@ -260,6 +324,7 @@ def render(results: dict[str, Any]) -> str:
             ),
             "",
         ]
+        out += _throughput_notes(tp["sizes"])
         worst = min(v["trio_pd_vs_raw"] for v in tp["sizes"].values())
         checks.append(_goal("throughput vs raw NIXL", f"x{worst} (worst size)", worst >= 0.95))
     if "small_pulls" in r:

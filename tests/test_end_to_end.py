@@ -74,3 +74,24 @@ async def test_empty_pull_only_notifies_the_producer() -> None:
                 assert result.bytes == 0
                 assert all(not t.any() for t in local)
                 assert await worker.wait_released("req-hit") is trio_pd.Released.READ
+
+
+async def test_a_pull_in_many_chunks_through_nixls_thread_pool_reads_every_byte() -> None:
+    # nixl_num_threads: UCX's thread pool copies the driver's chunks (trio_pd
+    # sets split_batch_size=1 so that even a chunk merged into one descriptor
+    # goes to the pool). At most 1 KiB per transfer: each 4 KiB descriptor is
+    # a chunk of its own, 48 chunks, 4 of them in flight at once.
+    config = trio_pd.ConnectorConfig(nixl_num_threads=2, max_bytes_per_transfer=1024)
+    with trio.fail_after(60):
+        async with open_prefill_worker(WorkerSpec("prefill-mt", **SPEC)) as worker:
+            local = kv_cache(regions=4, blocks=48)
+            async with trio_pd.open_connector("decode-mt", local, config=config) as decoder:
+                remote_ids = list(range(63, 63 - 12, -1))
+                local_ids = list(range(12))
+                remote = await worker.expose("req-mt", remote_ids, seed=11)
+                result = await decoder.pull("dec-mt", local_ids, remote)
+                assert result.bytes == 12 * 4 * 16 * 128 * 2
+                assert mismatched_blocks(local, local_ids, 11) == []
+                assert not any(t[12:].any() for t in local)
+                assert await worker.wait_released("req-mt") is trio_pd.Released.READ
+                assert decoder.statistics().transfers_posted >= 48

@@ -52,6 +52,8 @@ def create_agent(
         params = dict(config.nixl_backend_params.get(backend, {}))
         if config.nixl_num_threads and "num_threads" not in params:
             params["num_threads"] = str(config.nixl_num_threads)
+            if backend == "UCX":
+                params.setdefault("split_batch_size", "1")
         with nixl_errors(f"creating NIXL backend {backend!r} of agent {agent_name!r}"):
             agent.create_backend(backend, params)
     registration = None
