@@ -522,10 +522,11 @@ async def bench_small_pulls(quick: bool) -> Result:
 
             requests = plan("seq", sequential)
             remotes = await w.expose_many(requests)
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.thread_time()
             for (rid, ids, _), remote in zip(requests, remotes, strict=True):
                 await d.pull(rid, ids, remote)
             trio_seq = sequential / (time.perf_counter() - started)
+            trio_thread_cpu = (time.thread_time() - cpu_started) / sequential
 
             # raw NIXL: the same sizes, sequential, blocking, no trio in between
             # raw NIXL: the same sizes, on blocks that are exposed (pending) too,
@@ -555,6 +556,7 @@ async def bench_small_pulls(quick: bool) -> Result:
         "raw_nixl_pulls_per_s": round(raw_seq),
         "ratio": round(trio_seq / raw_seq, 3),
         "pulls": sequential,
+        "trio_thread_cpu_us_per_pull": round(trio_thread_cpu * 1e6),
     }
     out["in_flight"] = {
         "pulls": in_flight,

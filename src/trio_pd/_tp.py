@@ -23,6 +23,8 @@ copies between. The docs' picture of the mapping is drawn from
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 
 from ._layout import KVLayout
@@ -75,6 +77,7 @@ def sizes_mismatch(local_tp: int, remote_tp: int) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=64)  # (every pull asks; a connector meets few TP sizes)
 def plan_pull(local_rank: int, local_tp: int, remote_tp: int) -> tuple[PullPart, ...]:
     """The parts of a pull by local rank ``local_rank`` of ``local_tp`` from ``remote_tp`` ranks.
 
