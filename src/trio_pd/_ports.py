@@ -2,30 +2,47 @@
 
 from __future__ import annotations
 
+import random
+import socket
+
+LOWEST = 20000
+"""The lowest base :func:`free_port_range` picks (below: well-known services)."""
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768 elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_port_range(count: int, host: str = "127.0.0.1") -> int:
     """A base port ``p`` such that ``p .. p + count - 1`` were free just now.
 
     For tensor-parallel engines (rank ``r`` binds ``p + r``) when no base
-    port was given. Like
-    any "find a free port" helper it can race with other processes; it
-    tries up to 50 bases.
+    port was given. The base is drawn at random between :data:`LOWEST` and
+    the kernel's ephemeral range, which the kernel never hands out by
+    itself: a port from that range, free when probed, could be taken by
+    any process's next outgoing connection before the engine binds it (seen
+    with tests running in parallel). Like any "find a free port" helper it
+    can still race with another process that picks ports; it tries up to 50
+    bases.
 
     Raises:
         OSError: no such range was found.
     """
-    import socket
-
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    high = _ephemeral_low() - count
+    if high <= LOWEST:  # (an unusual ephemeral range: fall back to all of them)
+        high = 65536 - count
     for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind((host, 0))
-            base = int(probe.getsockname()[1])
-        if base + count > 65536:
-            continue
+        base = random.randrange(LOWEST, high)
         sockets = []
         try:
             for port in range(base, base + count):
-                sock = socket.socket()
+                sock = socket.socket(family)
                 sockets.append(sock)
                 sock.bind((host, port))
         except OSError:
