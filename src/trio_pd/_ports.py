@@ -22,7 +22,7 @@ def free_port_range(count: int, host: str = "127.0.0.1") -> int:
     """A base port ``p`` such that ``p .. p + count - 1`` were free just now.
 
     For tensor-parallel engines (rank ``r`` binds ``p + r``) when no base
-    port was given. The base is drawn at random between :data:`LOWEST` and
+    port was given. The base is drawn at random between 20000 and
     the kernel's ephemeral range, which the kernel never hands out by
     itself: a port from that range, free when probed, could be taken by
     any process's next outgoing connection before the engine binds it (seen
