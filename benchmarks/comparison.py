@@ -74,6 +74,27 @@ class NixlOnEventLoop(trio_pd.NixlBackend):
     async def notifications(self, wait: float) -> dict[str, list[bytes]]:
         return await super().notifications(0.0)  # never sleep on the trio thread
 
+    async def load_remotes(self, requests: Sequence[Any], loaded: Any) -> None:
+        for index, request in enumerate(requests):  # one load per call, as a naive loop would
+
+            def report(_: int, outcome: Any, index: int = index) -> None:
+                loaded(index, outcome)
+
+            await super().load_remotes([request], report)
+
+
+class OneLoadPerCall(trio_pd.NixlBackend):
+    """The NIXL backend as it was before loads were batched: one worker-thread
+    call (and one trip through the trio loop) per remote-agent load."""
+
+    async def load_remotes(self, requests: Sequence[Any], loaded: Any) -> None:
+        for index, request in enumerate(requests):
+
+            def report(_: int, outcome: Any, index: int = index) -> None:
+                loaded(index, outcome)
+
+            await super().load_remotes([request], report)
+
 
 @attrs.frozen
 class RecordedLoad:
@@ -92,19 +113,12 @@ class RecordingNixlBackend(trio_pd.NixlBackend):
         super().__init__(*args, **kwargs)
         self.loads: list[RecordedLoad] = []
 
-    async def load_remote(
-        self,
-        engine_id: str,
-        incarnation: str,
-        agent_name: str,
-        agent_metadata: bytes,
-        layout: trio_pd.KVLayout,
-        local_layout: trio_pd.KVLayout,
-    ) -> trio_pd.RemoteAgent:
-        self.loads.append(RecordedLoad(trio.current_time(), agent_name, agent_metadata, layout))
-        return await super().load_remote(
-            engine_id, incarnation, agent_name, agent_metadata, layout, local_layout
-        )
+    async def load_remotes(self, requests: Sequence[Any], loaded: Any) -> None:
+        began = trio.current_time()
+        self.loads += [
+            RecordedLoad(began, r.agent_name, r.agent_metadata, r.layout) for r in requests
+        ]
+        await super().load_remotes(requests, loaded)
 
 
 def raw_replay_loads(
