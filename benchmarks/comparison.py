@@ -5,6 +5,9 @@
   pull) is done, so every other pull waits behind every handshake.
 * :class:`NixlOnEventLoop`: the NIXL backend with every NIXL call made on the
   trio thread, as a naive integration would (the loop stalls for each call).
+* :class:`OneLoadPerCall`: the NIXL backend loading one remote agent per
+  worker-thread call, as before the loads queued together went to one thread
+  (benchmark 6, scale).
 * :class:`RecordingNixlBackend` and :func:`raw_replay_loads`: the remote-agent
   loads of a trio_pd handshake storm, recorded and replayed with NIXL directly
   from a plain thread, so head-of-line blocking has a raw NIXL anchor.
