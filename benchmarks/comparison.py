@@ -5,6 +5,9 @@
   pull) is done, so every other pull waits behind every handshake.
 * :class:`NixlOnEventLoop`: the NIXL backend with every NIXL call made on the
   trio thread, as a naive integration would (the loop stalls for each call).
+* :class:`OneLoadPerCall`: the NIXL backend loading one remote agent per
+  worker-thread call, as before the loads queued together went to one thread
+  (benchmark 6, scale).
 * :class:`RecordingNixlBackend` and :func:`raw_replay_loads`: the remote-agent
   loads of a trio_pd handshake storm, recorded and replayed with NIXL directly
   from a plain thread, so head-of-line blocking has a raw NIXL anchor.
@@ -74,6 +77,27 @@ class NixlOnEventLoop(trio_pd.NixlBackend):
     async def notifications(self, wait: float) -> dict[str, list[bytes]]:
         return await super().notifications(0.0)  # never sleep on the trio thread
 
+    async def load_remotes(self, requests: Sequence[Any], loaded: Any) -> None:
+        for index, request in enumerate(requests):  # one load per call, as a naive loop would
+
+            def report(_: int, outcome: Any, index: int = index) -> None:
+                loaded(index, outcome)
+
+            await super().load_remotes([request], report)
+
+
+class OneLoadPerCall(trio_pd.NixlBackend):
+    """The NIXL backend as it was before loads were batched: one worker-thread
+    call (and one trip through the trio loop) per remote-agent load."""
+
+    async def load_remotes(self, requests: Sequence[Any], loaded: Any) -> None:
+        for index, request in enumerate(requests):
+
+            def report(_: int, outcome: Any, index: int = index) -> None:
+                loaded(index, outcome)
+
+            await super().load_remotes([request], report)
+
 
 @attrs.frozen
 class RecordedLoad:
@@ -92,19 +116,12 @@ class RecordingNixlBackend(trio_pd.NixlBackend):
         super().__init__(*args, **kwargs)
         self.loads: list[RecordedLoad] = []
 
-    async def load_remote(
-        self,
-        engine_id: str,
-        incarnation: str,
-        agent_name: str,
-        agent_metadata: bytes,
-        layout: trio_pd.KVLayout,
-        local_layout: trio_pd.KVLayout,
-    ) -> trio_pd.RemoteAgent:
-        self.loads.append(RecordedLoad(trio.current_time(), agent_name, agent_metadata, layout))
-        return await super().load_remote(
-            engine_id, incarnation, agent_name, agent_metadata, layout, local_layout
-        )
+    async def load_remotes(self, requests: Sequence[Any], loaded: Any) -> None:
+        began = trio.current_time()
+        self.loads += [
+            RecordedLoad(began, r.agent_name, r.agent_metadata, r.layout) for r in requests
+        ]
+        await super().load_remotes(requests, loaded)
 
 
 def raw_replay_loads(

@@ -575,36 +575,125 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+def process_rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+SCALE_PRODUCER_CONFIG = trio_pd.ConnectorConfig(
+    poll_interval=0.05, notification_poll_interval=2.0, idle_notification_poll_interval=2.0
+)
+"""The scale benchmark's producer engines poll lazily: each stands for an engine
+on a host of its own, and 1024 of them share this machine's cores with the
+decoder (at the default pace, 256 idle engines with an exposure pending kept
+both cores busy). Their pace decides only how soon a first READ completes
+(UCX finishes its wire-up when the producer's worker progresses)."""
+
+SCALE_MODES = [
+    "trio_pd",
+    "one load per thread call",
+    "raw NIXL",
+    "one load per thread call",
+    "trio_pd",
+    "trio_pd, default handshake_timeout",
+]
+
+
+async def run_scale_decoder(job: Result) -> Result:
+    """One decoder of :func:`bench_scale` in a fresh process (``scale_decoder.py``)."""
+    script = Path(__file__).with_name("scale_decoder.py")
+    done = await trio.run_process(
+        [sys.executable, str(script)],
+        stdin=json.dumps(job).encode(),
+        capture_stdout=True,
+        cwd=script.parent,
+    )
+    result: Result = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    return result
+
+
 async def bench_scale(quick: bool) -> Result:
-    per_process, processes = (16, 2) if quick else (64, 4)
+    """One decoder handshakes with every engine of a cold fleet at once.
+
+    The engines are NIXL agents of their own, many per producer process (UCX
+    over TCP and CMA: no shared-memory segments, which take 4 MiB per agent),
+    polling lazily (``SCALE_PRODUCER_CONFIG``). Each decoder is a fresh
+    process (``scale_decoder.py``), so its memory growth is its own. A storm
+    is one notify-only pull per engine, all started at once (the handshake --
+    fetch, checks, load, connect -- then one notification): trio_pd; trio_pd
+    with one load per thread call (its design before loads were batched); the
+    anchor, NIXL loading the same agents from one plain thread and notifying
+    each; the first two again, in the other order; and trio_pd with the default
+    ``handshake_timeout``
+    (how many handshakes of the storm fail while queued). The first trio_pd
+    decoder then pulls 1 block from every (ready) engine at once, bytes checked.
+    """
+    per_process, processes = (16, 2) if quick else (128, 8)
     engines = per_process * processes
-    specs = [spec(f"s{i}", 2, 16, 1024, engines=per_process) for i in range(processes)]
-    async with open_prefill_workers(specs, startup_timeout=600) as workers:
-        remotes = []
+    env = {"UCX_TLS": "tcp,cma,self"}
+    specs = [
+        WorkerSpec(f"s{i}", engines=per_process, regions=2, blocks=4, block_shape=(512,), env=env)
+        for i in range(processes)
+    ]
+    out: Result = {"engines": engines, "processes": processes, "modes": {}}
+    started = time.perf_counter()
+    async with open_prefill_workers(
+        specs, config=SCALE_PRODUCER_CONFIG, startup_timeout=900
+    ) as workers:
+        out["producers_start_s"] = round(time.perf_counter() - started, 1)
+        out["producers_rss_MiB"] = round(
+            sum(process_rss_bytes(w.process.pid) for w in workers) / 2**20
+        )
+        storms: list[list[Result]] = [[] for _ in SCALE_MODES]
+        reads: list[Result] = []
         for w in workers:
             for e in range(per_process):
-                remotes += await w.expose_many([("r", [1], e)], engine=e)
-        gc.collect()
-        # A handshake's deadline covers its wait in the load queue (loads are
-        # serialized): 256 cold engines at once queue for seconds, so this
-        # measurement gives them a deadline that fits the queue.
-        config = trio_pd.ConnectorConfig(handshake_timeout=120.0)
-        async with trio_pd.open_connector("dec", kv(2, 16, 1024), config=config) as d:
-            before = rss_bytes()
-            started = trio.current_time()
-            async with trio.open_nursery() as pulls:
-                for n, remote in enumerate(remotes):
-                    pulls.start_soon(d.pull, f"p{n}", [1], remote)
-            elapsed = trio.current_time() - started
-            after = rss_bytes()
-            assert d.statistics().engines_ready == engines
-    return {
-        "engines": engines,
-        "processes": processes,
-        "all_handshaked_s": round(elapsed, 3),
-        "per_engine_ms": round(elapsed / engines * 1e3, 2),
-        "decoder_rss_per_engine_KiB": round((after - before) / engines / 1024, 1),
-    }
+                exposed = [(f"h{m}", [], 0) for m in range(len(SCALE_MODES))]
+                *handshakes, read = await w.expose_many(
+                    [*exposed, ("r", [1], len(reads))], engine=e
+                )
+                for m, remote in enumerate(handshakes):
+                    storms[m].append(remote.to_kv_transfer_params())
+                reads.append(read.to_kv_transfer_params())
+        for m, mode in enumerate(SCALE_MODES):
+            await trio.sleep(1.0)  # (the producers settle after the last decoder closed)
+            pids = [w.process.pid for w in workers]
+            job: Result = {"mode": mode, "storm": storms[m], "producer_pids": pids}
+            if m == 0:
+                job["reads"] = reads
+            if mode == "trio_pd, default handshake_timeout":
+                job.update(mode="trio_pd", default_handshake_timeout=True)
+            done = await run_scale_decoder(job)
+            producers_cpu = done["producers_cpu_seconds"]
+            result = {
+                "seconds": round(done["seconds"], 3),
+                "per_engine_ms": round(done["seconds"] / engines * 1e3, 3),
+                "rss_per_engine_KiB": round(done["rss_bytes"] / engines / 1024, 1),
+                "decoder_cpu_per_engine_ms": round(done["cpu_seconds"] / engines * 1e3, 2),
+                "producers_cpu_per_engine_ms": round(producers_cpu / engines * 1e3, 2),
+            }
+            if "reads_seconds" in done:
+                out["first_reads_s"] = round(done["reads_seconds"], 3)
+            if job.get("default_handshake_timeout"):
+                out["default_timeout_failed"] = done["failed"]
+                out["default_timeout_s"] = round(done["seconds"], 3)
+                continue
+            out["modes"].setdefault(mode, []).append(result)
+    runs = out["modes"]
+    trio_s = statistics.median(r["seconds"] for r in runs["trio_pd"])
+    raw = runs["raw NIXL"][0]
+    out.update(
+        all_handshaked_s=round(trio_s, 3),
+        per_engine_ms=round(trio_s / engines * 1e3, 3),
+        decoder_rss_per_engine_KiB=max(r["rss_per_engine_KiB"] for r in runs["trio_pd"]),
+        raw_nixl_s=raw["seconds"],
+        raw_nixl_rss_per_engine_KiB=raw["rss_per_engine_KiB"],
+        raw_nixl_share=round(raw["seconds"] / trio_s, 3),
+        one_load_per_call_ratio=round(
+            statistics.median(r["seconds"] for r in runs["one load per thread call"]) / trio_s, 3
+        ),
+    )
+    return out
 
 
 # ---- 7. tensor parallelism ------------------------------------------------------------

@@ -173,11 +173,11 @@ def test_fetches_vs_loads_is_drawn_from_the_code_and_drift_fails_the_build(
     # A handshake task that loaded without the deadline would fail the build.
     import trio_pd._handshakes as handshakes
 
-    async def load_without_deadline(self: object, engine: object, attempt: int) -> None:
+    async def load_without_deadline(self: object, batch: object) -> None:
         pass
 
     monkeypatch.setattr(handshakes.Handshakes, "_load", load_without_deadline)
-    with pytest.raises(diagrams.DocsDrift, match="move_on_at"):
+    with pytest.raises(diagrams.DocsDrift, match=r"engine\.deadline"):
         diagrams.fetch_load_dot()
 
 

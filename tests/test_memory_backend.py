@@ -10,17 +10,19 @@ modules.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 
+import attrs
 import pytest
 import torch
 import trio
 
 import trio_pd
+from trio_pd._backend import Loaded, LoadRequest
 from trio_pd.testing import MemoryFabric, fill_blocks, mismatched_blocks
 
-from .conftest import kv_cache
+from .conftest import kv_cache, wait_until
 
 pytest_plugins = ["trio_pd.testing.fixtures"]
 
@@ -344,3 +346,58 @@ async def test_an_agent_the_backend_gave_up_is_handshaken_again_by_the_next_pull
             stats = d.statistics()
             assert (stats.handshakes_started, stats.pulls_failed) == (2, 0)
             assert stats.remote_agents_loaded == 1
+
+
+async def test_loads_queued_together_go_to_the_backend_in_one_call(
+    memory_fabric: MemoryFabric,
+) -> None:
+    config = attrs.evolve(QUICK, handshake_timeout=30.0)
+    with trio.fail_after(20):
+        async with AsyncExitStack() as stack:
+            producers = [
+                (await stack.enter_async_context(producer(memory_fabric, name)))[0]
+                for name in "abcde"
+            ]
+            d, _ = await stack.enter_async_context(consumer(memory_fabric, config))
+            backend = memory_fabric.backends[-1]
+            batches: list[list[str]] = []
+            gate = trio.Event()
+            load_remotes = backend.load_remotes
+
+            async def recorded(requests: Sequence[LoadRequest], loaded: Loaded) -> None:
+                batches.append([r.engine_id for r in requests])
+                await gate.wait()  # (the first load takes until every other one queued)
+                await load_remotes(requests, loaded)
+
+            backend.load_remotes = recorded  # type: ignore[method-assign]
+            async with trio.open_nursery() as nursery:
+                for i, p in enumerate(producers):
+                    nursery.start_soon(d.pull, f"r{i}", [i], p.expose(f"r{i}", [i]))
+                    if i == 0:
+                        await wait_until(lambda: batches)
+                loading = trio_pd.EngineState.LOADING
+                await wait_until(lambda: all(d.engine_state(n) is loading for n in "bcde"))
+                gate.set()
+            assert [sorted(batch) for batch in batches] == [["a"], ["b", "c", "d", "e"]]
+            assert d.statistics().handshakes_succeeded == 5
+
+
+async def test_a_finished_handshake_leaves_no_task_waiting_for_its_deadline(
+    memory_fabric: MemoryFabric,
+) -> None:
+    config = attrs.evolve(QUICK, handshake_timeout=60.0)
+    with trio.fail_after(20):
+        async with producer(memory_fabric) as (p, _), consumer(memory_fabric, config) as (d, _):
+            await d.pull("r", [1], p.expose("r", [1]))
+            await wait_until(lambda: not _tasks_named("_fetch_metadata"))
+
+
+def _tasks_named(fragment: str) -> list[trio.lowlevel.Task]:
+    found, todo = [], [trio.lowlevel.current_root_task()]
+    while todo:
+        task = todo.pop()
+        if task is None:
+            continue
+        found += [task] if fragment in task.name else []
+        todo += [child for nursery in task.child_nurseries for child in nursery.child_tasks]
+    return found

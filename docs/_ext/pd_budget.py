@@ -86,8 +86,10 @@ def deadline_budget(config: ConnectorConfig | None = None) -> Budget:
         "engine.deadline = trio.current_time() + self._config.handshake_timeout",
     )
     require(p, fetch.fetch_engine_metadata, "with trio.fail_at(deadline):", "async with limiter:")
-    require(p, hs._attempt_deadline, "await trio.sleep_until(engine.deadline)")
-    require(p, hs._load, "with trio.move_on_at(engine.deadline):")
+    require(p, hs._attempt_deadline, "with trio.move_on_at(engine.deadline):")
+    require(p, hs._load, "engine.deadline", "load_remotes(")
+    require(p, remotes.NixlRemotes._load_batch, "trio.move_on_at(load.request.deadline)")
+    require(p, backend.load_one_by_one, "with trio.move_on_at(request.deadline):")
     require(
         p,
         hs.ready_agent,
@@ -153,7 +155,8 @@ def deadline_budget_dot(config: ConnectorConfig | None = None) -> str:
             "#dbe9f8",
         ),
         "load": (
-            f"{hs._load.__qualname__}(): the NIXL load\ntrio.move_on_at(deadline): abandoned at it",
+            f"{hs._load.__qualname__}(): the NIXL load (with those queued with it)\n"
+            "given up at the deadline: skipped, or abandoned in its call",
             "#dbe9f8",
         ),
         "defer": (

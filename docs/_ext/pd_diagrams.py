@@ -477,8 +477,12 @@ def fetch_load_dot() -> str:
     limit, timeout = defaults["max_concurrent_fetches"], defaults["handshake_timeout"]
     _must_say(hs.__init__, "trio.CapacityLimiter(config.max_concurrent_fetches)")
     _must_say(hs.run, "async for engine, attempt in self._loads_receive", "await self._load(")
-    _must_say(hs._load, "trio.move_on_at(engine.deadline)", "FailureCause.NIXL")
-    _must_say(remotes.NixlRemotes.load, "an earlier load is stuck in {stuck}", "abandon_on_cancel")
+    _must_say(hs._load, "engine.deadline", "load_remotes(")
+    _must_say(hs._loaded, "FailureCause.NIXL")
+    batch = remotes.NixlRemotes._load_batch
+    _must_say(batch, "trio.move_on_at(load.request.deadline)", "_stuck_error", "self.stuck_call")
+    _must_say(remotes.NixlRemotes._run_thread, "abandon_on_cancel=True")
+    _must_say(remotes.NixlRemotes._stuck_error, "an earlier load is stuck in {stuck}")
     stuck_field = attrs.fields(ConsumerStatistics).backend_stuck_call.name
     # The stuck call as NixlRemotes reports it, a handshake_timeout after it began.
     nixl = remotes.NixlRemotes.__new__(remotes.NixlRemotes)

@@ -342,7 +342,7 @@ def shutdown_timeline(config: ConnectorConfig | None = None) -> Scope:
     if walk.found["consumer.wait_pulls_done"][-1].seconds != config.close_timeout:
         raise DocsDrift("shutdown timeline: the wait for pulls is no longer close_timeout")
     picture = "shutdown timeline"
-    require(picture, remotes.NixlRemotes.load, "abandon_on_cancel=True")
+    require(picture, remotes.NixlRemotes._run_thread, "abandon_on_cancel=True")
     require(picture, notifications.NotificationPoller._poll_blocking, "self._closing.is_set()")
     require(picture, driver.TransferDriver._check_stop, "now + self._config.close_timeout")
     nursery = next(s for s in walk.found["yield"] if _callee_of(s) == "trio.open_nursery")

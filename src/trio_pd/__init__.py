@@ -6,7 +6,7 @@ Testing tools are in :mod:`trio_pd.testing`.
 """
 
 from ._auth import CurveAuth, generate_keypair
-from ._backend import BackendError, BackendFactory, RemoteAgent, TransferBackend
+from ._backend import BackendError, BackendFactory, LoadRequest, RemoteAgent, TransferBackend
 from ._config import ConnectorConfig
 from ._connector import Connector, open_connector
 from ._engines import EngineState, FailureCause
@@ -43,6 +43,7 @@ __all__ = [
     "HandshakeError",
     "IncompatibleEngineError",
     "KVLayout",
+    "LoadRequest",
     "NixlBackend",
     "ParamsRejectedError",
     "ProducerStatistics",

@@ -37,6 +37,8 @@ __all__ = [
     "BackendClosing",
     "BackendError",
     "BackendFactory",
+    "LoadRequest",
+    "Loaded",
     "RemoteAgent",
     "RemoteAgents",
     "RemoteRetired",
@@ -107,7 +109,7 @@ class RemoteRetired(Exception):
 class RemoteAgent:
     """A remote engine's agent, loaded into a backend, with its prepared descriptors.
 
-    Created by :meth:`TransferBackend.load_remote`; lent to pulls by
+    Created by :meth:`TransferBackend.load_remotes`; lent to pulls by
     :meth:`TransferBackend.lease`. Only its backend changes it.
 
     Attributes:
@@ -135,6 +137,48 @@ class RemoteAgent:
     retired: bool = False
 
 
+@attrs.frozen
+class LoadRequest:
+    """One remote agent to load (see :meth:`TransferBackend.load_remotes`).
+
+    ``layout`` is the remote layout (or the head-slice view of it) that
+    reads come from, ``local_layout`` the local one (or view) they go to;
+    both have the same regions and bytes per block. ``deadline`` (trio's
+    clock) is the handshake's: the load is given up then.
+    """
+
+    engine_id: str
+    incarnation: str
+    agent_name: str
+    agent_metadata: bytes
+    layout: KVLayout
+    local_layout: KVLayout
+    deadline: float
+
+
+Loaded = Callable[[int, "RemoteAgent | BackendError | None"], None]
+"""``loaded(index, outcome)``: how :meth:`TransferBackend.load_remotes` reports
+the load of ``requests[index]`` (the agent, the error, or ``None``: its
+deadline passed first)."""
+
+
+async def load_one_by_one(
+    load: Callable[[LoadRequest], Awaitable[RemoteAgent]],
+    requests: Sequence[LoadRequest],
+    loaded: Loaded,
+) -> None:
+    """:meth:`TransferBackend.load_remotes` for a backend that loads one agent per
+    ``await load(request)``, each cancelled at its deadline (a test double's)."""
+    for index, request in enumerate(requests):
+        outcome: RemoteAgent | BackendError | None = None
+        with trio.move_on_at(request.deadline):
+            try:
+                outcome = await load(request)
+            except BackendError as exc:
+                outcome = exc
+        loaded(index, outcome)
+
+
 class TransferBackend(Protocol):
     """What a connector needs from its data plane (NIXL, or a test double).
 
@@ -147,7 +191,7 @@ class TransferBackend(Protocol):
 
     Every ``async`` method may block for a while and runs off the trio thread
     where the backend needs it; none is abandoned on cancellation. The
-    connector guarantees: :meth:`load_remote` is called by one task at a time;
+    connector guarantees: :meth:`load_remotes` is called by one task at a time;
     :meth:`aclose` is called once, after :meth:`begin_close`, when no other
     call is in flight.
     """
@@ -176,39 +220,36 @@ class TransferBackend(Protocol):
     def stuck_call(self) -> str:
         """The call a remote-agent load is stuck in (abandoned past its
         deadline, still running), with the agent and for how long; ``""``
-        when none. While it is set, :meth:`load_remote` may fail fast."""
+        when none. While it is set, :meth:`load_remotes` may fail fast."""
         ...
 
     def agent_metadata(self) -> bytes:
         """What a consumer needs to load this agent (sent over the side channel)."""
         ...
 
-    async def load_remote(
-        self,
-        engine_id: str,
-        incarnation: str,
-        agent_name: str,
-        agent_metadata: bytes,
-        layout: KVLayout,
-        local_layout: KVLayout,
-    ) -> RemoteAgent:
-        """Load a remote agent, prepare its descriptors and connect to it.
+    async def load_remotes(self, requests: Sequence[LoadRequest], loaded: Loaded) -> None:
+        """Load remote agents, prepare their descriptors and connect to them:
+        one at a time, in the order of ``requests``.
 
-        ``layout`` is the remote layout (or the head-slice view of it) that
-        reads come from, ``local_layout`` the local one (or view) they go to;
-        both have the same regions and bytes per block.
+        Each load's outcome goes to ``loaded(index, outcome)`` (on the trio
+        thread, in order) as soon as that load has ended, not at the end:
+        the :class:`RemoteAgent`; the :class:`BackendError` that failed it
+        (the metadata or descriptors were rejected, the connection failed --
+        nothing of that agent stays loaded -- or an earlier load is stuck in
+        a call that holds the backend, NIXL's writer lock, so this one could
+        not run either); or ``None`` if its ``deadline`` came first (a load
+        not begun by then is skipped).
 
-        Cancellation: the caller cancels a load at its handshake's deadline.
-        A backend whose calls cannot be interrupted abandons the call (it
-        releases whatever the call loads once it returns) and reports it in
-        :attr:`stuck_call` until it does.
+        Cancellation: a backend whose calls cannot be interrupted abandons
+        the call it is in at that load's deadline, or when the caller is
+        cancelled (it releases whatever the call loads once it returns), and
+        reports it in :attr:`stuck_call` until it does; the loads after it
+        in ``requests`` then fail fast. A load that ends after its outcome
+        could be reported is released, never leaked.
 
         Raises:
-            BackendError: the metadata or descriptors were rejected, or the
-                connection failed (nothing of that agent stays loaded); or
-                an earlier load is stuck in a call that holds the backend
-                (NIXL's writer lock), so this one could not run either.
-            BackendClosing: the backend began closing.
+            BackendClosing: the backend began closing (the loads not
+                reported by then never will be).
         """
         ...
 

@@ -8,7 +8,7 @@ connector's nursery:
 
 * the *handshake task* (:meth:`Handshakes.run`): loads every remote agent
   whose metadata arrived, one at a time, in order, each under a watchdog
-  deadline;
+  deadline (the loads queued together go to the backend in one call);
 * *fetch tasks*, one per handshake attempt, started by the pull that starts
   the attempt: each fetches and checks one engine rank's metadata within
   ``handshake_timeout``, at most ``max_concurrent_fetches`` at once.
@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import math
 import random
-import time
 from collections import Counter
 
 import attrs
@@ -30,7 +29,7 @@ import trio
 import zmq
 
 from . import _protocol as protocol
-from ._backend import BackendClosing, BackendError, RemoteAgent, TransferBackend
+from ._backend import BackendClosing, BackendError, LoadRequest, RemoteAgent, TransferBackend
 from ._config import ConnectorConfig
 from ._engines import (
     EngineEvent,
@@ -50,6 +49,10 @@ logger = logging.getLogger("trio_pd")
 
 HANDSHAKES_PER_PULL = 3
 """A pull gives up (``HandshakeError``) if its engine changed under this many handshakes."""
+
+LOADS_PER_BATCH = 32
+"""The most queued loads the handshake task hands the backend in one call (NIXL:
+one worker thread runs them back to back; an unload waits for the batch)."""
 
 MAX_RECORDS = 4096
 """Remote engine records kept before idle ones (never answered, in backoff) are forgotten."""
@@ -279,7 +282,7 @@ class Handshakes:
                 raise _copy(error)
 
     def _start_attempt(self, engine: RemoteEngine) -> None:
-        """Start the record's new attempt: its fetch task and its watchdog."""
+        """Start the record's new attempt: its fetch task (which watches its deadline too)."""
         record = engine.record
         engine.attempt_done = trio.Event()
         engine.deadline = trio.current_time() + self._config.handshake_timeout
@@ -294,7 +297,6 @@ class Handshakes:
             record.port,
         )
         self._nursery.start_soon(self._fetch_metadata, engine, record.attempts)
-        self._nursery.start_soon(self._attempt_deadline, engine, record.attempts)
 
     def _current(self, engine: RemoteEngine, attempt: int, *states: EngineState) -> bool:
         """Whether ``attempt`` is still the engine's current one, in one of ``states``."""
@@ -302,9 +304,10 @@ class Handshakes:
         return not self._closed and record.attempts == attempt and record.state in states
 
     async def _fetch_metadata(self, engine: RemoteEngine, attempt: int) -> None:
-        """Fetch and check ``engine``'s metadata, then act on it: queue the load,
-        or end a verification."""
+        """Fetch and check ``engine``'s metadata, then act on it: queue the load
+        (and watch the attempt's deadline), or end a verification."""
         record = engine.record
+        done = engine.attempt_done
         pending = (EngineState.FETCHING, EngineState.VERIFYING)
         try:
             metadata, layout = await fetch_engine_metadata(
@@ -354,13 +357,14 @@ class Handshakes:
                 with trio.CancelScope(shield=True):
                     await self._backend.retire(retired)
             if not self._current(engine, attempt, EngineState.LOADING):
-                return  # (the connector closed, or the watchdog ended it, meanwhile)
+                return  # (the connector closed meanwhile)
         if restarted:  # (rank 0 found a new incarnation, by a verification or a handshake)
             await self._retire_other_ranks(engine)
             if not self._current(engine, attempt, EngineState.LOADING):
                 return
         self._loads_queued += 1
         self._loads_send.send_nowait((engine, attempt))
+        await self._attempt_deadline(engine, attempt, done)
 
     async def _retire_other_ranks(self, engine: RemoteEngine) -> None:
         """Rank 0 of ``engine`` answered with a new incarnation: the engine restarted,
@@ -398,61 +402,78 @@ class Handshakes:
             for agent in retired:
                 await self._backend.retire(agent)
 
-    async def _load(self, engine: RemoteEngine, attempt: int) -> None:
-        """Load one engine's agent, giving up at the attempt's deadline.
+    async def _load(self, batch: list[tuple[RemoteEngine, int]]) -> None:
+        """Load the agents of a batch of queued engines, each giving up at its
+        attempt's deadline.
 
-        The load is cancelled at the deadline, so one that never returns does
-        not hold up the loads queued behind it (a backend whose call cannot
-        be interrupted abandons it, and fails later loads fast while it is
-        stuck: see ``TransferBackend.load_remote``). An agent that loads
+        The backend loads them one at a time, in order, and reports each as
+        it ends, so an engine is ready as soon as its own load is done. A
+        load is given up at its deadline, so one that never returns does not
+        hold up the loads queued behind it (a backend whose call cannot be
+        interrupted abandons it, and fails later loads fast while it is
+        stuck: see ``TransferBackend.load_remotes``). An agent that loads
         after its attempt ended is retired at once.
         """
-        record = engine.record
-        if not self._current(engine, attempt, EngineState.LOADING):
-            return  # its attempt already failed (the watchdog) while it queued
-        metadata, layout = record.metadata, record.layout
-        assert metadata is not None
-        assert layout is not None
-        started = time.perf_counter()
-        local_view, remote_view = part_layouts(self._layout, layout, engine.part)
-        remote: RemoteAgent | None = None
-        error: HandshakeError | None = None
-        with trio.move_on_at(engine.deadline):
-            try:
-                remote = await self._backend.load_remote(
+        live = [(e, a) for e, a in batch if self._current(e, a, EngineState.LOADING)]
+        requests = []
+        for engine, _ in live:
+            record = engine.record
+            metadata, layout = record.metadata, record.layout
+            assert metadata is not None
+            assert layout is not None
+            local_view, remote_view = part_layouts(self._layout, layout, engine.part)
+            requests.append(
+                LoadRequest(
                     record.engine_id,
                     metadata.incarnation,
                     metadata.agent_name,
                     metadata.agent_metadata,
                     remote_view,
                     local_view,
+                    engine.deadline,
                 )
-            except BackendError as exc:
-                reason = f"{engine.rank_label}loading the remote agent: {exc}"
-                error = HandshakeError(record.engine_id, reason)
-                error.__cause__ = exc
-            except BackendClosing:
-                return  # the connector is closing: its waiters are woken by begin_close
-        if not self._current(engine, attempt, EngineState.LOADING):
-            if remote is not None:  # too late: its waiters already failed
-                await self._backend.retire(remote)
+            )
+        late: list[RemoteAgent] = []  # loaded after their attempt ended (the watchdog)
+
+        def loaded(index: int, outcome: RemoteAgent | BackendError | None) -> None:
+            engine, attempt = live[index]
+            if not self._current(engine, attempt, EngineState.LOADING):
+                if outcome is not None and not isinstance(outcome, BackendError):
+                    late.append(outcome)  # too late: its waiters already failed
+                return
+            self._loaded(engine, outcome)
+
+        try:
+            await self._backend.load_remotes(requests, loaded)
+        except BackendClosing:
+            return  # the connector is closing: its waiters are woken by begin_close
+        for remote in late:
+            await self._backend.retire(remote)
+
+    def _loaded(self, engine: RemoteEngine, outcome: RemoteAgent | BackendError | None) -> None:
+        """A load of ``engine``'s current attempt ended (``None``: at its deadline)."""
+        record = engine.record
+        if outcome is None:  # the deadline, at the same moment as the watchdog
+            self._handshake_failed(engine, FailureCause.NIXL, self._deadline_error(engine))
             return
-        if remote is None:
-            if error is None:  # the deadline, at the same moment as the watchdog
-                error = self._deadline_error(engine)
+        if isinstance(outcome, BackendError):
+            reason = f"{engine.rank_label}loading the remote agent: {outcome}"
+            error = HandshakeError(record.engine_id, reason)
+            error.__cause__ = outcome
             self._handshake_failed(engine, FailureCause.NIXL, error)
             return
         record.loaded()
-        engine.agent = remote
+        engine.agent = outcome
         engine.attempt_done.set()
         self._counters.handshakes_succeeded += 1
+        began = engine.deadline - self._config.handshake_timeout
         logger.info(
-            "engine %s: ready (agent %s, %d regions x %d blocks, loaded in %.1f ms)",
+            "engine %s: ready (agent %s, %d regions x %d blocks) %.1f ms after its handshake began",
             record.engine_id,
-            remote.agent_name,
-            remote.layout.num_regions,
-            remote.layout.num_blocks,
-            (time.perf_counter() - started) * 1e3,
+            outcome.agent_name,
+            outcome.layout.num_regions,
+            outcome.layout.num_blocks,
+            (trio.current_time() - began) * 1e3,
         )
 
     def _deadline_error(self, engine: RemoteEngine) -> HandshakeError:
@@ -470,13 +491,18 @@ class Handshakes:
         reason = f"{engine.rank_label}{phase} within {timeout:g} s of the handshake's start{behind}"
         return HandshakeError(engine.record.engine_id, reason)
 
-    async def _attempt_deadline(self, engine: RemoteEngine, attempt: int) -> None:
-        """Fail ``attempt`` at its deadline if its agent is still queued for loading.
+    async def _attempt_deadline(self, engine: RemoteEngine, attempt: int, done: trio.Event) -> None:
+        """The watchdog: fail ``attempt`` at its deadline if its agent is still
+        queued for loading (the fetch task, once it queued the load).
 
-        (The fetch keeps the same deadline itself, and reports why it failed;
-        a load under way is cancelled at it by :meth:`_load`.)
+        Ends as soon as the attempt does (``done``), so a storm of handshakes
+        leaves no sleeping task per engine behind. (The fetch keeps the same
+        deadline itself, and reports why it failed; a load under way is given
+        up at it by the backend, see :meth:`_load`.)
         """
-        await trio.sleep_until(engine.deadline)
+        with trio.move_on_at(engine.deadline):
+            await done.wait()
+            return
         if self._current(engine, attempt, EngineState.LOADING):
             self._handshake_failed(engine, FailureCause.NIXL, self._deadline_error(engine))
 
@@ -495,12 +521,20 @@ class Handshakes:
         logger.warning("%s (next attempt allowed in %.2f s)", error, delay)
 
     async def run(self) -> None:
-        """The handshake task: loads remote agents whose metadata arrived, in order."""
+        """The handshake task: loads remote agents whose metadata arrived, in
+        order; the loads queued together (up to :data:`LOADS_PER_BATCH`) go
+        to the backend at once."""
         async for engine, attempt in self._loads_receive:
+            batch = [(engine, attempt)]
+            while len(batch) < LOADS_PER_BATCH:
+                try:
+                    batch.append(self._loads_receive.receive_nowait())
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
             try:
-                await self._load(engine, attempt)
+                await self._load(batch)
             finally:
-                self._loads_queued -= 1
+                self._loads_queued -= len(batch)
 
     def peer_lost(self, engine: RemoteEngine, agent: RemoteAgent, request_id: str) -> bool:
         """``agent`` is gone (NIXL said so, or the backend gave it up).

@@ -9,7 +9,8 @@ ms), so none of them runs on the trio thread:
   (see that module): pulls hand it jobs and wait on trio Events;
 * every mutation of the agent's view of remote engines -- ``add_remote_agent``,
   preparing descriptor lists, ``make_connection``, ``remove_remote_agent`` --
-  runs in a worker thread behind one limiter (one at a time), in
+  runs in a worker thread behind one limiter (one at a time; the loads
+  queued together in one thread), in
   :class:`~trio_pd._nixl_remotes.NixlRemotes`; a load past its deadline is
   abandoned, not waited for;
 * the producer's notification polls run behind their own limiter (one
@@ -50,6 +51,8 @@ from ._backend import (
     NO_UNSETTLED,
     BackendClosing,
     BackendError,
+    Loaded,
+    LoadRequest,
     RemoteAgent,
     TransferTimeout,
     UnsettledHook,
@@ -253,34 +256,21 @@ class NixlBackend:
 
     # ---- remote agents (load: the consumer's handshake task only) -------
 
-    async def load_remote(
-        self,
-        engine_id: str,
-        incarnation: str,
-        agent_name: str,
-        agent_metadata: bytes,
-        layout: KVLayout,
-        local_layout: KVLayout,
-    ) -> RemoteAgent:
-        """Load a remote agent, prepare its descriptor list and connect (handshake thread).
+    async def load_remotes(self, requests: Sequence[LoadRequest], loaded: Loaded) -> None:
+        """Load remote agents, prepare their descriptor lists and connect: one
+        worker thread runs them one after the other (see
+        :meth:`TransferBackend.load_remotes` for what is reported and when).
 
         A local view other than the whole local layout (a head slice) gets
         its own local descriptor list, prepared once and kept until close.
         An agent of that name still loaded (retired, but held by pulls or by
         a transfer that could not be stopped) is used again if it is the
-        same (see :meth:`RemoteAgents.revive`). Cancelled (at its
-        handshake's deadline), the worker thread is abandoned and reported
-        in :attr:`stuck_call` until it returns (see ``_nixl_remotes``).
-
-        Raises:
-            BackendError: NIXL rejected the metadata or the descriptors, or
-                could not connect; nothing of this engine stays loaded. An
-                agent of that name is still loaded with other views. An
-                earlier load is stuck (fails fast).
+        same (see :meth:`RemoteAgents.revive`). A load in a NIXL call at its
+        deadline (or when the caller is cancelled) is abandoned: the thread
+        is reported in :attr:`stuck_call` until it returns, and later loads
+        fail fast (see ``_nixl_remotes``).
         """
-        return await self._remotes.load(
-            engine_id, incarnation, agent_name, agent_metadata, layout, local_layout
-        )
+        await self._remotes.load_many(requests, loaded)
 
     def lease(self, remote: RemoteAgent) -> AbstractAsyncContextManager[RemoteAgent]:
         return self._remotes.lease(remote)
@@ -429,7 +419,7 @@ class NixlBackend:
             job.on_settled = functools.partial(self._drop_hold, remote, unsettled())
 
     def _drop_hold(self, remote: RemoteAgent, settle: Callable[[], None]) -> None:
-        remote.users -= 1  # (unloaded by the next load_remote or by aclose)
+        remote.users -= 1  # (unloaded by the next load_remotes or by aclose)
         self._unsettled -= 1
         settle()
 

@@ -3,15 +3,21 @@
 Every mutation of the agent's view of remote engines -- ``add_remote_agent``,
 preparing descriptor lists, ``make_connection``, ``remove_remote_agent`` --
 runs here, in a worker thread behind one limiter (one at a time; the
-consumer's handshake task is the only caller of :meth:`NixlRemotes.load`).
+consumer's handshake task is the only caller of :meth:`NixlRemotes.load_many`).
+
+Loads come in batches (the loads queued together): one worker thread runs a
+batch's loads one after the other, and reports each to the trio thread as it
+ends (``TrioToken.run_sync_soon``), so a batch costs one thread hop, not one
+per load, and no load waits for the trio loop to start the next.
 
 A load has a deadline (its handshake's) but NIXL calls cannot be
-interrupted: at the deadline the worker thread is *abandoned*. It goes on;
-if it ever returns, it releases what it loaded itself (nobody takes it).
-While it runs, :attr:`NixlRemotes.stuck_call` names the NIXL call it is in
-and further loads fail fast: in NIXL's ``rw`` sync mode a load holds the
-agent's writer lock, so they would only queue behind it (see the design
-page for the measurements).
+interrupted: at the deadline a load the thread has not begun is skipped, and
+one it is in is *abandoned*. The thread goes on; if that call ever returns,
+it releases what it loaded itself (nobody takes it) and skips the rest of
+the batch. While it runs, :attr:`NixlRemotes.stuck_call` names the NIXL call
+it is in and further loads fail fast: in NIXL's ``rw`` sync mode a load
+holds the agent's writer lock, so they would only queue behind it (see the
+design page for the measurements).
 
 Trio thread only, except the worker threads, which touch NIXL, their
 arguments and their :class:`LoadProgress`.
@@ -19,16 +25,25 @@ arguments and their :class:`LoadProgress`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
+import attrs
 import trio
 
-from ._backend import BackendClosing, BackendError, RemoteAgent, RemoteAgents
+from ._backend import (
+    BackendClosing,
+    BackendError,
+    Loaded,
+    LoadRequest,
+    RemoteAgent,
+    RemoteAgents,
+)
 from ._config import ConnectorConfig
 from ._layout import KVLayout
 from ._nixl_errors import nixl_errors
@@ -40,22 +55,33 @@ RunBlocking = Callable[..., Awaitable[Any]]
 
 
 class LoadProgress:
-    """Where a load's worker thread is, shared by that thread and the trio thread.
+    """Where one load of a batch is, shared by the batch's thread and the trio thread.
 
-    The thread names the NIXL call it is in (``call``). :meth:`finish`
-    (thread) and :meth:`abandon` (trio) race under a lock: exactly one wins,
-    so a load that returns just as it is abandoned is either taken or
-    released, never both or neither.
+    The thread names the NIXL call it is in (``call``). :meth:`begin` and
+    :meth:`finish` (thread) race :meth:`abandon` (trio) under a lock (one per
+    batch): a load abandoned before it began is never begun, and one that
+    returns just as it is abandoned is either taken or released, never both
+    or neither.
     """
 
-    def __init__(self, agent_name: str) -> None:
+    def __init__(self, agent_name: str, lock: threading.Lock | None = None) -> None:
         self.agent_name = agent_name
         self.call = "waiting for the handshake limiter"
         self.started = time.monotonic()
+        self.running = False
         self.finished = False
         self.result: Any = None
         self._abandoned = False
-        self._lock = threading.Lock()
+        self._lock = lock or threading.Lock()
+
+    def begin(self) -> bool:
+        """(Thread) start the load; False if it was abandoned first (then skip it)."""
+        with self._lock:
+            if self._abandoned:
+                self.finished = True
+                return False
+            self.running, self.started = True, time.monotonic()
+            return True
 
     def finish(self, result: Any = None) -> bool:
         """(Thread) the load ended (with ``result``, the descriptor list, if it
@@ -66,10 +92,23 @@ class LoadProgress:
             return not self._abandoned
 
     def abandon(self) -> bool:
-        """(Trio) give up on the load; False if it had already finished."""
+        """(Trio) give up on the load; True if the thread is in it now (stuck)."""
         with self._lock:
             self._abandoned = True
-            return not self.finished
+            return self.running and not self.finished
+
+
+@attrs.define(eq=False)
+class _Load:
+    """One load of a batch: the request, its progress, and its end as the trio side sees it."""
+
+    index: int
+    request: LoadRequest
+    progress: LoadProgress
+    local_dlist: Any
+    deadline: float  # (time.monotonic(): the thread skips a load not begun by then)
+    done: trio.Event = attrs.field(factory=trio.Event)
+    error: BaseException | None = None
 
 
 class NixlRemotes:
@@ -121,63 +160,152 @@ class NixlRemotes:
         age = time.monotonic() - stuck.started
         return f"{stuck.call} for agent {stuck.agent_name!r} ({age:.1f} s)"
 
-    async def load(
-        self,
-        engine_id: str,
-        incarnation: str,
-        agent_name: str,
-        agent_metadata: bytes,
-        layout: KVLayout,
-        local_layout: KVLayout,
-    ) -> RemoteAgent:
-        """See :meth:`trio_pd.NixlBackend.load_remote`."""
+    async def load_many(self, requests: Sequence[LoadRequest], loaded: Loaded) -> None:
+        """See :meth:`trio_pd.NixlBackend.load_remotes`."""
         for idle in self._remotes.idle_retired():  # held by a transfer that has ended since
             with trio.move_on_after(self._config.close_timeout, shield=True):
                 await self._unload(idle)
-        revived = self._remotes.revive(engine_id, incarnation, agent_name, layout, local_layout)
-        if revived is not None:
-            await trio.lowlevel.checkpoint()
-            logger.info("engine %s: agent %s still loaded; used again", engine_id, agent_name)
-            return revived
-        stuck = self.stuck_call
-        if stuck:
-            await trio.lowlevel.checkpoint()
-            raise BackendError(
-                f"not loading agent {agent_name!r}: an earlier load is stuck in {stuck}, "
-                "and NIXL would queue this one behind it"
-            )
-        local_dlist = await self._local_view(local_layout)
-        progress = LoadProgress(agent_name)
-        try:
-            dlist = await self._run_blocking(
-                self._limiter,
-                self._load_blocking,
-                agent_name,
-                agent_metadata,
-                layout,
-                progress,
-                abandon_on_cancel=True,
-            )
-        except trio.Cancelled:
-            if progress.abandon():
-                self._stuck = progress
-                logger.error(
-                    "loading agent %s: abandoned at its handshake's deadline, still in %s; "
-                    "loads fail fast until it returns",
-                    agent_name,
-                    progress.call,
+        start = 0
+        while start < len(requests):  # (an agent loads once: a name seen again waits a batch)
+            names: set[str] = set()
+            end = start
+            while end < len(requests) and requests[end].agent_name not in names:
+                names.add(requests[end].agent_name)
+                end += 1
+            await self._load_batch(list(enumerate(requests))[start:end], loaded)
+            start = end
+
+    async def _load_batch(self, requests: list[tuple[int, LoadRequest]], loaded: Loaded) -> None:
+        """Load ``requests`` (distinct agents) in one worker thread, reporting each."""
+        lock = threading.Lock()
+        loads: list[_Load] = []
+        for index, request in requests:
+            try:
+                revived = self._remotes.revive(
+                    request.engine_id,
+                    request.incarnation,
+                    request.agent_name,
+                    request.layout,
+                    request.local_layout,
                 )
-            elif progress.result is not None:  # it loaded just as it was abandoned
-                with trio.move_on_after(self._config.close_timeout, shield=True):
-                    await self._run_blocking(
-                        self._limiter, release_remote, self._agent(), agent_name, progress.result
-                    )
+                if revived is None:
+                    stuck = self.stuck_call
+                    if stuck:
+                        raise self._stuck_error(request.agent_name, stuck)
+                    local_dlist = await self._local_view(request.local_layout)
+            except BackendError as exc:  # (in use with other views; stuck; a view failed)
+                loaded(index, exc)
+                continue
+            if revived is not None:
+                logger.info(
+                    "engine %s: agent %s still loaded; used again",
+                    request.engine_id,
+                    request.agent_name,
+                )
+                loaded(index, revived)
+                continue
+            timeout = request.deadline - trio.current_time()
+            progress = LoadProgress(request.agent_name, lock)
+            loads.append(_Load(index, request, progress, local_dlist, time.monotonic() + timeout))
+        await trio.lowlevel.checkpoint()
+        if not loads:
+            return
+        token = trio.lowlevel.current_trio_token()
+        late: list[_Load] = []  # loaded, but not taken: released below
+        failure: BaseException | None = None  # (BackendClosing, or a bug in the thread)
+        taken = 0
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._run_thread, loads, token)
+                for load in loads:
+                    with trio.move_on_at(load.request.deadline):
+                        await load.done.wait()
+                    if load.done.is_set():
+                        if load.error is not None and not isinstance(load.error, BackendError):
+                            failure = load.error
+                            break
+                        taken += 1
+                        loaded(load.index, self._take(load))
+                        continue
+                    taken += 1
+                    stuck = self._give_up(load, late)  # its deadline passed
+                    loaded(load.index, None)
+                    if stuck:  # the rest would queue behind NIXL's writer lock: fail fast
+                        for rest in loads[taken:]:
+                            self._give_up(rest, late)
+                            loaded(rest.index, self._stuck_error(rest.request.agent_name, stuck))
+                        taken = len(loads)
+                        break
+                nursery.cancel_scope.cancel()  # (a thread still in a stuck call is abandoned)
+            if failure is not None:
+                raise failure
+        except BaseException:  # cancelled or closing: give up on every load left
+            for load in loads[taken:]:
+                self._give_up(load, late)
             raise
+        finally:
+            for load in late:
+                with trio.move_on_after(self._config.close_timeout, shield=True):
+                    await self._release_late(load)
+
+    async def _release_late(self, load: _Load) -> None:
+        try:
+            agent = self._agent()
+        except BackendClosing:
+            await trio.lowlevel.checkpoint()
+            return  # (closed: the agent is destroyed with every remote agent in it)
+        name, dlist = load.request.agent_name, load.progress.result
+        await self._run_blocking(self._limiter, release_remote, agent, name, dlist)
+
+    def _give_up(self, load: _Load, late: list[_Load]) -> str:
+        """Abandon ``load`` (its deadline passed, an earlier one is stuck, or the
+        caller was cancelled); if the thread is in it, it is stuck: return the
+        call it is in. One that loaded but was not taken goes to ``late``."""
+        if load.progress.abandon():
+            self._stuck = load.progress
+            logger.error(
+                "loading agent %s: abandoned at its handshake's deadline, still in %s; "
+                "loads fail fast until it returns",
+                load.request.agent_name,
+                load.progress.call,
+            )
+            return self.stuck_call
+        if load.progress.result is not None:
+            late.append(load)  # (it loaded just as it was abandoned)
+        return ""
+
+    def _take(self, load: _Load) -> RemoteAgent | BackendError | None:
+        """The outcome of a load the thread finished (or skipped, past its deadline)."""
+        if isinstance(load.error, BackendError):
+            return load.error
+        dlist = load.progress.result
+        if dlist is None:
+            return None  # (skipped: its deadline passed before the thread began it)
+        request = load.request
         remote = RemoteAgent(
-            engine_id, incarnation, agent_name, layout, local_layout, dlist, local_dlist
+            request.engine_id,
+            request.incarnation,
+            request.agent_name,
+            request.layout,
+            request.local_layout,
+            dlist,
+            load.local_dlist,
         )
         self._remotes.add(remote)  # from here on, take_all() hands it to close
         return remote
+
+    async def _run_thread(self, loads: list[_Load], token: trio.lowlevel.TrioToken) -> None:
+        with contextlib.suppress(BackendError, BackendClosing):  # (reported per load)
+            await self._run_blocking(
+                self._limiter, self._load_all_blocking, loads, token, abandon_on_cancel=True
+            )
+
+    @staticmethod
+    def _stuck_error(agent_name: str, stuck: str) -> BackendError:
+        return BackendError(
+            f"not loading agent {agent_name!r}: an earlier load is stuck in {stuck}, "
+            "and NIXL would queue this one behind it"
+        )
 
     async def _local_view(self, view: KVLayout) -> Any:
         """The local descriptor list of ``view`` (prepared on first use, kept until close)."""
@@ -222,11 +350,32 @@ class NixlRemotes:
         else:
             logger.info("engine %s: removed stale agent %s", remote.engine_id, remote.agent_name)
 
+    def _load_all_blocking(self, loads: list[_Load], token: trio.lowlevel.TrioToken) -> None:
+        """Run a batch's loads one after the other (a worker thread), telling the
+        trio thread as each ends; skip those abandoned or past their deadline."""
+        for load in loads:
+            progress = load.progress
+            if time.monotonic() >= load.deadline:
+                progress.abandon()  # (its deadline passed before its turn)
+            if progress.begin():
+                try:
+                    self._load_blocking(
+                        load.request.agent_name,
+                        load.request.agent_metadata,
+                        load.request.layout,
+                        progress,
+                    )
+                except BaseException as exc:  # (reported to the trio side, which re-raises bugs)
+                    load.error = exc
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(load.done.set)
+
     def _load_blocking(
         self, agent_name: str, agent_metadata: bytes, layout: KVLayout, progress: LoadProgress
     ) -> Any:
         """Load, prepare and connect (a worker thread); if the trio side
-        abandoned it meanwhile, release what it loaded instead of returning it."""
+        abandoned it meanwhile, release what it loaded instead of handing it
+        over (``progress.result`` is the descriptor list to take)."""
         agent = self._agent()
         progress.call = "add_remote_agent"
         with nixl_errors("add_remote_agent"):

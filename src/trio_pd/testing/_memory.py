@@ -33,10 +33,13 @@ from .._backend import (
     NO_UNSETTLED,
     BackendClosing,
     BackendError,
+    Loaded,
+    LoadRequest,
     RemoteAgent,
     RemoteAgents,
     TransferTimeout,
     UnsettledHook,
+    load_one_by_one,
 )
 from .._config import ConnectorConfig
 from .._layout import KVLayout
@@ -234,30 +237,29 @@ class MemoryBackend:
     def agent_metadata(self) -> bytes:
         return _PREFIX + self._agent_name.encode()
 
-    async def load_remote(
-        self,
-        engine_id: str,
-        incarnation: str,
-        agent_name: str,
-        agent_metadata: bytes,
-        layout: KVLayout,
-        local_layout: KVLayout,
-    ) -> RemoteAgent:
-        faults = self._fabric.faults(engine_id)
+    async def load_remotes(self, requests: Sequence[LoadRequest], loaded: Loaded) -> None:
+        await load_one_by_one(self.load_remote, requests, loaded)
+
+    async def load_remote(self, request: LoadRequest) -> RemoteAgent:
+        """Load one agent (faults apply); cancelled at its deadline by ``load_remotes``."""
+        faults = self._fabric.faults(request.engine_id)
         await self._wait(math.inf if faults.hang_loads else faults.load_delay)
         if faults.load_error is not None:
             raise BackendError(f"add_remote_agent: {faults.load_error}")
-        if not agent_metadata.startswith(_PREFIX):
+        if not request.agent_metadata.startswith(_PREFIX):
             raise BackendError("add_remote_agent: not in-memory agent metadata")
-        named = agent_metadata[len(_PREFIX) :].decode()
-        if named != agent_name:
-            raise BackendError(f"metadata names agent {named!r}, reply said {agent_name!r}")
-        revived = self._remotes.revive(engine_id, incarnation, agent_name, layout, local_layout)
+        named = request.agent_metadata[len(_PREFIX) :].decode()
+        name = request.agent_name
+        if named != name:
+            raise BackendError(f"metadata names agent {named!r}, reply said {name!r}")
+        engine_id, incarnation = request.engine_id, request.incarnation
+        layout, local_layout = request.layout, request.local_layout
+        revived = self._remotes.revive(engine_id, incarnation, name, layout, local_layout)
         if revived is not None:
             return revived
-        if self._fabric._reach(agent_name) is None:
-            raise BackendError(f"make_connection: agent {agent_name!r} is gone", peer_lost=True)
-        remote = RemoteAgent(engine_id, incarnation, agent_name, layout, local_layout)
+        if self._fabric._reach(name) is None:
+            raise BackendError(f"make_connection: agent {name!r} is gone", peer_lost=True)
+        remote = RemoteAgent(engine_id, incarnation, name, layout, local_layout)
         self._remotes.add(remote)
         return remote
 

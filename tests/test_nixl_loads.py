@@ -1,0 +1,215 @@
+"""Remote-agent loads on real NIXL agents: batches, deadlines, stuck calls, release.
+
+The NIXL backend loads the agents queued together in one worker thread, one
+after the other (``TransferBackend.load_remotes``). These tests drive that
+seam directly, with real agents of other engines in this process. The one
+injected fault: the consumer's ``add_remote_agent`` for a chosen agent waits
+on a gate (as it does towards a peer whose packets vanish, see the design
+page), set through the accessor ``NixlRemotes`` reaches the agent by.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any
+
+import trio
+
+import trio_pd
+from trio_pd import BackendError, LoadRequest, RemoteAgent
+from trio_pd._layout import layout_of_tensors
+
+from .conftest import FAST, kv_cache, wait_until
+
+Outcome = RemoteAgent | BackendError | None
+
+
+class GatedAgent:
+    """A real NIXL agent whose ``add_remote_agent`` waits on a gate for chosen
+    agents; records the calls made on it, and the threads they came from."""
+
+    def __init__(self, agent: Any, names: dict[bytes, str]) -> None:
+        self._agent = agent
+        self._names = names  # agent metadata -> agent name
+        self.gates: dict[str, threading.Event] = {}
+        self.entered: dict[str, threading.Event] = {}
+        self.added: list[str] = []
+        self.removed: list[str] = []
+        self.threads: set[int] = set()
+
+    def gate(self, name: str) -> None:
+        self.gates[name], self.entered[name] = threading.Event(), threading.Event()
+
+    def add_remote_agent(self, metadata: bytes) -> Any:
+        name = self._names[metadata]
+        self.added.append(name)
+        self.threads.add(threading.get_ident())
+        if name in self.gates:
+            self.entered[name].set()
+            self.gates[name].wait()
+        return self._agent.add_remote_agent(metadata)
+
+    def remove_remote_agent(self, name: str) -> Any:
+        self.removed.append(name)
+        return self._agent.remove_remote_agent(name)
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(self._agent, attribute)
+
+
+@contextmanager
+def opened_gates(agent: GatedAgent) -> Iterator[None]:
+    """Open every gate on the way out, so no worker thread outlives the test."""
+    try:
+        yield
+    finally:
+        for gate in agent.gates.values():
+            gate.set()
+
+
+@asynccontextmanager
+async def backends(
+    producers: int,
+) -> AsyncIterator[tuple[trio_pd.NixlBackend, GatedAgent, list[trio_pd.NixlBackend]]]:
+    """A consumer backend (its agent gated) and ``producers`` producer backends."""
+    made: list[trio_pd.NixlBackend] = []
+    try:
+        for n in range(producers + 1):
+            caches = kv_cache(regions=2, blocks=8, block_shape=(64,))
+            made.append(
+                await trio_pd.NixlBackend.create(f"a{n}", caches, layout_of_tensors(caches), FAST)
+            )
+        consumer, others = made[0], made[1:]
+        gated = GatedAgent(consumer.agent, {p.agent_metadata(): p.agent_name for p in others})
+        consumer._remotes._agent = lambda: gated  # the fault seam: how it reaches its agent
+        with opened_gates(gated):
+            yield consumer, gated, others
+    finally:
+        for backend in made:
+            backend.begin_close()
+            await backend.aclose()
+
+
+def request(
+    producer: trio_pd.NixlBackend, consumer: trio_pd.NixlBackend, timeout: float
+) -> LoadRequest:
+    return LoadRequest(
+        producer.agent_name,
+        "i1",
+        producer.agent_name,
+        producer.agent_metadata(),
+        producer.layout,
+        consumer.layout,
+        trio.current_time() + timeout,
+    )
+
+
+async def test_a_batch_loads_in_order_in_one_thread_and_reports_each_as_it_ends() -> None:
+    with trio.fail_after(60):
+        async with backends(3) as (consumer, agent, producers):
+            a, b, c = producers
+            agent.gate(b.agent_name)
+            outcomes: dict[int, Outcome] = {}
+            requests = [request(p, consumer, 30) for p in producers]
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(consumer.load_remotes, requests, outcomes.__setitem__)
+                await trio.to_thread.run_sync(agent.entered[b.agent_name].wait)
+                # A is reported while the thread is still in B's call.
+                await wait_until(lambda: 0 in outcomes)
+                assert list(outcomes) == [0]
+                agent.gates[b.agent_name].set()
+            assert list(outcomes) == [0, 1, 2]
+            assert all(isinstance(o, RemoteAgent) for o in outcomes.values())
+            assert agent.added == [a.agent_name, b.agent_name, c.agent_name]
+            assert len(agent.threads) == 1  # one worker thread for the batch
+            assert consumer.remote_agents_loaded == 3
+            assert consumer.stuck_call == ""
+
+
+async def test_a_load_past_its_deadline_before_its_turn_is_skipped_and_the_rest_go_on() -> None:
+    with trio.fail_after(60):
+        async with backends(3) as (consumer, agent, producers):
+            a, b, c = producers
+            agent.gate(a.agent_name)
+            outcomes: dict[int, Outcome] = {}
+            requests = [
+                request(a, consumer, 30),
+                request(b, consumer, 0.2),
+                request(c, consumer, 30),
+            ]
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(consumer.load_remotes, requests, outcomes.__setitem__)
+                await trio.to_thread.run_sync(agent.entered[a.agent_name].wait)
+                await trio.sleep_until(requests[1].deadline + 0.1)
+                agent.gates[a.agent_name].set()
+            assert isinstance(outcomes[0], RemoteAgent)
+            assert outcomes[1] is None  # its deadline passed while A loaded: never begun
+            assert isinstance(outcomes[2], RemoteAgent)
+            assert agent.added == [a.agent_name, c.agent_name]
+            assert consumer.remote_agents_loaded == 2
+
+
+async def test_a_load_stuck_at_its_deadline_is_abandoned_and_released_when_it_returns() -> None:
+    with trio.fail_after(60):
+        async with backends(3) as (consumer, agent, producers):
+            a, b, c = producers
+            agent.gate(a.agent_name)
+            outcomes: dict[int, Outcome] = {}
+            requests = [
+                request(a, consumer, 0.5),
+                request(b, consumer, 30),
+                request(c, consumer, 30),
+            ]
+            await consumer.load_remotes(requests, outcomes.__setitem__)  # returns at A's deadline
+            assert outcomes[0] is None
+            for index in (1, 2):
+                error = outcomes[index]
+                assert isinstance(error, BackendError)
+                assert "an earlier load is stuck in add_remote_agent" in str(error)
+            assert consumer.stuck_call.startswith(f"add_remote_agent for agent {a.agent_name!r}")
+            # While it is stuck, a new batch fails fast too.
+            more: dict[int, Outcome] = {}
+            await consumer.load_remotes([request(b, consumer, 30)], more.__setitem__)
+            assert isinstance(more[0], BackendError)
+            agent.gates[a.agent_name].set()  # the call returns: the thread releases what it loaded
+            await wait_until(lambda: consumer.stuck_call == "" and agent.removed)
+            assert agent.removed == [a.agent_name]
+            assert agent.added == [a.agent_name]  # B and C were never begun
+            assert consumer.remote_agents_loaded == 0
+            await consumer.load_remotes([request(b, consumer, 30)], more.__setitem__)
+            assert isinstance(more[0], RemoteAgent)
+
+
+async def test_a_cancelled_batch_abandons_its_loads_and_what_loads_late_is_released() -> None:
+    with trio.fail_after(60):
+        async with backends(2) as (consumer, agent, producers):
+            a, b = producers
+            agent.gate(a.agent_name)
+            outcomes: dict[int, Outcome] = {}
+            requests = [request(a, consumer, 30), request(b, consumer, 30)]
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(consumer.load_remotes, requests, outcomes.__setitem__)
+                    await trio.to_thread.run_sync(agent.entered[a.agent_name].wait)
+                    scope.cancel()
+            assert outcomes == {}  # (cancelled: nothing reported)
+            assert consumer.stuck_call.startswith("add_remote_agent")
+            agent.gates[a.agent_name].set()
+            await wait_until(lambda: consumer.stuck_call == "" and agent.removed)
+            assert agent.removed == [a.agent_name]
+            assert agent.added == [a.agent_name]
+            assert consumer.remote_agents_loaded == 0
+
+
+async def test_the_same_agent_twice_in_a_batch_is_loaded_once_and_used_again() -> None:
+    with trio.fail_after(60):
+        async with backends(1) as (consumer, agent, [a]):
+            outcomes: dict[int, Outcome] = {}
+            await consumer.load_remotes(
+                [request(a, consumer, 30), request(a, consumer, 30)], outcomes.__setitem__
+            )
+            assert isinstance(outcomes[0], RemoteAgent)
+            assert outcomes[1] is outcomes[0]
+            assert agent.added == [a.agent_name]
