@@ -28,5 +28,5 @@ def test_a_range_with_a_taken_port_is_passed_over(monkeypatch: pytest.MonkeyPatc
         taken.listen()
         port = taken.getsockname()[1]
         picks = iter([port - 1, 25000])  # the first range holds the taken port
-        monkeypatch.setattr("trio_pd._ports.random.randrange", lambda low, high: next(picks))
+        monkeypatch.setattr("trio_pd._ports._pick_base", lambda low, high: next(picks))
         assert free_port_range(2) == 25000

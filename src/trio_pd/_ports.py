@@ -8,6 +8,8 @@ import socket
 LOWEST = 20000
 """The lowest base :func:`free_port_range` picks (below: well-known services)."""
 
+_pick_base = random.randrange  # (a test replaces it, here only)
+
 
 def _ephemeral_low() -> int:
     """The first port of the kernel's ephemeral range (Linux; 32768 elsewhere)."""
@@ -38,7 +40,7 @@ def free_port_range(count: int, host: str = "127.0.0.1") -> int:
     if high <= LOWEST:  # (an unusual ephemeral range: fall back to all of them)
         high = 65536 - count
     for _ in range(50):
-        base = random.randrange(LOWEST, high)
+        base = _pick_base(LOWEST, high)
         sockets = []
         try:
             for port in range(base, base + count):
