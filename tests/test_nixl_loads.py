@@ -292,3 +292,49 @@ async def test_an_agent_name_that_is_not_utf8_fails_only_its_load_and_leaves_not
             assert isinstance(outcomes[1], RemoteAgent)
             assert agent.removed == [repr(b"\xff\xfe")]  # the agent it loaded is removed
             assert consumer.stuck_call == ""
+
+
+async def test_an_agent_retired_while_a_load_is_stuck_is_unloaded_once_it_returns() -> None:
+    # The unload would queue behind the stuck call (one limiter): it waits for
+    # the next chance instead, and is not forgotten.
+    with trio.fail_after(60):
+        async with backends(3) as (consumer, agent, (a, b, c)):
+            outcomes: dict[int, Outcome] = {}
+            await consumer.load_remotes([request(a, consumer, 30)], outcomes.__setitem__)
+            remote_a = outcomes[0]
+            assert isinstance(remote_a, RemoteAgent)
+            agent.gate(b.agent_name)
+            await consumer.load_remotes([request(b, consumer, 0.5)], outcomes.__setitem__)
+            assert consumer.stuck_call.startswith("add_remote_agent")
+            await consumer.retire(remote_a)  # (its engine restarted, say)
+            agent.gates[b.agent_name].set()
+            await wait_until(lambda: consumer.stuck_call == "")
+            await consumer.load_remotes([request(c, consumer, 30)], outcomes.__setitem__)
+            assert isinstance(outcomes[0], RemoteAgent)
+            assert sorted(agent.removed) == [a.agent_name, b.agent_name]
+            assert [r.agent_name for r in consumer.remote_agents()] == [c.agent_name]
+
+
+async def test_a_load_not_taken_when_cancelled_is_unloaded_once_the_stuck_one_returns() -> None:
+    with trio.fail_after(60):
+        async with backends(2) as (consumer, agent, (a, b)):
+            agent.gate(a.agent_name)
+            agent.gate(b.agent_name)
+            outcomes: dict[int, Outcome] = {}
+            requests = [request(a, consumer, 30), request(b, consumer, 30)]
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(consumer.load_remotes, requests, outcomes.__setitem__)
+                    await trio.to_thread.run_sync(agent.entered[a.agent_name].wait)
+                    agent.gates[a.agent_name].set()
+                    # Block the trio thread until A ended and the thread is in B's
+                    # call, so A is not taken before the cancellation.
+                    assert agent.entered[b.agent_name].wait(30)
+                    scope.cancel()
+            assert outcomes == {}
+            assert consumer.stuck_call.startswith(f"add_remote_agent for agent {b.agent_name!r}")
+            agent.gates[b.agent_name].set()
+            await wait_until(lambda: consumer.stuck_call == "")
+            await consumer.load_remotes([], outcomes.__setitem__)  # (the next chance)
+            assert sorted(agent.removed) == [a.agent_name, b.agent_name]
+            assert consumer.remote_agents_loaded == 0

@@ -246,17 +246,24 @@ class NixlRemotes:
             raise
         finally:
             for load in late:
-                with trio.move_on_after(self._config.close_timeout, shield=True):
-                    await self._release_late(load)
+                await self._release_late(load)
 
     async def _release_late(self, load: _Load) -> None:
+        """Release a load that ended but was not taken. While a load is stuck
+        (its thread holds the limiter) it is kept as a retired agent instead,
+        unloaded at the next chance (:meth:`_unload`) or at close."""
+        if self.stuck_call:
+            self._remote_of(load).retired = True
+            await trio.lowlevel.checkpoint()
+            return
         try:
             agent = self._agent()
         except BackendClosing:
             await trio.lowlevel.checkpoint()
             return  # (closed: the agent is destroyed with every remote agent in it)
         name, dlist = load.request.agent_name, load.progress.result
-        await self._run_blocking(self._limiter, release_remote, agent, name, dlist)
+        with trio.move_on_after(self._config.close_timeout, shield=True):
+            await self._run_blocking(self._limiter, release_remote, agent, name, dlist)
 
     def _give_up(self, load: _Load, late: list[_Load]) -> str:
         """Abandon ``load`` (its deadline passed, an earlier one is stuck, or the
@@ -279,9 +286,12 @@ class NixlRemotes:
         """The outcome of a load the thread finished (or skipped, past its deadline)."""
         if isinstance(load.error, BackendError):
             return load.error
-        dlist = load.progress.result
-        if dlist is None:
+        if load.progress.result is None:
             return None  # (skipped: its deadline passed before the thread began it)
+        return self._remote_of(load)
+
+    def _remote_of(self, load: _Load) -> RemoteAgent:
+        """The agent ``load`` loaded, recorded (from here on, take_all() hands it to close)."""
         request = load.request
         remote = RemoteAgent(
             request.engine_id,
@@ -289,10 +299,10 @@ class NixlRemotes:
             request.agent_name,
             request.layout,
             request.local_layout,
-            dlist,
+            load.progress.result,
             load.local_dlist,
         )
-        self._remotes.add(remote)  # from here on, take_all() hands it to close
+        self._remotes.add(remote)
         return remote
 
     async def _run_thread(
@@ -336,7 +346,15 @@ class NixlRemotes:
         await self._remotes.retire(remote)
 
     async def _unload(self, remote: RemoteAgent) -> None:
-        """Unload a retired remote nobody uses (called by :class:`RemoteAgents`)."""
+        """Unload a retired remote nobody uses (called by :class:`RemoteAgents`).
+
+        While a load is stuck, its thread holds the limiter the unload needs:
+        the remote stays loaded (retired, idle) and is unloaded at the next
+        load once it returned, or at close.
+        """
+        if self.stuck_call:
+            await trio.lowlevel.checkpoint()
+            return
         if not self._remotes.discard(remote):
             return
         try:
