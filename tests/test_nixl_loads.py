@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
+import attrs
+import numpy as np
 import trio
 
 import trio_pd
@@ -34,6 +36,7 @@ class GatedAgent:
         self._agent = agent
         self._names = names  # agent metadata -> agent name
         self.gates: dict[str, threading.Event] = {}
+        self.failing: set[str] = set()  # gated agents whose call then fails (TCP gave up)
         self.entered: dict[str, threading.Event] = {}
         self.added: list[str] = []
         self.removed: list[str] = []
@@ -43,16 +46,18 @@ class GatedAgent:
         self.gates[name], self.entered[name] = threading.Event(), threading.Event()
 
     def add_remote_agent(self, metadata: bytes) -> Any:
-        name = self._names[metadata]
+        name = self._names.get(metadata, "(forged)")
         self.added.append(name)
         self.threads.add(threading.get_ident())
         if name in self.gates:
             self.entered[name].set()
             self.gates[name].wait()
+            if name in self.failing:
+                raise RuntimeError("NIXL_ERR_BACKEND: the peer never answered")
         return self._agent.add_remote_agent(metadata)
 
-    def remove_remote_agent(self, name: str) -> Any:
-        self.removed.append(name)
+    def remove_remote_agent(self, name: str | bytes) -> Any:
+        self.removed.append(name if isinstance(name, str) else repr(name))
         return self._agent.remove_remote_agent(name)
 
     def __getattr__(self, attribute: str) -> Any:
@@ -213,3 +218,123 @@ async def test_the_same_agent_twice_in_a_batch_is_loaded_once_and_used_again() -
             assert isinstance(outcomes[0], RemoteAgent)
             assert outcomes[1] is outcomes[0]
             assert agent.added == [a.agent_name]
+
+
+async def read_one_block(
+    consumer: trio_pd.NixlBackend, producer: trio_pd.NixlBackend, remote: RemoteAgent
+) -> None:
+    """READ block 0 of ``remote`` (the producer polls, so the READ completes)."""
+
+    async def poll() -> None:
+        while not await producer.notifications(0.01):
+            pass
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(poll)
+        async with consumer.lease(remote):
+            one = np.array([0], np.int32)
+            await consumer.read(remote, one, one, b"read")
+
+
+async def test_a_stuck_load_whose_call_then_fails_is_stuck_no_longer() -> None:
+    # A peer whose packets vanish: add_remote_agent blocks until TCP gives up,
+    # then fails. Once it returned, loads must not fail fast any more.
+    with trio.fail_after(60):
+        async with backends(2) as (consumer, agent, (a, b)):
+            agent.gate(a.agent_name)
+            agent.failing.add(a.agent_name)
+            outcomes: dict[int, Outcome] = {}
+            await consumer.load_remotes([request(a, consumer, 0.5)], outcomes.__setitem__)
+            assert outcomes[0] is None
+            assert consumer.stuck_call.startswith("add_remote_agent")
+            agent.gates[a.agent_name].set()  # the call returns, with an error
+            with trio.fail_after(10):
+                await wait_until(lambda: consumer.stuck_call == "")
+            await consumer.load_remotes([request(b, consumer, 30)], outcomes.__setitem__)
+            assert isinstance(outcomes[0], RemoteAgent)
+
+
+async def test_metadata_of_a_loaded_agent_under_another_name_unloads_nothing() -> None:
+    # A hostile peer (or a forged address) replies with a loaded engine's
+    # agent metadata under a name of its own: that load fails, and only it.
+    with trio.fail_after(60):
+        async with backends(2) as (consumer, agent, (a, b)):
+            outcomes: dict[int, Outcome] = {}
+            forged_a = attrs.evolve(request(a, consumer, 30), engine_id="evil", agent_name="x")
+            await consumer.load_remotes(
+                [request(a, consumer, 30), forged_a, request(b, consumer, 30)],
+                outcomes.__setitem__,
+            )
+            remote_a, error, remote_b = outcomes[0], outcomes[1], outcomes[2]
+            assert isinstance(error, BackendError)
+            assert "metadata names agent 'a1', reply said 'x'" in str(error)
+            forged_b = attrs.evolve(request(b, consumer, 30), engine_id="evil", agent_name="y")
+            await consumer.load_remotes([forged_b], outcomes.__setitem__)  # (a later batch)
+            assert isinstance(outcomes[0], BackendError)
+            assert agent.removed == []
+            assert isinstance(remote_a, RemoteAgent)
+            assert isinstance(remote_b, RemoteAgent)
+            await read_one_block(consumer, a, remote_a)
+            await read_one_block(consumer, b, remote_b)
+
+
+async def test_an_agent_name_that_is_not_utf8_fails_only_its_load_and_leaves_nothing() -> None:
+    with trio.fail_after(60):
+        async with backends(2) as (consumer, agent, (a, b)):
+            metadata = a.agent_metadata()
+            assert metadata.count(b"a1") == 1
+            forged = attrs.evolve(
+                request(a, consumer, 30), agent_metadata=metadata.replace(b"a1", b"\xff\xfe")
+            )
+            outcomes: dict[int, Outcome] = {}
+            await consumer.load_remotes([forged, request(b, consumer, 30)], outcomes.__setitem__)
+            assert isinstance(outcomes[0], BackendError)
+            assert isinstance(outcomes[1], RemoteAgent)
+            assert agent.removed == [repr(b"\xff\xfe")]  # the agent it loaded is removed
+            assert consumer.stuck_call == ""
+
+
+async def test_an_agent_retired_while_a_load_is_stuck_is_unloaded_once_it_returns() -> None:
+    # The unload would queue behind the stuck call (one limiter): it waits for
+    # the next chance instead, and is not forgotten.
+    with trio.fail_after(60):
+        async with backends(3) as (consumer, agent, (a, b, c)):
+            outcomes: dict[int, Outcome] = {}
+            await consumer.load_remotes([request(a, consumer, 30)], outcomes.__setitem__)
+            remote_a = outcomes[0]
+            assert isinstance(remote_a, RemoteAgent)
+            agent.gate(b.agent_name)
+            await consumer.load_remotes([request(b, consumer, 0.5)], outcomes.__setitem__)
+            assert consumer.stuck_call.startswith("add_remote_agent")
+            await consumer.retire(remote_a)  # (its engine restarted, say)
+            agent.gates[b.agent_name].set()
+            await wait_until(lambda: consumer.stuck_call == "")
+            await consumer.load_remotes([request(c, consumer, 30)], outcomes.__setitem__)
+            assert isinstance(outcomes[0], RemoteAgent)
+            assert sorted(agent.removed) == [a.agent_name, b.agent_name]
+            assert [r.agent_name for r in consumer.remote_agents()] == [c.agent_name]
+
+
+async def test_a_load_not_taken_when_cancelled_is_unloaded_once_the_stuck_one_returns() -> None:
+    with trio.fail_after(60):
+        async with backends(2) as (consumer, agent, (a, b)):
+            agent.gate(a.agent_name)
+            agent.gate(b.agent_name)
+            outcomes: dict[int, Outcome] = {}
+            requests = [request(a, consumer, 30), request(b, consumer, 30)]
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(consumer.load_remotes, requests, outcomes.__setitem__)
+                    await trio.to_thread.run_sync(agent.entered[a.agent_name].wait)
+                    agent.gates[a.agent_name].set()
+                    # Block the trio thread until A ended and the thread is in B's
+                    # call, so A is not taken before the cancellation.
+                    assert agent.entered[b.agent_name].wait(30)
+                    scope.cancel()
+            assert outcomes == {}
+            assert consumer.stuck_call.startswith(f"add_remote_agent for agent {b.agent_name!r}")
+            agent.gates[b.agent_name].set()
+            await wait_until(lambda: consumer.stuck_call == "")
+            await consumer.load_remotes([], outcomes.__setitem__)  # (the next chance)
+            assert sorted(agent.removed) == [a.agent_name, b.agent_name]
+            assert consumer.remote_agents_loaded == 0

@@ -211,12 +211,13 @@ class NixlRemotes:
         if not loads:
             return
         token = trio.lowlevel.current_trio_token()
+        keep = {remote.agent_name for remote in self._remotes.all()}  # (the thread's from here)
         late: list[_Load] = []  # loaded, but not taken: released below
         failure: BaseException | None = None  # (BackendClosing, or a bug in the thread)
         taken = 0
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._run_thread, loads, token)
+                nursery.start_soon(self._run_thread, loads, token, keep)
                 for load in loads:
                     with trio.move_on_at(load.request.deadline):
                         await load.done.wait()
@@ -245,17 +246,24 @@ class NixlRemotes:
             raise
         finally:
             for load in late:
-                with trio.move_on_after(self._config.close_timeout, shield=True):
-                    await self._release_late(load)
+                await self._release_late(load)
 
     async def _release_late(self, load: _Load) -> None:
+        """Release a load that ended but was not taken. While a load is stuck
+        (its thread holds the limiter) it is kept as a retired agent instead,
+        unloaded at the next chance (:meth:`_unload`) or at close."""
+        if self.stuck_call:
+            self._remote_of(load).retired = True
+            await trio.lowlevel.checkpoint()
+            return
         try:
             agent = self._agent()
         except BackendClosing:
             await trio.lowlevel.checkpoint()
             return  # (closed: the agent is destroyed with every remote agent in it)
         name, dlist = load.request.agent_name, load.progress.result
-        await self._run_blocking(self._limiter, release_remote, agent, name, dlist)
+        with trio.move_on_after(self._config.close_timeout, shield=True):
+            await self._run_blocking(self._limiter, release_remote, agent, name, dlist)
 
     def _give_up(self, load: _Load, late: list[_Load]) -> str:
         """Abandon ``load`` (its deadline passed, an earlier one is stuck, or the
@@ -278,9 +286,12 @@ class NixlRemotes:
         """The outcome of a load the thread finished (or skipped, past its deadline)."""
         if isinstance(load.error, BackendError):
             return load.error
-        dlist = load.progress.result
-        if dlist is None:
+        if load.progress.result is None:
             return None  # (skipped: its deadline passed before the thread began it)
+        return self._remote_of(load)
+
+    def _remote_of(self, load: _Load) -> RemoteAgent:
+        """The agent ``load`` loaded, recorded (from here on, take_all() hands it to close)."""
         request = load.request
         remote = RemoteAgent(
             request.engine_id,
@@ -288,16 +299,18 @@ class NixlRemotes:
             request.agent_name,
             request.layout,
             request.local_layout,
-            dlist,
+            load.progress.result,
             load.local_dlist,
         )
-        self._remotes.add(remote)  # from here on, take_all() hands it to close
+        self._remotes.add(remote)
         return remote
 
-    async def _run_thread(self, loads: list[_Load], token: trio.lowlevel.TrioToken) -> None:
+    async def _run_thread(
+        self, loads: list[_Load], token: trio.lowlevel.TrioToken, keep: set[str]
+    ) -> None:
         with contextlib.suppress(BackendError, BackendClosing):  # (reported per load)
             await self._run_blocking(
-                self._limiter, self._load_all_blocking, loads, token, abandon_on_cancel=True
+                self._limiter, self._load_all_blocking, loads, token, keep, abandon_on_cancel=True
             )
 
     @staticmethod
@@ -333,7 +346,15 @@ class NixlRemotes:
         await self._remotes.retire(remote)
 
     async def _unload(self, remote: RemoteAgent) -> None:
-        """Unload a retired remote nobody uses (called by :class:`RemoteAgents`)."""
+        """Unload a retired remote nobody uses (called by :class:`RemoteAgents`).
+
+        While a load is stuck, its thread holds the limiter the unload needs:
+        the remote stays loaded (retired, idle) and is unloaded at the next
+        load once it returned, or at close.
+        """
+        if self.stuck_call:
+            await trio.lowlevel.checkpoint()
+            return
         if not self._remotes.discard(remote):
             return
         try:
@@ -350,66 +371,75 @@ class NixlRemotes:
         else:
             logger.info("engine %s: removed stale agent %s", remote.engine_id, remote.agent_name)
 
-    def _load_all_blocking(self, loads: list[_Load], token: trio.lowlevel.TrioToken) -> None:
+    def _load_all_blocking(
+        self, loads: list[_Load], token: trio.lowlevel.TrioToken, keep: set[str]
+    ) -> None:
         """Run a batch's loads one after the other (a worker thread), telling the
-        trio thread as each ends; skip those abandoned or past their deadline."""
+        trio thread as each ends; skip those abandoned or past their deadline.
+        ``keep``: the agents loaded before (and by this batch), which a failed
+        load never removes."""
         for load in loads:
             progress = load.progress
             if time.monotonic() >= load.deadline:
                 progress.abandon()  # (its deadline passed before its turn)
             if progress.begin():
                 try:
-                    self._load_blocking(
-                        load.request.agent_name,
-                        load.request.agent_metadata,
-                        load.request.layout,
-                        progress,
-                    )
+                    self._load_blocking(load.request, progress, keep)
                 except BaseException as exc:  # (reported to the trio side, which re-raises bugs)
                     load.error = exc
+                else:
+                    keep.add(load.request.agent_name)
+                finally:
+                    progress.finish()  # (ended, whichever way: no longer stuck)
             with contextlib.suppress(trio.RunFinishedError):
                 token.run_sync_soon(load.done.set)
 
-    def _load_blocking(
-        self, agent_name: str, agent_metadata: bytes, layout: KVLayout, progress: LoadProgress
-    ) -> Any:
+    def _load_blocking(self, request: LoadRequest, progress: LoadProgress, keep: set[str]) -> None:
         """Load, prepare and connect (a worker thread); if the trio side
         abandoned it meanwhile, release what it loaded instead of handing it
-        over (``progress.result`` is the descriptor list to take)."""
+        over (``progress.result`` is the descriptor list to take).
+
+        What NIXL loaded is removed on failure, unless it is in ``keep``:
+        metadata of an agent loaded already (another engine's, under a name
+        of its own: a forged reply) loads nothing, and that agent stays.
+        """
         agent = self._agent()
         progress.call = "add_remote_agent"
         with nixl_errors("add_remote_agent"):
-            loaded = agent.add_remote_agent(agent_metadata)
-        loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            loaded = agent.add_remote_agent(request.agent_metadata)
+        raw = loaded if isinstance(loaded, bytes) else str(loaded).encode()
+        try:
+            loaded_name: str | bytes = raw.decode()
+        except UnicodeDecodeError:  # (forged: NIXL takes the name as bytes too)
+            loaded_name = raw
+        agent_name = request.agent_name
         try:
             if loaded_name != agent_name:
-                raise BackendError(
-                    f"metadata names agent {loaded_name!r}, reply said {agent_name!r}"
-                )
+                named = raw.decode(errors="backslashreplace")
+                raise BackendError(f"metadata names agent {named!r}, reply said {agent_name!r}")
             progress.call = "prep_xfer_dlist"
+            layout = request.layout
             with nixl_errors("prep_xfer_dlist"):
                 dlist = agent.prep_xfer_dlist(
-                    loaded_name, layout.strided_descriptors(), layout.mem_type
+                    agent_name, layout.strided_descriptors(), layout.mem_type
                 )
             try:
                 # Connect now (UCX wire-up) rather than in the first pull.
                 progress.call = "make_connection"
                 with nixl_errors("make_connection"):
-                    agent.make_connection(loaded_name)
+                    agent.make_connection(agent_name)
                 if not progress.finish(dlist):  # abandoned by the trio side: nobody takes it
                     raise BackendError("abandoned")
             except BaseException:
                 dlist.release()
                 raise
         except BaseException:
-            try:
-                agent.remove_remote_agent(loaded_name)
-            except Exception:
-                logger.exception("could not remove half-loaded agent %s", loaded_name)
+            if loaded_name not in keep:
+                try:
+                    agent.remove_remote_agent(loaded_name)
+                except Exception:
+                    logger.exception("could not remove half-loaded agent %r", loaded_name)
             raise
-        finally:
-            progress.finish()
-        return dlist
 
     def take_all(self) -> tuple[list[tuple[str, Any]], list[Any]]:
         """At close: forget every remote agent and view; return ``(remote agents as
