@@ -254,6 +254,24 @@ async def test_a_stuck_load_whose_call_then_fails_is_stuck_no_longer() -> None:
             assert isinstance(outcomes[0], RemoteAgent)
 
 
+async def test_closing_while_a_load_is_stuck_keeps_the_agent_instead_of_waiting() -> None:
+    # Every release would wait behind the stuck call (NIXL's writer lock: up
+    # to 135 s towards a vanished peer), past close's deadline: close keeps
+    # the agent for the life of the process, at once, and releases nothing.
+    with trio.fail_after(60):
+        async with backends(1) as (consumer, agent, (a,)):
+            agent.gate(a.agent_name)
+            outcomes: dict[int, Outcome] = {}
+            await consumer.load_remotes([request(a, consumer, 0.5)], outcomes.__setitem__)
+            assert consumer.stuck_call.startswith("add_remote_agent")
+            consumer.begin_close()
+            with trio.fail_after(FAST.close_timeout):
+                await consumer.aclose()
+                await consumer.aclose()  # (idempotent)
+            assert consumer in trio_pd._nixl._KEPT_FOR_LIFE
+            assert agent.removed == []
+
+
 async def test_metadata_of_a_loaded_agent_under_another_name_unloads_nothing() -> None:
     # A hostile peer (or a forged address) replies with a loaded engine's
     # agent metadata under a name of its own: that load fails, and only it.

@@ -75,9 +75,10 @@ logger = logging.getLogger("trio_pd.nixl")
 _T = TypeVar("_T")
 
 
-_KEPT_FOR_RUNNING_TRANSFERS: list[NixlBackend] = []
-"""Backends closed while a transfer NIXL could not stop still ran: kept alive
-(agent, registrations, the KV tensors) so that it never writes freed memory."""
+_KEPT_FOR_LIFE: list[NixlBackend] = []
+"""Backends closed while a transfer NIXL could not stop still ran, or while a
+load was stuck in NIXL: kept alive (agent, registrations, the KV tensors) so
+that nothing writes freed memory and close never waits on the stuck call."""
 
 
 def _drop_locals(exc: BaseException) -> None:
@@ -229,20 +230,34 @@ class NixlBackend:
         """
         self._closing.set()
         agent = self._agent
-        if agent is None:
+        if agent is None or self in _KEPT_FOR_LIFE:
             await trio.lowlevel.checkpoint()
             return
         await self._driver.stop()
         if self._driver.transfers_kept:
             # Deregistering (or letting the caller free the tensors) under a
             # running transfer lets it write into freed memory: keep it all.
-            _KEPT_FOR_RUNNING_TRANSFERS.append(self)
+            _KEPT_FOR_LIFE.append(self)
             logger.error(
                 "agent %s closed with %d transfers still running: its agent, remote agents "
                 "and KV-cache memory stay registered (and the tensors referenced) for the "
                 "life of the process",
                 self._agent_name,
                 self._driver.transfers_kept,
+            )
+            return
+        stuck = self._remotes.stuck_call
+        if stuck:
+            # Every release would wait behind the stuck call (it holds NIXL's
+            # writer lock: up to 135 s towards a vanished peer), past close's
+            # deadline, and destroying the agent under it would crash: keep it.
+            _KEPT_FOR_LIFE.append(self)
+            logger.error(
+                "agent %s closed while a load is stuck in %s: its agent, remote agents and "
+                "KV-cache memory stay registered (and the tensors referenced) for the life "
+                "of the process",
+                self._agent_name,
+                stuck,
             )
             return
         handles, views = self._remotes.take_all()
