@@ -362,3 +362,14 @@ def test_every_repository_path_a_page_names_exists() -> None:
                 elif test and not re.search(rf"^(async )?def {test}\(", file.read_text(), re.M):
                     problems.append(_problem(line, f"{path}::{test}", "no such test"))
     assert not problems, "\n".join(problems)
+
+
+def test_the_module_map_names_every_module() -> None:
+    """The contributors' page lists every module of the package (its map is
+    where a newcomer looks for the one home of a concept)."""
+    page = (ROOT / "docs" / "internals.md").read_text()
+    modules = sorted(p.name for p in (ROOT / "src" / "trio_pd").glob("_*.py"))
+    missing = [
+        m for m in modules if m not in ("__init__.py", "__main__.py") and f"`{m}`" not in page
+    ]
+    assert not missing, f"docs/internals.md's module map lacks {missing}"

@@ -33,9 +33,10 @@ from ._config import ConnectorConfig
 from ._engines import EngineState
 from ._errors import HandshakeError, IncompatibleEngineError, ParamsRejectedError, TransferError
 from ._groups import first_failure_wins
-from ._handshakes import ConsumerCounters, Handshakes, RemoteEngine
+from ._handshakes import Handshakes
 from ._layout import BlockIds, KVLayout, as_block_ids
 from ._records import ConsumerStatistics, PullResult, RemoteBlocks
+from ._remote_engines import ConsumerCounters, RemoteEngine
 from ._settlement import UnsettledBlocks
 from ._tokens import exposure_token, token_matches
 from ._tp import plan_pull, readers_per_remote_rank, sizes_mismatch
