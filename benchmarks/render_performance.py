@@ -184,6 +184,20 @@ def render(results: dict[str, Any]) -> str:
             ),
             "",
         ]
+        if "raw NIXL, same loads" in h["modes"]:
+            t, raw = h["modes"]["trio_pd"], h["modes"]["raw NIXL, same loads"]
+            out += [
+                "Read the raw anchor's ratios with care: its idle READs are its "
+                "own baseline, and a few slow ones among them (the machine's other "
+                "load) move its idle p99, hence its ratio, more than the storm does. "
+                "Side by side during the same loads, trio_pd's warm pulls took "
+                f"x{t['during_handshakes_p50_ms'] / raw['during_handshakes_p50_ms']:.2f} "
+                "raw NIXL's time at p50 and "
+                f"x{t['during_handshakes_p99_ms'] / raw['during_handshakes_p99_ms']:.2f} "
+                "at p99: the p50 is a pull's fixed cost (benchmark 5), the p99 what "
+                "the storm adds on top of NIXL's own.",
+                "",
+            ]
         if "storm_breakdown_ms" in h:
             b = h["storm_breakdown_ms"]
             phases = ["before_driver", "driver_queue", "transfer", "wake_up", "after"]
