@@ -119,11 +119,13 @@ def render(results: dict[str, Any]) -> str:
         "on the same machine, the same minute, the same descriptors. Absolute "
         "numbers move with the machine's load; the ratios are the result. "
         "Producers are separate processes; slow links are a latency-injecting TCP "
-        "relay in its own process; the decoder is the benchmark process. Tail "
+        "relay in its own process; the decoder is the benchmark process (in "
+        "benchmarks 6 and 8, a process of its own). Tail "
         "numbers (p99, the longest stall) move most between runs on this 2-core "
         "machine: read them as ranges.",
         "",
-        "To reproduce: `nox -s bench` (about 4 minutes, as root for benchmark 8; "
+        "To reproduce: `nox -s bench` (about 7 minutes and 3 GB of memory, as root "
+        "for benchmark 8; "
         "rewrites this page and `docs/performance.json`).",
         "",
         "## Machine",
@@ -815,7 +817,27 @@ FINDINGS = """## What we found
   17 engines on 2 cores, and a READ waits for its producer's progress) and
   the wait for the driver thread to run, not trio_pd's Python. With a thread
   per pull, the worst warm pulls had waited for a transfer thread held by
-  the cold engines' first pulls; the driver has no such slots.
+  the cold engines' first pulls; the driver has no such slots. Raw NIXL
+  under the same loads (benchmark 1's anchor) has a tail of its own: during
+  the storm trio_pd's p99 was x1.14 of raw NIXL's, while its p50 was several
+  times raw's -- the fixed cost of a pull, next.
+* **A lone small pull's fixed cost.** Spaced 5 ms apart on a quiet machine
+  (measured outside this benchmark, medians of 200): 0.64-0.83 ms through
+  trio_pd against 0.24 ms raw. The READ itself (posted to done) took
+  0.21-0.26 ms, as raw; the rest was 0.20-0.27 ms from the call to the
+  hand-off to the driver (wall time: the trio thread's CPU for a whole pull
+  is about 130 us, benchmark 5), 0.07 ms for the driver thread to wake, 0.11
+  ms for the task to wake, 0.05 ms after. Spinning the driver longer
+  (a 1 or 5 ms spin instead of 0.1) and a shorter GIL switch interval changed none of
+  it. Where the first 0.2 ms goes between the trio thread's CPU and the
+  wall clock is not found yet.
+* **Sleeps that end on time.** The transfer driver and the producer's
+  notification thread sleep `poll_interval` (100 us) between checks; with
+  Linux's default 50 us timer slack each sleep took about 170 us. Both
+  threads now set their own slack to 1 ns (118 us). Raw NIXL's sequential
+  loop gained the most from it (its producer answers sooner): benchmark 5's
+  raw rate rose from about 3500 to about 5400 pulls/s, trio_pd's from about
+  2700 to about 3100.
 * **P/D latency: no fixed waits, but three processes per request.** Looked
   for on the way to a disaggregated request's first token: the proxy reuses
   one connection per engine (checked with `ss` after 30 requests), every
@@ -830,8 +852,9 @@ FINDINGS = """## What we found
   2.2-2.9 ms in one process, more than the goal's 2 ms; across processes on
   these 2 shared cores each hop also waits for a core, which is most of the
   prefill and decode rows. The prefill engine's notification thread polls
-  every 100 us from expose until the read (each `time.sleep(100 us)` takes
-  about 165 us and 20 us of CPU here: the kernel's 50 us timer slack).
+  every 100 us from expose until the read (each `time.sleep(100 us)` took
+  about 165 us and 20 us of CPU: the kernel's 50 us timer slack, now set to
+  1 ns for these threads, see above).
 """
 
 
