@@ -958,7 +958,10 @@ def render_soak(r: dict[str, Any]) -> str:
             "while the host's interface is down advertises loopback only; once the link "
             "is back, its side channel answers but every consumer's `add_remote_agent` "
             "fails (`NIXL_ERR_BACKEND`, UCX: destination unreachable), for the life of "
-            "the producer process: its requests fail until it is restarted.",
+            "the producer process: its requests fail until it is restarted. (Fixed "
+            "since: the connector waits for the interface of its advertised address "
+            "before creating the agent, `interface_timeout`; the next soak run "
+            "replaces this section.)",
             "",
         ]
     if r.get("findings"):

@@ -161,9 +161,11 @@ CUT = "link cut"
 FORGED = "valid request failed by a forged one"
 UNEXPLAINED = "unexplained"
 STARTED_IN_CUT = "producer started while its link was cut"
-"""A known bug the soak found: a producer whose NIXL agent (UCX) starts while
-its network interface is down advertises loopback only, and no consumer can
-load it for the rest of its life, link restored or not."""
+"""A bug the soak found, fixed since: a producer whose NIXL agent (UCX) started
+while its network interface was down advertised loopback only, and no
+consumer could load it for the rest of its life, link restored or not. The
+connector now waits for the interface before it creates the agent
+(``ConnectorConfig.interface_timeout``); this count must stay 0."""
 
 
 @attrs.define

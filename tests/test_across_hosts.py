@@ -136,6 +136,35 @@ async def test_a_partition_mid_pull_fails_it_in_bounded_time_and_the_producer_ex
                 assert result["mismatched"] == []
 
 
+async def test_an_engine_started_while_its_link_is_down_waits_for_it_then_is_reachable() -> None:
+    # NIXL advertises only the interfaces up when its agent is created: an
+    # engine started during a cut advertised loopback only and stayed
+    # unreachable for its life (the soak found it). The connector now waits
+    # for the interface of its advertised address before creating the agent.
+    overrides = config_overrides(CONFIG)
+    with trio.fail_after(120):
+        async with open_test_hosts(1) as [host]:
+            await host.cut()
+            far = WorkerSpec(
+                "far", host=host.address, netns=host.netns, env=TCP, config=overrides, **SPEC
+            )
+            near = WorkerSpec("decoder", env=TCP, config=overrides, **SPEC)
+
+            async def restore_soon() -> None:
+                await trio.sleep(3.0)
+                await host.restore()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(restore_soon)
+                async with (
+                    open_prefill_worker(far) as prefill,  # (ready once its link is)
+                    open_prefill_worker(near) as decoder,
+                ):
+                    remote = await prefill.expose("r", [1, 2], seed=4)
+                    result = await decoder.pull("r", [1, 2], remote, seed=4)
+                    assert result["mismatched"] == []
+
+
 async def test_without_root_test_hosts_fail_with_the_reason(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -96,6 +96,14 @@ class ConnectorConfig:
             cancelled or timed out, or the connector is closing) is waited for
             before its handle is released anyway; also bounds the wait at
             shutdown for pulls running in other tasks. Default 5.0.
+        interface_timeout: how long :func:`~trio_pd.open_connector` waits, before
+            it creates the NIXL agent, for the network interface that holds
+            the advertised address to be up (NIXL advertises only the
+            interfaces up when the agent is created: an engine started while
+            its link was down would stay unreachable for its life). Past it,
+            ``open_connector`` raises ``OSError`` naming the interface.
+            Loopback, IPv6 and addresses no local interface holds are not
+            checked. Default 30.0.
         max_concurrent_fetches: how many metadata fetches (network round trips)
             may be in flight at once, for different engines. ``1`` serialises
             them as vLLM does. (Loading remote agents into NIXL is always
@@ -191,6 +199,7 @@ class ConnectorConfig:
     lease_renewal: float = attrs.field(default=10.0, validator=_positive)
     heartbeat_interval: float = attrs.field(default=3.0, validator=_positive)
     close_timeout: float = attrs.field(default=5.0, validator=_positive)
+    interface_timeout: float = attrs.field(default=30.0, validator=_positive)
     max_concurrent_fetches: int = attrs.field(default=8, validator=_at_least_one)
     max_message_bytes: int = attrs.field(default=1 << 20, validator=_at_least_one)
     max_descriptors_per_transfer: int = attrs.field(default=8192, validator=_at_least_one)

@@ -38,6 +38,7 @@ from ._consumer import Consumer
 from ._engines import EngineState
 from ._exposures import Released
 from ._groups import unwrapped_errors
+from ._interfaces import wait_for_interface
 from ._layout import KVLayout, layout_of_tensors
 from ._leases import Leases
 from ._nixl import NixlBackend
@@ -450,7 +451,10 @@ async def open_connector(
             ``advertise_host``.
         BackendError: the backend could not be created (e.g. an unknown name
             in ``config.nixl_backends``) or could not register ``kv_caches``.
-        OSError: the side channel cannot bind ``host:port``.
+        OSError: the side channel cannot bind ``host:port``; or the network
+            interface that holds ``advertise_host`` stayed down for
+            ``config.interface_timeout`` (NIXL advertises only the interfaces
+            up when the agent is created, so the connector waits for it).
     """
     if not isinstance(engine_id, str) or not engine_id:
         raise ValueError(f"engine_id must be a non-empty string, got {engine_id!r}")
@@ -464,6 +468,7 @@ async def open_connector(
     layout = layout_of_tensors(kv_caches)
     incarnation = secrets.token_hex(8)
     create = NixlBackend.create if backend is None else backend
+    await wait_for_interface(engine_id, advertised, config)
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         transfers: TransferBackend = await create(
