@@ -872,7 +872,7 @@ MUST_BE_ZERO_NAMES = {
     "unexplained_failures": "valid requests failed with no fault to explain it",
     "unreachable_after_start_in_cut": (
         "valid requests failed because their producer started while its link was cut "
-        "(unreachable for its life: a bug this soak found)"
+        "(unreachable for its life: the bug this soak found, fixed since)"
     ),
     "forged_accepted": "forged requests that succeeded",
     "unexpected_errors": "unexpected errors (exceptions no operation documents)",
