@@ -150,9 +150,12 @@ async def test_an_engine_started_while_its_link_is_down_waits_for_it_then_is_rea
             )
             near = WorkerSpec("decoder", env=TCP, config=overrides, **SPEC)
 
+            restored = trio.Event()
+
             async def restore_soon() -> None:
                 await trio.sleep(3.0)
-                await host.restore()
+                await host.restore()  # (the link up, then the routes back)
+                restored.set()
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(restore_soon)
@@ -160,6 +163,7 @@ async def test_an_engine_started_while_its_link_is_down_waits_for_it_then_is_rea
                     open_prefill_worker(far) as prefill,  # (ready once its link is)
                     open_prefill_worker(near) as decoder,
                 ):
+                    await restored.wait()  # (the engine may be up before the routes are)
                     remote = await prefill.expose("r", [1, 2], seed=4)
                     result = await decoder.pull("r", [1, 2], remote, seed=4)
                     assert result["mismatched"] == []
