@@ -68,6 +68,7 @@ def fast_config() -> trio_pd.ConnectorConfig:
     return FAST
 
 
+@pytest.hookimpl(tryfirst=True)  # (before pytest-xdist's, which reads the xdist_group marks)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Group the tests that create test hosts; deselect the exercises that need
     root and test hosts, unless asked for.
