@@ -68,22 +68,12 @@ def fast_config() -> trio_pd.ConnectorConfig:
     return FAST
 
 
-@pytest.hookimpl(tryfirst=True)  # (before pytest-xdist's, which reads the xdist_group marks)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Group the tests that create test hosts; deselect the exercises that need
-    root and test hosts, unless asked for.
+    """Deselect the exercises that need root and test hosts, unless asked for.
 
-    Test hosts use fixed addresses, so only one set may exist at a time: under
-    pytest-xdist (``nox -s tests`` runs ``-n 2 --dist loadgroup``) every test
-    marked ``test_hosts`` runs in the same worker, one after another.
-
-    ``TRIO_PD_EXERCISE_HOSTS=1`` runs the exercises on test hosts
-    (docs/exercises.md says so). They are deselected rather than skipped: a
-    skip fails the run (below).
+    ``TRIO_PD_EXERCISE_HOSTS=1`` runs them (docs/exercises.md says so). They
+    are deselected rather than skipped: a skip fails the run (below).
     """
-    for item in items:
-        if item.get_closest_marker("test_hosts") is not None:
-            item.add_marker(pytest.mark.xdist_group("test_hosts"))
     if os.environ.get("TRIO_PD_EXERCISE_HOSTS") == "1":
         return
     kept = [item for item in items if item.get_closest_marker("exercise_hosts") is None]
