@@ -33,8 +33,8 @@ import trio
 
 import trio_pd
 from trio_pd._handshakes import HANDSHAKES_PER_PULL
+from trio_pd._payload import block_bytes
 from trio_pd.testing import expected_blocks
-from trio_pd.testing._payload import block_bytes
 
 SENTINEL = 0xA5
 """What a free decode block holds, every byte (random payloads never do, all 16 KiB)."""

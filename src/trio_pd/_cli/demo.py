@@ -179,12 +179,13 @@ async def run_demo(options: DemoOptions) -> dict[str, Any]:
     """Run the deployment; return the summary (see :func:`format_summary`)."""
     import torch
 
+    from .._raw_nixl import CapturedBackends
+    from .._stall import LoopStallMonitor
+
     # The demo is built on the testing toolkit (prefill workers, relays);
     # it is loaded here, so that the serving commands never load it.
     from ..testing._prefill_worker import WorkerSpec, open_prefill_workers
-    from ..testing._raw_nixl import CapturedBackends
     from ..testing._relay import open_delay_relays
-    from ..testing._stall import LoopStallMonitor
 
     o = options
     o.check()
@@ -455,7 +456,7 @@ def _corrupt(
     seed: int,
 ) -> bool:
     """Whether any decode rank holds a byte other than the prefill ranks wrote."""
-    from ..testing._payload import mismatched_blocks, mismatched_heads
+    from .._payload import mismatched_blocks, mismatched_heads
 
     if not o.tensor_parallel:
         return bool(mismatched_blocks(decoders[0][1], local_ids, seed))

@@ -45,7 +45,7 @@ async def compare_with_raw_nixl(
     Raises:
         TrioPdError: a pull failed; WorkerError: the prefill worker died.
     """
-    from ..testing._raw_nixl import raw_nixl_read
+    from .._raw_nixl import raw_nixl_read
 
     ids = list(range(blocks))
     size = 0

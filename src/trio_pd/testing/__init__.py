@@ -36,10 +36,7 @@
 
 from .._etcd_server import EtcdServer, EtcdUnavailable, open_etcd
 from .._netns import TestHost, TestHostsUnavailable, open_test_hosts
-from .._ports import free_port_range
-from .._protocol import encode_notification
-from ._memory import MemoryBackend, MemoryFabric, MemoryFaults
-from ._payload import (
+from .._payload import (
     expected_blocks,
     expected_heads,
     fill_blocks,
@@ -47,6 +44,11 @@ from ._payload import (
     mismatched_blocks,
     mismatched_heads,
 )
+from .._ports import free_port_range
+from .._protocol import encode_notification
+from .._raw_nixl import CapturedBackends, raw_nixl_read, raw_nixl_read_at_once
+from .._stall import LoopStallMonitor
+from ._memory import MemoryBackend, MemoryFabric, MemoryFaults
 from ._prefill_worker import (
     PrefillWorker,
     WorkerError,
@@ -54,9 +56,7 @@ from ._prefill_worker import (
     open_prefill_worker,
     open_prefill_workers,
 )
-from ._raw_nixl import CapturedBackends, raw_nixl_read, raw_nixl_read_at_once
 from ._relay import open_delay_relays, serve_delay_relay
-from ._stall import LoopStallMonitor
 
 __all__ = [
     "CapturedBackends",

@@ -43,7 +43,7 @@ from .._backend import (
 )
 from .._config import ConnectorConfig
 from .._layout import KVLayout
-from ._payload import block_bytes
+from .._payload import block_bytes
 
 if TYPE_CHECKING:
     import torch

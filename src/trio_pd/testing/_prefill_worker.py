@@ -36,14 +36,14 @@ from .._config import ConnectorConfig
 from .._connector import Connector, open_connector
 from .._exposures import Released
 from .._groups import unwrapped_errors
-from .._records import RemoteBlocks
-from ._child import open_child, read_lines
-from ._payload import (
+from .._payload import (
     fill_blocks,
     fill_heads,
     mismatched_blocks,
     mismatched_heads,
 )
+from .._records import RemoteBlocks
+from ._child import open_child, read_lines
 
 _STARTUP_TIMEOUT = 60.0
 

@@ -13,9 +13,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .._config import ConnectorConfig
-from .._layout import BlockIds, KVLayout
-from .._nixl import NixlBackend
+from ._config import ConnectorConfig
+from ._layout import BlockIds, KVLayout
+from ._nixl import NixlBackend
 
 
 class CapturedBackends:
