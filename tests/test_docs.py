@@ -222,8 +222,8 @@ def test_the_shutdown_timeline_is_read_from_the_code_and_drift_fails_the_build(
                     nursery.cancel_scope.cancel()
         finally:
             transfers.begin_close()
-            with trio.move_on_after(2 * config.close_timeout):
-                await _release(*args)
+            with trio.move_on_after(2 * config.close_timeout):  # (unshielded on purpose)
+                await _release(*args)  # noqa: ASYNC102
 
     monkeypatch.setattr(connector_module, "open_connector", unshielded)
     with pytest.raises(timelines.DocsDrift, match=r"transfers\.aclose no longer runs shielded"):

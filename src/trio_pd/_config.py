@@ -126,6 +126,18 @@ class ConnectorConfig:
             Default 0.0001.
         poll_spin: how long the transfer driver checks running transfers
             without sleeping after something moved. Default 0.0001.
+        inline_read_bytes: a pull's read of at most this many bytes (one
+            transfer) is posted by the trio thread itself, without the
+            transfer driver, when nothing else would run: the driver has no
+            job, no remote agent is being loaded, and no other task is
+            runnable (see ``_inline``). It saves the driver's and the task's
+            wake-ups, most of a small pull's time. 0 turns it off. Default
+            256 KiB (on one host ``transfer()`` is the copy: its time on the
+            trio thread grows with the size).
+        inline_read_spin: how long the trio thread checks an inline read
+            before it hands the still-running transfer to the driver (so a
+            read to a far or stalled peer holds the loop no longer than
+            this). Default 0.0005.
         notification_poll_interval: while exposures are pending, the
             producer's notification thread checks for consumer notifications;
             each check also advances the NIXL agent, which consumers' READs
@@ -206,6 +218,8 @@ class ConnectorConfig:
     max_bytes_per_transfer: int = attrs.field(default=8 << 20, validator=_at_least_one)
     poll_interval: float = attrs.field(default=0.0001, validator=_positive)
     poll_spin: float = attrs.field(default=0.0001, validator=_non_negative)
+    inline_read_bytes: int = attrs.field(default=256 << 10, validator=_non_negative_int)
+    inline_read_spin: float = attrs.field(default=0.0005, validator=_non_negative)
     notification_poll_interval: float = attrs.field(default=0.001, validator=_positive)
     idle_notification_poll_interval: float = attrs.field(default=0.05, validator=_positive)
     resolved_history: int = attrs.field(default=4096, validator=_at_least_one)

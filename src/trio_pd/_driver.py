@@ -40,6 +40,11 @@ Events set on the trio thread (through the trio token), so a task wakes
 only after the driver has written the job's outcome.
 
 Ownership: the driver owns every transfer handle from posting to release.
+The one exception is a small READ the trio thread posts itself while the
+driver is idle (:attr:`TransferDriver.idle`; see ``_inline``): the trio
+thread owns it until it is released there or *adopted* by the driver
+(:meth:`TransferDriver.adopt`), after which the driver owns it as if it had
+posted it.
 :meth:`TransferDriver.stop` ends the thread; transfers still running then
 are *not* released and their jobs stay unsettled (``transfers_kept`` says
 how many): the backend then keeps its agent and memory registered rather
@@ -65,17 +70,11 @@ from ._backend import BackendError
 from ._config import ConnectorConfig
 from ._jobs import Job, Outcome, wake
 from ._nixl_errors import backend_error, describe
+from ._posting import plan_turn
 from ._protocol import join_notifications
 from ._timer_slack import fine_timer_slack
 
 logger = logging.getLogger("trio_pd.nixl")
-
-CHUNKS_IN_FLIGHT_PER_JOB = 4
-"""Chunks of one job running at once (on TCP, where ``transfer()`` returns
-before the copy, several let UCX pipeline them)."""
-
-JOBS_PER_BATCH = 128
-"""The most jobs posted as one transfer (their notification names each)."""
 
 LINGER_POLL = 0.01
 """How often a transfer that could not be stopped is checked while nothing
@@ -110,6 +109,7 @@ class TransferDriver:
         self.transfers_kept = 0  # still running at stop (written by the thread before it ends)
         self._crash: BackendError | None = None  # set (once) if the thread crashed
         self._ended = False  # set (once) when the thread stopped as asked
+        self._unsettled_jobs = 0  # (trio thread only) submitted, not yet settled
         # Driver thread only:
         self._jobs: collections.deque[Job] = collections.deque()  # not finished
         self._transfers: list[_Transfer] = []  # running (some only for finished jobs)
@@ -129,6 +129,7 @@ class TransferDriver:
         it has stopped, the job ends ``CLOSING`` at once.
         """
         job.submitted_at = time.monotonic()
+        self._unsettled_jobs += 1
         self._inbox.put(job)
         if self._crash is not None or self._ended:  # (nobody else will answer it: do it here)
             for queued in self._drain_inbox():
@@ -138,6 +139,29 @@ class TransferDriver:
                     queued.outcome = Outcome.CLOSING
                 queued.finished.set()
                 queued.settled.set()
+
+    @property
+    def idle(self) -> bool:
+        """Whether every job given to the thread has settled (trio thread only).
+
+        The thread then makes no NIXL call: it waits on its queue (transfers
+        outlive their jobs only when they could not be stopped, and those
+        jobs are not settled), and only the trio thread can give it work.
+        ``_inline`` relies on this to post a READ itself in the meantime.
+        """
+        return (
+            self._unsettled_jobs == 0
+            and not self._closing.is_set()
+            and self._crash is None
+            and not self._ended
+        )
+
+    def adopt(self, job: Job, handle: Any) -> None:
+        """Take ``job``, whose one transfer the trio thread posted and which
+        still runs (see ``_inline``): from now on the thread owns ``handle``
+        and finishes ``job`` as if it had posted it."""
+        job.adopted, job.running = handle, 1
+        self.submit(job)
 
     def begin_close(self) -> None:
         """Stop every job (``Outcome.CLOSING``) at the thread's next turn."""
@@ -241,6 +265,10 @@ class TransferDriver:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
+        for job in new:
+            if job.adopted is not None:
+                self._transfers.append(_Transfer(job.adopted, [job]))
+                job.adopted = None
         self._jobs.extendleft(reversed(new))
         return stop
 
@@ -264,48 +292,25 @@ class TransferDriver:
     # ---- posting --------------------------------------------------------
 
     def _post(self) -> bool:
-        """Post up to one chunk's worth of bytes, round robin; return whether anything was.
-
-        Whole small jobs waiting for the same remote agent are gathered into
-        batches (up to a chunk, and :data:`JOBS_PER_BATCH` jobs, each).
-        """
-        jobs = self._jobs
-        budget = self._config.max_bytes_per_transfer
-        batches: dict[tuple[int, int], tuple[list[Job], int]] = {}  # (jobs, descriptors)
-        moved = False
-        for _ in range(len(jobs)):
-            if budget <= 0:
-                break
-            job = jobs[0]
-            jobs.rotate(-1)
-            if job.stopping is not None:
-                continue
-            if job.size == 0:
-                if job.posted == 0:
-                    job.posted = -1
-                    self._notify(job)
-                    moved = True
-            elif job.posted == 0 and job.size <= job.chunk:
-                key = (id(job.local_dlist), id(job.remote_dlist))
-                batch, size = batches.get(key, ([], 0))
-                if batch and (size + job.size > job.chunk or len(batch) >= JOBS_PER_BATCH):
-                    self._post_batch(batch)
-                    batch, size = [], 0
-                batch.append(job)
-                batches[key] = (batch, size + job.size)
-                budget -= job.size * job.descriptor_bytes
-            elif 0 <= job.posted < job.size and job.running < CHUNKS_IN_FLIGHT_PER_JOB:
-                budget -= self._post_chunk(job)
-                moved = True
-        for batch, _ in batches.values():
-            self._post_batch(batch)
-            moved = True
-        return moved
+        """Post what :func:`~trio_pd._posting.plan_turn` plans; return whether anything was."""
+        posts = plan_turn(self._jobs, self._config.max_bytes_per_transfer)
+        for post in posts:
+            if post.kind == "notify":
+                self._notify(post.jobs[0])
+            elif post.kind == "batch":
+                self._post_batch(post.jobs)
+            else:
+                job = post.jobs[0]
+                self._start(
+                    [job],
+                    job.local_indices[post.start : post.stop],
+                    job.remote_indices[post.start : post.stop],
+                    b"",
+                )
+        return bool(posts)
 
     def _post_batch(self, batch: list[Job]) -> None:
         """Post whole jobs (same remote agent) as one transfer with one notification."""
-        for job in batch:
-            job.posted = job.size
         if len(batch) == 1:
             first = batch[0]
             local, remote = first.local_indices, first.remote_indices
@@ -314,14 +319,6 @@ class TransferDriver:
             remote = np.concatenate([job.remote_indices for job in batch])
         notification = join_notifications([job.notification for job in batch])
         self._start(batch, local, remote, notification)
-
-    def _post_chunk(self, job: Job) -> int:
-        """Post the next chunk of a job larger than one; return its bytes."""
-        start = job.posted
-        stop = min(job.size, start + job.chunk)
-        job.posted = stop
-        self._start([job], job.local_indices[start:stop], job.remote_indices[start:stop], b"")
-        return (stop - start) * job.descriptor_bytes
 
     def _start(
         self,
@@ -492,4 +489,9 @@ class TransferDriver:
         settled, self._to_settle = self._to_settle, []
         assert self._token is not None
         with contextlib.suppress(trio.RunFinishedError):  # (the run ended: nobody waits)
-            self._token.run_sync_soon(wake, finished, settled)
+            self._token.run_sync_soon(self._wake, finished, settled)
+
+    def _wake(self, finished: list[Job], settled: list[Job]) -> None:
+        """On the trio thread: wake the jobs' tasks; count the settled ones."""
+        self._unsettled_jobs -= len(settled)
+        wake(finished, settled)

@@ -78,6 +78,9 @@ class Job:
     posted_at: float = 0.0
     finished_at: float = 0.0
     woken_at: float = 0.0
+    # A transfer the trio thread posted itself and handed over still running
+    # (see ``_inline``): the driver takes it as its own when it takes the job.
+    adopted: Any = None
     # The driver's own bookkeeping.
     posted: int = 0  # descriptors posted (-1: a notify-only job, sent)
     running: int = 0  # its transfers still running

@@ -2,11 +2,14 @@
 
 NIXL calls can block for milliseconds to seconds (on one host a
 ``transfer()`` *is* the copy; preparing a large descriptor list takes tens of
-ms), so none of them runs on the trio thread:
+ms), so none of them runs on the trio thread but one bounded exception:
 
 * the data plane -- every READ, its polling and release, and notifications
   sent -- belongs to one thread, the :class:`~trio_pd._driver.TransferDriver`
-  (see that module): pulls hand it jobs and wait on trio Events;
+  (see that module): pulls hand it jobs and wait on trio Events; the
+  exception: a small READ posted while the driver, the loads and the loop
+  are all idle runs on the trio thread itself, for at most one small copy
+  and ``inline_read_spin`` (see ``_inline``);
 * every mutation of the agent's view of remote engines -- ``add_remote_agent``,
   preparing descriptor lists, ``make_connection``, ``remove_remote_agent`` --
   runs in a worker thread behind one limiter (one at a time; the loads
@@ -59,6 +62,7 @@ from ._backend import (
 )
 from ._config import ConnectorConfig
 from ._driver import TransferDriver
+from ._inline import InlineReads
 from ._jobs import Job, Outcome
 from ._layout import KVLayout
 from ._nixl_agent import create_agent, release_agent
@@ -134,6 +138,9 @@ class NixlBackend:
         )
         self._driver = TransferDriver(agent, agent.name, config)
         self._driver.start()
+        self._inline = InlineReads(
+            self._live_agent, self._driver, config, lambda: self._remotes.idle
+        )
         self._unsettled = 0
         self.job_observer: Callable[[Job], None] | None = None
         """Called on the trio thread with every finished job (measurements:
@@ -194,8 +201,18 @@ class NixlBackend:
 
     @property
     def transfers_posted(self) -> int:
-        """READs the transfer driver posted (several small pulls may share one)."""
-        return self._driver.transfers_posted
+        """READs posted (several small pulls may share one), inline reads included."""
+        return self._driver.transfers_posted + self._inline.posted
+
+    @property
+    def reads_inline(self) -> int:
+        """READs the trio thread posted itself (see ``_inline``); those it handed
+        to the driver still running are in :attr:`reads_adopted` too."""
+        return self._inline.posted
+
+    @property
+    def reads_adopted(self) -> int:
+        return self._inline.adopted
 
     @property
     def transfers_unsettled(self) -> int:
@@ -261,6 +278,7 @@ class NixlBackend:
             )
             return
         handles, views = self._remotes.take_all()
+        views.extend(self._inline.take_stuck())  # (transfer handles: released the same way)
         owned = (self._local_dlist, self._registration)
         # Handle wrappers keep the agent alive: drop every reference to them.
         self._local_dlist = self._registration = self._agent = None
@@ -393,12 +411,22 @@ class NixlBackend:
         )
 
     async def _run_job(self, job: Job) -> None:
-        """Submit ``job`` and wait until it finished, even when cancelled.
+        """Run ``job`` inline (see ``_inline``) or submit it, and wait until it
+        finished, even when cancelled.
 
         A cancelled wait asks the driver to stop the job and waits, shielded,
-        for it to say so: within ``close_timeout`` plus a turn.
+        for it to say so: within ``close_timeout`` plus a turn. (An inline
+        read has no await in it: it ends, or the driver adopts it, before
+        cancellation can be delivered.)
         """
-        self._driver.submit(job)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._inline.read(job):
+            if job.finished.is_set():  # (it ended here: still a checkpoint)
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                self._observe(job)
+                return
+        else:
+            self._driver.submit(job)
         try:
             await job.finished.wait()
         finally:
@@ -406,9 +434,12 @@ class NixlBackend:
                 job.cancel_requested = True
                 with trio.CancelScope(shield=True):
                     await job.finished.wait()
-            job.woken_at = time.monotonic()
-            if self.job_observer is not None:
-                self.job_observer(job)
+            self._observe(job)
+
+    def _observe(self, job: Job) -> None:
+        job.woken_at = time.monotonic()
+        if self.job_observer is not None:
+            self.job_observer(job)
 
     @staticmethod
     def _raise_for(job: Job) -> None:

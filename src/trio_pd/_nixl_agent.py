@@ -95,8 +95,8 @@ def release_agent(
 
     for name, dlist in remotes:
         attempt(f"unload {name}", functools.partial(release_remote, agent, name, dlist))
-    for view_dlist in views:
-        attempt("release a local view's descriptor list", view_dlist.release)
+    for handle in views:  # (and the transfer handles an inline read could not release)
+        attempt("release a local view's list or a stuck transfer handle", handle.release)
     attempt("release local descriptor list", local_dlist.release)
     attempt("deregister memory", lambda: agent.deregister_memory(registration))
     if errors:

@@ -152,6 +152,13 @@ class NixlRemotes:
         return self._remotes.all()
 
     @property
+    def idle(self) -> bool:
+        """Whether no load or unload runs (or is stuck) in a worker thread: none
+        holds NIXL's writer lock. (trio releases the limiter of an abandoned
+        thread only once the thread returns.)"""
+        return self._limiter.borrowed_tokens == 0 and not self.stuck_call
+
+    @property
     def stuck_call(self) -> str:
         """The NIXL call an abandoned load is still in (``""`` once it returned)."""
         stuck = self._stuck
@@ -245,8 +252,8 @@ class NixlRemotes:
                 self._give_up(load, late)
             raise
         finally:
-            for load in late:
-                await self._release_late(load)
+            for load in late:  # (each shielded, with its deadline, inside)
+                await self._release_late(load)  # noqa: ASYNC102
 
     async def _release_late(self, load: _Load) -> None:
         """Release a load that ended but was not taken. While a load is stuck
@@ -385,7 +392,8 @@ class NixlRemotes:
             if progress.begin():
                 try:
                     self._load_blocking(load.request, progress, keep)
-                except BaseException as exc:  # (reported to the trio side, which re-raises bugs)
+                # (a plain thread: reported to the trio side, which re-raises bugs)
+                except BaseException as exc:  # noqa: ASYNC103
                     load.error = exc
                 else:
                     keep.add(load.request.agent_name)
