@@ -42,10 +42,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from .._config import ConnectorConfig
-from .._connector import Connector, open_connector
+from .._connector import Connector
 from .._errors import TrioPdError
 from .._groups import unwrapped_errors
 from .._netns import TestHost, open_test_hosts
+from .._open_connector import open_connector
 from .._ports import free_port_range
 from .._records import RemoteBlocks
 from .demo_raw import NOT_MEASURED, compare_with_raw_nixl

@@ -33,9 +33,10 @@ import trio
 
 from .._auth import CurveAuth
 from .._config import ConnectorConfig
-from .._connector import Connector, open_connector
+from .._connector import Connector
 from .._exposures import Released
 from .._groups import unwrapped_errors
+from .._open_connector import open_connector
 from .._payload import (
     fill_blocks,
     fill_heads,
