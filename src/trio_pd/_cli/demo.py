@@ -52,7 +52,7 @@ from .._records import RemoteBlocks
 from .demo_raw import NOT_MEASURED, compare_with_raw_nixl
 
 if TYPE_CHECKING:
-    from ..testing._prefill_worker import PrefillWorker
+    from .._prefill_worker import PrefillWorker
 
 
 @attrs.frozen(kw_only=True)
@@ -180,13 +180,13 @@ async def run_demo(options: DemoOptions) -> dict[str, Any]:
     """Run the deployment; return the summary (see :func:`format_summary`)."""
     import torch
 
+    # The demo's harness (prefill workers in processes, the delay relay),
+    # which trio_pd.testing re-exports: loaded where it is used, so that the
+    # serving commands (which import this module) never load it.
+    from .._prefill_worker import WorkerSpec, open_prefill_workers
     from .._raw_nixl import CapturedBackends
+    from .._relay import open_delay_relays
     from .._stall import LoopStallMonitor
-
-    # The demo is built on the testing toolkit (prefill workers, relays);
-    # it is loaded here, so that the serving commands never load it.
-    from ..testing._prefill_worker import WorkerSpec, open_prefill_workers
-    from ..testing._relay import open_delay_relays
 
     o = options
     o.check()
@@ -338,7 +338,7 @@ async def _drive(
     decoders: list[tuple[Connector, list[Any]]],
     tally: _Tally,
 ) -> None:
-    from ..testing._prefill_worker import WorkerError
+    from .._prefill_worker import WorkerError
 
     local_pool = BlockPool(o.blocks, rng)
     remote_pools = [BlockPool(o.blocks, rng) for _ in engines]

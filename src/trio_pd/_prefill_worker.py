@@ -15,7 +15,8 @@ command on stdout (logs go to stderr)::
 replies ``{"id": N, "error": "...", "type": "ValueError"}``. End of input
 closes the connector and exits 0.
 
-The parent side is :func:`open_prefill_worker`.
+The parent side is :func:`open_prefill_worker`. ``trio-pd demo`` runs its
+prefill engines with it; :mod:`trio_pd.testing` re-exports its public names.
 """
 
 from __future__ import annotations
@@ -31,20 +32,20 @@ from typing import Any
 import attrs
 import trio
 
-from .._auth import CurveAuth
-from .._config import ConnectorConfig
-from .._connector import Connector
-from .._exposures import Released
-from .._groups import unwrapped_errors
-from .._open_connector import open_connector
-from .._payload import (
+from ._auth import CurveAuth
+from ._child import open_child, read_lines
+from ._config import ConnectorConfig
+from ._connector import Connector
+from ._exposures import Released
+from ._groups import unwrapped_errors
+from ._open_connector import open_connector
+from ._payload import (
     fill_blocks,
     fill_heads,
     mismatched_blocks,
     mismatched_heads,
 )
-from .._records import RemoteBlocks
-from ._child import open_child, read_lines
+from ._records import RemoteBlocks
 
 _STARTUP_TIMEOUT = 60.0
 
@@ -459,7 +460,7 @@ async def open_prefill_worker(
 
     On exit the worker's stdin is closed (it closes its connectors and exits);
     if it has not exited within 10 s it is killed. The process is always
-    reaped (see ``trio_pd.testing._child.open_child``).
+    reaped (see ``trio_pd._child.open_child``).
 
     Raises:
         WorkerError: the worker exited before it was ready.
@@ -469,7 +470,7 @@ async def open_prefill_worker(
     if config is not None:
         spec = attrs.evolve(spec, config=config_overrides(config))
     async with open_child(
-        "trio_pd.testing._prefill_worker", spec.to_json(), netns=spec.netns, env=spec.env
+        "trio_pd._prefill_worker", spec.to_json(), netns=spec.netns, env=spec.env
     ) as process:
         worker = PrefillWorker(spec, process)
         async with unwrapped_errors(), trio.open_nursery() as nursery:
