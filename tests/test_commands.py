@@ -352,9 +352,19 @@ async def test_an_engine_registers_before_its_ready_file_and_withdraws_while_it_
 def test_the_serving_commands_never_load_the_testing_toolkit() -> None:
     """``trio-pd engine``, ``proxy``, ``serve`` and ``demo`` run without
     ``trio_pd.testing`` (the demo's harness is the package's own:
-    ``_prefill_worker``, ``_relay``; see the next test for what runs later)."""
+    ``_prefill_worker`` and the modules next to it; see the next test for
+    what the commands import later, inside functions)."""
     names = ("_cli", "_cli.engine", "_cli.proxy", "_cli.serve", "_cli.demo", "_serve.process")
-    harness = ("_prefill_worker", "_relay", "_child", "_raw_nixl", "_stall", "_payload")
+    harness = (
+        "_prefill_worker",
+        "_prefill_child",
+        "_prefill_spec",
+        "_relay",
+        "_child",
+        "_raw_nixl",
+        "_stall",
+        "_payload",
+    )
     modules = ", ".join(f"trio_pd.{name}" for name in (*names, *harness))
     check = (
         f"import sys, {modules}; "

@@ -180,10 +180,9 @@ async def run_demo(options: DemoOptions) -> dict[str, Any]:
     """Run the deployment; return the summary (see :func:`format_summary`)."""
     import torch
 
-    # The demo's harness (prefill workers in processes, the delay relay),
-    # which trio_pd.testing re-exports: loaded where it is used, so that the
-    # serving commands (which import this module) never load it.
-    from .._prefill_worker import WorkerSpec, open_prefill_workers
+    # (the harness, loaded here: the serving commands import this module)
+    from .._prefill_spec import WorkerSpec
+    from .._prefill_worker import open_prefill_workers
     from .._raw_nixl import CapturedBackends
     from .._relay import open_delay_relays
     from .._stall import LoopStallMonitor

@@ -45,10 +45,10 @@ from .._payload import (
     mismatched_heads,
 )
 from .._ports import free_port_range
+from .._prefill_spec import WorkerSpec
 from .._prefill_worker import (
     PrefillWorker,
     WorkerError,
-    WorkerSpec,
     open_prefill_worker,
     open_prefill_workers,
 )
