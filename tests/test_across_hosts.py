@@ -17,6 +17,7 @@ import pytest
 import trio
 
 import trio_pd
+from trio_pd._prefill_spec import config_overrides
 from trio_pd.testing import (
     PrefillWorker,
     TestHost,
@@ -26,7 +27,6 @@ from trio_pd.testing import (
     open_prefill_worker,
     open_test_hosts,
 )
-from trio_pd.testing._prefill_worker import config_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.test_hosts]
 

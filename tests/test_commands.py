@@ -3,9 +3,11 @@ them: real processes, their ready files, exit statuses, messages and signals."""
 
 from __future__ import annotations
 
+import ast
 import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -348,15 +350,88 @@ async def test_an_engine_registers_before_its_ready_file_and_withdraws_while_it_
 
 
 def test_the_serving_commands_never_load_the_testing_toolkit() -> None:
-    """``trio-pd engine``, ``proxy`` and ``serve`` run without ``trio_pd.testing``
-    (only ``trio-pd demo``, a harness built on it, loads it when it runs)."""
-    modules = ", ".join(
-        f"trio_pd.{name}"
-        for name in ("_cli", "_cli.engine", "_cli.proxy", "_cli.serve", "_serve.process")
+    """``trio-pd engine``, ``proxy``, ``serve`` and ``demo`` run without
+    ``trio_pd.testing`` (the demo's harness is the package's own:
+    ``_prefill_worker`` and the modules next to it; see the next test for
+    what the commands import later, inside functions)."""
+    names = ("_cli", "_cli.engine", "_cli.proxy", "_cli.serve", "_cli.demo", "_serve.process")
+    harness = (
+        "_prefill_worker",
+        "_prefill_child",
+        "_prefill_spec",
+        "_relay",
+        "_child",
+        "_raw_nixl",
+        "_stall",
+        "_payload",
     )
+    modules = ", ".join(f"trio_pd.{name}" for name in (*names, *harness))
     check = (
         f"import sys, {modules}; "
         "loaded = [m for m in sys.modules if m.startswith('trio_pd.testing')]; "
         "assert not loaded, loaded"
     )
     subprocess.run([sys.executable, "-c", check], check=True, env=ENV)
+
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+TESTING_MODULE = re.compile(r"trio_pd\.testing(\.\w+)*")
+
+
+def _imported_modules(text: str, package: str) -> list[tuple[int, str]]:
+    """``(line, module)`` of every import in ``text``, a module of ``package``
+    (relative imports resolved; ``from m import n`` gives ``m`` and ``m.n``),
+    and of every string that is a ``trio_pd.testing`` module name (a module a
+    child process is told to run)."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            base = ".".join(parts[: len(parts) - node.level + 1]) if node.level else ""
+            module = ".".join(p for p in (base, node.module or "") if p)
+            found.append((node.lineno, module))
+            found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names]
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and TESTING_MODULE.fullmatch(node.value)
+        ):
+            found.append((node.lineno, node.value))
+    return found
+
+
+def test_no_module_outside_the_testing_toolkit_imports_it() -> None:
+    """Production code (every module of ``src/trio_pd`` but ``trio_pd.testing``'s
+    own: the commands, ``trio-pd demo`` included, and what they run in child
+    processes) never imports ``trio_pd.testing``, even lazily inside a function."""
+    offenders = []
+    for path in sorted((SRC / "trio_pd").rglob("*.py")):
+        if (SRC / "trio_pd" / "testing") in path.parents:
+            continue
+        package = ".".join(path.relative_to(SRC).parts[:-1])
+        for line, module in _imported_modules(path.read_text(), package):
+            if module == "trio_pd.testing" or module.startswith("trio_pd.testing."):
+                offenders.append(f"{path.relative_to(SRC)}:{line}: {module}")
+    assert not offenders, offenders
+
+
+def test_the_import_check_sees_every_way_of_importing_the_toolkit() -> None:
+    """The check above is not vacuous: absolute, relative and lazy imports and a
+    module name handed to a child process are all found."""
+    planted = (
+        "import trio_pd.testing\n"
+        "from .. import testing\n"
+        "def f():\n"
+        "    from ..testing._memory import MemoryFabric\n"
+        "    return open_child('trio_pd.testing._etcd', '')\n"
+    )
+    found = {m for _, m in _imported_modules(planted, "trio_pd._cli")}
+    assert found == {
+        "trio_pd",
+        "trio_pd.testing",
+        "trio_pd.testing._memory",
+        "trio_pd.testing._memory.MemoryFabric",
+        "trio_pd.testing._etcd",
+    }, found

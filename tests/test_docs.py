@@ -208,8 +208,8 @@ def test_the_shutdown_timeline_is_read_from_the_code_and_drift_fails_the_build(
     # A release that is no longer shielded fails the build.
     import trio
 
-    import trio_pd._connector as connector_module
-    from trio_pd._connector import _release
+    import trio_pd._open_connector as opening_module
+    from trio_pd._open_connector import _release
 
     @asynccontextmanager
     async def unshielded(config: Any, transfers: Any, connector: Any, *args: Any) -> Any:
@@ -225,7 +225,7 @@ def test_the_shutdown_timeline_is_read_from_the_code_and_drift_fails_the_build(
             with trio.move_on_after(2 * config.close_timeout):  # (unshielded on purpose)
                 await _release(*args)  # noqa: ASYNC102
 
-    monkeypatch.setattr(connector_module, "open_connector", unshielded)
+    monkeypatch.setattr(opening_module, "open_connector", unshielded)
     with pytest.raises(timelines.DocsDrift, match=r"transfers\.aclose no longer runs shielded"):
         timelines.shutdown_timeline_dot()
 

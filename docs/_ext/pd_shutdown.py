@@ -31,6 +31,7 @@ import trio_pd._handshakes as handshakes
 import trio_pd._nixl as nixl
 import trio_pd._nixl_notifications as notifications
 import trio_pd._nixl_remotes as remotes
+import trio_pd._open_connector as opening
 from trio_pd._config import ConnectorConfig
 
 SCOPE_CALLS = frozenset(
@@ -318,13 +319,13 @@ def shutdown_timeline(config: ConnectorConfig | None = None) -> Scope:
     config = ConnectorConfig() if config is None else config
     notes = shutdown_notes(config)
     expand: dict[str, Callable[[], object]] = {
-        "_release": lambda: connector._release,
+        "_release": lambda: opening._release,
         "transfers.aclose": lambda: nixl.NixlBackend.aclose,
     }
     values = {"config": config, "self": types.SimpleNamespace(_config=config)}
     walk = _Walk(notes, expand, values)
     root = Scope("open_connector()", call=True)
-    walk.function(connector.open_connector, (root,))
+    walk.function(opening.open_connector, (root,))
     walk.finish()
     missing = [key for key in [*notes, *expand] if key not in walk.found]
     if missing:

@@ -14,7 +14,9 @@ connector's nursery:
   ``handshake_timeout``, at most ``max_concurrent_fetches`` at once.
 
 Each handshake attempt has a :class:`trio.Event`; its outcome is in the
-engine's record (state, error), so every waiter reads the same answer.
+engine's record (state, error), so every waiter reads the same answer. The
+records themselves, their keys and their bound are ``_remote_engines``'s
+(no I/O).
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from ._backend import BackendClosing, BackendError, LoadRequest, RemoteAgent, Tr
 from ._config import ConnectorConfig
 from ._engines import (
     EngineEvent,
-    EngineRecord,
     EngineState,
     FailureCause,
     MetadataOutcome,
@@ -41,7 +42,7 @@ from ._errors import HandshakeError, TransferError
 from ._fetch import FetchFailure, fetch_engine_metadata
 from ._layout import BlockIds, KVLayout
 from ._records import RemoteBlocks
-from ._remote_engines import ConsumerCounters, RemoteEngine
+from ._remote_engines import ConsumerCounters, RemoteEngine, RemoteEngines
 from ._tp import PullPart, part_layouts
 
 logger = logging.getLogger("trio_pd")
@@ -53,15 +54,14 @@ LOADS_PER_BATCH = 32
 """The most queued loads the handshake task hands the backend in one call (NIXL:
 one worker thread runs them back to back; an unload waits for the batch)."""
 
-MAX_RECORDS = 4096
-"""Remote engine records kept before idle ones (never answered, in backoff) are forgotten."""
-
 
 class Handshakes:
     """The remote engines a consumer reads from, and their handshakes.
 
-    Owns one :class:`RemoteEngine` per (engine id, rank), the fetch limiter
-    and the handshake queue; the backend owns the loaded remote agents.
+    Owns the remote engines' records (a ``RemoteEngines`` table: one
+    :class:`RemoteEngine` per engine id, address, TP size and rank), the
+    fetch limiter and the handshake queue; the backend owns the loaded
+    remote agents.
     Fetch tasks are started in ``nursery`` (the connector's); :meth:`run`
     must run there too.
 
@@ -96,9 +96,7 @@ class Handshakes:
         self._nursery = nursery
         self._counters = counters
         self._compat_hash = protocol.compatibility_hash(config.compatibility_key)
-        self._engines: dict[tuple[str, str, int, int, int], RemoteEngine] = {}
-        """Keyed by (engine id, host, port, TP size, rank): each remote rank is
-        its own agent and record, and so is every address a request names."""
+        self._engines = RemoteEngines()
         self._fetch_limiter = trio.CapacityLimiter(config.max_concurrent_fetches)
         self._loads_send, self._loads_receive = trio.open_memory_channel[tuple[RemoteEngine, int]](
             math.inf
@@ -109,64 +107,20 @@ class Handshakes:
 
     def engine(self, remote: RemoteBlocks, part: PullPart) -> RemoteEngine:
         """The record of the remote rank ``part`` reads, at the address and TP
-        size ``remote`` names (created on first use).
-
-        Keyed by everything a request claims about where the engine is: a
-        request that names a wrong host, port or TP size gets a record of its
-        own, whose handshake fails (its own request only), and never changes
-        the record that valid requests use.
-        """
-        port = remote.port + part.remote_rank
-        key = (remote.engine_id, remote.host, port, remote.tp_size, part.remote_rank)
-        engine = self._engines.get(key)
-        if engine is None:
-            self._forget_idle_records()
-            record = EngineRecord(
-                remote.engine_id,
-                remote.host,
-                port,
-                rank=part.remote_rank,
-                verify_interval=self._config.backoff_initial,
-            )
-            engine = self._engines[key] = RemoteEngine(record, part, remote.tp_size)
-        return engine
-
-    def _forget_idle_records(self) -> None:
-        """Bound the records (requests may name any engine or address): past
-        :data:`MAX_RECORDS`, forget those in backoff or never answered."""
-        if len(self._engines) < MAX_RECORDS:
-            return
-        idle = (EngineState.UNKNOWN, EngineState.BACKOFF, EngineState.CLOSED)
-        for key in [k for k, e in self._engines.items() if e.record.state in idle]:
-            del self._engines[key]
-
-    def _records_of(self, engine_id: str, tp_rank: int | None) -> list[RemoteEngine]:
-        found = [
-            e
-            for (eid, _h, _p, _tp, rank), e in self._engines.items()
-            if eid == engine_id and (tp_rank is None or rank == tp_rank)
-        ]
-        if tp_rank is None and found:
-            lowest = min(e.part.remote_rank for e in found)
-            found = [e for e in found if e.part.remote_rank == lowest]
-        return found
+        size ``remote`` names (created on first use; see
+        ``RemoteEngines.get_or_create``)."""
+        return self._engines.get_or_create(
+            remote, part, verify_interval=self._config.backoff_initial
+        )
 
     def engine_state(self, engine_id: str, tp_rank: int | None = None) -> EngineState:
-        """The state of ``engine_id`` (rank ``tp_rank``, default the lowest read).
-
-        If requests named it at several addresses or TP sizes, the record in
-        service wins (``READY`` or ``VERIFYING``), else the latest.
-        """
-        found = self._records_of(engine_id, tp_rank)
-        if not found:
-            return EngineState.UNKNOWN
-        in_service = (EngineState.READY, EngineState.VERIFYING)
-        serving = [e for e in found if e.record.state in in_service]
-        return (serving or found)[-1].record.state
+        """The state of ``engine_id`` (rank ``tp_rank``, default the lowest read;
+        see ``RemoteEngines.engine_state``)."""
+        return self._engines.engine_state(engine_id, tp_rank)
 
     def ready_count(self) -> int:
         """Remote engine ranks ready for pulls now."""
-        return sum(1 for e in self._engines.values() if e.record.state is EngineState.READY)
+        return self._engines.ready_count()
 
     async def ready_agent(
         self, engine: RemoteEngine, request_id: str, local_ids: BlockIds, remote: RemoteBlocks
@@ -331,14 +285,8 @@ class Handshakes:
         """
         record = engine.record
         retired = []
-        for (engine_id, host, port, tp, rank), other in self._engines.items():
-            if (engine_id, host, tp, port - rank) != (
-                record.engine_id,
-                record.host,
-                engine.remote_tp,
-                record.port,
-            ):
-                continue
+        ranks = self._engines.ranks_of(record.engine_id, record.host, engine.remote_tp, record.port)
+        for rank, other in ranks:
             agent = other.agent
             if rank == 0 or agent is None or not other.record.on_peer_lost(agent.incarnation):
                 continue

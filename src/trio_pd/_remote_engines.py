@@ -2,21 +2,31 @@
 
 :class:`RemoteEngine` joins a remote engine rank's sans-IO record
 (``_engines.EngineRecord``) to the trio side of its handshakes (the current
-attempt's Event and deadline, the loaded agent); :class:`ConsumerCounters`
-is what the handshakes and the pulls count into. ``_handshakes`` owns and
-changes both.
+attempt's Event and deadline, the loaded agent); :class:`RemoteEngines` is
+the table of them, keyed by where requests say each engine is, bounded, and
+asked which state an engine is in; :class:`ConsumerCounters` is what the
+handshakes and the pulls count into. ``_handshakes`` owns and changes all
+three.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator, Mapping
 
 import attrs
 import trio
 
 from ._backend import RemoteAgent
-from ._engines import EngineRecord, FailureCause
+from ._engines import EngineRecord, EngineState, FailureCause
+from ._records import RemoteBlocks
 from ._tp import PullPart
+
+MAX_RECORDS = 4096
+"""Remote engine records kept before idle ones (never answered, in backoff) are forgotten."""
+
+EngineKey = tuple[str, str, int, int, int]
+"""(engine id, host, port, TP size, rank): where a request says a remote rank is."""
 
 
 @attrs.define(eq=False)
@@ -48,6 +58,104 @@ class RemoteEngine:
     def rank_label(self) -> str:
         """``"remote rank r: "`` for a rank of a tensor-parallel engine, else ``""``."""
         return f"remote rank {self.part.remote_rank}: " if self.remote_tp > 1 else ""
+
+
+class RemoteEngines(Mapping[EngineKey, RemoteEngine]):
+    """The remote engine ranks a consumer has records of, keyed by :data:`EngineKey`.
+
+    Keyed by everything a request claims about where the engine is: each
+    remote rank is its own agent and record, and so is every address a
+    request names. Bounded: requests may name any engine or address, so past
+    :data:`MAX_RECORDS` the idle records are forgotten (see :meth:`get_or_create`).
+    Read-only as a mapping; records are added by :meth:`get_or_create` only.
+    """
+
+    def __init__(self) -> None:
+        self._by_key: dict[EngineKey, RemoteEngine] = {}
+
+    def __getitem__(self, key: EngineKey) -> RemoteEngine:
+        return self._by_key[key]
+
+    def __iter__(self) -> Iterator[EngineKey]:
+        return iter(self._by_key)
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def get_or_create(
+        self, remote: RemoteBlocks, part: PullPart, *, verify_interval: float
+    ) -> RemoteEngine:
+        """The record of the remote rank ``part`` reads, at the address and TP
+        size ``remote`` names (created on first use, after forgetting idle
+        records if there are :data:`MAX_RECORDS`).
+
+        Keyed by everything a request claims about where the engine is: a
+        request that names a wrong host, port or TP size gets a record of its
+        own, whose handshake fails (its own request only), and never changes
+        the record that valid requests use.
+        """
+        port = remote.port + part.remote_rank
+        key = (remote.engine_id, remote.host, port, remote.tp_size, part.remote_rank)
+        engine = self._by_key.get(key)
+        if engine is None:
+            self._forget_idle_records()
+            record = EngineRecord(
+                remote.engine_id,
+                remote.host,
+                port,
+                rank=part.remote_rank,
+                verify_interval=verify_interval,
+            )
+            engine = self._by_key[key] = RemoteEngine(record, part, remote.tp_size)
+        return engine
+
+    def _forget_idle_records(self) -> None:
+        """Past :data:`MAX_RECORDS`, forget the records in backoff or never answered."""
+        if len(self._by_key) < MAX_RECORDS:
+            return
+        idle = (EngineState.UNKNOWN, EngineState.BACKOFF, EngineState.CLOSED)
+        for key in [k for k, e in self._by_key.items() if e.record.state in idle]:
+            del self._by_key[key]
+
+    def _records_of(self, engine_id: str, tp_rank: int | None) -> list[RemoteEngine]:
+        found = [
+            e
+            for (eid, _h, _p, _tp, rank), e in self._by_key.items()
+            if eid == engine_id and (tp_rank is None or rank == tp_rank)
+        ]
+        if tp_rank is None and found:
+            lowest = min(e.part.remote_rank for e in found)
+            found = [e for e in found if e.part.remote_rank == lowest]
+        return found
+
+    def engine_state(self, engine_id: str, tp_rank: int | None = None) -> EngineState:
+        """The state of ``engine_id`` (rank ``tp_rank``, default the lowest read).
+
+        If requests named it at several addresses or TP sizes, the record in
+        service wins (``READY`` or ``VERIFYING``), else the latest.
+        """
+        found = self._records_of(engine_id, tp_rank)
+        if not found:
+            return EngineState.UNKNOWN
+        in_service = (EngineState.READY, EngineState.VERIFYING)
+        serving = [e for e in found if e.record.state in in_service]
+        return (serving or found)[-1].record.state
+
+    def ready_count(self) -> int:
+        """Remote engine ranks ready for pulls now."""
+        return sum(1 for e in self._by_key.values() if e.record.state is EngineState.READY)
+
+    def ranks_of(
+        self, engine_id: str, host: str, tp_size: int, base_port: int
+    ) -> list[tuple[int, RemoteEngine]]:
+        """``(rank, record)`` of every rank of the engine at ``host``, base port
+        ``base_port`` and TP size ``tp_size`` (other addresses or TP sizes are
+        other engines)."""
+        return [
+            (rank, engine)
+            for (eid, h, port, tp, rank), engine in self._by_key.items()
+            if (eid, h, tp, port - rank) == (engine_id, host, tp_size, base_port)
+        ]
 
 
 @attrs.define

@@ -42,16 +42,17 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from .._config import ConnectorConfig
-from .._connector import Connector, open_connector
+from .._connector import Connector
 from .._errors import TrioPdError
 from .._groups import unwrapped_errors
 from .._netns import TestHost, open_test_hosts
+from .._open_connector import open_connector
 from .._ports import free_port_range
 from .._records import RemoteBlocks
 from .demo_raw import NOT_MEASURED, compare_with_raw_nixl
 
 if TYPE_CHECKING:
-    from ..testing._prefill_worker import PrefillWorker
+    from .._prefill_worker import PrefillWorker
 
 
 @attrs.frozen(kw_only=True)
@@ -179,13 +180,12 @@ async def run_demo(options: DemoOptions) -> dict[str, Any]:
     """Run the deployment; return the summary (see :func:`format_summary`)."""
     import torch
 
+    # (the harness, loaded here: the serving commands import this module)
+    from .._prefill_spec import WorkerSpec
+    from .._prefill_worker import open_prefill_workers
     from .._raw_nixl import CapturedBackends
+    from .._relay import open_delay_relays
     from .._stall import LoopStallMonitor
-
-    # The demo is built on the testing toolkit (prefill workers, relays);
-    # it is loaded here, so that the serving commands never load it.
-    from ..testing._prefill_worker import WorkerSpec, open_prefill_workers
-    from ..testing._relay import open_delay_relays
 
     o = options
     o.check()
@@ -337,7 +337,7 @@ async def _drive(
     decoders: list[tuple[Connector, list[Any]]],
     tally: _Tally,
 ) -> None:
-    from ..testing._prefill_worker import WorkerError
+    from .._prefill_worker import WorkerError
 
     local_pool = BlockPool(o.blocks, rng)
     remote_pools = [BlockPool(o.blocks, rng) for _ in engines]

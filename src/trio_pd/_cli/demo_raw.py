@@ -20,7 +20,7 @@ from .._nixl import NixlBackend
 from .._protocol import encode_notification
 
 if TYPE_CHECKING:
-    from ..testing._prefill_worker import PrefillWorker
+    from .._prefill_worker import PrefillWorker
 
 REPETITIONS = 5
 

@@ -29,8 +29,8 @@ import trio
 from prometheus_client import generate_latest
 
 from .._config import ConnectorConfig
-from .._connector import open_connector
 from .._errors import HandshakeError, ParamsRejectedError, TransferError
+from .._open_connector import open_connector
 from .._ports import free_port_range
 from .asgi import (
     Receive,

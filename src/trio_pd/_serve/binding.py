@@ -14,7 +14,7 @@ import os
 import socket
 from typing import Any
 
-from .._connector import WILDCARD_HOSTS
+from .._open_connector import WILDCARD_HOSTS
 from .._records import unbracket
 
 

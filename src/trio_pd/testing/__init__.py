@@ -45,18 +45,18 @@ from .._payload import (
     mismatched_heads,
 )
 from .._ports import free_port_range
-from .._protocol import encode_notification
-from .._raw_nixl import CapturedBackends, raw_nixl_read, raw_nixl_read_at_once
-from .._stall import LoopStallMonitor
-from ._memory import MemoryBackend, MemoryFabric, MemoryFaults
-from ._prefill_worker import (
+from .._prefill_spec import WorkerSpec
+from .._prefill_worker import (
     PrefillWorker,
     WorkerError,
-    WorkerSpec,
     open_prefill_worker,
     open_prefill_workers,
 )
-from ._relay import open_delay_relays, serve_delay_relay
+from .._protocol import encode_notification
+from .._raw_nixl import CapturedBackends, raw_nixl_read, raw_nixl_read_at_once
+from .._relay import open_delay_relays, serve_delay_relay
+from .._stall import LoopStallMonitor
+from ._memory import MemoryBackend, MemoryFabric, MemoryFaults
 
 __all__ = [
     "CapturedBackends",

@@ -16,9 +16,9 @@ from typing import Any
 import attrs
 import trio
 
+from .._child import open_child, read_lines
 from .._etcd_server import START_TIMEOUT
 from .._members import Member
-from ._child import open_child, read_lines
 
 # ---- a registered engine in its own process (killed to make a crash) --------
 

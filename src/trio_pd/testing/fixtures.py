@@ -23,8 +23,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from .._prefill_spec import WorkerSpec
+from .._prefill_worker import PrefillWorker, open_prefill_worker
 from ._memory import MemoryFabric
-from ._prefill_worker import PrefillWorker, WorkerSpec, open_prefill_worker
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Child processes driven over pipes (prefill workers, latency relays).
+"""Child processes driven over pipes (prefill workers, latency relays, registered engines).
 
 The parent writes to the child's stdin and reads lines from its stdout; the
 child runs until its stdin reaches end of file. :func:`open_child` owns the
@@ -31,8 +31,9 @@ async def open_child(
     execs, so the process is the Python one). ``env``: variables added to
     this process's environment for it.
 
-    (Not ``python -m module``: ``trio_pd.testing`` imports ``module`` itself,
-    and runpy warns about running a module that is already imported.)
+    (Not ``python -m module``: runpy warns about running a module that its
+    package's ``__init__`` already imported, as a package that re-exports it
+    does.)
 
     Resource handling: on exit (normal, error or cancellation; shielded) the
     child's stdin is closed, the child is waited for at most

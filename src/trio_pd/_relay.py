@@ -4,7 +4,8 @@
 target address; each chunk of bytes, in either direction, is delivered
 ``delay`` seconds after it was read (latency, not a bandwidth limit; order
 is kept). Put it in front of a producer's side channel to make that engine's
-handshake slow without touching the engine.
+handshake slow without touching the engine. ``trio-pd demo`` runs it for
+its slow link; :mod:`trio_pd.testing` re-exports it.
 """
 
 from __future__ import annotations
@@ -97,10 +98,10 @@ async def open_delay_relays(
     """Relay each target through a child process; yield the relay ports (same order).
 
     The child process ends when the block exits (see
-    ``trio_pd.testing._child.open_child``).
+    ``trio_pd._child.open_child``).
     """
     argument = json.dumps({"targets": targets, "delay": delay})
-    async with open_child("trio_pd.testing._relay", argument) as process:
+    async with open_child("trio_pd._relay", argument) as process:
         assert process.stdout is not None
         with trio.fail_after(30):
             async with aclosing(read_lines(process.stdout)) as lines:
