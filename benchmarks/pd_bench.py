@@ -498,15 +498,28 @@ async def bench_throughput(quick: bool) -> Result:
 
 
 async def bench_small_pulls(quick: bool) -> Result:
+    """Tiny pulls one after another and many in flight, against raw NIXL's loop.
+
+    Sequential pulls go inline (the trio thread posts each READ itself: the
+    driver and the loop are idle); the same sequence with inline reads off
+    (``inline_read_bytes=0``) shows what they save, side by side. Lone pulls,
+    spaced apart, are timed one by one, interleaved with raw NIXL READs.
+    """
     regions, blocks, block_bytes = 4, 8192, 4096
-    sequential, in_flight = (300, 200) if quick else (1000, 1000)
+    sequential, in_flight, lone = (300, 200, 60) if quick else (1000, 1000, 200)
     out: Result = {"block_bytes": block_bytes, "regions": regions}
     rng = np.random.default_rng(0)
     async with open_prefill_worker(spec("tiny", regions, blocks, block_bytes)) as w:
         local = kv(regions, blocks, block_bytes)
         captured = CapturedBackends()
-        async with trio_pd.open_connector("dec", local, backend=captured) as d:
+        off = trio_pd.ConnectorConfig(inline_read_bytes=0)
+        async with (
+            trio_pd.open_connector("dec", local, backend=captured) as d,
+            trio_pd.open_connector("dec-driver", local, config=off) as d_off,
+        ):
             await d.pull("warm", [0], await w.expose("warm", [0], seed=0))
+            await d_off.pull("warm-off", [0], await w.expose("warm-off", [0], seed=0))
+            backend = captured.backends[0]
 
             def plan(prefix: str, n: int) -> list[tuple[str, list[int], int]]:
                 sizes = rng.integers(1, 5, n)
@@ -520,6 +533,23 @@ async def bench_small_pulls(quick: bool) -> Result:
                     for i, (s, k) in enumerate(zip(starts, sizes, strict=True))
                 ]
 
+            def raw_loop(requests: list[tuple[str, list[int], int]]) -> float:
+                started = time.perf_counter()
+                for rid, ids, _ in requests:
+                    notification = encode_notification(rid)
+                    raw_nixl_read(backend, "tiny", np.asarray(ids, dtype=np.int64), notification)
+                return len(requests) / (time.perf_counter() - started)
+
+            async def trio_loop(
+                connector: trio_pd.Connector, requests: list[tuple[str, list[int], int]]
+            ) -> float:
+                remotes = await w.expose_many(requests)
+                started = time.perf_counter()
+                for (rid, ids, _), remote in zip(requests, remotes, strict=True):
+                    await connector.pull(rid, ids, remote)
+                return len(requests) / (time.perf_counter() - started)
+
+            inline_before = (backend.reads_inline, backend.reads_adopted)
             requests = plan("seq", sequential)
             remotes = await w.expose_many(requests)
             started, cpu_started = time.perf_counter(), time.thread_time()
@@ -527,19 +557,39 @@ async def bench_small_pulls(quick: bool) -> Result:
                 await d.pull(rid, ids, remote)
             trio_seq = sequential / (time.perf_counter() - started)
             trio_thread_cpu = (time.thread_time() - cpu_started) / sequential
+            went_inline = backend.reads_inline - inline_before[0]
+            adopted = backend.reads_adopted - inline_before[1]
 
-            # raw NIXL: the same sizes, sequential, blocking, no trio in between
-            # raw NIXL: the same sizes, on blocks that are exposed (pending) too,
-            # with the same notification, so the producer side behaves the same
+            # raw NIXL: the same sizes, sequential, blocking, no trio in between,
+            # on blocks that are exposed (pending) too, with the same
+            # notification, so the producer side behaves the same
             requests = plan("raw", sequential)
             await w.expose_many(requests)
-            started = time.perf_counter()
-            for rid, ids, _ in requests:
-                notification = encode_notification(rid)
+            raw_seq = raw_loop(requests)
+            driver_seq = await trio_loop(d_off, plan("drv", sequential))
+
+            # Lone pulls: spaced 2 ms apart, trio_pd and raw interleaved.
+            requests = plan("lone", lone)
+            remotes = await w.expose_many(requests)
+            raw_requests = plan("lone-raw", lone)
+            await w.expose_many(raw_requests)
+            lone_trio, lone_raw = [], []
+            for (rid, ids, _), remote, (raw_rid, raw_ids, _) in zip(
+                requests, remotes, raw_requests, strict=True
+            ):
+                await trio.sleep(0.002)
+                started = time.perf_counter()
+                await d.pull(rid, ids, remote)
+                lone_trio.append(time.perf_counter() - started)
+                await trio.sleep(0.002)
+                started = time.perf_counter()
                 raw_nixl_read(
-                    captured.backends[0], "tiny", np.asarray(ids, dtype=np.int64), notification
+                    backend,
+                    "tiny",
+                    np.asarray(raw_ids, dtype=np.int64),
+                    encode_notification(raw_rid),
                 )
-            raw_seq = sequential / (time.perf_counter() - started)
+                lone_raw.append(time.perf_counter() - started)
 
             requests = plan("par", in_flight)
             remotes = await w.expose_many(requests)
@@ -557,6 +607,16 @@ async def bench_small_pulls(quick: bool) -> Result:
         "ratio": round(trio_seq / raw_seq, 3),
         "pulls": sequential,
         "trio_thread_cpu_us_per_pull": round(trio_thread_cpu * 1e6),
+        "inline": went_inline,
+        "adopted": adopted,
+        "inline_off_pulls_per_s": round(driver_seq),
+        "inline_off_ratio": round(driver_seq / raw_seq, 3),
+    }
+    out["lone"] = {
+        "pulls": lone,
+        "trio_pd_ms_p50": round(statistics.median(lone_trio) * 1e3, 3),
+        "raw_nixl_ms_p50": round(statistics.median(lone_raw) * 1e3, 3),
+        "ratio": round(statistics.median(lone_raw) / statistics.median(lone_trio), 3),
     }
     out["in_flight"] = {
         "pulls": in_flight,

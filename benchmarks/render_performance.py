@@ -360,6 +360,17 @@ def render(results: dict[str, Any]) -> str:
                 ["", "pulls/s", "ratio to raw sequential"],
                 [
                     [f"trio_pd, sequential ({q['pulls']})", q["trio_pd_pulls_per_s"], q["ratio"]],
+                    *(
+                        [
+                            [
+                                "trio_pd, sequential, inline reads off",
+                                q["inline_off_pulls_per_s"],
+                                q["inline_off_ratio"],
+                            ]
+                        ]
+                        if "inline_off_ratio" in q
+                        else []
+                    ),
                     [f"raw NIXL, sequential ({q['pulls']})", q["raw_nixl_pulls_per_s"], 1.0],
                     [
                         f"trio_pd, {f['pulls']} in flight",
@@ -373,6 +384,30 @@ def render(results: dict[str, Any]) -> str:
             ),
             "",
         ]
+        if "inline" in q:
+            out += [
+                f"Of the {q['pulls']} sequential pulls, {q['inline']} were inline reads (the "
+                "trio thread posted the READ itself: the driver, the loads and the loop were "
+                f"idle), {q['adopted']} of them handed to the driver still running after "
+                "`inline_read_spin`. With inline reads off, every pull goes through the "
+                "driver's two thread hand-offs (the row above).",
+                "",
+            ]
+        if "lone" in sp:
+            lo = sp["lone"]
+            out += [
+                f"Lone pulls ({lo['pulls']}, spaced 2 ms apart, trio_pd and raw NIXL "
+                "interleaved), median time per pull:",
+                "",
+                _table(
+                    ["", "ms", "raw NIXL's ÷ trio_pd's"],
+                    [
+                        ["trio_pd", lo["trio_pd_ms_p50"], lo["ratio"]],
+                        ["raw NIXL", lo["raw_nixl_ms_p50"], 1.0],
+                    ],
+                ),
+                "",
+            ]
         if "transfers_posted" in f:
             out += [
                 f"The transfer driver posted the {f['pulls']} pulls in flight as "
