@@ -17,6 +17,7 @@ designs trio_pd is compared with are in ``comparison.py``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import gc
@@ -958,6 +959,37 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _tree_cpu_seconds(root: int) -> float:
+    """User + system CPU seconds so far of ``root`` and its live descendants."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue  # (it ended meanwhile)
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += [child for child, parent in parents.items() if parent == pid]
+    total = 0.0
+    for pid in tree:
+        with contextlib.suppress(OSError):
+            total += _cpu_seconds(pid)
+    return total
+
+
+def _machine_busy_seconds() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, from /proc/stat."""
+    with open("/proc/stat") as f:
+        values = [int(v) for v in f.readline().split()[1:]]
+    idle = values[3] + values[4]  # idle + iowait
+    tick = os.sysconf("SC_CLK_TCK")
+    return (sum(values) - idle) / tick, sum(values) / tick
+
+
 async def bench_producer_cpu(quick: bool) -> Result:
     """CPU of a producer process: idle; with 1000 exposures pending that nobody
     reads, just after exposing them (reads expected) and once they are stale."""
@@ -1091,13 +1123,25 @@ async def bench_serve(quick: bool) -> Result:
                                 counted.append(answer["tokens"])
 
                         started = time.perf_counter()
+                        served_cpu = _tree_cpu_seconds(process.pid)
+                        client_cpu = time.process_time()
+                        busy, total = _machine_busy_seconds()
                         async with trio.open_nursery() as nursery:
                             for prompt in prompts:
                                 nursery.start_soon(functools.partial(client_request, prompt=prompt))
                         elapsed = time.perf_counter() - started
+                        served_cpu = _tree_cpu_seconds(process.pid) - served_cpu
+                        client_cpu = time.process_time() - client_cpu
+                        busy_after, total_after = _machine_busy_seconds()
                         rows[clients][name] = {
                             "ttft_p50_ms": ms(statistics.median(first_tokens)),
                             "tokens_per_s": round(sum(counted) / elapsed),
+                            # what a token costs the serving processes, and this client
+                            "server_cpu_ms_per_token": round(served_cpu / sum(counted) * 1e3, 3),
+                            "client_cpu_ms_per_token": round(client_cpu / sum(counted) * 1e3, 3),
+                            "machine_busy": round(
+                                (busy_after - busy) / max(total_after - total, 1e-9), 2
+                            ),
                         }
         finally:
             process.send_signal(signal.SIGTERM)
@@ -1115,6 +1159,20 @@ async def bench_serve(quick: bool) -> Result:
         "tokens_per_s_ratio": {
             str(c): round(r[proxy]["tokens_per_s"] / r[one_engine]["tokens_per_s"], 2)
             for c, r in rows.items()
+        },
+        # A token's CPU (serving processes and this client) through the proxy over
+        # one engine's: on a saturated machine, tokens/s can reach at most its inverse.
+        "cpu_per_token_ratio": {
+            str(c): round(
+                (r[proxy]["server_cpu_ms_per_token"] + r[proxy]["client_cpu_ms_per_token"])
+                / (
+                    r[one_engine]["server_cpu_ms_per_token"]
+                    + r[one_engine]["client_cpu_ms_per_token"]
+                ),
+                2,
+            )
+            for c, r in rows.items()
+            if c > 1
         },
         "ttft_breakdown_ms": _ttft_breakdown(answers[proxy], answers[one_engine]),
     }

@@ -609,6 +609,46 @@ def render(results: dict[str, Any]) -> str:
             "takes time.",
             "",
         ]
+        if "cpu_per_token_ratio" in sv:
+            cpu_rows = []
+            for clients, ratio in sv["cpu_per_token_ratio"].items():
+                by_target = sv["by_clients"][clients]
+                cpu_rows.append(
+                    [
+                        clients,
+                        by_target["proxy (P/D)"]["server_cpu_ms_per_token"],
+                        by_target["one engine"]["server_cpu_ms_per_token"],
+                        by_target["proxy (P/D)"]["client_cpu_ms_per_token"],
+                        ratio,
+                        round(1 / ratio, 2),
+                        sv["tokens_per_s_ratio"][clients],
+                        by_target["proxy (P/D)"]["machine_busy"],
+                    ]
+                )
+            out += [
+                "What bounds tokens/s with many clients: the machine's CPU. Each row "
+                "gives a token's CPU time in the serving processes (`trio-pd serve`'s "
+                "process tree: proxy and engines) and in this benchmark's client, "
+                "through the proxy and on one engine, and how busy the whole machine "
+                "was. When the machine is saturated, tokens/s through the proxy can "
+                "reach at most one engine's divided by the CPU ratio (its inverse, "
+                "next to the measured ratio).",
+                "",
+                _table(
+                    [
+                        "clients",
+                        "server CPU/token via proxy, ms",
+                        "one engine, ms",
+                        "client CPU/token, ms",
+                        "CPU ratio",
+                        "tokens/s bound",
+                        "tokens/s ratio",
+                        "machine busy",
+                    ],
+                    cpu_rows,
+                ),
+                "",
+            ]
         if "ttft_breakdown_ms" in sv:
             out += _ttft_breakdown(sv, r.get("proxy_overhead"))
         one_client, eight = sv["by_clients"]["1"], sv["by_clients"].get("8")
