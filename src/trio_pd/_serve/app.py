@@ -21,8 +21,8 @@ import codecs
 import logging
 import math
 import os
-from collections.abc import Callable
-from contextlib import AsyncExitStack, aclosing
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 from typing import Any
 
 import trio
@@ -329,20 +329,31 @@ async def _generate(
 ) -> None:
     """Generate ``request``'s tokens (pulling its prompt's KV if it is a decode
     request) and send them, whole or as server-sent events; the response's
-    ``Server-Timing`` names the phases before the first token (``times``)."""
+    ``Server-Timing`` names the phases before the first token (``times``).
+
+    A whole answer is sent once its KV blocks are back in the pool (a client
+    slow to read it holds nothing); a stream holds them until its last token
+    is sent."""
     remote = request.kv_transfer_params if request.kind == "decode" else None
-    async with (
-        engine.generation(
-            shapes.request_id, request.prompt, request.max_tokens, remote, times
-        ) as tokens_,
-        aclosing(tokens_) as tokens,  # (closed even when the client hangs up)
-    ):
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        if not request.stream:
+
+    @asynccontextmanager
+    async def generating() -> AsyncIterator[AsyncIterator[int]]:
+        async with (
+            engine.generation(
+                shapes.request_id, request.prompt, request.max_tokens, remote, times
+            ) as tokens_,
+            aclosing(tokens_) as tokens,  # (closed even when the client hangs up)
+        ):
+            yield tokens
+
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    if not request.stream:
+        async with generating() as tokens:
             ids = [token async for token in tokens]
-            text = decoder.decode(bytes(ids), final=True)
-            await send_json(send, 200, shapes.whole(text, ids), [times.header()])
-            return
+        text = decoder.decode(bytes(ids), final=True)
+        await send_json(send, 200, shapes.whole(text, ids), [times.header()])
+        return
+    async with generating() as tokens:
         await start_events(send, [times.header()])
         first = shapes.first_chunk()
         if first is not None:
