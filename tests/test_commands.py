@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -21,6 +22,7 @@ import pytest
 import trio
 
 from trio_pd._cli import main
+from trio_pd._serve.binding import bind_listener
 from trio_pd._serve.engine import EngineSettings
 from trio_pd._serve.membership import EngineAnnouncement, EngineSet
 from trio_pd._serve.process import serve_engine
@@ -139,6 +141,13 @@ async def test_engines_and_a_proxy_started_as_separate_commands_serve_what_one_e
             2,
             "--idle-timeout must be > 0",
         ),
+        (["engine", "--role", "decode", "--send-timeout", "0"], 2, "--send-timeout must be > 0"),
+        (
+            ["proxy", "--prefill", "http://a:1", "--decode", "http://b:1", "--send-timeout", "nan"],
+            2,
+            "--send-timeout must be > 0",
+        ),
+        (["serve", "--send-timeout", "inf"], 2, "--send-timeout must be > 0"),
         # 192.0.2.1 (TEST-NET-1) is no address of this machine: serve fails
         # before it starts an engine.
         (["serve", "--port", "0", "--host", "192.0.2.1"], 1, "cannot bind 192.0.2.1:0"),
@@ -153,6 +162,20 @@ def test_bad_arguments_exit_2_and_an_address_that_is_not_ours_exits_1_in_one_lin
     line = one_line_error(capsys.readouterr().err)
     assert line.startswith(f"trio-pd {args[0]}: "), line
     assert words in line, line
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+@pytest.mark.parametrize(("seconds", "milliseconds"), [(2.5, 2500), (0.0001, 1)])
+def test_accepted_connections_inherit_the_listeners_send_timeout(
+    host: str, seconds: float, milliseconds: int
+) -> None:
+    listener = bind_listener(host, 0, send_timeout=seconds)
+    listener.listen()
+    with listener, socket.create_connection(listener.getsockname()[:2]):
+        accepted, _ = listener.accept()
+        with accepted:
+            option = accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
+    assert option == milliseconds  # (a fraction of a millisecond is one, not 0: off)
 
 
 async def test_an_engine_that_cannot_start_says_why_in_one_line(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ pool was reported as "overloaded" (502 through the proxy).
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import httpx2
 import pytest
 import trio
 
-from .test_serve import complete, deployment_client, open_deployment, scrape
+from .test_serve import INTERNAL_KEY, complete, deployment_client, open_deployment, scrape
 
 pytestmark = pytest.mark.slow
 
@@ -161,3 +162,83 @@ async def test_a_client_gone_while_its_decode_waits_gives_the_prefill_blocks_bac
                     nursery.cancel_scope.cancel()
                 on_decode = await scrape(client, decode)
                 assert on_decode.get("trio_pd_abandons_failed_total", 0) == 0
+
+
+SEND_TIMEOUT = 2  # s: the stalled-client test's --send-timeout
+
+
+async def stop_reading(url: str, body: dict[str, Any], request_id: str) -> trio.SocketStream:
+    """A client that sends ``body`` to ``url``'s ``/v1/completions`` and then
+    never reads (its receive buffer small): the caller owns the stream."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    sock = trio.socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    await sock.connect((host, int(port)))
+    stream = trio.SocketStream(sock)
+    data = json.dumps(body).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+        f"authorization: Bearer {INTERNAL_KEY}\r\nx-request-id: {request_id}\r\n"
+        f"content-length: {len(data)}\r\n\r\n"
+    )
+    await stream.send_all(head.encode() + data)
+    return stream
+
+
+async def wait_until_taken(client: httpx2.AsyncClient, engine: str) -> None:
+    """Until some of ``engine``'s KV blocks are taken (bound it with a cancel scope)."""
+    while True:
+        if (await scrape(client, engine))["trio_pd_serve_kv_blocks_free"] < POOL:
+            return
+        await trio.sleep(0.05)
+
+
+async def test_a_client_that_stops_reading_fails_only_its_own_request(tmp_path: Path) -> None:
+    # Before: hypercorn writes each chunk in a shielded scope with no deadline,
+    # so a client that stopped reading held its request -- and its decode KV
+    # blocks -- for as long as it kept the connection open; a few such clients
+    # took the whole decode pool and every other request failed (OutOfBlocks).
+    options = ("--num-blocks", str(POOL), "--send-timeout", str(SEND_TIMEOUT))
+    async with open_deployment(tmp_path, *options) as serving:
+        proxy, [prefill], [decode] = serving["proxy"], serving["prefill"], serving["decode"]
+        outcomes = "trio_pd_serve_requests_total{kind=%s,outcome=%s}"
+        with trio.fail_after(180):
+            async with deployment_client(60) as client:
+                # Answers far larger than the sockets' buffers (long ids make
+                # every event longer), asked of the decode engine itself and of
+                # the proxy (whose decode request then stops being read too).
+                body = {"prompt": "s", "max_tokens": 1024, "stream": True}
+                for url, kind in ((decode, "whole"), (proxy, "decode")):
+                    before = await scrape(client, decode)
+                    request_id = f"stalled-{kind}-" + "x" * 100
+                    async with await stop_reading(url, body, request_id):
+                        with trio.fail_after(30):  # (the answer has begun: blocks taken)
+                            await wait_until_taken(client, decode)
+                        # The connection is reset after --send-timeout, the
+                        # request cancelled, its blocks back in the pool
+                        # (within the deadline plus a margin for filling the
+                        # buffers first; without a send timeout, never).
+                        with trio.fail_after(SEND_TIMEOUT + 30):
+                            await wait_for(client, decode, "trio_pd_serve_kv_blocks_free", POOL)
+                        # The deployment serves others.
+                        ordinary = await complete(client, proxy, prompt="ordinary", max_tokens=400)
+                        assert ordinary["usage"]["completion_tokens"] == 400
+                    # Counted by the decode engine: stalled when the client was
+                    # its own; behind the proxy, stalled or disconnected (its
+                    # connection to the proxy closed once the proxy's request,
+                    # stalled there, was cancelled: it may have waited less).
+                    on_decode = await scrape(client, decode)
+                    counted = ("stalled",) if url == decode else ("stalled", "disconnected")
+                    names = [outcomes % (kind, outcome) for outcome in counted]
+                    assert sum(on_decode.get(name, 0) - before.get(name, 0) for name in names) == 1
+                on_proxy = await scrape(client, proxy)
+                assert on_proxy["trio_pd_proxy_requests_total{outcome=stalled}"] == 1
+                with trio.fail_after(10):
+                    await wait_for(client, prefill, "trio_pd_serve_kv_blocks_free", POOL)
+                # A client that reads its answer is not cut off, though the
+                # answer streams for longer than --send-timeout (seconds).
+                async with client.stream("POST", f"{proxy}/v1/completions", json=body) as response:
+                    assert response.status_code == 200
+                    text = (await response.aread()).decode()
+                assert text.count("data: ") == 1025
+                assert text.endswith("data: [DONE]\n\n")

@@ -40,6 +40,7 @@ from .common import (
     EXIT_USAGE,
     UsageError,
     add_internal_key_argument,
+    add_send_timeout_argument,
     client_keys,
     internal_key,
 )
@@ -205,6 +206,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="seconds the proxy, then each engine, drains on SIGINT/SIGTERM",
     )
+    add_send_timeout_argument(serve, serving.send_timeout)
     serve.add_argument(
         "--num-blocks",
         type=int,
@@ -325,6 +327,7 @@ def _serve(args: argparse.Namespace) -> int:
         port=args.port,
         ready_file=args.ready_file,
         grace=args.grace,
+        send_timeout=args.send_timeout,
         num_blocks=args.num_blocks,
         hosts=args.hosts,
         etcd_ttl=args.etcd_ttl,

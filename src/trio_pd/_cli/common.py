@@ -140,6 +140,18 @@ def add_internal_key_argument(parser: argparse.ArgumentParser, what: str) -> Non
     )
 
 
+def add_send_timeout_argument(parser: argparse.ArgumentParser, default: float) -> None:
+    parser.add_argument(
+        "--send-timeout",
+        type=float,
+        default=default,
+        metavar="SECONDS",
+        help="how long an answer may wait for a client that stopped reading (unacknowledged, "
+        "or against its full receive window): then the kernel resets the connection and the "
+        "request is cancelled, freeing what it held (TCP_USER_TIMEOUT on the listening socket)",
+    )
+
+
 def internal_key(key_file: str) -> str | None:
     """The deployment's internal key: ``key_file``'s content if given, else
     :data:`~trio_pd._serve.keys.INTERNAL_KEY_ENV`, else ``None``.

@@ -33,6 +33,7 @@ from .common import (
     UsageError,
     add_etcd_arguments,
     add_internal_key_argument,
+    add_send_timeout_argument,
     curve_auth,
     exposure_secret,
     internal_key,
@@ -108,6 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="how long requests in flight may finish after SIGTERM/SIGINT",
     )
+    add_send_timeout_argument(parser, defaults.send_timeout)
     parser.add_argument(
         "--ready-file",
         default="",
@@ -169,6 +171,7 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         tp_size=args.tp,
         max_model_len=max_model_len,
         grace=args.grace,
+        send_timeout=args.send_timeout,
     )
     try:
         settings.check()

@@ -25,9 +25,11 @@ import trio
 from .._groups import unwrapped_errors
 from .._serve.asgi import response_completes
 from .._serve.binding import (
+    SEND_TIMEOUT,
     BindError,
     base_url,
     bind_listener,
+    check_send_timeout,
     hypercorn_bind,
     is_wildcard,
     remove_file,
@@ -44,6 +46,7 @@ from .common import (
     UsageError,
     add_etcd_arguments,
     add_internal_key_argument,
+    add_send_timeout_argument,
     client_keys,
     internal_key,
     membership_from_args,
@@ -62,6 +65,7 @@ class ProxyOptions:
     port: int = 8000
     advertise_host: str = ""  # the address in its URL (default: host)
     grace: float = 10.0
+    send_timeout: float = SEND_TIMEOUT  # (a client that stopped reading: reset, then cancelled)
     max_model_len: int | None = None  # (None: the engines judge each request)
     timeouts: ProxyTimeouts = attrs.Factory(ProxyTimeouts)
     api_keys: BearerKeys | None = None  # (None: /v1/* open to anyone who connects)
@@ -73,6 +77,7 @@ class ProxyOptions:
             raise ValueError(f"--port {self.port} is not a port")
         if not self.grace > 0:  # (NaN too)
             raise ValueError("--grace must be > 0")
+        check_send_timeout(self.send_timeout)
         if self.max_model_len is not None and not 1 <= self.max_model_len <= MAX_MODEL_LEN:
             raise ValueError(f"--max-model-len must be in [1, {MAX_MODEL_LEN}]")
         for flag, seconds in _timeout_flags(self.timeouts).items():
@@ -98,7 +103,8 @@ async def serve_proxy(
 
     The engines are ``engines``, or -- with ``membership`` -- the ones it
     reports, as they change. ``sock``: a socket bound already (from
-    :func:`~trio_pd._serve.binding.bind_listener`; closed on return) instead
+    :func:`~trio_pd._serve.binding.bind_listener` with ``options.send_timeout``;
+    closed on return) instead
     of binding ``options.host:options.port``. ``task_status.started(url)``
     once it accepts requests (``url``: the advertised address).
 
@@ -110,7 +116,7 @@ async def serve_proxy(
 
     if sock is None:
         try:
-            sock = bind_listener(options.host, options.port)
+            sock = bind_listener(options.host, options.port, send_timeout=options.send_timeout)
         except BindError as exc:
             raise ProxyStartError(str(exc)) from None
     url = base_url(options.advertise_host or options.host, sock.getsockname()[1])
@@ -155,6 +161,7 @@ class _Router:
             client,
             max_model_len=options.max_model_len,
             timeouts=options.timeouts,
+            send_timeout=options.send_timeout,
             api_keys=options.api_keys,
             internal_key=options.internal_key,
         )
@@ -231,6 +238,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default = getattr(timeouts, _timeout_field(flag))
         help_text = f"{what} (default {default:g})"
         parser.add_argument(flag, type=float, default=default, metavar="SECONDS", help=help_text)
+    add_send_timeout_argument(parser, defaults.send_timeout)
     parser.add_argument(
         "--api-key",
         action="append",
@@ -280,6 +288,7 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         advertise_host=args.advertise_host,
         grace=args.grace,
+        send_timeout=args.send_timeout,
         max_model_len=args.max_model_len or None,
         timeouts=ProxyTimeouts(
             **{name: getattr(args, f"{name}_timeout") for name in attrs.fields_dict(ProxyTimeouts)}

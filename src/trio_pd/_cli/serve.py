@@ -54,8 +54,10 @@ from .._etcd_server import EtcdServer, EtcdUnavailable, open_etcd
 from .._groups import unwrapped_errors
 from .._netns import TestHost, TestHostsUnavailable, open_test_hosts
 from .._serve.binding import (
+    SEND_TIMEOUT,
     BindError,
     bind_listener,
+    check_send_timeout,
     is_wildcard,
     remove_file,
     write_json_atomically,
@@ -92,6 +94,7 @@ class ServeOptions:
     port: int = 8000
     ready_file: str = ""
     grace: float = 10.0
+    send_timeout: float = SEND_TIMEOUT  # (the proxy's and every engine's)
     num_blocks: int = 1024
     start_timeout: float = 120.0
     hosts: int = 0  # (> 0: the engines on that many test hosts, found through etcd)
@@ -118,6 +121,7 @@ class ServeOptions:
             raise ValueError("--prefill and --decode need at least one engine each")
         if not self.grace > 0:  # (NaN too)
             raise ValueError("--grace must be > 0")
+        check_send_timeout(self.send_timeout)
         if self.num_blocks < 1:
             raise ValueError(f"--num-blocks must be at least 1 (got {self.num_blocks})")
         if not 0 <= self.port <= 65535:
@@ -162,7 +166,7 @@ async def run_serve(options: ServeOptions, console: Console) -> None:
     try:
         # The proxy's address first: one that is not ours, or in use, fails
         # at once (and the port stays reserved while the engines start).
-        sock = bind_listener(options.host, options.port)
+        sock = bind_listener(options.host, options.port, send_timeout=options.send_timeout)
     except BindError as exc:
         raise ServeError(f"the proxy: {exc}") from None
     with sock:
@@ -288,6 +292,7 @@ async def _serve_proxy(
         port=options.port,
         advertise_host=options.advertised(),
         grace=options.grace,
+        send_timeout=options.send_timeout,
         max_model_len=options.max_model_len(),
         api_keys=options.api_keys,
         internal_key=options.internal_key,
@@ -380,6 +385,7 @@ def _engine_command(
         "--num-blocks": options.num_blocks,
         "--max-model-len": options.max_model_len(),
         "--grace": options.grace,
+        "--send-timeout": options.send_timeout,
         "--ready-file": engine.ready_file,
         "--parent-pid": os.getpid(),  # (it drains if this command dies)
     }

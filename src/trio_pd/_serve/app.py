@@ -36,6 +36,7 @@ from .asgi import (
     Receive,
     Scope,
     Send,
+    SendWatch,
     cancel_on_disconnect,
     read_json,
     response_completes,
@@ -299,29 +300,35 @@ async def _generation(engine: Engine, receive: Receive, send: Send, rid: str, ch
 
     params = request.kv_transfer_params
     times = PhaseTimes()
+    sending = SendWatch(send_tracked)
     try:
         async with cancel_on_disconnect(receive):
             if request.kind == "prefill":
                 kv = await engine.prefill_for_remote(request_id, request.prompt, times)
                 whole = shapes.whole("", [], kv_transfer_params=kv)
-                await send_json(send_tracked, 200, whole, [times.header()])
+                await send_json(sending, 200, whole, [times.header()])
             else:
-                await _generate(engine, send_tracked, shapes, request, times)
+                await _generate(engine, sending, shapes, request, times)
         outcome = "ok" if answered else "disconnected"
+        if not answered and sending.stalled(engine.settings.send_timeout):
+            outcome = "stalled"
     except PULL_ERRORS as exc:
         raise http_error(
             exc, engine=engine.settings.engine_id, remote_engine=params.get("remote_engine_id")
         ) from None
     finally:
         engine.requests.labels(request.kind, outcome).inc()
-        logger.info(
-            "request %s: %s, %s (%d prompt tokens, max_tokens %d)",
-            request_id,
-            request.kind,
-            outcome,
-            len(request.prompt),
-            request.max_tokens,
-        )
+        if outcome == "stalled":
+            sending.log_stall(logger, request_id, engine.settings.send_timeout, "its blocks freed")
+        else:
+            logger.info(
+                "request %s: %s, %s (%d prompt tokens, max_tokens %d)",
+                request_id,
+                request.kind,
+                outcome,
+                len(request.prompt),
+                request.max_tokens,
+            )
 
 
 async def _generate(
@@ -331,9 +338,9 @@ async def _generate(
     request) and send them, whole or as server-sent events; the response's
     ``Server-Timing`` names the phases before the first token (``times``).
 
-    A whole answer is sent once its KV blocks are back in the pool (a client
-    slow to read it holds nothing); a stream holds them until its last token
-    is sent."""
+    A whole answer is sent once its KV blocks are back in the pool; a stream
+    holds them until its last token is sent (a client that stops reading
+    holds them until the send timeout resets its connection)."""
     remote = request.kv_transfer_params if request.kind == "decode" else None
 
     @asynccontextmanager

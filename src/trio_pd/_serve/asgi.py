@@ -10,6 +10,7 @@ cancels its request's scope (:func:`cancel_on_disconnect`).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -130,6 +131,56 @@ async def cancel_on_disconnect(receive: Receive) -> AsyncIterator[None]:
         nursery.start_soon(watch, nursery.cancel_scope)
         yield
         nursery.cancel_scope.cancel()  # (the block is done: stop watching)
+
+
+class SendWatch:
+    """An ASGI ``send`` that remembers how long its messages waited to be sent.
+
+    hypercorn's ``send`` returns once the message is in the kernel's socket
+    buffer: one waits only while the client is not reading. When a client
+    stops reading, the kernel resets its connection after the server's send
+    timeout (``TCP_USER_TIMEOUT``, :func:`~.binding.bind_listener`), and the
+    disconnect that cancels the request arrives while (or just after) a send
+    waited about that long -- which is how :meth:`stalled` tells that case
+    from a client that simply hung up.
+    """
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self._since: float | None = None  # (when the message being sent was handed over)
+        self.longest = 0.0  # the longest a message waited, in seconds
+
+    async def __call__(self, message: Message) -> None:
+        self._since = started = trio.current_time()
+        try:
+            await self._send(message)
+        finally:
+            self._since = None
+            self.longest = max(self.longest, trio.current_time() - started)
+
+    def waited(self) -> float:
+        """The longest a message waited so far (the one being sent included)."""
+        if self._since is None:
+            return self.longest
+        return max(self.longest, trio.current_time() - self._since)
+
+    def stalled(self, send_timeout: float) -> bool:
+        """Whether a message waited at least half of ``send_timeout``: the
+        client stopped reading (a disconnect then is the kernel's reset)."""
+        return self.waited() >= send_timeout / 2
+
+    def log_stall(
+        self, log: logging.Logger, request_id: str, send_timeout: float, then: str
+    ) -> None:
+        """One warning: ``request_id`` stalled, and what cancelling it did (``then``)."""
+        log.warning(
+            "request %s: stalled: its client stopped reading (an answer waited %.1f s for it; "
+            "--send-timeout %g s) and its connection closed: the request is cancelled, %s",
+            request_id,
+            self.waited(),
+            send_timeout,
+            then,
+        )
 
 
 def response_completes(app: App) -> App:

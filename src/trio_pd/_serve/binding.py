@@ -4,18 +4,34 @@ An engine or proxy binds its HTTP socket itself, before anything else starts,
 and hands it to hypercorn (``fd://``): a bind address that is not this
 machine's, or a port in use, fails at once with one clear error, and with
 ``--port 0`` the real port is known before the engine's id is derived from it.
+
+The listener also carries the server's *send timeout* (``TCP_USER_TIMEOUT``,
+which every accepted connection inherits): hypercorn writes each response
+chunk in a shielded scope with no deadline, so a client that stops reading
+would otherwise block its request's ``send`` -- and hold whatever the request
+holds, KV blocks included -- for as long as it keeps the connection open.
+With it, the kernel resets a connection whose data has waited that long
+against a closed window (or unacknowledged); hypercorn then reports
+``http.disconnect``, which cancels the request (:func:`~.asgi.cancel_on_disconnect`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import socket
 from typing import Any
 
 from .._open_connector import WILDCARD_HOSTS
 from .._records import unbracket
+
+SEND_TIMEOUT = 30.0
+"""The default ``--send-timeout``, in seconds."""
+
+MAX_SEND_TIMEOUT = (2**31 - 1) // 1000
+"""The longest send timeout, in seconds (the kernel takes milliseconds in an int)."""
 
 
 class BindError(Exception):
@@ -27,14 +43,26 @@ def is_wildcard(host: str) -> bool:
     return unbracket(host) in WILDCARD_HOSTS
 
 
-def bind_listener(host: str, port: int) -> socket.socket:
+def check_send_timeout(seconds: float) -> None:
+    """Raises ValueError (naming ``--send-timeout``) unless ``seconds`` is one."""
+    if not 0 < seconds <= MAX_SEND_TIMEOUT:  # (NaN too)
+        raise ValueError(f"--send-timeout must be > 0 and at most {MAX_SEND_TIMEOUT} s")
+
+
+def bind_listener(host: str, port: int, *, send_timeout: float) -> socket.socket:
     """A TCP socket bound to ``host:port`` (not listening yet: hypercorn does that).
 
     ``""`` and ``"*"`` mean every IPv4 interface; IPv6 addresses may carry brackets.
+    The connections it accepts inherit ``send_timeout`` (seconds) as their
+    ``TCP_USER_TIMEOUT``: the kernel resets one whose sent data waited that
+    long to be acknowledged, or to fit in the client's closed receive window
+    (a client that stopped reading).
 
     Raises:
         BindError: the address does not resolve, is not this machine's, or is in use.
+        ValueError: ``send_timeout`` is not one (:func:`check_send_timeout`).
     """
+    check_send_timeout(send_timeout)
     host = unbracket(host)
     if host in ("", "*"):
         host = "0.0.0.0"
@@ -47,6 +75,8 @@ def bind_listener(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        milliseconds = max(1, math.ceil(send_timeout * 1000))  # (0 would switch it off)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, milliseconds)
         sock.bind(address)
     except OSError as exc:
         sock.close()

@@ -57,7 +57,7 @@ from .._connector import Connector
 from .._errors import IncompatibleEngineError, ParamsRejectedError
 from .._groups import first_failure_wins
 from .._records import RemoteBlocks
-from .binding import is_wildcard
+from .binding import SEND_TIMEOUT, check_send_timeout, is_wildcard
 from .errors import HTTPError, ParamsInUse
 from .keys import BearerKeys
 from .metrics import ConnectorCollector
@@ -90,6 +90,9 @@ class EngineSettings:
     lease_renewal: float = 3.0
     heartbeat_interval: float = 1.0
     grace: float = 10.0  # how long requests in flight may drain after SIGTERM
+    # How long an answer may wait for a client that stopped reading before
+    # the kernel resets its connection (and the request is cancelled).
+    send_timeout: float = SEND_TIMEOUT
 
     def advertised(self) -> str:
         """The host that peers and the proxy dial."""
@@ -103,6 +106,7 @@ class EngineSettings:
             raise ValueError(f"--max-model-len must be in [1, {MAX_MODEL_LEN}]")
         if not self.grace > 0:  # (NaN too)
             raise ValueError("--grace must be > 0")
+        check_send_timeout(self.send_timeout)
         heads = ModelConfig().kv_heads
         if self.tp_size < 1 or heads % self.tp_size:
             raise ValueError(f"--tp {self.tp_size} must divide the model's {heads} KV heads")
@@ -136,7 +140,8 @@ class EngineMetrics:
         self.requests = Counter(
             "trio_pd_serve_requests",
             "Completion and chat requests by kind (prefill, decode, whole) "
-            "and outcome (ok, error, disconnected).",
+            "and outcome (ok, error, disconnected, stalled: the client stopped reading and "
+            "its connection was reset after --send-timeout).",
             ["kind", "outcome"],
             registry=self.registry,
         )

@@ -94,7 +94,8 @@ class ProxyMetrics:
         self.requests = Counter(
             "trio_pd_proxy_requests",
             "Completion and chat requests by outcome: ok, client_error (4xx), overloaded (503), "
-            "timeout (504), engine_error (other 5xx), disconnected (the client left).",
+            "timeout (504), engine_error (other 5xx), disconnected (the client left), "
+            "stalled (the client stopped reading: reset after --send-timeout).",
             ["outcome"],
             registry=r,
         )

@@ -84,7 +84,7 @@ async def serve_engine(
 
     remove_file(settings.ready_file)
     try:
-        sock = bind_listener(settings.host, settings.http_port)
+        sock = bind_listener(settings.host, settings.http_port, send_timeout=settings.send_timeout)
     except BindError as exc:
         raise EngineStartError(f"HTTP: {exc}") from None
     port = sock.getsockname()[1]

@@ -33,7 +33,9 @@ An operator can run it (see docs/serving.md):
 
 A client that disconnects cancels its request's scope: the request to the
 decode engine is closed, which cancels that engine's pull or decoding (before
-the pull, the decode engine abandons the prefill's blocks). An engine that
+the pull, the decode engine abandons the prefill's blocks). So does one that
+stops reading, once the send timeout resets its connection
+(:func:`~.binding.bind_listener`; counted as ``stalled``). An engine that
 fails fails only the requests it held: the client gets a JSON error that
 names the engine; the proxy goes on with the others.
 """
@@ -55,6 +57,7 @@ from .asgi import (
     Receive,
     Scope,
     Send,
+    SendWatch,
     cancel_on_disconnect,
     read_json,
     send_event,
@@ -62,6 +65,7 @@ from .asgi import (
     send_text,
     trivial_lifespan,
 )
+from .binding import SEND_TIMEOUT
 from .errors import HTTPError, StreamStalled, error_status, http_error
 from .keys import BearerKeys, bearer_header
 from .metrics import ProxyMetrics
@@ -127,6 +131,8 @@ class Proxy:
             engine can hold: longer requests are a 400 before any prefill.
         timeouts: the per-phase deadlines (the client's own timeouts should
             match: :func:`open_client`).
+        send_timeout: the listener's (:func:`~.binding.bind_listener`): a
+            request cut off after waiting for its client counts as ``stalled``.
         api_keys: the client keys: ``/v1/*`` answers 401 to a request
             without one of them (``None``: open to anyone who can connect).
         internal_key: the deployment's internal key, sent to the engines
@@ -141,6 +147,7 @@ class Proxy:
         *,
         max_model_len: int | None = None,
         timeouts: ProxyTimeouts = ProxyTimeouts(),
+        send_timeout: float = SEND_TIMEOUT,
         api_keys: BearerKeys | None = None,
         internal_key: str | None = None,
     ):
@@ -148,6 +155,7 @@ class Proxy:
         self._engines = {"prefill": EngineSet(prefill), "decode": EngineSet(decode)}
         self._client = client
         self._timeouts = timeouts
+        self._send_timeout = send_timeout
         self._api_keys = api_keys
         self._upstream_headers = bearer_header(internal_key) if internal_key else {}
         self.metrics = ProxyMetrics()
@@ -241,15 +249,21 @@ class Proxy:
                 await send(message)
 
             times = PhaseTimes()
+            sending = SendWatch(send_tracked)
             async with cancel_on_disconnect(receive):
                 kv = await self._prefill(path, request_id, body, times)
                 await self._decode(
                     path,
                     request_id,
                     {**body, "kv_transfer_params": kv},
-                    send_tracked,
+                    sending,
                     started,
                     times,
+                )
+            if outcome == "disconnected" and sending.stalled(self._send_timeout):
+                outcome = "stalled"
+                sending.log_stall(
+                    logger, request_id, self._send_timeout, "its decode request closed"
                 )
         except HTTPError as exc:
             outcome = _outcome(exc.status)
