@@ -217,13 +217,8 @@ def as_block_ids(values: Sequence[int] | npt.ArrayLike, num_blocks: int, what: s
             outside ``[0, num_blocks)``, or repeats an id. The message starts
             with ``what`` (e.g. ``"local block ids of request 'r1'"``).
     """
-    if isinstance(values, list | tuple) and 0 < len(values) <= 64:
-        # Most pulls: a few ints from JSON, checked in Python (a quarter of
-        # numpy's fixed cost); anything else takes numpy's path and its errors.
-        if all(type(v) is int and 0 <= v < num_blocks for v in values) and len(
-            set(values)
-        ) == len(values):
-            return np.array(values, dtype=np.int64)
+    if _few_valid_ints(values, num_blocks):
+        return np.array(values, dtype=np.int64)
     arr: npt.NDArray[Any] = np.asarray(values)
     if arr.size == 0:
         return np.empty(0, dtype=np.int64)
@@ -239,6 +234,18 @@ def as_block_ids(values: Sequence[int] | npt.ArrayLike, num_blocks: int, what: s
     if _repeats(ids):
         raise ValueError(f"{what}: block ids repeat")
     return ids
+
+
+def _few_valid_ints(values: object, num_blocks: int) -> bool:
+    """Whether ``values`` is a short list or tuple of distinct ints in range: most
+    pulls' few ids from JSON, checked in Python at a quarter of numpy's fixed
+    cost (anything else takes numpy's path, and its errors)."""
+    return (
+        isinstance(values, list | tuple)
+        and 0 < len(values) <= 64
+        and all(type(v) is int and 0 <= v < num_blocks for v in values)
+        and len(set(values)) == len(values)
+    )
 
 
 def _repeats(ids: BlockIds) -> bool:
