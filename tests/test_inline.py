@@ -23,6 +23,7 @@ from trio_pd._backend import BackendError
 from trio_pd._driver import TransferDriver
 from trio_pd._inline import InlineReads
 from trio_pd._jobs import Outcome
+from trio_pd._nixl_notifications import NotificationPoller
 from trio_pd.testing import CapturedBackends, WorkerSpec, mismatched_blocks, open_prefill_worker
 
 from .conftest import kv_cache
@@ -34,9 +35,11 @@ async def inline(
     agent: ScriptedAgent,
     config: trio_pd.ConnectorConfig = CONFIG,
     idle_loads: Callable[[], bool] = lambda: True,
+    other_calls: threading.Lock | None = None,
 ) -> AsyncIterator[tuple[InlineReads, TransferDriver]]:
+    other_calls = threading.Lock() if other_calls is None else other_calls
     async with driver(agent, config) as transfers:
-        yield InlineReads(lambda: agent, transfers, config, idle_loads), transfers
+        yield InlineReads(lambda: agent, transfers, config, idle_loads, other_calls), transfers
 
 
 class Refuses(Exception):
@@ -190,6 +193,64 @@ async def test_a_handle_that_cannot_be_released_is_kept_until_close(
             assert refused == agent.posted
             assert reads.take_stuck() == refused
             assert reads.take_stuck() == []
+
+
+class NotifyingAgent(ScriptedAgent):
+    """A scripted agent whose ``get_new_notifs`` stays in NIXL until ``leave`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_call = threading.Event()
+        self.leave = threading.Event()
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        self.in_call.set()
+        self.leave.wait()
+        return {}
+
+
+async def in_a_thread(
+    limiter: trio.CapacityLimiter, fn: Callable[..., object], *args: object
+) -> object:
+    """The backend's ``run_blocking`` (without its error handling)."""
+    return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
+
+
+async def test_no_inline_read_while_the_notification_thread_is_in_nixl() -> None:
+    """``get_new_notifs`` takes NIXL's *writer* lock (the same agent: every
+    connector is a producer too): the trio thread must not queue behind it."""
+    agent = NotifyingAgent()
+    poller = NotificationPoller(lambda: agent, CONFIG, threading.Event(), in_a_thread)
+    with trio.fail_after(5):
+        async with inline(agent, other_calls=poller.calls) as (reads, transfers):
+            one = job([1], "r1")
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(poller.notifications, 0.0)
+                try:
+                    assert await trio.to_thread.run_sync(agent.in_call.wait, 5)
+                    taken = reads.read(one)
+                finally:
+                    agent.leave.set()  # (the thread cannot be cancelled)
+            assert not taken  # it goes to the driver instead
+            transfers.submit(one)
+            await one.settled.wait()
+            await trio.testing.wait_all_tasks_blocked()
+            assert reads.read(job([2], "r2"))  # (the thread has left NIXL)
+            assert reads.posted == 1
+
+
+async def test_the_notification_thread_waits_for_an_inline_read() -> None:
+    agent = NotifyingAgent()
+    agent.leave.set()
+    poller = NotificationPoller(lambda: agent, CONFIG, threading.Event(), in_a_thread)
+    held: list[bool] = []
+    agent.script = lambda handle: held.append(poller.calls.locked())
+    with trio.fail_after(5):
+        async with inline(agent, other_calls=poller.calls) as (reads, _):
+            assert reads.read(job([1]))
+            assert held == [True]
+            assert not poller.calls.locked()
+            assert await poller.notifications(0.0) == {}
 
 
 # ---- the real path --------------------------------------------------------------
