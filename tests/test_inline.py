@@ -197,6 +197,25 @@ async def test_a_handle_that_cannot_be_released_is_kept_until_close(
             assert reads.take_stuck() == []
 
 
+async def test_control_c_waits_until_an_inline_read_ended_or_was_adopted() -> None:
+    """KeyboardInterrupt can strike any line of unprotected code; inside a read
+    it would leak the running transfer's handle (neither released nor adopted)
+    and leave the job unfinished. Protected, it arrives at the next checkpoint."""
+    agent = ScriptedAgent()
+    protected: list[bool] = []
+
+    def script(handle: Handle) -> None:
+        handle.polls = 2
+        protected.append(trio.lowlevel.currently_ki_protected())
+
+    agent.script = script
+    with trio.fail_after(5):
+        async with inline(agent) as (reads, _):
+            assert not trio.lowlevel.currently_ki_protected()
+            assert reads.read(job([1]))
+            assert protected == [True]
+
+
 class NotifyingAgent(ScriptedAgent):
     """A scripted agent whose ``get_new_notifs`` stays in NIXL until ``leave`` is set."""
 

@@ -44,8 +44,9 @@ included). A handle NIXL refuses to release is kept here and released at
 close, after the driver has stopped.
 
 Owned: the handles of transfers it posted until they are released or
-adopted. Nothing here awaits: cancellation cannot interrupt it, and it never
-runs longer than one small copy plus ``inline_read_spin``.
+adopted. Nothing here awaits: cancellation cannot interrupt it (nor can
+KeyboardInterrupt: it is protected), and it never runs longer than one small
+copy plus ``inline_read_spin``.
 """
 
 from __future__ import annotations
@@ -92,12 +93,17 @@ class InlineReads:
         self.adopted = 0  # of those, handed to the driver still running
         self.stuck: list[Any] = []  # handles NIXL refused to release (released at close)
 
+    @trio.lowlevel.enable_ki_protection
     def read(self, job: Job) -> bool:
         """Run ``job`` here if it may be; return whether it was taken.
 
         Taken means: it ended here (``job.outcome`` set, its events set), or
         its transfer runs on and the driver adopted it (wait on
         ``job.finished`` as for any submitted job). Not taken: submit it.
+
+        Protected from KeyboardInterrupt (it arrives at the caller's next
+        checkpoint): raised between two NIXL calls here, it would leave a
+        running transfer's handle neither released nor adopted.
         """
         if not self._eligible(job) or not self._other_calls.acquire(blocking=False):
             return False
