@@ -91,6 +91,8 @@ async def test_a_read_still_running_after_the_spin_is_adopted_by_the_driver() ->
             [handle] = agent.posted
             assert handle.released
             assert transfers.transfers_posted == 0  # (adopted, not posted again)
+            # Its timestamps (job_observer's breakdown) are those of its posting.
+            assert one.submitted_at == one.posted_at <= one.finished_at
             await trio.testing.wait_all_tasks_blocked()
             assert transfers.idle
 
