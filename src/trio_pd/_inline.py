@@ -30,9 +30,10 @@ thread with no checkpoint between the check and the NIXL calls):
 * no other task is runnable (``trio.lowlevel.current_statistics()``): when
   tasks are waiting, their pulls go to the driver, which batches them. (trio
   counts only the next batch of its scheduler: tasks still to run in the
-  current one are not seen, and wait this one read. The pull's task is
-  runnable again once it ended, so the others of that batch go to the
-  driver: at most one inline read per batch.)
+  current one are not seen, and wait this one read. After it, the pull's
+  task is runnable again, or the driver busy with the read it adopted, so
+  the others of that batch go to the driver: at most one inline read per
+  batch.)
 
 What: ``make_prepped_xfer`` and ``transfer`` with the notification attached
 (as the driver does for a one-transfer job), then ``check_xfer_state`` until
