@@ -10,6 +10,8 @@ byte and notification arrives.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -23,9 +25,10 @@ from trio_pd._backend import BackendError
 from trio_pd._driver import TransferDriver
 from trio_pd._inline import InlineReads
 from trio_pd._jobs import Outcome
+from trio_pd._nixl_notifications import NotificationPoller
 from trio_pd.testing import CapturedBackends, WorkerSpec, mismatched_blocks, open_prefill_worker
 
-from .conftest import kv_cache
+from .conftest import kv_cache, wait_until
 from .test_driver import CONFIG, Handle, ScriptedAgent, driver, job
 
 
@@ -34,9 +37,11 @@ async def inline(
     agent: ScriptedAgent,
     config: trio_pd.ConnectorConfig = CONFIG,
     idle_loads: Callable[[], bool] = lambda: True,
+    other_calls: threading.Lock | None = None,
 ) -> AsyncIterator[tuple[InlineReads, TransferDriver]]:
+    other_calls = threading.Lock() if other_calls is None else other_calls
     async with driver(agent, config) as transfers:
-        yield InlineReads(lambda: agent, transfers, config, idle_loads), transfers
+        yield InlineReads(lambda: agent, transfers, config, idle_loads, other_calls), transfers
 
 
 class Refuses(Exception):
@@ -86,6 +91,8 @@ async def test_a_read_still_running_after_the_spin_is_adopted_by_the_driver() ->
             [handle] = agent.posted
             assert handle.released
             assert transfers.transfers_posted == 0  # (adopted, not posted again)
+            # Its timestamps (job_observer's breakdown) are those of its posting.
+            assert one.submitted_at == one.posted_at <= one.finished_at
             await trio.testing.wait_all_tasks_blocked()
             assert transfers.idle
 
@@ -192,9 +199,89 @@ async def test_a_handle_that_cannot_be_released_is_kept_until_close(
             assert reads.take_stuck() == []
 
 
+async def test_control_c_waits_until_an_inline_read_ended_or_was_adopted() -> None:
+    """KeyboardInterrupt can strike any line of unprotected code; inside a read
+    it would leak the running transfer's handle (neither released nor adopted)
+    and leave the job unfinished. Protected, it arrives at the next checkpoint."""
+    agent = ScriptedAgent()
+    protected: list[bool] = []
+
+    def script(handle: Handle) -> None:
+        handle.polls = 2
+        protected.append(trio.lowlevel.currently_ki_protected())
+
+    agent.script = script
+    with trio.fail_after(5):
+        async with inline(agent) as (reads, _):
+            assert not trio.lowlevel.currently_ki_protected()
+            assert reads.read(job([1]))
+            assert protected == [True]
+
+
+class NotifyingAgent(ScriptedAgent):
+    """A scripted agent whose ``get_new_notifs`` stays in NIXL until ``leave`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_call = threading.Event()
+        self.leave = threading.Event()
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        self.in_call.set()
+        self.leave.wait()
+        return {}
+
+
+async def in_a_thread(
+    limiter: trio.CapacityLimiter, fn: Callable[..., object], *args: object
+) -> object:
+    """The backend's ``run_blocking`` (without its error handling)."""
+    return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
+
+
+async def test_no_inline_read_while_the_notification_thread_is_in_nixl() -> None:
+    """``get_new_notifs`` takes NIXL's *writer* lock (the same agent: every
+    connector is a producer too): the trio thread must not queue behind it."""
+    agent = NotifyingAgent()
+    poller = NotificationPoller(lambda: agent, CONFIG, threading.Event(), in_a_thread)
+    with trio.fail_after(5):
+        async with inline(agent, other_calls=poller.calls) as (reads, transfers):
+            one = job([1], "r1")
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(poller.notifications, 0.0)
+                try:
+                    assert await trio.to_thread.run_sync(agent.in_call.wait, 5)
+                    taken = reads.read(one)
+                finally:
+                    agent.leave.set()  # (the thread cannot be cancelled)
+            assert not taken  # it goes to the driver instead
+            transfers.submit(one)
+            await one.settled.wait()
+            await trio.testing.wait_all_tasks_blocked()
+            assert reads.read(job([2], "r2"))  # (the thread has left NIXL)
+            assert reads.posted == 1
+
+
+async def test_the_notification_thread_waits_for_an_inline_read() -> None:
+    agent = NotifyingAgent()
+    agent.leave.set()
+    poller = NotificationPoller(lambda: agent, CONFIG, threading.Event(), in_a_thread)
+    held: list[bool] = []
+    agent.script = lambda handle: held.append(poller.calls.locked())
+    with trio.fail_after(5):
+        async with inline(agent, other_calls=poller.calls) as (reads, _):
+            assert reads.read(job([1]))
+            assert held == [True]
+            assert not poller.calls.locked()
+            assert await poller.notifications(0.0) == {}
+
+
 # ---- the real path --------------------------------------------------------------
 
 SPEC = {"regions": 4, "blocks": 256, "block_shape": (1024,), "dtype": "float16"}
+# A decoder's own notification thread polls now and then even with nothing
+# exposed; a read made while it is in NIXL goes to the driver. Not here:
+QUIET = trio_pd.ConnectorConfig(idle_notification_poll_interval=600.0)
 
 
 async def test_sequential_small_pulls_go_inline_and_each_is_correct() -> None:
@@ -203,7 +290,9 @@ async def test_sequential_small_pulls_go_inline_and_each_is_correct() -> None:
     with trio.fail_after(60):
         async with open_prefill_worker(WorkerSpec("prefill-inline", **SPEC)) as worker:
             local = kv_cache(regions=4, blocks=2 * pulls, block_shape=(1024,))
-            async with trio_pd.open_connector("decode-inline", local, backend=captured) as d:
+            async with trio_pd.open_connector(
+                "decode-inline", local, config=QUIET, backend=captured
+            ) as d:
                 [backend] = captured.backends
                 await d.pull("warm", [0], await worker.expose("warm", [0], seed=0))
                 requests = [(f"req-{i}", [2 * i, 2 * i + 1], i) for i in range(pulls)]
@@ -235,3 +324,89 @@ async def test_with_inline_reads_off_every_pull_goes_to_the_driver() -> None:
                     assert mismatched_blocks(local, [i], i) == []
                 assert captured.backends[0].reads_inline == 0
                 assert d.statistics().transfers_posted == 5
+
+
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (a signal is delivered, not obeyed, at once)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+async def test_a_read_from_a_stopped_producer_is_adopted_and_fails_within_its_deadline() -> None:
+    """SIGSTOP: the READ waits for the producer's progress past the spin; the
+    driver adopts it, and it ends as any read to an unreachable peer does."""
+    captured = CapturedBackends()
+    config = attrs.evolve(QUIET, transfer_timeout=0.5, close_timeout=0.3)
+    with trio.fail_after(60):
+        async with open_prefill_worker(WorkerSpec("prefill-stopped", **SPEC)) as worker:
+            local = kv_cache(regions=4, blocks=8, block_shape=(1024,))
+            async with trio_pd.open_connector(
+                "decode-stopped", local, config=config, backend=captured
+            ) as d:
+                [backend] = captured.backends
+                await d.pull("warm", [0], await worker.expose("warm", [0], seed=0))
+                remote = await worker.expose("r1", [1, 2], seed=1)
+                before = (backend.reads_inline, backend.reads_adopted)
+                os.kill(worker.process.pid, signal.SIGSTOP)
+                try:
+                    await wait_until(lambda: stopped(worker.process.pid))
+                    try:
+                        await d.pull("r1", [1, 2], remote)
+                    except trio_pd.TransferError as exc:
+                        error = exc
+                    else:
+                        pytest.skip("this UCX read a stopped process without its progress")
+                    assert (backend.reads_inline, backend.reads_adopted) == (
+                        before[0] + 1,
+                        before[1] + 1,
+                    )
+                    assert (error.request_id, error.failed_block_ids) == ("r1", (1, 2))
+                    assert "did not stop within 0.3 s of being told to (timed out" in str(error)
+                    assert error.settled is not None
+                    assert not error.settled.is_set()
+                    assert d.unsettled_blocks() == {1, 2}
+                    assert d.statistics().pulls_in_flight == 0
+                finally:
+                    os.kill(worker.process.pid, signal.SIGCONT)
+                await d.wait_settled([1, 2])  # the READ ends once the producer runs
+                assert d.unsettled_blocks() == frozenset()
+                assert mismatched_blocks(local, [1, 2], 1) == []
+                # Its agent was given up: the next pull handshakes again.
+                await d.pull("r2", [3], await worker.expose("r2", [3], seed=3))
+                assert mismatched_blocks(local, [3], 3) == []
+                stats = d.statistics()
+                assert (stats.handshakes_succeeded, stats.peers_disconnected) == (2, 1)
+                assert stats.transfers_posted == backend.transfers_posted
+
+
+async def test_an_inline_read_from_a_killed_producer_fails_and_the_next_pull_handshakes_again() -> (
+    None
+):
+    captured = CapturedBackends()
+    config = attrs.evolve(QUIET, handshake_timeout=2.0, transfer_timeout=5.0)
+    with trio.fail_after(90):
+        local = kv_cache(regions=4, blocks=8, block_shape=(1024,))
+        async with trio_pd.open_connector(
+            "decode-killed", local, config=config, backend=captured
+        ) as d:
+            [backend] = captured.backends
+            async with open_prefill_worker(WorkerSpec("prefill-killed", **SPEC)) as first:
+                port = first.port
+                await d.pull("warm", [0], await first.expose("warm", [0], seed=0))
+                remote = await first.expose("r1", [1], seed=1)
+                first.kill()
+                await first.process.wait()
+                posted = backend.reads_inline
+                with pytest.raises(trio_pd.TransferError, match="DISCONNECT") as info:
+                    await d.pull("r1", [1], remote)
+                assert (info.value.request_id, info.value.failed_block_ids) == ("r1", (1,))
+                assert backend.reads_inline == posted + 1  # (the failed READ was inline)
+                assert d.engine_state("prefill-killed") is trio_pd.EngineState.STALE
+            async with open_prefill_worker(
+                WorkerSpec("prefill-killed", port=port, **SPEC)
+            ) as second:
+                await d.pull("r2", [2], await second.expose("r2", [2], seed=2))
+                assert mismatched_blocks(local, [2], 2) == []
+            stats = d.statistics()
+            assert (stats.peers_disconnected, stats.handshakes_succeeded) == (1, 2)
+            assert (stats.pulls_failed, stats.pulls_in_flight) == (1, 0)

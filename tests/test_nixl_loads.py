@@ -5,7 +5,8 @@ after the other (``TransferBackend.load_remotes``). These tests drive that
 seam directly, with real agents of other engines in this process. The one
 injected fault: the consumer's ``add_remote_agent`` for a chosen agent waits
 on a gate (as it does towards a peer whose packets vanish, see the design
-page), set through the accessor ``NixlRemotes`` reaches the agent by.
+page), set through the accessor ``NixlRemotes`` reaches the agent by (one
+test gates ``remove_remote_agent`` the same way).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class GatedAgent:
         self.added: list[str] = []
         self.removed: list[str] = []
         self.threads: set[int] = set()
+        self.removing: threading.Event | None = None  # a gate for remove_remote_agent
+        self.in_remove = threading.Event()
 
     def gate(self, name: str) -> None:
         self.gates[name], self.entered[name] = threading.Event(), threading.Event()
@@ -58,6 +61,9 @@ class GatedAgent:
 
     def remove_remote_agent(self, name: str | bytes) -> Any:
         self.removed.append(name if isinstance(name, str) else repr(name))
+        if self.removing is not None:
+            self.in_remove.set()
+            self.removing.wait()
         return self._agent.remove_remote_agent(name)
 
     def __getattr__(self, attribute: str) -> Any:
@@ -72,6 +78,8 @@ def opened_gates(agent: GatedAgent) -> Iterator[None]:
     finally:
         for gate in agent.gates.values():
             gate.set()
+        if agent.removing is not None:
+            agent.removing.set()
 
 
 @asynccontextmanager
@@ -185,6 +193,28 @@ async def test_a_load_stuck_at_its_deadline_is_abandoned_and_released_when_it_re
             assert consumer.remote_agents_loaded == 0
             await consumer.load_remotes([request(b, consumer, 30)], more.__setitem__)
             assert isinstance(more[0], RemoteAgent)
+
+
+async def test_an_abandoned_load_keeps_inline_reads_off_until_its_thread_returned() -> None:
+    """Its thread holds NIXL's writer lock after its stuck call returned too
+    (it releases what it loaded): trio keeps the limiter of an abandoned
+    thread borrowed until the thread returns, and inline reads check that."""
+    with trio.fail_after(60):
+        async with backends(1) as (consumer, agent, (a,)):
+            agent.gate(a.agent_name)
+            agent.removing = threading.Event()
+            assert consumer._remotes.idle
+            outcomes: dict[int, Outcome] = {}
+            await consumer.load_remotes([request(a, consumer, 0.5)], outcomes.__setitem__)
+            assert consumer.stuck_call
+            assert not consumer._remotes.idle
+            agent.gates[a.agent_name].set()  # it loads, then removes what nobody took
+            assert await trio.to_thread.run_sync(agent.in_remove.wait, 10)
+            await wait_until(lambda: consumer.stuck_call == "")  # (its stuck call returned)
+            assert not consumer._remotes.idle  # (still in remove_remote_agent)
+            agent.removing.set()
+            await wait_until(lambda: consumer._remotes.idle)
+            assert agent.removed == [a.agent_name]
 
 
 async def test_a_cancelled_batch_abandons_its_loads_and_what_loads_late_is_released() -> None:

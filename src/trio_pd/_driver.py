@@ -128,7 +128,7 @@ class TransferDriver:
         If the thread has crashed (a bug), the job fails at once instead; if
         it has stopped, the job ends ``CLOSING`` at once.
         """
-        job.submitted_at = time.monotonic()
+        job.submitted_at = job.submitted_at or time.monotonic()  # (adopted: when posted)
         self._unsettled_jobs += 1
         self._inbox.put(job)
         if self._crash is not None or self._ended:  # (nobody else will answer it: do it here)

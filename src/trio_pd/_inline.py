@@ -20,10 +20,20 @@ thread with no checkpoint between the check and the NIXL calls):
   before: the driver's thread or, for this one READ, the trio thread;
 * no remote-agent load or unload runs in a worker thread, and none is stuck
   (``idle_loads``): they hold NIXL's writer lock, and the trio thread must
-  never wait behind one;
-* no other task is runnable (``trio.lowlevel.current_statistics()``): the
-  loop would be idle anyway, so the polling delays no task's step. When
-  tasks are waiting, their pulls go to the driver, which batches them.
+  never wait behind one (trio keeps the limiter of an abandoned thread
+  borrowed until the thread returns);
+* the notification thread is not in a NIXL call: its ``get_new_notifs``
+  takes the writer lock too (on the same agent: every connector is also a
+  producer). It holds ``other_calls`` around each call; the read takes that
+  lock without waiting, or does not run, and holds it until it returns, so
+  a poll waits for it instead (at most one small copy plus the spin);
+* no other task is runnable (``trio.lowlevel.current_statistics()``): when
+  tasks are waiting, their pulls go to the driver, which batches them. (trio
+  counts only the next batch of its scheduler: tasks still to run in the
+  current one are not seen, and wait this one read. After it, the pull's
+  task is runnable again, or the driver busy with the read it adopted, so
+  the others of that batch go to the driver: at most one inline read per
+  batch.)
 
 What: ``make_prepped_xfer`` and ``transfer`` with the notification attached
 (as the driver does for a one-transfer job), then ``check_xfer_state`` until
@@ -35,13 +45,15 @@ included). A handle NIXL refuses to release is kept here and released at
 close, after the driver has stopped.
 
 Owned: the handles of transfers it posted until they are released or
-adopted. Nothing here awaits: cancellation cannot interrupt it, and it never
-runs longer than one small copy plus ``inline_read_spin``.
+adopted. Nothing here awaits: cancellation cannot interrupt it (nor can
+KeyboardInterrupt: it is protected), and it never runs longer than one small
+copy plus ``inline_read_spin``.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -61,7 +73,8 @@ class InlineReads:
     """Reads the trio thread posts itself when the driver and the loop are idle.
 
     Trio thread only. ``idle_loads()`` says whether no remote-agent load or
-    unload runs or is stuck in a worker thread.
+    unload runs or is stuck in a worker thread; ``other_calls`` is the lock
+    the notification thread holds around its NIXL calls.
     """
 
     def __init__(
@@ -70,24 +83,38 @@ class InlineReads:
         driver: TransferDriver,
         config: ConnectorConfig,
         idle_loads: Callable[[], bool],
+        other_calls: threading.Lock,
     ) -> None:
         self._agent = agent
         self._driver = driver
         self._config = config
         self._idle_loads = idle_loads
+        self._other_calls = other_calls
         self.posted = 0  # READs posted here (adopted ones included)
         self.adopted = 0  # of those, handed to the driver still running
         self.stuck: list[Any] = []  # handles NIXL refused to release (released at close)
 
+    @trio.lowlevel.enable_ki_protection
     def read(self, job: Job) -> bool:
         """Run ``job`` here if it may be; return whether it was taken.
 
         Taken means: it ended here (``job.outcome`` set, its events set), or
         its transfer runs on and the driver adopted it (wait on
         ``job.finished`` as for any submitted job). Not taken: submit it.
+
+        Protected from KeyboardInterrupt (it arrives at the caller's next
+        checkpoint): raised between two NIXL calls here, it would leave a
+        running transfer's handle neither released nor adopted.
         """
-        if not self._eligible(job):
+        if not self._eligible(job) or not self._other_calls.acquire(blocking=False):
             return False
+        try:
+            self._read(job)
+        finally:
+            self._other_calls.release()
+        return True
+
+    def _read(self, job: Job) -> None:
         agent = self._agent()
         now = time.monotonic()
         job.submitted_at = job.posted_at = now
@@ -103,7 +130,7 @@ class InlineReads:
             )
         except Exception as exc:
             self._end(job, backend_error("make_prepped_xfer", exc))
-            return True
+            return
         self.posted += 1
         call = "transfer"
         try:
@@ -115,14 +142,13 @@ class InlineReads:
         except Exception as exc:
             self._release(handle)
             self._end(job, backend_error(call, exc))
-            return True
+            return
         if state == "PROC":
             self.adopted += 1
             self._driver.adopt(job, handle)
-            return True
+            return
         self._release(handle)
         self._end(job, None if state == "DONE" else BackendError(f"transfer state {state}"))
-        return True
 
     def _eligible(self, job: Job) -> bool:
         limit = self._config.inline_read_bytes

@@ -139,7 +139,7 @@ class NixlBackend:
         self._driver = TransferDriver(agent, agent.name, config)
         self._driver.start()
         self._inline = InlineReads(
-            self._live_agent, self._driver, config, lambda: self._remotes.idle
+            self._live_agent, self._driver, config, lambda: self._remotes.idle, self._poller.calls
         )
         self._unsettled = 0
         self.job_observer: Callable[[Job], None] | None = None

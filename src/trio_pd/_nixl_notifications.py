@@ -7,7 +7,8 @@ a latency knob; :class:`NotificationPoller` sets it (see
 :meth:`NotificationPoller.notifications`).
 
 Trio thread only, except the worker thread, which touches NIXL, its
-arguments and two :class:`threading.Event` s.
+arguments, two :class:`threading.Event` s and the lock it holds around each
+NIXL call (:attr:`NotificationPoller.calls`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ class NotificationPoller:
         self._closing = closing
         self._run_blocking = run_blocking
         self._limiter = trio.CapacityLimiter(1)
+        self.calls = threading.Lock()
+        """Held by the notification thread around each NIXL call: ``get_new_notifs``
+        takes NIXL's writer lock, so an inline read (``_inline``), which the trio
+        thread must never make wait, runs only if it can take this at once."""
         self._trio_thread = threading.current_thread()
         self._pause = config.poll_interval
         self._expecting_until = 0.0
@@ -105,7 +110,7 @@ class NotificationPoller:
             if self._reads_expected.is_set():
                 self._reads_expected.clear()
                 expecting_until = now + READS_EXPECTED_FOR
-            with nixl_errors("get_new_notifs"):
+            with self.calls, nixl_errors("get_new_notifs"):
                 notifs: dict[str, list[bytes]] = agent.get_new_notifs()
             now = time.monotonic()
             if notifs:
