@@ -38,7 +38,8 @@ from .._serve.binding import (
 from .._serve.keys import API_KEY_ENV, BearerKeys
 from .._serve.membership import EngineSet, Membership
 from .._serve.openai import MAX_MODEL_LEN
-from .._serve.proxy import Proxy, ProxyTimeouts, open_client
+from .._serve.proxy import Proxy
+from .._serve.proxy_client import ProxyTimeouts, open_client
 from .._serve.stopping import StopRequest, stop_requests
 from .common import (
     EXIT_FAILED,

@@ -20,7 +20,7 @@ An operator can run it (see docs/serving.md):
   retried (the work may have been done) and does not mark the engine down
   (a busy engine is slow, not gone). A decode engine's 503 is not retried
   either: it abandoned the prefill's blocks when it gave up.
-* **Per-phase deadlines** (:class:`ProxyTimeouts`): connecting, the prefill,
+* **Per-phase deadlines** (:class:`~.proxy_client.ProxyTimeouts`): connecting, the prefill,
   the decode's first byte, and the gaps in the stream; each passes as a 504
   that names the phase and the engine.
 * **Request ids**: ``X-Request-Id`` is taken from the client (if printable
@@ -48,7 +48,6 @@ from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from typing import Any
 
-import attrs
 import httpx2
 import trio
 from prometheus_client import generate_latest
@@ -75,6 +74,7 @@ from .openai import (
     parse_completions_request,
     request_id_from_headers,
 )
+from .proxy_client import ProxyTimeouts
 from .routing import EngineSet
 from .timing import PhaseTimes
 
@@ -87,36 +87,6 @@ ROUTES = {
     "/v1/chat/completions": parse_chat_request,
 }
 """The generation routes the proxy disaggregates, and how each body is checked."""
-
-
-@attrs.frozen(kw_only=True)
-class ProxyTimeouts:
-    """The proxy's per-phase deadlines, in seconds.
-
-    Attributes:
-        connect: connecting to an engine (a connection refused or not made
-            in time: the next engine is tried).
-        prefill: the whole prefill request, from sending it to its answer.
-        first_byte: a decode request, from sending it until its response
-            starts (for a request that does not stream, the whole answer).
-        idle: the longest gap between two chunks of a decode stream.
-    """
-
-    connect: float = 5.0
-    prefill: float = 60.0
-    first_byte: float = 120.0
-    idle: float = 60.0
-
-
-def open_client(timeouts: ProxyTimeouts = ProxyTimeouts()) -> httpx2.AsyncClient:
-    """The proxy's HTTP client: no cap on connections (the engines' own
-    admission decides what they take). It bounds connecting and writing;
-    reads are bounded by the proxy per phase (prefill, first byte, each gap
-    in a stream), so no read timeout cuts a phase short."""
-    return httpx2.AsyncClient(
-        timeout=httpx2.Timeout(connect=timeouts.connect, read=None, write=timeouts.idle, pool=None),
-        limits=httpx2.Limits(max_connections=None, max_keepalive_connections=512),
-    )
 
 
 class Proxy:
