@@ -1237,7 +1237,8 @@ async def bench_proxy_overhead(quick: bool) -> Result:
     from hypercorn.trio import serve
 
     from trio_pd._serve.asgi import read_json, send_json
-    from trio_pd._serve.proxy import Proxy, open_client
+    from trio_pd._serve.proxy import Proxy
+    from trio_pd._serve.proxy_client import open_client
 
     async def do_nothing(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":

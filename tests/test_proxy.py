@@ -25,7 +25,8 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from trio_pd._serve.asgi import read_json, send_json
-from trio_pd._serve.proxy import Proxy, ProxyTimeouts, open_client
+from trio_pd._serve.proxy import Proxy
+from trio_pd._serve.proxy_client import ProxyTimeouts, open_client
 from trio_pd._serve.timing import PhaseTimes, parse
 
 from .test_serve import metrics
