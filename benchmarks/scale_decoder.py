@@ -117,7 +117,6 @@ async def raw_nixl(job: dict[str, Any]) -> dict[str, Any]:
     async with trio_pd.open_connector("raw", local, backend=captured) as conn:
         config = trio_pd.ConnectorConfig()
         compat = protocol.compatibility_hash(config.compatibility_key)
-        limiter = trio.CapacityLimiter(config.max_concurrent_fetches)
         fetched: list[Any] = []
         context = zmq.Context()
         try:
@@ -134,7 +133,6 @@ async def raw_nixl(job: dict[str, Any]) -> dict[str, Any]:
                     local_tp=1,
                     compat_hash=compat,
                     config=config,
-                    limiter=limiter,
                     deadline=trio.current_time() + 60,
                 )
                 notification = protocol.encode_notification(remote.request_id)

@@ -287,11 +287,13 @@ def test_consecutive_failures_double_the_delay() -> None:
 
 
 def test_loaded_makes_the_engine_ready_and_resets_failures_and_error() -> None:
-    rec = record(S.LOADING, failures=3, error=error(), metadata=METADATA, layout=LAYOUT)
+    rec = record(S.FETCHING, failures=3, error=error())
+    rec.metadata_received(METADATA, LAYOUT)
     rec.loaded()
     assert rec.state is S.READY
     assert (rec.failures, rec.error) == (0, None)
-    assert (rec.metadata, rec.layout) == (METADATA, LAYOUT)
+    # The metadata (and its agent blob) was for the load: only its incarnation is kept.
+    assert (rec.metadata, rec.layout, rec.incarnation) == (None, None, "incarnation-1")
 
 
 def test_after_success_the_next_failure_starts_backoff_afresh() -> None:

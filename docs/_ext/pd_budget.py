@@ -16,6 +16,7 @@ from pd_diagrams import DocsDrift, _label, _quote
 from pd_drawing import CodeDiagram, left_label, require
 from sphinx.application import Sphinx
 
+import trio_pd._attempts as attempts
 import trio_pd._backend as backend
 import trio_pd._consumer as consumer
 import trio_pd._driver as driver
@@ -68,8 +69,9 @@ def deadline_budget(config: ConnectorConfig | None = None) -> Budget:
     """The deadlines of a pull, with ``config`` (default ``ConnectorConfig()``).
 
     Each bound the picture draws is checked against the code that keeps it:
-    the attempt's one deadline (set when it starts, kept by the fetch around
-    its slot, by the watchdog in the queue and by the load), the limit of
+    the attempt's one deadline (set when it starts, kept by the watchdog
+    while it waits for a fetch slot or in the load queue, by the fetch and
+    by the load), the limit of
     ``HANDSHAKES_PER_PULL`` waits, a verification slot every
     ``backoff_initial``, the second round only for a pull of several parts,
     the transfer deadline from the hand-off, ``close_timeout`` to stop, and a
@@ -85,8 +87,10 @@ def deadline_budget(config: ConnectorConfig | None = None) -> Budget:
         hs._start_attempt,
         "engine.deadline = trio.current_time() + self._config.handshake_timeout",
     )
-    require(p, fetch.fetch_engine_metadata, "with trio.fail_at(deadline):", "async with limiter:")
-    require(p, hs._attempt_deadline, "with trio.move_on_at(engine.deadline):")
+    require(p, hs._start_attempt, "self._attempts.start(engine, record.attempts, engine.deadline)")
+    require(p, attempts.AttemptRunner._watch_deadlines, "trio.CancelScope(deadline=deadline)")
+    require(p, hs._deadline_passed, "if queued and", "unsent_failure(", "EngineState.LOADING")
+    require(p, fetch.fetch_engine_metadata, "with trio.fail_at(deadline):")
     require(p, hs._load, "engine.deadline", "load_remotes(")
     require(p, remotes.NixlRemotes._load_batch, "trio.move_on_at(load.request.deadline)")
     require(p, backend.load_one_by_one, "with trio.move_on_at(request.deadline):")
@@ -103,9 +107,15 @@ def deadline_budget(config: ConnectorConfig | None = None) -> Budget:
     require(
         p,
         consumer.Consumer.pull,
+        "await self._handshakes.ready_agent(",
+        "await self._ready_parts(",
+        "await first_failure_wins(transfers)",
+    )
+    require(
+        p,
+        consumer.Consumer._ready_parts,
         "await first_failure_wins(ready)",
         "await first_failure_wins([ready[i] for i in again])",
-        "await first_failure_wins(transfers)",
     )
     require(p, groups.first_failure_wins, "return [await calls[0]()]")
     require(p, nixl.NixlBackend._job, "time.monotonic() + config.transfer_timeout")
@@ -141,17 +151,20 @@ def deadline_budget_dot(config: ConnectorConfig | None = None) -> str:
     nodes_ = {
         "pull": ("await connector.pull(...)", "#ffffff"),
         "slot": (
-            f"wait for a fetch slot\n(max_concurrent_fetches = {b.max_concurrent_fetches})",
+            f"wait for a fetch slot\n(max_concurrent_fetches = {b.max_concurrent_fetches} workers,"
+            f"\nheld back while {handshakes.LOADS_AHEAD} loads are queued)\n"
+            f"{attempts.AttemptRunner._watch_deadlines.__qualname__}():\n"
+            "the watchdog fails it at the deadline",
             "#dbe9f8",
         ),
         "fetch": (
             f"{fetch.fetch_engine_metadata.__name__}(): the metadata\nround trip"
-            " (trio.fail_at(deadline)\naround the slot and the fetch)",
+            " (trio.fail_at(deadline))",
             "#dbe9f8",
         ),
         "queue": (
             "wait in the load queue (one load at a time)\n"
-            f"{hs._attempt_deadline.__qualname__}(): a watchdog\nfails it at the deadline",
+            "the same watchdog fails it at the deadline",
             "#dbe9f8",
         ),
         "load": (

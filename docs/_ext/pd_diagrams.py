@@ -309,9 +309,11 @@ def failure_path() -> list[Step]:
     by_cause, in_backoff = "handshake_failures_by_cause", "pulls_rejected_in_backoff"
     _expect("a consumer statistic", {by_cause, in_backoff} <= stats, True)
     failing = inspect.getsource(handshakes.Handshakes._handshake_failed)
+    ending = inspect.getsource(handshakes.Handshakes._end_attempt)
     _expect(
         "'the record is updated before the event is set'",
-        failing.index("record.failed(") < failing.rindex(f"{event}.set()"),
+        failing.index("record.failed(") < failing.rindex("self._end_attempt(engine)")
+        and f"{event}.set()" in ending,
         True,
     )
     steps: list[Step] = []
@@ -340,7 +342,7 @@ def failure_path() -> list[Step]:
     steps.append(
         Step(
             "fetch",
-            "fetch task",
+            "fetch worker",
             f"the fetch fails at t = {timeout:g} s (handshake_timeout)\n"
             f"cause {FailureCause.TIMEOUT.value!r} (others: {causes})",
             "#f6d0cc",
@@ -475,7 +477,11 @@ def fetch_load_dot() -> str:
     hs = handshakes.Handshakes
     defaults = {f.name: f.default for f in attrs.fields(ConnectorConfig)}
     limit, timeout = defaults["max_concurrent_fetches"], defaults["handshake_timeout"]
-    _must_say(hs.__init__, "trio.CapacityLimiter(config.max_concurrent_fetches)")
+    _must_say(
+        hs.__init__,
+        "config.max_concurrent_fetches",
+        "room=lambda: self._loads_queued < LOADS_AHEAD",
+    )
     _must_say(hs.run, "async for engine, attempt in self._loads_receive", "await self._load(")
     _must_say(hs._load, "engine.deadline", "load_remotes(")
     _must_say(hs._loaded, "FailureCause.NIXL")
@@ -502,7 +508,10 @@ def fetch_load_dot() -> str:
     object.__setattr__(shell._config, "handshake_timeout", timeout)
     late = hs._deadline_error(shell, queued)  # type: ignore[arg-type]
     engines_ = ["prefill-0", "prefill-1", "prefill-2"]
-    fetching = f"fetch tasks, in parallel: at most {limit} at once (max_concurrent_fetches)"
+    fetching = (
+        f"fetch workers, in parallel: at most {limit} at once (max_concurrent_fetches),\n"
+        f"holding back while {handshakes.LOADS_AHEAD} loads are queued (LOADS_AHEAD)"
+    )
     lines = [
         "digraph fetch_load {",
         '  graph [rankdir=TB, nodesep=0.3, ranksep=0.4, fontname="Helvetica", '

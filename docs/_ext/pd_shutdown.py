@@ -25,6 +25,7 @@ from pd_diagrams import DocsDrift, _label, _quote
 from pd_drawing import WRAP, CodeDiagram, left_label, plain, require, source_of, wrapped
 from sphinx.application import Sphinx
 
+import trio_pd._attempts as attempts
 import trio_pd._connector as connector
 import trio_pd._driver as driver
 import trio_pd._handshakes as handshakes
@@ -242,10 +243,13 @@ def begin_close_lines() -> str:
 
 
 def _fetch_tasks() -> list[str]:
-    """The tasks a handshake attempt starts in the connector's nursery (its source)."""
-    tree = ast.parse(source_of(handshakes.Handshakes._start_attempt))
+    """The tasks handshake attempts start in the connector's nursery (their source:
+    ``Handshakes._start_attempt`` hands each to ``AttemptRunner.start``)."""
+    if "self._attempts.start(" not in source_of(handshakes.Handshakes._start_attempt):
+        raise DocsDrift("shutdown timeline: a handshake attempt no longer goes to AttemptRunner")
+    tree = ast.parse(source_of(attempts.AttemptRunner.start))
     started = [
-        ast.unparse(node.args[0]).replace("self.", "Handshakes.")
+        ast.unparse(node.args[0]).replace("self.", "AttemptRunner.")
         for node in ast.walk(tree)
         if isinstance(node, ast.Call) and _callee(node) == "self._nursery.start_soon"
     ]

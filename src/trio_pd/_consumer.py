@@ -39,14 +39,14 @@ from ._records import ConsumerStatistics, PullResult, RemoteBlocks
 from ._remote_engines import ConsumerCounters, RemoteEngine
 from ._settlement import UnsettledBlocks
 from ._tokens import exposure_token, token_matches
-from ._tp import plan_pull, readers_per_remote_rank, sizes_mismatch
+from ._tp import PullPart, plan_pull, readers_per_remote_rank, sizes_mismatch
 
 
 class Consumer:
     """The decode side of a connector: pulls remote engines' blocks.
 
     Owns the pulls' bookkeeping (in flight, counters) and the
-    :class:`~trio_pd._handshakes.Handshakes`, whose fetch tasks run in
+    :class:`~trio_pd._handshakes.Handshakes`, whose fetch workers run in
     ``nursery`` (the connector's); :meth:`run_handshakes` must run there too.
 
     Args:
@@ -56,7 +56,7 @@ class Consumer:
         backend: the transfer backend.
         zmq_context: for the fetches' sockets.
         config: deadlines and limits.
-        nursery: where fetch tasks run.
+        nursery: where the fetch workers and the watchdog run.
     """
 
     def __init__(
@@ -134,26 +134,16 @@ class Consumer:
             if mismatch is not None:
                 raise IncompatibleEngineError(remote.engine_id, mismatch)
             parts = plan_pull(self._tp_rank, self._tp_size, remote.tp_size)
-            handshakes = self._handshakes
-            engines = [handshakes.engine(remote, part) for part in parts]
-            ready = [
-                functools.partial(handshakes.ready_agent, e, request_id, local_ids, remote)
-                for e in engines
-            ]
-            agents = await first_failure_wins(ready)
-            # A part made ready while another part's handshake found the engine
-            # restarted has an agent that was retired since (an engine's ranks
-            # restart together): once more, for those parts.
-            again = [i for i, e in enumerate(engines) if e.agent is not agents[i]]
-            if again:
-                renewed = await first_failure_wins([ready[i] for i in again])
-                for i, agent in zip(again, renewed, strict=True):
-                    agents[i] = agent
+            # (No comprehension or closure in this coroutine: every variable one
+            # captured would cost each pull in flight a cell, for its whole life.)
+            engines = self._engines_read(remote, parts)
+            if len(engines) == 1:  # (one remote rank, the usual case: no group to wait in)
+                engine = engines[0]
+                agents = [await self._handshakes.ready_agent(engine, request_id, local_ids, remote)]
+            else:
+                agents = await self._ready_parts(engines, request_id, local_ids, remote)
             handshake_wait = trio.current_time() - started
-            transfers = [
-                self._transfer_for(engine, agent, request_id, local_ids, remote)
-                for engine, agent in zip(engines, agents, strict=True)
-            ]
+            transfers = self._transfers_for(engines, agents, request_id, local_ids, remote)
             await first_failure_wins(transfers)
         except ParamsRejectedError:
             self._counters.pulls_rejected += 1
@@ -198,6 +188,48 @@ class Consumer:
                 f"does not match the other parameters: engine {remote.engine_id!r} did not "
                 "expose these blocks for this request (or another secret signed them)",
             )
+
+    def _engines_read(self, remote: RemoteBlocks, parts: Sequence[PullPart]) -> list[RemoteEngine]:
+        """The records of the remote ranks ``parts`` read (see ``Handshakes.engine``)."""
+        return [self._handshakes.engine(remote, part) for part in parts]
+
+    async def _ready_parts(
+        self,
+        engines: list[RemoteEngine],
+        request_id: str,
+        local_ids: BlockIds,
+        remote: RemoteBlocks,
+    ) -> list[RemoteAgent]:
+        """The agents of several remote ranks, made ready concurrently (the first
+        failure cancels the others and propagates)."""
+        ready = [
+            functools.partial(self._handshakes.ready_agent, e, request_id, local_ids, remote)
+            for e in engines
+        ]
+        agents = await first_failure_wins(ready)
+        # A part made ready while another part's handshake found the engine
+        # restarted has an agent that was retired since (an engine's ranks
+        # restart together): once more, for those parts.
+        again = [i for i, e in enumerate(engines) if e.agent is not agents[i]]
+        if again:
+            renewed = await first_failure_wins([ready[i] for i in again])
+            for i, agent in zip(again, renewed, strict=True):
+                agents[i] = agent
+        return agents
+
+    def _transfers_for(
+        self,
+        engines: list[RemoteEngine],
+        agents: list[RemoteAgent],
+        request_id: str,
+        local_ids: BlockIds,
+        remote: RemoteBlocks,
+    ) -> list[Callable[[], Awaitable[None]]]:
+        """Every part's transfer, all block ids checked now (before any part runs)."""
+        return [
+            self._transfer_for(engine, agent, request_id, local_ids, remote)
+            for engine, agent in zip(engines, agents, strict=True)
+        ]
 
     def _transfer_for(
         self,

@@ -179,8 +179,12 @@ class EngineRecord:
         port: its side-channel port.
         state: see :class:`EngineState`.
         error: the last handshake's error (kept through ``BACKOFF``).
-        metadata: the current incarnation's metadata once received.
-        layout: the layout that metadata describes.
+        metadata: the metadata an attempt received, until its agent is
+            loaded (the load needs it; then only its incarnation is kept).
+        layout: the layout that metadata describes (as long as it).
+        incarnation: the incarnation of the metadata received last (kept
+            after the load; ``None`` before the first, and after a failed
+            handshake).
         attempts: handshakes (and verifications) started for this engine.
         failures: consecutive failed handshakes (reset by success).
         retry_at: while ``BACKOFF``, when the next attempt is allowed.
@@ -220,6 +224,7 @@ class EngineRecord:
     error: HandshakeError | None = None
     metadata: EngineMetadata | None = None
     layout: KVLayout | None = None
+    incarnation: str | None = None
     attempts: int = 0
     failures: int = 0
     retry_at: float = 0.0
@@ -230,11 +235,6 @@ class EngineRecord:
     verify_interval: float = 1.0
     verify_again_at: float = -math.inf
     verify_error: HandshakeError | None = None
-
-    @property
-    def incarnation(self) -> str | None:
-        """The incarnation of the loaded metadata (``None`` before the first)."""
-        return None if self.metadata is None else self.metadata.incarnation
 
     def apply(self, event: EngineEvent) -> EngineState:
         """Move to the state :data:`TRANSITIONS` gives; raise if none."""
@@ -376,6 +376,7 @@ class EngineRecord:
             outcome = MetadataOutcome.LOAD
         self.metadata = metadata
         self.layout = layout
+        self.incarnation = metadata.incarnation
         if self.rank or metadata.tp_rank:  # (see ``rank``)
             self.epoch = ""
             return outcome
@@ -394,9 +395,13 @@ class EngineRecord:
         self.verify_error = error
 
     def loaded(self) -> None:
+        """The agent is loaded: ``READY``. The metadata and layout are dropped
+        (the loaded agent has what it needs); the incarnation is kept."""
         self.apply(EngineEvent.LOADED)
         self.failures = 0
         self.error = None
+        self.metadata = None
+        self.layout = None
 
     def failed(
         self, error: HandshakeError, now: float, backoff: Backoff, rng: random.Random
@@ -406,6 +411,7 @@ class EngineRecord:
         self.error = error
         self.metadata = None
         self.layout = None
+        self.incarnation = None
         self.failures += 1
         delay = backoff.delay(self.failures, rng)
         self.retry_at = now + delay

@@ -30,7 +30,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from . import _protocol as protocol
-from ._engines import FailureCause
+from ._engines import EngineRecord, FailureCause
 from ._errors import HandshakeError, IncompatibleEngineError, ProtocolError
 from ._groups import unwrapped_errors
 from ._tp import tp_mismatch
@@ -84,12 +84,15 @@ class ConnectionLog:
 
     max_reply_bytes: int
     waiting_for_slot: bool = False
+    """The attempt never got a fetch slot (one of the ``max_concurrent_fetches``
+    fetch workers, shared by every engine's handshakes): nothing was sent."""
+    loads_queued: int = 0
+    """With ``waiting_for_slot``: the loads queued then (the workers hold back
+    while many are)."""
     curve: bool = False
     handshakes_lost: int = 0
     """ZeroMQ handshakes that ended without detail on a plain-text socket: the
     connection closed under them (the peer exiting, say); ZeroMQ retries."""
-    """Still waiting for a fetch slot (``max_concurrent_fetches``, shared by
-    every engine's handshakes): nothing was sent yet."""
     refused: int = 0
     tcp_connected: int = 0
     connected: int = 0
@@ -137,9 +140,10 @@ class ConnectionLog:
     def diagnosis(self) -> str:
         """The likeliest cause of a missing reply, in words."""
         if self.waiting_for_slot:
+            held = f", or held back while {self.loads_queued} loads were queued"
             return (
                 "nothing was sent: every fetch slot (max_concurrent_fetches) stayed busy "
-                "with other handshakes"
+                "with other handshakes" + (held if self.loads_queued else "")
             )
         if self.fatal is not None:
             return self.fatal
@@ -255,8 +259,7 @@ def _failures(engine_id: str, where: str, log: ConnectionLog, timeout: float) ->
     try:
         yield
     except trio.TooSlowError:
-        reason = f"no reply from {where} within {timeout:g} s: {log.diagnosis()}"
-        raise FetchFailure(FailureCause.TIMEOUT, HandshakeError(engine_id, reason)) from None
+        raise _timed_out(engine_id, where, log, timeout) from None
     except FetchRefused as exc:
         error = HandshakeError(engine_id, f"{where}: {exc}")
         raise FetchFailure(FailureCause.REFUSED, error) from None
@@ -282,37 +285,31 @@ async def fetch_engine_metadata(
     local_tp: int,
     compat_hash: str,
     config: ConnectorConfig,
-    limiter: trio.CapacityLimiter,
     deadline: float,
 ) -> tuple[protocol.EngineMetadata, KVLayout]:
     """Fetch rank ``tp_rank`` of ``engine_id``'s metadata from ``host:port`` and check it.
 
-    The fetch, including the wait for a slot of ``limiter``, must end by
-    ``deadline`` (trio's clock: the handshake's start plus
-    ``config.handshake_timeout``); then the reply is decoded and checked
-    (version, compatibility hash, engine id, rank and TP size, then the
-    layout against ours, ``local_tp`` being our TP size).
+    The fetch must end by ``deadline`` (trio's clock: the handshake's start
+    plus ``config.handshake_timeout``); then the reply is decoded and
+    checked (version, compatibility hash, engine id, rank and TP size, then
+    the layout against ours, ``local_tp`` being our TP size).
 
     Raises:
         FetchFailure: with the cause and the HandshakeError (or
             IncompatibleEngineError) that names what went wrong.
     """
-    timeout = config.handshake_timeout
     log = ConnectionLog(config.max_message_bytes)
-    where = f"{host}:{port}" + (f" (rank {tp_rank} of {tp_size})" if tp_size > 1 else "")
-    with _failures(engine_id, where, log, timeout):
+    where = _where(host, port, tp_rank, tp_size)
+    with _failures(engine_id, where, log, config.handshake_timeout):
         with trio.fail_at(deadline):
-            log.waiting_for_slot = True
-            async with limiter:
-                log.waiting_for_slot = False
-                data = await fetch_reply(
-                    context,
-                    protocol.endpoint(host, port),
-                    protocol.encode_request(engine_id, consumer_engine_id),
-                    log,
-                    ipv6=":" in host,
-                    curve=curve_client(config, engine_id),
-                )
+            data = await fetch_reply(
+                context,
+                protocol.endpoint(host, port),
+                protocol.encode_request(engine_id, consumer_engine_id),
+                log,
+                ipv6=":" in host,
+                curve=curve_client(config, engine_id),
+            )
         metadata = protocol.decode_reply(
             data,
             expected_engine_id=engine_id,
@@ -333,6 +330,26 @@ async def fetch_engine_metadata(
         if mismatch is not None:
             raise IncompatibleEngineError(engine_id, mismatch)
     return metadata, layout
+
+
+def unsent_failure(
+    record: EngineRecord, tp_rank: int, tp_size: int, timeout: float, loads_queued: int
+) -> FetchFailure:
+    """The failure of ``record``'s attempt that got no fetch slot before its
+    deadline: the cause and words of a fetch that timed out, nothing sent.
+    ``loads_queued``: the loads queued now (the slots hold back while many are)."""
+    log = ConnectionLog(0, waiting_for_slot=True, loads_queued=loads_queued)
+    where = _where(record.host, record.port, tp_rank, tp_size)
+    return _timed_out(record.engine_id, where, log, timeout)
+
+
+def _timed_out(engine_id: str, where: str, log: ConnectionLog, timeout: float) -> FetchFailure:
+    reason = f"no reply from {where} within {timeout:g} s: {log.diagnosis()}"
+    return FetchFailure(FailureCause.TIMEOUT, HandshakeError(engine_id, reason))
+
+
+def _where(host: str, port: int, tp_rank: int, tp_size: int) -> str:
+    return f"{host}:{port}" + (f" (rank {tp_rank} of {tp_size})" if tp_size > 1 else "")
 
 
 def curve_client(config: ConnectorConfig, engine_id: str) -> CurveClient | None:

@@ -7,16 +7,18 @@ actions out with trio, ZeroMQ and the transfer backend. Its tasks run in the
 connector's nursery:
 
 * the *handshake task* (:meth:`Handshakes.run`): loads every remote agent
-  whose metadata arrived, one at a time, in order, each under a watchdog
-  deadline (the loads queued together go to the backend in one call);
-* *fetch tasks*, one per handshake attempt, started by the pull that starts
-  the attempt: each fetches and checks one engine rank's metadata within
-  ``handshake_timeout``, at most ``max_concurrent_fetches`` at once.
+  whose metadata arrived, one at a time, in order, each under its
+  attempt's deadline (the loads queued together go to the backend in one call);
+* *fetch workers*, at most ``max_concurrent_fetches``, and one *watchdog*
+  (``_attempts.AttemptRunner``), there while attempts are: the workers
+  fetch and check the queued attempts' metadata, in order, each within its
+  attempt's deadline, holding back while :data:`LOADS_AHEAD` loads are
+  queued; the watchdog fails an attempt still queued for a fetch or for its
+  load at its deadline, ``handshake_timeout`` after it started.
 
-Each handshake attempt has a :class:`trio.Event`; its outcome is in the
-engine's record (state, error), so every waiter reads the same answer. The
-records themselves, their keys and their bound are ``_remote_engines``'s
-(no I/O).
+Each attempt has an event (``_remote_engines.AttemptDone``); its outcome is
+in the engine's record (state, error), so every waiter reads the same
+answer. The records, their keys and their bound are ``_remote_engines``'s.
 """
 
 from __future__ import annotations
@@ -29,20 +31,15 @@ import trio
 import zmq
 
 from . import _protocol as protocol
+from ._attempts import AttemptRunner
 from ._backend import BackendClosing, BackendError, LoadRequest, RemoteAgent, TransferBackend
 from ._config import ConnectorConfig
-from ._engines import (
-    EngineEvent,
-    EngineState,
-    FailureCause,
-    MetadataOutcome,
-    PullAction,
-)
+from ._engines import EngineEvent, EngineState, FailureCause, MetadataOutcome, PullAction
 from ._errors import HandshakeError, TransferError
-from ._fetch import FetchFailure, fetch_engine_metadata
+from ._fetch import FetchFailure, fetch_engine_metadata, unsent_failure
 from ._layout import BlockIds, KVLayout
 from ._records import RemoteBlocks
-from ._remote_engines import ConsumerCounters, RemoteEngine, RemoteEngines
+from ._remote_engines import NO_ATTEMPT, AttemptDone, ConsumerCounters, RemoteEngine, RemoteEngines
 from ._tp import PullPart, part_layouts
 
 logger = logging.getLogger("trio_pd")
@@ -50,9 +47,16 @@ logger = logging.getLogger("trio_pd")
 HANDSHAKES_PER_PULL = 3
 """A pull gives up (``HandshakeError``) if its engine changed under this many handshakes."""
 
+_PENDING = (EngineState.FETCHING, EngineState.VERIFYING)  # (no metadata yet)
+
 LOADS_PER_BATCH = 32
 """The most queued loads the handshake task hands the backend in one call (NIXL:
 one worker thread runs them back to back; an unload waits for the batch)."""
+
+LOADS_AHEAD = 2 * LOADS_PER_BATCH
+"""While this many loads are queued, the fetch workers start no fetch: metadata
+fetched far ahead of the one load thread only waits in memory (a storm of a
+thousand engines held all their metadata at once). Deadlines run on."""
 
 
 class Handshakes:
@@ -60,10 +64,11 @@ class Handshakes:
 
     Owns the remote engines' records (a ``RemoteEngines`` table: one
     :class:`RemoteEngine` per engine id, address, TP size and rank), the
-    fetch limiter and the handshake queue; the backend owns the loaded
-    remote agents.
-    Fetch tasks are started in ``nursery`` (the connector's); :meth:`run`
-    must run there too.
+    attempts in flight (an ``AttemptRunner``: the fetch queue, the fetch
+    workers and the watchdog) and the load queue; the backend owns the
+    loaded remote agents.
+    The fetch workers and the watchdog run in ``nursery`` (the
+    connector's); :meth:`run` must run there too.
 
     Args:
         engine_id: this engine's id (named in metadata requests).
@@ -72,7 +77,7 @@ class Handshakes:
         backend: the transfer backend (loads and retires remote agents).
         zmq_context: for the fetches' sockets.
         config: deadlines and limits.
-        nursery: where fetch tasks run.
+        nursery: where the fetch workers and the watchdog run.
         counters: the consumer's counters, which this counts into.
     """
 
@@ -93,17 +98,22 @@ class Handshakes:
         self._backend = backend
         self._zmq = zmq_context
         self._config = config
-        self._nursery = nursery
         self._counters = counters
         self._compat_hash = protocol.compatibility_hash(config.compatibility_key)
         self._engines = RemoteEngines()
-        self._fetch_limiter = trio.CapacityLimiter(config.max_concurrent_fetches)
         self._loads_send, self._loads_receive = trio.open_memory_channel[tuple[RemoteEngine, int]](
             math.inf
         )
+        self._loads_queued = 0
+        self._attempts = AttemptRunner[RemoteEngine](
+            nursery,
+            config.max_concurrent_fetches,
+            self._fetch_metadata,
+            self._deadline_passed,
+            room=lambda: self._loads_queued < LOADS_AHEAD,
+        )
         self._rng = random.Random()
         self._closed = False
-        self._loads_queued = 0
 
     def engine(self, remote: RemoteBlocks, part: PullPart) -> RemoteEngine:
         """The record of the remote rank ``part`` reads, at the address and TP
@@ -188,9 +198,9 @@ class Handshakes:
                 raise _copy(error)
 
     def _start_attempt(self, engine: RemoteEngine) -> None:
-        """Start the record's new attempt: its fetch task (which watches its deadline too)."""
+        """Start the record's new attempt: queue it for a fetch worker, under the watchdog."""
         record = engine.record
-        engine.attempt_done = trio.Event()
+        engine.attempt_done = AttemptDone()
         engine.deadline = trio.current_time() + self._config.handshake_timeout
         self._counters.handshakes_started += 1
         verifying = record.state is EngineState.VERIFYING
@@ -202,7 +212,7 @@ class Handshakes:
             record.host,
             record.port,
         )
-        self._nursery.start_soon(self._fetch_metadata, engine, record.attempts)
+        self._attempts.start(engine, record.attempts, engine.deadline)
 
     def _current(self, engine: RemoteEngine, attempt: int, *states: EngineState) -> bool:
         """Whether ``attempt`` is still the engine's current one, in one of ``states``."""
@@ -210,11 +220,9 @@ class Handshakes:
         return not self._closed and record.attempts == attempt and record.state in states
 
     async def _fetch_metadata(self, engine: RemoteEngine, attempt: int) -> None:
-        """Fetch and check ``engine``'s metadata, then act on it: queue the load
-        (and watch the attempt's deadline), or end a verification."""
+        """(A fetch worker) fetch and check ``engine``'s metadata, then act on
+        it: queue the load, or end a verification."""
         record = engine.record
-        done = engine.attempt_done
-        pending = (EngineState.FETCHING, EngineState.VERIFYING)
         try:
             metadata, layout = await fetch_engine_metadata(
                 self._zmq,
@@ -228,16 +236,15 @@ class Handshakes:
                 local_tp=self._tp_size,
                 compat_hash=self._compat_hash,
                 config=self._config,
-                limiter=self._fetch_limiter,
                 deadline=engine.deadline,
             )
         except FetchFailure as failure:
-            if self._current(engine, attempt, *pending):
+            if self._current(engine, attempt, *_PENDING):
                 self._handshake_failed(engine, failure.cause, failure.error)
             return
         # (A reply taken from the socket just before the connector closed, or
         # after the watchdog or a lost peer ended the attempt, is dropped.)
-        if not self._current(engine, attempt, *pending):
+        if not self._current(engine, attempt, *_PENDING):
             return
         epoch = record.epoch
         outcome = record.metadata_received(metadata, layout)
@@ -249,7 +256,7 @@ class Handshakes:
                 metadata.incarnation,
                 record.sought_incarnation,
             )
-            engine.attempt_done.set()
+            self._end_attempt(engine)
             return
         if outcome is MetadataOutcome.RESTARTED:
             self._counters.restarts_detected += 1
@@ -270,7 +277,6 @@ class Handshakes:
                 return
         self._loads_queued += 1
         self._loads_send.send_nowait((engine, attempt))
-        await self._attempt_deadline(engine, attempt, done)
 
     async def _retire_other_ranks(self, engine: RemoteEngine) -> None:
         """Rank 0 of ``engine`` answered with a new incarnation: the engine restarted,
@@ -291,7 +297,7 @@ class Handshakes:
             if rank == 0 or agent is None or not other.record.on_peer_lost(agent.incarnation):
                 continue
             other.agent = None
-            other.attempt_done.set()
+            self._end_attempt(other)
             retired.append(agent)
             logger.warning(
                 "engine %s restarted: retiring the old agent of its rank %d too",
@@ -364,7 +370,7 @@ class Handshakes:
             return
         record.loaded()
         engine.agent = outcome
-        engine.attempt_done.set()
+        self._end_attempt(engine)
         self._counters.handshakes_succeeded += 1
         began = engine.deadline - self._config.handshake_timeout
         logger.info(
@@ -391,20 +397,25 @@ class Handshakes:
         reason = f"{engine.rank_label}{phase} within {timeout:g} s of the handshake's start{behind}"
         return HandshakeError(engine.record.engine_id, reason)
 
-    async def _attempt_deadline(self, engine: RemoteEngine, attempt: int, done: trio.Event) -> None:
-        """The watchdog: fail ``attempt`` at its deadline if its agent is still
-        queued for loading (the fetch task, once it queued the load).
-
-        Ends as soon as the attempt does (``done``), so a storm of handshakes
-        leaves no sleeping task per engine behind. (The fetch keeps the same
-        deadline itself, and reports why it failed; a load under way is given
-        up at it by the backend, see :meth:`_load`.)
+    def _deadline_passed(self, engine: RemoteEngine, attempt: int, queued: bool) -> None:
+        """(The watchdog) ``attempt``'s deadline passed: fail it if it is still
+        ``queued`` for a fetch worker, or queued for (or in) its load. A fetch
+        under way keeps the same deadline itself, and says why it failed; a
+        load under way is given up at it by the backend too (see :meth:`_load`).
         """
-        with trio.move_on_at(engine.deadline):
-            await done.wait()
-            return
-        if self._current(engine, attempt, EngineState.LOADING):
+        record = engine.record
+        if queued and self._current(engine, attempt, *_PENDING):
+            rank, size, loads = engine.part.remote_rank, engine.remote_tp, self._loads_queued
+            failure = unsent_failure(record, rank, size, self._config.handshake_timeout, loads)
+            self._handshake_failed(engine, failure.cause, failure.error)
+        elif self._current(engine, attempt, EngineState.LOADING):
             self._handshake_failed(engine, FailureCause.NIXL, self._deadline_error(engine))
+
+    def _end_attempt(self, engine: RemoteEngine) -> None:
+        """``engine``'s current attempt ended, either way: wake its waiters."""
+        engine.attempt_done.set()
+        engine.attempt_done = NO_ATTEMPT  # (its waiters hold the attempt's own)
+        self._attempts.ended(engine)
 
     def _handshake_failed(
         self, engine: RemoteEngine, cause: FailureCause, error: HandshakeError
@@ -413,11 +424,11 @@ class Handshakes:
         self._counters.handshake_failures[cause] += 1
         if record.state is EngineState.VERIFYING:
             record.verification_failed(error)
-            engine.attempt_done.set()
+            self._end_attempt(engine)
             logger.warning("%s (verification; the loaded agent stays in service)", error)
             return
         delay = record.failed(error, trio.current_time(), self._config.backoff, self._rng)
-        engine.attempt_done.set()
+        self._end_attempt(engine)
         logger.warning("%s (next attempt allowed in %.2f s)", error, delay)
 
     async def run(self) -> None:
@@ -435,6 +446,7 @@ class Handshakes:
                 await self._load(batch)
             finally:
                 self._loads_queued -= len(batch)
+                self._attempts.room_made()
 
     def peer_lost(self, engine: RemoteEngine, agent: RemoteAgent, request_id: str) -> bool:
         """``agent`` is gone (NIXL said so, or the backend gave it up).
@@ -446,7 +458,7 @@ class Handshakes:
         if engine.agent is not agent or not engine.record.on_peer_lost(agent.incarnation):
             return False
         engine.agent = None
-        engine.attempt_done.set()  # (a verification's waiters ask again: a handshake is due)
+        self._end_attempt(engine)  # (a verification's waiters ask again: a handshake is due)
         self._counters.peers_disconnected += 1
         logger.warning(
             "engine %s: peer lost during request %r; its agent will be removed and the "
@@ -457,13 +469,15 @@ class Handshakes:
         return True
 
     def begin_close(self) -> None:
-        """Wake every waiter (they raise ClosedResourceError); stop the handshake task."""
+        """Wake every waiter (they raise ClosedResourceError); stop the handshake
+        task, the fetch workers and the watchdog."""
         if self._closed:
             return
         self._closed = True
         for engine in self._engines.values():
             engine.record.apply(EngineEvent.CONNECTOR_CLOSED)
             engine.attempt_done.set()
+        self._attempts.close()
         self._loads_send.close()
 
     def _check_open(self) -> None:

@@ -209,6 +209,10 @@ def _region_offsets(num_regions: int, num_blocks: int) -> npt.NDArray[np.int32]:
     return offsets
 
 
+_NO_BLOCKS: BlockIds = np.empty(0, dtype=np.int64)
+_NO_BLOCKS.flags.writeable = False
+
+
 def as_block_ids(values: Sequence[int] | npt.ArrayLike, num_blocks: int, what: str) -> BlockIds:
     """Validate block ids and return them as an int64 array.
 
@@ -221,7 +225,7 @@ def as_block_ids(values: Sequence[int] | npt.ArrayLike, num_blocks: int, what: s
         return np.array(values, dtype=np.int64)
     arr: npt.NDArray[Any] = np.asarray(values)
     if arr.size == 0:
-        return np.empty(0, dtype=np.int64)
+        return _NO_BLOCKS  # (one read-only array for every notify-only pull)
     if arr.ndim != 1:
         raise ValueError(f"{what}: expected a flat sequence of ints, got shape {arr.shape}")
     if arr.dtype.kind not in "iu":

@@ -9,7 +9,8 @@ inside it as well::
     |-- listener             producer: ROUTER socket, answers metadata requests
     |-- notification task    producer: counts notifications, expires exposures
     |-- handshake task       consumer: loads remote agents, one at a time
-    |-- fetch tasks          consumer: one per handshake attempt
+    |-- fetch workers        consumer: at most max_concurrent_fetches, while attempts wait
+    |-- watchdog             consumer: fails handshake attempts at their deadlines
     |-- heartbeat task       consumer: renews the leases of held requests
     `-- the async with body  your code: pull / hold / expose / wait_released
 
