@@ -42,7 +42,8 @@ class AttemptQueue(Generic[E]):
     """
 
     def __init__(self) -> None:
-        self._queued: deque[tuple[float, E, int]] = deque()
+        # One (deadline, order, engine, attempt) tuple per attempt, in both.
+        self._queued: deque[tuple[float, int, E, int]] = deque()
         self._taken: dict[E, int] = {}
         self._live: dict[E, int] = {}
         self._deadlines: list[tuple[float, int, E, int]] = []  # a heap
@@ -61,8 +62,9 @@ class AttemptQueue(Generic[E]):
         """``engine``'s attempt ``attempt`` started: queue it for a fetch worker,
         and watch ``deadline``."""
         self._live[engine] = attempt
-        self._queued.append((deadline, engine, attempt))
-        heapq.heappush(self._deadlines, (deadline, next(self._order), engine, attempt))
+        entry = (deadline, next(self._order), engine, attempt)
+        self._queued.append(entry)
+        heapq.heappush(self._deadlines, entry)
 
     def is_live(self, engine: E, attempt: int) -> bool:
         return self._live.get(engine) == attempt
@@ -72,7 +74,7 @@ class AttemptQueue(Generic[E]):
         *taken*), or ``None``. One whose deadline is ``now`` or earlier stays
         queued, for :meth:`expired`."""
         while self._queued:
-            deadline, engine, attempt = self._queued.popleft()
+            deadline, _, engine, attempt = self._queued.popleft()
             if self.is_live(engine, attempt) and deadline > now:
                 self._taken[engine] = attempt
                 return engine, attempt

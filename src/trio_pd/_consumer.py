@@ -111,13 +111,12 @@ class Consumer:
         """
         self._check_open()
         started = trio.current_time()
-        what = f"request {request_id!r}"
         local_ids = as_block_ids(
-            local_block_ids, self._layout.num_blocks, f"local block ids of {what}"
+            local_block_ids, self._layout.num_blocks, f"local block ids of request {request_id!r}"
         )
         if local_ids.size and local_ids.size != len(remote.block_ids):
             raise ValueError(
-                f"{what}: {local_ids.size} local block ids for "
+                f"request {request_id!r}: {local_ids.size} local block ids for "
                 f"{len(remote.block_ids)} remote block ids"
             )
         try:
