@@ -4,8 +4,8 @@ Every rule is in :data:`TRANSITIONS`; the docs draw the state diagram from
 that table, so picture and code cannot drift. Everything that decides
 what a pull does -- start a handshake, wait, fail fast, detect a restart,
 refuse blocks of a gone incarnation -- is a method of :class:`EngineRecord`
-that returns an action; the trio shell in ``_consumer.py`` only carries the
-actions out, pairing each record with a :class:`trio.Event` per handshake
+that returns an action; the trio shell (``_handshakes.py``) only carries the
+actions out, pairing each record with an event (``AttemptDone``) per handshake
 attempt. This module knows nothing of trio and takes the time as an argument.
 """
 
