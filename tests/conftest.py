@@ -6,11 +6,13 @@ loopback and real prefill processes; nothing here fakes them.
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -66,6 +68,30 @@ FAST = trio_pd.ConnectorConfig(handshake_timeout=2.0, transfer_timeout=10.0, clo
 @pytest.fixture
 def fast_config() -> trio_pd.ConnectorConfig:
     return FAST
+
+
+TEST_HOSTS_LOCK = Path(tempfile.gettempdir()) / f"trio-pd-test-hosts-{os.getuid()}.lock"
+"""Held by each ``test_hosts`` test while it runs: test hosts have fixed
+addresses (``198.18.i.0/24``) and a machine-wide ``unreachable`` route, so two
+sets at once (on two pytest-xdist workers, or in two runs) would collide."""
+
+
+@pytest.fixture(autouse=True)
+def _one_test_hosts_test_at_a_time(request: pytest.FixtureRequest) -> Iterator[None]:
+    """For a test marked ``test_hosts``: an exclusive ``flock`` on
+    :data:`TEST_HOSTS_LOCK` for the whole test, so that test-host tests on
+    other workers (or in another run on this machine) wait for it.
+
+    A sync fixture: it blocks, if it must, before the test's trio loop starts.
+    The lock goes with the file descriptor, closed on every exit path (and by
+    the kernel if the worker dies). Other tests pass straight through.
+    """
+    if request.node.get_closest_marker("test_hosts") is None:
+        yield
+        return
+    with TEST_HOSTS_LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file is closed)
+        yield
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
