@@ -76,7 +76,6 @@ import itertools
 import math
 import os
 import random
-import socket
 import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -183,11 +182,9 @@ async def wait_until(condition: Callable[[], object]) -> None:
 
 
 def unused_port() -> int:
-    """A loopback port nobody listens on (bound, then released)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port
+    """A loopback port nobody listens on: below the ephemeral range, so that no
+    listener on port 0 (the other test worker has many) is given it."""
+    return free_port_range(1)
 
 
 # ---- the bridge: one trio run in a thread per test case --------------------------
@@ -691,7 +688,7 @@ class ChaosMachine(RuleBasedStateMachine):
             await self._open_consumer(n)
         probe = kv_cache(1)
         async with trio_pd.open_connector(
-            "probe", probe, config=self.config, backend=self.fabric.backend
+            "probe", probe, port=unused_port(), config=self.config, backend=self.fabric.backend
         ) as conn:
             self.closed_port = conn.address[1]  # nobody listens there afterwards
         for n in range(CONSUMERS):

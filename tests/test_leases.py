@@ -12,7 +12,6 @@ must answer within the interval, missed it under that load.)
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
@@ -67,10 +66,9 @@ async def wait_timed(conn: trio_pd.Connector, request_id: str) -> tuple[trio_pd.
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
+    """A loopback port nobody listens on: below the ephemeral range, so that no
+    listener on port 0 (the other test worker has many) is given it."""
+    return free_port_range(1)
 
 
 async def test_an_exposure_nobody_holds_expires_after_the_initial_lease(

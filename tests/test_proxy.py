@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -28,6 +27,7 @@ from hypercorn.trio import serve
 from trio_pd._serve.asgi import read_json, send_json
 from trio_pd._serve.proxy import Proxy, ProxyTimeouts, open_client
 from trio_pd._serve.timing import PhaseTimes, parse
+from trio_pd.testing import free_port_range
 
 from .test_serve import metrics
 
@@ -89,10 +89,10 @@ async def start_http(nursery: trio.Nursery, app: Any) -> str:
 
 
 def closed_port_url() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    return f"http://127.0.0.1:{port}"  # (nothing listens: connection refused)
+    """A URL where nothing listens (connection refused): its port is below the
+    ephemeral range, so that no listener on port 0 (the other test worker has
+    many) is given it."""
+    return f"http://127.0.0.1:{free_port_range(1)}"
 
 
 @asynccontextmanager
