@@ -110,9 +110,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     ``TRIO_PD_EXERCISE_HOSTS=1`` runs them (docs/exercises.md says so). They
     are deselected rather than skipped: a skip fails the run (below). The
     test-host tests run alone (:data:`TEST_HOSTS_LOCK`): first, both
-    pytest-xdist workers take turns at them (``--dist load`` deals the first
-    tests out one by one), instead of one worker waiting, test by test, for
-    whatever the other is running.
+    pytest-xdist workers take turns at them (``nox -s tests`` has tests dealt
+    out one by one, ``--maxschedchunk 1``), instead of one worker waiting,
+    test by test, for whatever the other is running.
     """
     if os.environ.get("TRIO_PD_EXERCISE_HOSTS") != "1":
         kept = [item for item in items if item.get_closest_marker("exercise_hosts") is None]
