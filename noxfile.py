@@ -29,6 +29,11 @@ nox.options.sessions = ["tests", "lint", "typecheck"]
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"
+# pytest-xdist's scheduling for the tests session: tests dealt out one by one,
+# in order ("load" sends chunks of a quarter of a worker's share otherwise), so
+# both workers start on the test-host tests, which run alone and come first
+# (tests/conftest.py), and neither is left with a long tail of its own
+WORKERS = ["-n", "2", "--dist", "load", "--maxschedchunk", "1"]
 # startable functions (task_status=...), for flake8-async's ASYNC113/114
 STARTABLE = ",".join(
     [
@@ -74,11 +79,15 @@ def install_debian_tools(session: nox.Session, *, graphviz: bool, etcd: bool) ->
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The test suite: real NIXL agents, real ZeroMQ sockets, real processes, real etcd."""
+    """The test suite: real NIXL agents, real ZeroMQ sockets, real processes, real etcd.
+
+    On 2 pytest-xdist workers (``-- -n 0`` for one process); the tests marked
+    ``test_hosts`` take turns through a lock (``tests/conftest.py``).
+    """
     # tests/test_docs.py builds the docs; tests/test_membership.py runs etcd
     install_debian_tools(session, graphviz=True, etcd=True)
     install_project(session, "test")
-    session.run("pytest", *session.posargs, env={"NIXL_LOG_LEVEL": "WARN"})
+    session.run("pytest", *WORKERS, *session.posargs, env={"NIXL_LOG_LEVEL": "WARN"})
 
 
 @nox.session

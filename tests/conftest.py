@@ -6,11 +6,13 @@ loopback and real prefill processes; nothing here fakes them.
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -68,18 +70,56 @@ def fast_config() -> trio_pd.ConnectorConfig:
     return FAST
 
 
+TEST_HOSTS_LOCK = Path(tempfile.gettempdir()) / f"trio-pd-test-hosts-{os.getuid()}.lock"
+"""Every test holds it while it runs: shared, or exclusive if marked ``test_hosts``.
+
+Test hosts have fixed addresses (``198.18.i.0/24``) and a machine-wide route,
+so two sets at once collide; and while their veth links come and go, UCX in
+any other test of the root namespace can pick up a link that is about to
+vanish (seen: creating a NIXL agent failed with "failed to get interface
+index for tpd...r0"). So a test-host test runs alone, on this machine: not
+beside another pytest-xdist worker's test, nor another run's."""
+
+_TURNSTILE = TEST_HOSTS_LOCK.with_name(TEST_HOSTS_LOCK.name + ".turn")
+"""Taken on the way in by everyone, and held while waiting by a test-host test,
+so that a stream of shared holders cannot keep it waiting for ever."""
+
+
+@pytest.fixture(autouse=True)
+def _test_hosts_run_alone(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The test's hold on :data:`TEST_HOSTS_LOCK` (``flock``): exclusive for a
+    test marked ``test_hosts``, shared for the others, from before its other
+    fixtures to after their teardown.
+
+    A sync fixture: it blocks, if it must, before the test's trio loop starts.
+    Each lock goes with its file descriptor, closed on every exit path (and by
+    the kernel if the worker dies).
+    """
+    alone = request.node.get_closest_marker("test_hosts") is not None
+    with TEST_HOSTS_LOCK.open("a") as lock:
+        with _TURNSTILE.open("a") as turnstile:
+            fcntl.flock(turnstile, fcntl.LOCK_EX)
+            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        yield
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Deselect the exercises that need root and test hosts, unless asked for.
+    """Deselect the exercises that need root and test hosts, unless asked for;
+    then put the tests marked ``test_hosts`` first (otherwise in order).
 
     ``TRIO_PD_EXERCISE_HOSTS=1`` runs them (docs/exercises.md says so). They
-    are deselected rather than skipped: a skip fails the run (below).
+    are deselected rather than skipped: a skip fails the run (below). The
+    test-host tests run alone (:data:`TEST_HOSTS_LOCK`): first, both
+    pytest-xdist workers take turns at them (``nox -s tests`` has tests dealt
+    out one by one, ``--maxschedchunk 1``), instead of one worker waiting,
+    test by test, for whatever the other is running.
     """
-    if os.environ.get("TRIO_PD_EXERCISE_HOSTS") == "1":
-        return
-    kept = [item for item in items if item.get_closest_marker("exercise_hosts") is None]
-    if len(kept) < len(items):
-        config.hook.pytest_deselected(items=[i for i in items if i not in kept])
-        items[:] = kept
+    if os.environ.get("TRIO_PD_EXERCISE_HOSTS") != "1":
+        kept = [item for item in items if item.get_closest_marker("exercise_hosts") is None]
+        if len(kept) < len(items):
+            config.hook.pytest_deselected(items=[i for i in items if i not in kept])
+            items[:] = kept
+    items.sort(key=lambda item: item.get_closest_marker("test_hosts") is None)  # (stable)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -11,8 +11,8 @@ are tested through the proxy in ``tests/test_serve.py``.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
-import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -28,6 +28,7 @@ from trio_pd._serve.asgi import read_json, send_json
 from trio_pd._serve.proxy import Proxy
 from trio_pd._serve.proxy_client import ProxyTimeouts, open_client
 from trio_pd._serve.timing import PhaseTimes, parse
+from trio_pd.testing import free_port_range
 
 from .test_serve import metrics
 
@@ -39,6 +40,7 @@ class Scripted:
     """An engine whose answers the test sets; it records what it saw."""
 
     delay: float = 0.0
+    gate: trio.Event | None = None  # (if set: each answer waits for it, not delay)
     status: int = 200
     seen: list[dict[str, Any]] = attrs.field(factory=list)
     request_ids: list[str] = attrs.field(factory=list)
@@ -63,7 +65,10 @@ class Scripted:
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
-            await trio.sleep(self.delay)
+            if self.gate is not None:
+                await self.gate.wait()
+            else:
+                await trio.sleep(self.delay)
         finally:
             self.in_flight -= 1
         timing = [(b"server-timing", self.server_timing.encode())] if self.server_timing else []
@@ -85,10 +90,10 @@ async def start_http(nursery: trio.Nursery, app: Any) -> str:
 
 
 def closed_port_url() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    return f"http://127.0.0.1:{port}"  # (nothing listens: connection refused)
+    """A URL where nothing listens (connection refused): its port is below the
+    ephemeral range, so that no listener on port 0 (the other test worker has
+    many) is given it."""
+    return f"http://127.0.0.1:{free_port_range(1)}"
 
 
 @asynccontextmanager
@@ -134,17 +139,33 @@ async def test_requests_go_to_the_engine_with_fewest_in_flight() -> None:
                 proxy,
             ),
         ):
-            slow.delay = 0.5
+            slow.gate = trio.Event()  # (the slow engine answers when the test says so)
+            url = f"{proxy}/v1/completions"
             async with httpx2.AsyncClient(timeout=10) as client, trio.open_nursery() as nursery:
-                for _ in range(20):
-                    nursery.start_soon(
-                        functools.partial(client.post, f"{proxy}/v1/completions", json=BODY)
-                    )
-                    await trio.sleep(0.02)
-            # The slow engine keeps its requests longer: the fast one gets most.
-            assert len(slow.seen) + len(fast.seen) == 20
-            assert len(fast.seen) >= 15, (len(slow.seen), len(fast.seen))
-            assert len(prefill.seen) == 20
+
+                async def proxy_in_flight() -> float:
+                    page = metrics((await client.get(f"{proxy}/metrics")).text)
+                    return page["trio_pd_proxy_requests_in_flight"]
+
+                # Requests one at a time until the slow engine holds one (equal
+                # engines take turns: the first or the second goes there) ...
+                for sent in itertools.count(1):
+                    nursery.start_soon(functools.partial(client.post, url, json=BODY))
+                    await until(lambda sent=sent: len(slow.seen) + len(fast.seen) == sent)
+                    if slow.seen:
+                        break
+                    while await proxy_in_flight():  # noqa: ASYNC110 -- another task's count
+                        await trio.sleep(0.01)
+                # ... then, while it keeps it, every request goes to the fast one.
+                for _ in range(15):
+                    while await proxy_in_flight() > 1:  # noqa: ASYNC110 -- (the last answer
+                        await trio.sleep(0.01)  # reaches us before the proxy stops counting it)
+                    response = await client.post(url, json=BODY)
+                    assert response.status_code == 200
+                assert (len(slow.seen), slow.in_flight) == (1, 1)
+                slow.gate.set()
+            assert len(fast.seen) >= 15
+            assert len(prefill.seen) == len(slow.seen) + len(fast.seen)
 
 
 async def test_a_request_id_is_passed_on_returned_and_minted_when_missing() -> None:

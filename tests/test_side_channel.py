@@ -12,6 +12,7 @@ import zmq
 import trio_pd
 from trio_pd import _protocol as protocol
 from trio_pd._zmq import TrioZmqSocket
+from trio_pd.testing import free_port_range
 
 from .conftest import FAST, kv_cache
 
@@ -200,10 +201,9 @@ async def test_broken_peers_fail_the_handshake_clearly_within_the_deadline(
 
 
 async def test_a_closed_port_is_named_as_refused() -> None:
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    port = listeners[0].socket.getsockname()[1]
-    for listener in listeners:
-        await listener.aclose()
+    # (below the ephemeral range: no listener on port 0, of the other test
+    # worker say, is given it meanwhile)
+    port = free_port_range(1)
     config = trio_pd.ConnectorConfig(handshake_timeout=0.5)
     with trio.fail_after(10):
         async with trio_pd.open_connector("d", kv_cache(blocks=4), config=config) as consumer:

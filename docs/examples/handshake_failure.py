@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
@@ -20,14 +19,14 @@ import torch
 import trio
 
 import trio_pd
+from trio_pd.testing import free_port_range
 
 
 def closed_port() -> int:
-    """A local TCP port with nothing listening on it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
+    """A local TCP port with nothing listening on it: drawn below the kernel's
+    ephemeral range (not one that a socket bound to port 0, here or in any
+    other process, could be given next)."""
+    return free_port_range(1)
 
 
 async def main() -> None:
