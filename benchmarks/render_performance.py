@@ -418,14 +418,12 @@ def render(results: dict[str, Any]) -> str:
             out += [
                 f"A sequential pull cost the trio thread {q['trio_thread_cpu_us_per_pull']} us "
                 "of CPU (its thread CPU clock, which the machine's other load does not "
-                "inflate). Profiled on that clock (cProfile, 2000 pulls, measured outside "
-                "this benchmark): about a third is trio's scheduler -- a pull is two "
-                "hand-offs, to the transfer driver's thread and back through the trio "
-                "token, and the task's wake-up -- about 30% trio_pd's own Python (block "
-                "ids checked, the TP plan, the job, the lease), 7% numpy; the rest is "
-                "Python's and trio's small change. The other thread hand-off, the "
-                "driver's wake-up from its queue, and the producer's progress make up "
-                "the difference to raw NIXL's loop, which spins on one thread.",
+                "inflate): with inline reads that includes the READ itself (posting it and "
+                "checking it until done: the same NIXL calls as raw NIXL's loop), so what "
+                "separates trio_pd from raw NIXL is its Python around the READ -- the "
+                "block-id checks, the TP plan, the lease, the job, one schedule point -- "
+                "about 50-60 us per pull measured with timestamps on a quiet machine, "
+                "spread over a dozen steps of 1-10 us each.",
                 "",
             ]
         checks.append(
@@ -872,10 +870,9 @@ FINDINGS = """## What we found
   READ with one notification naming each: 1000 tiny pulls in flight became
   a handful of READs, and trio_pd's own Python (about 45 us per pull on the
   trio thread: block-id checks, the pull's phases, the hand-off) is now
-  what bounds their rate. A sequential tiny pull still pays two thread
-  hand-offs (to the driver and back, through the trio token) and that
-  Python on top of the READ, which is why sequential pulls stay below raw
-  NIXL on the calling thread (which blocks its caller for the whole READ).
+  what bounds their rate. A sequential tiny pull is an inline read (no
+  hand-off); its Python around the READ is what keeps it below raw NIXL
+  on the calling thread (which blocks its caller for the whole READ).
 * **The garbage collector.** A full collection with torch loaded takes
   20-80 ms on the trio thread and stalls the driver's wake-ups too (it
   showed up as a bimodal in-flight rate: 15k or 6k pulls/s), so the demo
@@ -905,16 +902,22 @@ FINDINGS = """## What we found
   under the same loads (benchmark 1's anchor) has a tail of its own: during
   the storm trio_pd's p99 was x1.14 of raw NIXL's, while its p50 was several
   times raw's -- the fixed cost of a pull, next.
-* **A lone small pull's fixed cost.** Spaced 5 ms apart on a quiet machine
-  (measured outside this benchmark, medians of 200): 0.64-0.83 ms through
-  trio_pd against 0.24 ms raw. The READ itself (posted to done) took
-  0.21-0.26 ms, as raw; the rest was 0.20-0.27 ms from the call to the
-  hand-off to the driver (wall time: the trio thread's CPU for a whole pull
-  is about 130 us, benchmark 5), 0.07 ms for the driver thread to wake, 0.11
-  ms for the task to wake, 0.05 ms after. Spinning the driver longer
-  (a 1 or 5 ms spin instead of 0.1) and a shorter GIL switch interval changed none of
-  it. Where the first 0.2 ms goes between the trio thread's CPU and the
-  wall clock is not found yet.
+* **A lone small pull's fixed cost, and inline reads.** Spaced 5 ms apart
+  (measured outside this benchmark, medians of 200), a pull through the
+  driver took 0.64-0.83 ms against 0.24 ms raw: the READ itself as raw, plus
+  0.07 ms for the driver thread to wake, 0.11 ms for the task to wake, and
+  0.2 ms of Python before the hand-off. That Python took 70 us when pulls
+  ran back to back and 260 us after a 5 ms pause (timestamps around each
+  step): a CPU coming back from idle runs the same code 3-4 times slower
+  (caches, and the idle vCPU), and raw NIXL's loop has far less code to
+  bring back. The hand-offs are now gone when nothing else runs: the trio
+  thread posts such a READ itself and checks it until done (*inline reads*,
+  see [internals](internals.md#inline-reads-when-the-trio-thread-posts-a-read-itself)),
+  which benchmark 5 measures side by side with inline reads off. A READ
+  with its notification waits for the producer's progress (its
+  notification thread checks every 100 us): without a notification a tiny
+  READ is done when `transfer()` returns (30 us), with one it takes
+  110-170 us, raw or not.
 * **Sleeps that end on time.** The transfer driver and the producer's
   notification thread sleep `poll_interval` (100 us) between checks; with
   Linux's default 50 us timer slack each sleep took about 170 us. Both
@@ -931,8 +934,9 @@ FINDINGS = """## What we found
   carry `Content-Length` (hypercorn chunked them: one write more, and one
   read more for the proxy). What P/D adds is benchmark 11's breakdown: two
   HTTP exchanges more, the prefill engine's request handling, expose and
-  hold (about 0.2 ms each) and the pull (1-2.5 ms, two thread hand-offs
-  around the READ). The proxy's two exchanges alone cost benchmark 12's
+  hold (about 0.2 ms each) and the pull (the READ; an inline read when the
+  decode engine has nothing else to run, else two thread hand-offs around
+  it). The proxy's two exchanges alone cost benchmark 12's
   2.2-2.9 ms in one process, more than the goal's 2 ms; across processes on
   these 2 shared cores each hop also waits for a core, which is most of the
   prefill and decode rows. The prefill engine's notification thread polls
