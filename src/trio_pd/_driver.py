@@ -69,7 +69,7 @@ import trio
 from ._backend import BackendError
 from ._config import ConnectorConfig
 from ._jobs import Job, Outcome, wake
-from ._nixl_errors import backend_error, describe
+from ._nixl_errors import backend_error, describe, release_or_keep
 from ._posting import plan_turn
 from ._protocol import join_notifications
 from ._timer_slack import fine_timer_slack
@@ -473,13 +473,7 @@ class TransferDriver:
         self._stuck.clear()
 
     def _release(self, handle: Any) -> None:
-        try:
-            handle.release()
-        except Exception as exc:
-            logger.error(
-                "transfer handle could not be released (%s); kept until close", describe(exc)
-            )
-            self._stuck.append(handle)
+        release_or_keep(handle, self._stuck)
 
     def _deliver(self) -> None:
         """Wake the tasks of the jobs that finished or settled since the last call."""

@@ -52,7 +52,6 @@ copy plus ``inline_read_spin``.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -64,9 +63,7 @@ from ._backend import BackendError
 from ._config import ConnectorConfig
 from ._driver import TransferDriver
 from ._jobs import Job, Outcome
-from ._nixl_errors import backend_error, describe
-
-logger = logging.getLogger("trio_pd.nixl")
+from ._nixl_errors import backend_error, release_or_keep
 
 
 class InlineReads:
@@ -171,13 +168,7 @@ class InlineReads:
         job.settled.set()
 
     def _release(self, handle: Any) -> None:
-        try:
-            handle.release()
-        except Exception as exc:
-            logger.error(
-                "transfer handle could not be released (%s); kept until close", describe(exc)
-            )
-            self.stuck.append(handle)
+        release_or_keep(handle, self.stuck)
 
     def take_stuck(self) -> list[Any]:
         """The handles to release at close (after the driver stopped)."""

@@ -12,6 +12,7 @@ written the job's outcome.
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +21,8 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
-from ._backend import BackendError
+from ._backend import BackendClosing, BackendError, RemoteAgent, TransferTimeout
+from ._config import ConnectorConfig
 
 
 class Outcome(enum.Enum):
@@ -100,3 +102,47 @@ def wake(finished: list[Job], settled: list[Job]) -> None:
         job.settled.set()
         if job.on_settled is not None:
             job.on_settled()
+
+
+def job_for(
+    remote: RemoteAgent,
+    local_indices: npt.NDArray[np.int32],
+    remote_indices: npt.NDArray[np.int32],
+    notification: bytes,
+    config: ConnectorConfig,
+) -> Job:
+    """The job that reads ``remote_indices`` of ``remote`` into ``local_indices``
+    (none: a notification alone), chunked by the config's transfer limits, due
+    ``transfer_timeout`` from now."""
+    descriptor_bytes = max(remote.local_layout.block_lens)
+    chunk = max(
+        1,
+        min(
+            config.max_descriptors_per_transfer,
+            config.max_bytes_per_transfer // descriptor_bytes,
+        ),
+    )
+    return Job(
+        remote.local_handle,
+        remote.handle,
+        local_indices,
+        remote_indices,
+        remote.agent_name,
+        notification,
+        time.monotonic() + config.transfer_timeout,
+        chunk,
+        descriptor_bytes,
+    )
+
+
+def raise_for(job: Job) -> None:
+    """Raise what a finished job's outcome means for its caller (nothing if DONE)."""
+    if job.outcome is Outcome.DONE:
+        return
+    if job.outcome is Outcome.FAILED and job.error is not None:
+        raise job.error
+    if job.outcome is Outcome.TIMED_OUT:
+        raise TransferTimeout
+    if job.outcome is Outcome.CLOSING:
+        raise BackendClosing
+    raise BackendError(f"transfer ended {job.outcome}")  # (CANCELLED: cancel re-raised)

@@ -63,7 +63,7 @@ from ._backend import (
 from ._config import ConnectorConfig
 from ._driver import TransferDriver
 from ._inline import InlineReads
-from ._jobs import Job, Outcome
+from ._jobs import Job, job_for, raise_for
 from ._layout import KVLayout
 from ._nixl_agent import create_agent, release_agent
 from ._nixl_notifications import NotificationPoller
@@ -363,7 +363,7 @@ class NixlBackend:
                 peer_lost=True,
                 settled=job.settled,
             )
-        self._raise_for(job)
+        raise_for(job)
 
     async def notify(self, remote: RemoteAgent, message: bytes) -> None:
         """Post a notification without a transfer (a notify-only pull), via the driver.
@@ -379,7 +379,7 @@ class NixlBackend:
         empty = np.empty(0, dtype=np.int32)
         job = self._job(remote, empty, empty, message)
         await self._run_job(job)
-        self._raise_for(job)
+        raise_for(job)
 
     def _job(
         self,
@@ -389,26 +389,7 @@ class NixlBackend:
         notification: bytes,
     ) -> Job:
         self._live_agent()
-        config = self._config
-        descriptor_bytes = max(remote.local_layout.block_lens)
-        chunk = max(
-            1,
-            min(
-                config.max_descriptors_per_transfer,
-                config.max_bytes_per_transfer // descriptor_bytes,
-            ),
-        )
-        return Job(
-            remote.local_handle,
-            remote.handle,
-            local_indices,
-            remote_indices,
-            remote.agent_name,
-            notification,
-            time.monotonic() + config.transfer_timeout,
-            chunk,
-            descriptor_bytes,
-        )
+        return job_for(remote, local_indices, remote_indices, notification, self._config)
 
     async def _run_job(self, job: Job) -> None:
         """Run ``job`` inline (see ``_inline``) or submit it, and wait until it
@@ -440,18 +421,6 @@ class NixlBackend:
         job.woken_at = time.monotonic()
         if self.job_observer is not None:
             self.job_observer(job)
-
-    @staticmethod
-    def _raise_for(job: Job) -> None:
-        if job.outcome is Outcome.DONE:
-            return
-        if job.outcome is Outcome.FAILED and job.error is not None:
-            raise job.error
-        if job.outcome is Outcome.TIMED_OUT:
-            raise TransferTimeout
-        if job.outcome is Outcome.CLOSING:
-            raise BackendClosing
-        raise BackendError(f"transfer ended {job.outcome}")  # (CANCELLED: cancel re-raised)
 
     def _hold_until_settled(self, remote: RemoteAgent, job: Job, unsettled: UnsettledHook) -> None:
         """Keep ``remote`` loaded, and the caller told, until ``job``'s last transfer ended.

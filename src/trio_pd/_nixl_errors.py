@@ -7,7 +7,9 @@ transfer driver (reads and notifications).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
+from typing import Any
 
 import trio
 
@@ -48,3 +50,15 @@ def nixl_errors(call: str) -> Iterator[None]:
         raise
     except Exception as exc:
         raise backend_error(call, exc) from exc
+
+
+def release_or_keep(handle: Any, kept: list[Any]) -> None:
+    """Release a transfer handle; one NIXL refuses to release goes to ``kept``
+    (released at close), with an error logged."""
+    try:
+        handle.release()
+    except Exception as exc:
+        logging.getLogger("trio_pd.nixl").error(
+            "transfer handle could not be released (%s); kept until close", describe(exc)
+        )
+        kept.append(handle)
