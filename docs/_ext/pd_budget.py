@@ -24,7 +24,7 @@ import trio_pd._engines as engines
 import trio_pd._fetch as fetch
 import trio_pd._groups as groups
 import trio_pd._handshakes as handshakes
-import trio_pd._nixl as nixl
+import trio_pd._jobs as jobs
 import trio_pd._nixl_remotes as remotes
 from trio_pd._config import ConnectorConfig
 
@@ -118,7 +118,7 @@ def deadline_budget(config: ConnectorConfig | None = None) -> Budget:
         "await first_failure_wins([ready[i] for i in again])",
     )
     require(p, groups.first_failure_wins, "return [await calls[0]()]")
-    require(p, nixl.NixlBackend._job, "time.monotonic() + config.transfer_timeout")
+    require(p, jobs.job_for, "time.monotonic() + config.transfer_timeout")
     require(p, driver.TransferDriver._check_stop, "now + self._config.close_timeout")
     require(p, backend.RemoteAgents.lease, "trio.move_on_after(self._unload_timeout, shield=True)")
     require(p, remotes.NixlRemotes.__init__, "RemoteAgents(self._unload, config.close_timeout)")
