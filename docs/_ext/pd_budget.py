@@ -265,7 +265,7 @@ def deadline_budget_dot(config: ConnectorConfig | None = None) -> str:
 class DeadlineBudget(CodeDiagram):
     """:func:`deadline_budget_dot`, rendered by sphinx.ext.graphviz."""
 
-    modules = (handshakes, fetch, consumer, nixl, driver, backend, engines, groups)
+    modules = (handshakes, fetch, consumer, jobs, driver, backend, engines, groups)
     alt = "how the deadlines of one pull add up"
 
     def dot(self) -> str:
