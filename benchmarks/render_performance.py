@@ -823,10 +823,9 @@ def _scale_section(sc: dict[str, Any], checks: list[list[str]]) -> list[str]:
         "malloc arenas; the anchor uses one), and 1 MiB once, which UCX allocates "
         "when the decoder's worker is first progressed with a thousand endpoints "
         "(the notification poll). A handshake attempt waits as an entry in a "
-        "queue, not as a task: `max_concurrent_fetches` fetch workers serve it, "
-        "and they hold back while 64 loads are queued, so that no more engines' "
-        "metadata waits for the one load thread; a record keeps only the "
-        "incarnation once its agent is loaded.",
+        "queue, not as a task: `max_concurrent_fetches` fetch workers serve it; "
+        "what waits for the one load thread is each load's request (the agent's "
+        "metadata blob and layout), not the whole reply.",
         "",
         f"Then every engine's first 1-block pull, all at once from the first "
         f"decoder, bytes checked: {sc['first_reads_s']} s. A first READ waits for "

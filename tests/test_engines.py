@@ -21,7 +21,6 @@ from trio_pd._engines import (
     PullAction,
 )
 from trio_pd._errors import HandshakeError
-from trio_pd._layout import KVLayout
 from trio_pd._protocol import EngineMetadata
 
 S, E = EngineState, EngineEvent
@@ -41,7 +40,6 @@ METADATA = EngineMetadata(
     tp_rank=0,
     tp_size=1,
 )
-LAYOUT = KVLayout(base_addrs=[0], block_lens=[16], num_blocks=4)
 
 NOT_IN_TABLE = [
     pair for pair in itertools.product(EngineState, EngineEvent) if pair not in TRANSITIONS
@@ -79,7 +77,7 @@ def snapshot(rec: EngineRecord) -> dict[str, object]:
 
 def test_new_record_is_unknown_with_nothing_known() -> None:
     rec = EngineRecord(engine_id="e", host="h", port=1)
-    assert (rec.state, rec.error, rec.metadata, rec.layout) == (S.UNKNOWN, None, None, None)
+    assert (rec.state, rec.error, rec.incarnation) == (S.UNKNOWN, None, None)
     assert (rec.attempts, rec.failures, rec.retry_at) == (0, 0, 0.0)
 
 
@@ -187,7 +185,7 @@ def test_pull_while_an_attempt_is_in_progress_waits(state: EngineState) -> None:
 
 @pytest.mark.parametrize("incarnation", ["", "incarnation-1"])
 def test_pull_to_a_ready_engine_of_its_incarnation_goes_ahead(incarnation: str) -> None:
-    rec = record(S.READY, attempts=1, metadata=METADATA, layout=LAYOUT, epoch="incarnation-1")
+    rec = record(S.READY, attempts=1, incarnation="incarnation-1", epoch="incarnation-1")
     before = snapshot(rec)
     assert pull(rec, 10.0, incarnation) is PullAction.READY
     assert snapshot(rec) == before
@@ -228,30 +226,29 @@ def test_incarnation_is_none_before_metadata() -> None:
     assert rec.incarnation is None
 
 
-def test_metadata_received_stores_metadata_layout_and_incarnation() -> None:
+def test_metadata_received_keeps_the_incarnation() -> None:
     rec = record(S.FETCHING)
-    rec.metadata_received(METADATA, LAYOUT)
-    assert (rec.state, rec.metadata, rec.layout) == (S.LOADING, METADATA, LAYOUT)
-    assert rec.incarnation == "incarnation-1"
+    rec.metadata_received(METADATA)
+    assert (rec.state, rec.incarnation) == (S.LOADING, "incarnation-1")
 
 
 def test_metadata_received_in_the_wrong_state_stores_nothing() -> None:
     rec = record(S.UNKNOWN)
     with pytest.raises(InvalidTransition):
-        rec.metadata_received(METADATA, LAYOUT)
-    assert (rec.state, rec.metadata, rec.layout) == (S.UNKNOWN, None, None)
+        rec.metadata_received(METADATA)
+    assert (rec.state, rec.incarnation) == (S.UNKNOWN, None)
 
 
 @pytest.mark.parametrize("state", [S.FETCHING, S.LOADING], ids=str)
 def test_failed_stores_the_error_clears_metadata_and_schedules_a_retry(
     state: EngineState,
 ) -> None:
-    rec = record(state, metadata=METADATA, layout=LAYOUT, failures=2)
+    rec = record(state, incarnation="incarnation-1", failures=2)
     err = error("NIXL said no")
     delay = rec.failed(err, now=100.0, backoff=Backoff(), rng=random.Random(1))
     assert rec.state is S.BACKOFF
     assert rec.error is err
-    assert (rec.metadata, rec.layout, rec.incarnation) == (None, None, None)
+    assert rec.incarnation is None
     assert rec.failures == 3
     assert rec.retry_at == 100.0 + delay
     # The third consecutive failure waits about 4 s (initial 1 s, doubled twice).
@@ -267,7 +264,7 @@ def test_failed_returns_the_backoff_delay_for_the_failure_count() -> None:
 
 
 def test_failed_in_the_wrong_state_keeps_the_record() -> None:
-    rec = record(S.READY, metadata=METADATA, layout=LAYOUT)
+    rec = record(S.READY, incarnation="incarnation-1")
     before = snapshot(rec)
     with pytest.raises(InvalidTransition):
         rec.failed(error("late"), now=1.0, backoff=EXACT, rng=random.Random(0))
@@ -288,12 +285,11 @@ def test_consecutive_failures_double_the_delay() -> None:
 
 def test_loaded_makes_the_engine_ready_and_resets_failures_and_error() -> None:
     rec = record(S.FETCHING, failures=3, error=error())
-    rec.metadata_received(METADATA, LAYOUT)
+    rec.metadata_received(METADATA)
     rec.loaded()
     assert rec.state is S.READY
     assert (rec.failures, rec.error) == (0, None)
-    # The metadata (and its agent blob) was for the load: only its incarnation is kept.
-    assert (rec.metadata, rec.layout, rec.incarnation) == (None, None, "incarnation-1")
+    assert rec.incarnation == "incarnation-1"
 
 
 def test_after_success_the_next_failure_starts_backoff_afresh() -> None:
@@ -304,7 +300,7 @@ def test_after_success_the_next_failure_starts_backoff_afresh() -> None:
     rec.failed(error(), now=1.0, backoff=EXACT, rng=random.Random(0))
     assert rec.failures == 2
     pull(rec, rec.retry_at)
-    rec.metadata_received(METADATA, LAYOUT)
+    rec.metadata_received(METADATA)
     rec.loaded()
     rec.apply(E.PEER_DISCONNECTED)
     assert pull(rec, 10.0) is PullAction.START
@@ -324,7 +320,7 @@ def test_loaded_in_the_wrong_state_keeps_failures_and_error() -> None:
 def test_a_ready_engine_whose_peer_goes_away_becomes_stale_then_restarts(
     event: EngineEvent,
 ) -> None:
-    rec = record(S.READY, attempts=1, metadata=METADATA, layout=LAYOUT)
+    rec = record(S.READY, attempts=1, incarnation="incarnation-1")
     rec.apply(event)
     assert rec.state is S.STALE
     assert pull(rec, 0.0) is PullAction.START
@@ -346,7 +342,7 @@ def ready(incarnation: str = OLD) -> EngineRecord:
     """A record that handshook once and loaded ``incarnation``."""
     rec = record()
     assert pull(rec, 0.0, incarnation) is PullAction.START
-    rec.metadata_received(metadata(incarnation), LAYOUT)
+    rec.metadata_received(metadata(incarnation))
     rec.loaded()
     return rec
 
@@ -366,7 +362,7 @@ def test_another_incarnation_in_a_request_verifies_without_retiring_the_loaded_o
 def test_the_engine_answering_with_a_new_incarnation_retires_the_loaded_one() -> None:
     rec = ready(OLD)
     pull(rec, 1.0, NEW)
-    assert rec.metadata_received(metadata(NEW), LAYOUT) is MetadataOutcome.RESTARTED
+    assert rec.metadata_received(metadata(NEW)) is MetadataOutcome.RESTARTED
     assert rec.state is S.LOADING
     assert list(rec.retired_incarnations) == [OLD]
     assert pull(rec, 1.0, OLD) is PullAction.GONE
@@ -382,7 +378,7 @@ def test_the_engine_answering_with_the_loaded_incarnation_refutes_the_request() 
     # loaded agent was never out of service; the claim fails its request.
     rec = ready(OLD)
     assert pull(rec, 1.0, "forged") is PullAction.VERIFY
-    assert rec.metadata_received(metadata(OLD), LAYOUT) is MetadataOutcome.SAME
+    assert rec.metadata_received(metadata(OLD)) is MetadataOutcome.SAME
     assert rec.state is S.READY
     assert pull(rec, 1.0, "forged") is PullAction.GONE
     assert pull(rec, 1.0, OLD) is PullAction.READY
@@ -393,7 +389,7 @@ def test_at_most_one_verification_per_interval_however_many_claims() -> None:
     rec = ready(OLD)
     rec.verify_interval = 1.0
     assert pull(rec, 1.0, "forged-1") is PullAction.VERIFY
-    rec.metadata_received(metadata(OLD), LAYOUT)
+    rec.metadata_received(metadata(OLD))
     # New values within the interval: no handshake; they wait for the next
     # interval (the engine may restart meanwhile). The refuted one is gone.
     for n in range(2, 50):
@@ -429,7 +425,7 @@ def test_retired_incarnations_are_bounded() -> None:
     rec.verify_interval = 0.0
     for n in range(RETIRED_INCARNATIONS_KEPT + 10):
         assert pull(rec, float(n), f"forged-{n}") is PullAction.VERIFY
-        rec.metadata_received(metadata(OLD), LAYOUT)
+        rec.metadata_received(metadata(OLD))
     assert len(rec.retired_incarnations) == RETIRED_INCARNATIONS_KEPT
 
 
@@ -440,11 +436,11 @@ def test_restart_during_a_handshake_loads_the_old_one_then_the_request_verifies(
     rec = record()
     assert pull(rec, 0.0) is PullAction.START
     assert pull(rec, 0.0, NEW) is PullAction.WAIT
-    rec.metadata_received(metadata(OLD), LAYOUT)
+    rec.metadata_received(metadata(OLD))
     rec.loaded()
     assert rec.attempt_error(1) is None  # the waiter's attempt succeeded: ask again
     assert pull(rec, 0.1, NEW) is PullAction.VERIFY
-    assert rec.metadata_received(metadata(NEW), LAYOUT) is MetadataOutcome.RESTARTED
+    assert rec.metadata_received(metadata(NEW)) is MetadataOutcome.RESTARTED
     rec.loaded()
     assert pull(rec, 0.2, NEW) is PullAction.READY
     assert list(rec.retired_incarnations) == [OLD]
@@ -455,7 +451,7 @@ def test_a_request_of_an_incarnation_that_no_handshake_finds_is_gone_not_retried
     # handshake it started finds NEW. OLD is retired, not handshaken again.
     rec = record()
     assert pull(rec, 0.0, OLD) is PullAction.START
-    rec.metadata_received(metadata(NEW), LAYOUT)
+    rec.metadata_received(metadata(NEW))
     rec.loaded()
     assert pull(rec, 0.1, OLD) is PullAction.GONE
     assert rec.attempts == 1
@@ -466,7 +462,7 @@ def test_a_verification_between_handshake_and_wake_up_lets_the_waiter_go_on() ->
     # starts a verification. The waiter (no incarnation) reads at once.
     rec = record()
     pull(rec, 0.0)
-    rec.metadata_received(metadata(OLD), LAYOUT)
+    rec.metadata_received(metadata(OLD))
     rec.loaded()
     assert pull(rec, 0.0, NEW) is PullAction.VERIFY
     assert rec.attempt_error(1) is None
@@ -491,7 +487,7 @@ def test_a_lost_peer_retires_the_agent_but_not_its_incarnation() -> None:
     assert rec.on_peer_lost(OLD) is False  # the second pull to notice does nothing
     # The next request of OLD handshakes again; if OLD answers, it reads.
     assert pull(rec, 1.0, OLD) is PullAction.START
-    rec.metadata_received(metadata(OLD), LAYOUT)
+    rec.metadata_received(metadata(OLD))
     rec.loaded()
     assert pull(rec, 1.0, OLD) is PullAction.READY
     assert rec.retired_incarnations == {}
@@ -501,7 +497,7 @@ def test_a_lost_peer_that_comes_back_restarted_makes_old_requests_gone() -> None
     rec = ready(OLD)
     rec.on_peer_lost(OLD)
     assert pull(rec, 1.0, OLD) is PullAction.START
-    rec.metadata_received(metadata(NEW), LAYOUT)
+    rec.metadata_received(metadata(NEW))
     rec.loaded()
     assert pull(rec, 1.0, OLD) is PullAction.GONE
     assert pull(rec, 1.0, NEW) is PullAction.READY
@@ -516,14 +512,14 @@ def test_a_peer_lost_report_for_another_incarnation_is_ignored() -> None:
 def _gone() -> EngineRecord:
     rec = ready(OLD)
     pull(rec, 0.0, NEW)
-    rec.metadata_received(metadata(NEW), LAYOUT)
+    rec.metadata_received(metadata(NEW))
     return rec
 
 
 def _verified_moments_ago() -> EngineRecord:
     rec = ready(OLD)
     pull(rec, 0.5, NEW)
-    rec.metadata_received(metadata(OLD), LAYOUT)  # NEW refuted, until 1.5 no new question
+    rec.metadata_received(metadata(OLD))  # NEW refuted, until 1.5 no new question
     return rec
 
 
@@ -550,7 +546,7 @@ def test_a_record_of_another_rank_judges_no_request_incarnation() -> None:
     # valid request after it failed as "gone").
     rec = EngineRecord(engine_id="prefill-0", host="127.0.0.1", port=5556, rank=1)
     assert rec.on_pull("stale-or-forged", 0.0) is PullAction.START
-    rec.metadata_received(msgspec.structs.replace(metadata(OLD), tp_rank=1), LAYOUT)
+    rec.metadata_received(msgspec.structs.replace(metadata(OLD), tp_rank=1))
     rec.loaded()
     for incarnation in ("", OLD, NEW, "stale-or-forged"):
         assert rec.on_pull(incarnation, 1.0) is PullAction.READY

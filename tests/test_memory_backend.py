@@ -17,6 +17,7 @@ import attrs
 import pytest
 import torch
 import trio
+import trio.testing
 
 import trio_pd
 from trio_pd._backend import Loaded, LoadRequest
@@ -382,86 +383,38 @@ async def test_loads_queued_together_go_to_the_backend_in_one_call(
             assert d.statistics().handshakes_succeeded == 5
 
 
-async def test_fetches_hold_back_while_loads_are_queued_and_resume_after(
-    memory_fabric: MemoryFabric, monkeypatch: pytest.MonkeyPatch
+async def test_an_attempt_that_never_got_a_fetch_slot_fails_at_its_own_deadline(
+    memory_fabric: MemoryFabric, mock_clock: trio.testing.MockClock
 ) -> None:
-    # Metadata fetched far ahead of the one load thread only waits in memory:
-    # with LOADS_AHEAD loads queued, the fetch workers wait.
-    import trio_pd._handshakes as handshakes
+    # One fetch slot, held by a mute engine's fetch; another attempt started
+    # at the same (frozen) instant waits for the slot, and at their deadline
+    # the watchdog fails it, saying that nothing was sent.
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")  # (accepts, never answers)
+    port = listeners[0].socket.getsockname()[1]
+    config = attrs.evolve(QUICK, max_concurrent_fetches=1)
+    errors: dict[str, str] = {}
+    async with consumer(memory_fabric, config) as (d, _):
 
-    monkeypatch.setattr(handshakes, "LOADS_AHEAD", 2)
-    config = attrs.evolve(QUICK, handshake_timeout=30.0, max_concurrent_fetches=1)
-    names = "abcdef"
-    with trio.fail_after(20):
-        async with AsyncExitStack() as stack:
-            producers = [
-                (await stack.enter_async_context(producer(memory_fabric, name)))[0]
-                for name in names
-            ]
-            d, _ = await stack.enter_async_context(consumer(memory_fabric, config))
-            backend = memory_fabric.backends[-1]
-            gate = trio.Event()
-            load_remotes = backend.load_remotes
+        async def pull(engine_id: str) -> None:
+            remote = trio_pd.RemoteBlocks(engine_id, "127.0.0.1", port, [0], "r")
+            with pytest.raises(trio_pd.HandshakeError) as info:
+                await d.pull(engine_id, [0], remote)
+            errors[engine_id] = info.value.reason
 
-            async def gated(requests: Sequence[LoadRequest], loaded: Loaded) -> None:
-                await gate.wait()
-                await load_remotes(requests, loaded)
-
-            backend.load_remotes = gated  # type: ignore[method-assign]
-            attempts = d._consumer._handshakes._attempts  # (white box: its workers wait)
-            async with trio.open_nursery() as nursery:
-                for i, p in enumerate(producers):
-                    nursery.start_soon(d.pull, f"r{i}", [i], p.expose(f"r{i}", [i]))
-                await wait_until(lambda: attempts._held_back.statistics().tasks_waiting == 1)
-                states = [d.engine_state(name) for name in names]
-                assert states.count(trio_pd.EngineState.LOADING) == 2
-                assert states.count(trio_pd.EngineState.FETCHING) == 4
-                gate.set()
-            assert d.statistics().handshakes_succeeded == len(names)
-
-
-async def test_an_attempt_held_back_from_fetching_fails_at_its_own_deadline(
-    memory_fabric: MemoryFabric, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # A load that does not end keeps a load queued (LOADS_AHEAD = 1): the
-    # other engine's attempt waits for a fetch slot, and its deadline still
-    # holds: the watchdog fails it, saying that nothing was sent.
-    import trio_pd._handshakes as handshakes
-
-    monkeypatch.setattr(handshakes, "LOADS_AHEAD", 1)
-    with trio.fail_after(10):
-        async with (
-            producer(memory_fabric, "stuck") as (stuck, _),
-            producer(memory_fabric, "queued") as (queued, _),
-            consumer(memory_fabric) as (d, _),
-        ):
-            backend = memory_fabric.backends[-1]
-            gate = trio.Event()
-            load_remotes = backend.load_remotes
-
-            async def gated(requests: Sequence[LoadRequest], loaded: Loaded) -> None:
-                await gate.wait()  # (past every deadline: a load that does not end)
-                await load_remotes(requests, loaded)
-
-            backend.load_remotes = gated  # type: ignore[method-assign]
-            errors: dict[str, str] = {}
-
-            async def pull(p: trio_pd.Connector, name: str) -> None:
-                with pytest.raises(trio_pd.HandshakeError) as info:
-                    await d.pull(name, [0], p.expose(name, [0]))
-                errors[name] = info.value.reason
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(pull, stuck, "stuck")
-                await wait_until(lambda: d.engine_state("stuck") is trio_pd.EngineState.LOADING)
-                nursery.start_soon(pull, queued, "queued")
-            gate.set()
-            assert "not loaded within 0.5 s" in errors["stuck"]
-            assert errors["queued"].endswith(
-                "within 0.5 s: nothing was sent: every fetch slot (max_concurrent_fetches) "
-                "stayed busy with other handshakes, or held back while 1 loads were queued"
-            )
-            assert d.statistics().handshake_failures_by_cause == {"nixl": 1, "timeout": 1}
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pull, "mute-first")
+            await trio.testing.wait_all_tasks_blocked()  # (its fetch holds the slot)
+            nursery.start_soon(pull, "mute-queued")
+            await trio.testing.wait_all_tasks_blocked()
+            mock_clock.jump(QUICK.handshake_timeout)
+        assert "nothing was sent" not in errors["mute-first"]
+        assert errors["mute-queued"] == (
+            f"no reply from 127.0.0.1:{port} within 0.5 s: nothing was sent: every fetch "
+            "slot (max_concurrent_fetches) stayed busy with other handshakes"
+        )
+        assert d.statistics().handshake_failures_by_cause == {"timeout": 2}
+    for listener in listeners:
+        await listener.aclose()
 
 
 async def test_a_finished_handshake_leaves_no_task_waiting_for_its_deadline(

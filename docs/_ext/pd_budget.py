@@ -151,8 +151,7 @@ def deadline_budget_dot(config: ConnectorConfig | None = None) -> str:
     nodes_ = {
         "pull": ("await connector.pull(...)", "#ffffff"),
         "slot": (
-            f"wait for a fetch slot\n(max_concurrent_fetches = {b.max_concurrent_fetches} workers,"
-            f"\nheld back while {handshakes.LOADS_AHEAD} loads are queued)\n"
+            f"wait for a fetch slot\n(max_concurrent_fetches = {b.max_concurrent_fetches})\n"
             f"{attempts.AttemptRunner._watch_deadlines.__qualname__}():\n"
             "the watchdog fails it at the deadline",
             "#dbe9f8",

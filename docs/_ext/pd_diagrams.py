@@ -477,12 +477,8 @@ def fetch_load_dot() -> str:
     hs = handshakes.Handshakes
     defaults = {f.name: f.default for f in attrs.fields(ConnectorConfig)}
     limit, timeout = defaults["max_concurrent_fetches"], defaults["handshake_timeout"]
-    _must_say(
-        hs.__init__,
-        "config.max_concurrent_fetches",
-        "room=lambda: self._loads_queued < LOADS_AHEAD",
-    )
-    _must_say(hs.run, "async for engine, attempt in self._loads_receive", "await self._load(")
+    _must_say(hs.__init__, "AttemptRunner[RemoteEngine](", "config.max_concurrent_fetches")
+    _must_say(hs.run, "async for queued in self._loads_receive", "await self._load(")
     _must_say(hs._load, "engine.deadline", "load_remotes(")
     _must_say(hs._loaded, "FailureCause.NIXL")
     batch = remotes.NixlRemotes._load_batch
@@ -508,10 +504,7 @@ def fetch_load_dot() -> str:
     object.__setattr__(shell._config, "handshake_timeout", timeout)
     late = hs._deadline_error(shell, queued)  # type: ignore[arg-type]
     engines_ = ["prefill-0", "prefill-1", "prefill-2"]
-    fetching = (
-        f"fetch workers, in parallel: at most {limit} at once (max_concurrent_fetches),\n"
-        f"holding back while {handshakes.LOADS_AHEAD} loads are queued (LOADS_AHEAD)"
-    )
+    fetching = f"fetch workers, in parallel: at most {limit} at once (max_concurrent_fetches)"
     lines = [
         "digraph fetch_load {",
         '  graph [rankdir=TB, nodesep=0.3, ranksep=0.4, fontname="Helvetica", '

@@ -135,11 +135,12 @@ class Consumer:
             parts = plan_pull(self._tp_rank, self._tp_size, remote.tp_size)
             # (No comprehension or closure in this coroutine: every variable one
             # captured would cost each pull in flight a cell, for its whole life.)
-            engines = self._engines_read(remote, parts)
-            if len(engines) == 1:  # (one remote rank, the usual case: no group to wait in)
-                engine = engines[0]
-                agents = [await self._handshakes.ready_agent(engine, request_id, local_ids, remote)]
+            if len(parts) == 1:  # (one remote rank, the usual case: no group to wait in)
+                engine = self._handshakes.engine(remote, parts[0])
+                agent = await self._handshakes.ready_agent(engine, request_id, local_ids, remote)
+                engines, agents = [engine], [agent]
             else:
+                engines = self._engines_read(remote, parts)
                 agents = await self._ready_parts(engines, request_id, local_ids, remote)
             handshake_wait = trio.current_time() - started
             transfers = self._transfers_for(engines, agents, request_id, local_ids, remote)

@@ -19,7 +19,6 @@ from typing import Final
 import attrs
 
 from ._errors import HandshakeError
-from ._layout import KVLayout
 from ._protocol import EngineMetadata
 
 
@@ -179,12 +178,9 @@ class EngineRecord:
         port: its side-channel port.
         state: see :class:`EngineState`.
         error: the last handshake's error (kept through ``BACKOFF``).
-        metadata: the metadata an attempt received, until its agent is
-            loaded (the load needs it; then only its incarnation is kept).
-        layout: the layout that metadata describes (as long as it).
-        incarnation: the incarnation of the metadata received last (kept
-            after the load; ``None`` before the first, and after a failed
-            handshake).
+        incarnation: the incarnation of the metadata received last
+            (``None`` before the first, and after a failed handshake). The
+            rest of the metadata is the shell's: it goes to the load.
         attempts: handshakes (and verifications) started for this engine.
         failures: consecutive failed handshakes (reset by success).
         retry_at: while ``BACKOFF``, when the next attempt is allowed.
@@ -222,8 +218,6 @@ class EngineRecord:
     port: int
     state: EngineState = EngineState.UNKNOWN
     error: HandshakeError | None = None
-    metadata: EngineMetadata | None = None
-    layout: KVLayout | None = None
     incarnation: str | None = None
     attempts: int = 0
     failures: int = 0
@@ -350,7 +344,7 @@ class EngineRecord:
         while len(self.retired_incarnations) > RETIRED_INCARNATIONS_KEPT:
             del self.retired_incarnations[next(iter(self.retired_incarnations))]
 
-    def metadata_received(self, metadata: EngineMetadata, layout: KVLayout) -> MetadataOutcome:
+    def metadata_received(self, metadata: EngineMetadata) -> MetadataOutcome:
         """The reply of the current attempt arrived and checked out; say what it means.
 
         * A handshake (``FETCHING``): load it. If the pull that started it
@@ -374,8 +368,6 @@ class EngineRecord:
         else:
             self.apply(EngineEvent.METADATA_RECEIVED)
             outcome = MetadataOutcome.LOAD
-        self.metadata = metadata
-        self.layout = layout
         self.incarnation = metadata.incarnation
         if self.rank or metadata.tp_rank:  # (see ``rank``)
             self.epoch = ""
@@ -395,13 +387,9 @@ class EngineRecord:
         self.verify_error = error
 
     def loaded(self) -> None:
-        """The agent is loaded: ``READY``. The metadata and layout are dropped
-        (the loaded agent has what it needs); the incarnation is kept."""
         self.apply(EngineEvent.LOADED)
         self.failures = 0
         self.error = None
-        self.metadata = None
-        self.layout = None
 
     def failed(
         self, error: HandshakeError, now: float, backoff: Backoff, rng: random.Random
@@ -409,8 +397,6 @@ class EngineRecord:
         """Enter ``BACKOFF`` after ``error``; return the delay before a retry."""
         self.apply(EngineEvent.FAILED)
         self.error = error
-        self.metadata = None
-        self.layout = None
         self.incarnation = None
         self.failures += 1
         delay = backoff.delay(self.failures, rng)

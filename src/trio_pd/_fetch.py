@@ -86,9 +86,6 @@ class ConnectionLog:
     waiting_for_slot: bool = False
     """The attempt never got a fetch slot (one of the ``max_concurrent_fetches``
     fetch workers, shared by every engine's handshakes): nothing was sent."""
-    loads_queued: int = 0
-    """With ``waiting_for_slot``: the loads queued then (the workers hold back
-    while many are)."""
     curve: bool = False
     handshakes_lost: int = 0
     """ZeroMQ handshakes that ended without detail on a plain-text socket: the
@@ -140,10 +137,9 @@ class ConnectionLog:
     def diagnosis(self) -> str:
         """The likeliest cause of a missing reply, in words."""
         if self.waiting_for_slot:
-            held = f", or held back while {self.loads_queued} loads were queued"
             return (
                 "nothing was sent: every fetch slot (max_concurrent_fetches) stayed busy "
-                "with other handshakes" + (held if self.loads_queued else "")
+                "with other handshakes"
             )
         if self.fatal is not None:
             return self.fatal
@@ -333,12 +329,11 @@ async def fetch_engine_metadata(
 
 
 def unsent_failure(
-    record: EngineRecord, tp_rank: int, tp_size: int, timeout: float, loads_queued: int
+    record: EngineRecord, tp_rank: int, tp_size: int, timeout: float
 ) -> FetchFailure:
     """The failure of ``record``'s attempt that got no fetch slot before its
-    deadline: the cause and words of a fetch that timed out, nothing sent.
-    ``loads_queued``: the loads queued now (the slots hold back while many are)."""
-    log = ConnectionLog(0, waiting_for_slot=True, loads_queued=loads_queued)
+    deadline: the cause and words of a fetch that timed out, nothing sent."""
+    log = ConnectionLog(0, waiting_for_slot=True)
     where = _where(record.host, record.port, tp_rank, tp_size)
     return _timed_out(record.engine_id, where, log, timeout)
 

@@ -12,8 +12,8 @@ connector's nursery:
 * *fetch workers*, at most ``max_concurrent_fetches``, and one *watchdog*
   (``_attempts.AttemptRunner``), there while attempts are: the workers
   fetch and check the queued attempts' metadata, in order, each within its
-  attempt's deadline, holding back while :data:`LOADS_AHEAD` loads are
-  queued; the watchdog fails an attempt still queued for a fetch or for its
+  attempt's deadline, and queue the load (what it needs, not the whole
+  reply); the watchdog fails an attempt still queued for a fetch or for its
   load at its deadline, ``handshake_timeout`` after it started.
 
 Each attempt has an event (``_remote_engines.AttemptDone``); its outcome is
@@ -49,14 +49,13 @@ HANDSHAKES_PER_PULL = 3
 
 _PENDING = (EngineState.FETCHING, EngineState.VERIFYING)  # (no metadata yet)
 
+_QueuedLoad = tuple[RemoteEngine, int, str, str, bytes, KVLayout]
+"""A load in the queue: engine, attempt, and of the reply what the load needs (the
+incarnation, the agent's name and metadata blob, the layout); a storm queues a thousand."""
+
 LOADS_PER_BATCH = 32
 """The most queued loads the handshake task hands the backend in one call (NIXL:
 one worker thread runs them back to back; an unload waits for the batch)."""
-
-LOADS_AHEAD = 2 * LOADS_PER_BATCH
-"""While this many loads are queued, the fetch workers start no fetch: metadata
-fetched far ahead of the one load thread only waits in memory (a storm of a
-thousand engines held all their metadata at once). Deadlines run on."""
 
 
 class Handshakes:
@@ -101,16 +100,10 @@ class Handshakes:
         self._counters = counters
         self._compat_hash = protocol.compatibility_hash(config.compatibility_key)
         self._engines = RemoteEngines()
-        self._loads_send, self._loads_receive = trio.open_memory_channel[tuple[RemoteEngine, int]](
-            math.inf
-        )
+        self._loads_send, self._loads_receive = trio.open_memory_channel[_QueuedLoad](math.inf)
         self._loads_queued = 0
         self._attempts = AttemptRunner[RemoteEngine](
-            nursery,
-            config.max_concurrent_fetches,
-            self._fetch_metadata,
-            self._deadline_passed,
-            room=lambda: self._loads_queued < LOADS_AHEAD,
+            nursery, config.max_concurrent_fetches, self._fetch_metadata, self._deadline_passed
         )
         self._rng = random.Random()
         self._closed = False
@@ -221,7 +214,8 @@ class Handshakes:
 
     async def _fetch_metadata(self, engine: RemoteEngine, attempt: int) -> None:
         """(A fetch worker) fetch and check ``engine``'s metadata, then act on
-        it: queue the load, or end a verification."""
+        it: queue the load (its request: a storm queues a thousand, so not
+        the whole reply), or end a verification."""
         record = engine.record
         try:
             metadata, layout = await fetch_engine_metadata(
@@ -247,7 +241,7 @@ class Handshakes:
         if not self._current(engine, attempt, *_PENDING):
             return
         epoch = record.epoch
-        outcome = record.metadata_received(metadata, layout)
+        outcome = record.metadata_received(metadata)
         restarted = bool(epoch and record.epoch and record.epoch != epoch)
         if outcome is MetadataOutcome.SAME:
             logger.info(
@@ -276,7 +270,9 @@ class Handshakes:
             if not self._current(engine, attempt, EngineState.LOADING):
                 return
         self._loads_queued += 1
-        self._loads_send.send_nowait((engine, attempt))
+        blob = metadata.agent_metadata
+        queued = (engine, attempt, metadata.incarnation, metadata.agent_name, blob, layout)
+        self._loads_send.send_nowait(queued)
 
     async def _retire_other_ranks(self, engine: RemoteEngine) -> None:
         """Rank 0 of ``engine`` answered with a new incarnation: the engine restarted,
@@ -308,7 +304,7 @@ class Handshakes:
             for agent in retired:
                 await self._backend.retire(agent)
 
-    async def _load(self, batch: list[tuple[RemoteEngine, int]]) -> None:
+    async def _load(self, batch: list[_QueuedLoad]) -> None:
         """Load the agents of a batch of queued engines, each giving up at its
         attempt's deadline.
 
@@ -320,20 +316,19 @@ class Handshakes:
         stuck: see ``TransferBackend.load_remotes``). An agent that loads
         after its attempt ended is retired at once.
         """
-        live = [(e, a) for e, a in batch if self._current(e, a, EngineState.LOADING)]
+        live = []
         requests = []
-        for engine, _ in live:
-            record = engine.record
-            metadata, layout = record.metadata, record.layout
-            assert metadata is not None
-            assert layout is not None
+        for engine, attempt, incarnation, agent_name, agent_metadata, layout in batch:
+            if not self._current(engine, attempt, EngineState.LOADING):
+                continue
             local_view, remote_view = part_layouts(self._layout, layout, engine.part)
+            live.append((engine, attempt))
             requests.append(
                 LoadRequest(
-                    record.engine_id,
-                    metadata.incarnation,
-                    metadata.agent_name,
-                    metadata.agent_metadata,
+                    engine.record.engine_id,
+                    incarnation,
+                    agent_name,
+                    agent_metadata,
                     remote_view,
                     local_view,
                     engine.deadline,
@@ -405,8 +400,8 @@ class Handshakes:
         """
         record = engine.record
         if queued and self._current(engine, attempt, *_PENDING):
-            rank, size, loads = engine.part.remote_rank, engine.remote_tp, self._loads_queued
-            failure = unsent_failure(record, rank, size, self._config.handshake_timeout, loads)
+            rank, size = engine.part.remote_rank, engine.remote_tp
+            failure = unsent_failure(record, rank, size, self._config.handshake_timeout)
             self._handshake_failed(engine, failure.cause, failure.error)
         elif self._current(engine, attempt, EngineState.LOADING):
             self._handshake_failed(engine, FailureCause.NIXL, self._deadline_error(engine))
@@ -435,8 +430,8 @@ class Handshakes:
         """The handshake task: loads remote agents whose metadata arrived, in
         order; the loads queued together (up to :data:`LOADS_PER_BATCH`) go
         to the backend at once."""
-        async for engine, attempt in self._loads_receive:
-            batch = [(engine, attempt)]
+        async for queued in self._loads_receive:
+            batch = [queued]
             while len(batch) < LOADS_PER_BATCH:
                 try:
                     batch.append(self._loads_receive.receive_nowait())
@@ -446,7 +441,6 @@ class Handshakes:
                 await self._load(batch)
             finally:
                 self._loads_queued -= len(batch)
-                self._attempts.room_made()
 
     def peer_lost(self, engine: RemoteEngine, agent: RemoteAgent, request_id: str) -> bool:
         """``agent`` is gone (NIXL said so, or the backend gave it up).

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import sys
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +51,8 @@ class KVLayout:
         num_blocks: blocks per region (the same for all regions).
         device_id: NIXL device id (0 for host memory).
         mem_type: NIXL memory type, ``"DRAM"`` or ``"VRAM"``.
-        dtype: element type of the regions, e.g. ``"torch.bfloat16"``.
+        dtype: element type of the regions, e.g. ``"torch.bfloat16"``. (It and
+            ``mem_type`` are interned: a decoder keeps a layout per remote engine.)
         block_strides: bytes from one block to the next in each region
             (default: ``block_lens``, blocks back to back).
         kv_heads: KV heads per block (dimension 1 of the region tensors,
@@ -62,8 +64,8 @@ class KVLayout:
     block_lens: tuple[int, ...] = attrs.field(converter=_int_tuple)
     num_blocks: int
     device_id: int = 0
-    mem_type: str = "DRAM"
-    dtype: str = "torch.uint8"
+    mem_type: str = attrs.field(default="DRAM", converter=sys.intern)
+    dtype: str = attrs.field(default="torch.uint8", converter=sys.intern)
     block_strides: tuple[int, ...] = attrs.field(
         converter=_int_tuple,
         default=attrs.Factory(lambda self: self.block_lens, takes_self=True),

@@ -41,7 +41,7 @@ class AttemptDone:
 
     def __init__(self) -> None:
         self._flag = False
-        self._waiters: list[trio.lowlevel.Task] = []
+        self._waiters: list[trio.lowlevel.Task] | None = None  # (from the first waiter)
 
     def is_set(self) -> bool:
         return self._flag
@@ -51,7 +51,7 @@ class AttemptDone:
         if self._flag:
             return
         self._flag = True
-        waiters, self._waiters = self._waiters, []
+        waiters, self._waiters = self._waiters or [], None
         for task in waiters:
             if task.custom_sleep_data is self:  # (still waiting here: not cancelled)
                 trio.lowlevel.reschedule(task)  # (which resets custom_sleep_data)
@@ -63,6 +63,8 @@ class AttemptDone:
             return
         task = trio.lowlevel.current_task()
         task.custom_sleep_data = self
+        if self._waiters is None:
+            self._waiters = []
         self._waiters.append(task)
         await trio.lowlevel.wait_task_rescheduled(_abort_wait)
 
