@@ -15,6 +15,7 @@ GOALS = {
     "sequential tiny pulls vs raw NIXL loop": ">= 0.8",
     "tiny pulls in flight vs raw NIXL sequential loop": ">= 1.5",
     "concurrent large pulls vs raw NIXL posted at once": ">= 0.95 each",
+    "16 concurrent large pulls vs one pull, every round": ">= 0.95 in each of 5",
     "producer CPU, 1000 stale exposures": "<= 0.05 core",
     "time to first token via the proxy, 1 client (p50)": "<= one engine's + 2 ms",
     "tokens/s via the proxy vs one engine, 8 clients": ">= 0.95",
@@ -500,17 +501,27 @@ def render(results: dict[str, Any]) -> str:
         ]
     if "concurrent_pulls" in r:
         c = r["concurrent_pulls"]
+        rounds = c.get("rounds", 3)
         out += [
             "## 9. Concurrent large pulls",
             "",
             f"The same {c['bytes'] >> 20} MiB (16 regions, 64 KiB blocks, one engine) as "
             "1, 4 or 16 pulls at once, against raw NIXL with the same transfers posted "
-            "at once from one thread and polled together; median of 3, interleaved.",
+            f"at once from one thread and polled together; {rounds} rounds, each count "
+            "once per round, trio_pd and raw NIXL taking turns (which goes first "
+            "alternates by round). GB/s: the median over the rounds; the last column "
+            "gives each round's own ratio.",
             "",
             _table(
-                ["pulls at once", "trio_pd GB/s", "raw NIXL GB/s", "ratio"],
+                ["pulls at once", "trio_pd GB/s", "raw NIXL GB/s", "ratio", "each round"],
                 [
-                    [n, v["GB_per_s"]["trio_pd"], v["GB_per_s"]["raw NIXL"], v["ratio"]]
+                    [
+                        n,
+                        v["GB_per_s"]["trio_pd"],
+                        v["GB_per_s"]["raw NIXL"],
+                        v["ratio"],
+                        " ".join(str(x) for x in v.get("round_ratios", [])),
+                    ]
                     for n, v in c["counts"].items()
                 ],
             ),
@@ -524,10 +535,40 @@ def render(results: dict[str, Any]) -> str:
         checks.append(
             _goal(
                 "concurrent large pulls vs raw NIXL posted at once",
-                f"x{worst_c} (worst count)",
+                f"x{worst_c} (worst count, median of the rounds)",
                 worst_c >= 0.95,
             )
         )
+        if "sixteen_vs_one" in c:
+            own, raw = c["sixteen_vs_one"]["trio_pd"], c["sixteen_vs_one"]["raw NIXL"]
+            every = [
+                x
+                for v in c["counts"].values()
+                for xs in v.get("rounds_GB_per_s", {}).values()
+                for x in xs
+            ]
+            spread = (
+                f" Each figure is one transfer of {c['bytes'] >> 20} MiB; in this run "
+                f"single transfers moved between {min(every)} and {max(every)} GB/s, raw "
+                "NIXL's as much as trio_pd's (this machine is shared), so one round's "
+                "ratio is mostly that noise: raw NIXL's own ratio, measured in the same "
+                "rounds, is the anchor."
+                if every
+                else ""
+            )
+            out += [
+                "16 pulls at once against one pull of the same bytes, round by round: "
+                f"trio_pd {' '.join(str(x) for x in own)}; raw NIXL "
+                f"{' '.join(str(x) for x in raw)}.{spread}",
+                "",
+            ]
+            checks.append(
+                _goal(
+                    "16 concurrent large pulls vs one pull, every round",
+                    f"x{min(own)} (worst of {len(own)} rounds; raw NIXL's worst x{min(raw)})",
+                    min(own) >= 0.95,
+                )
+            )
     if "producer_cpu" in r:
         p = r["producer_cpu"]
         rows = [["idle", p["idle_cores"]]]
