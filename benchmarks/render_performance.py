@@ -590,7 +590,7 @@ def render(results: dict[str, Any]) -> str:
             "notification thread checks every `poll_interval` (100 us): a consumer's "
             "READ waits for the producer's progress, so this is what keeps pull "
             "latency low. Past that, its pauses double up to "
-            "`notification_poll_interval` (1 ms).",
+            "`notification_poll_interval` (2 ms).",
             "",
         ]
         checks.append(
@@ -894,8 +894,9 @@ FINDINGS = """## What we found
   next check, so the producer's pause adds directly to pull latency (a
   1 ms pause: p50 1.1 ms instead of 0.27 ms for pulls 5 ms apart). Hence the
   producer's pacing: every 100 us while reads are expected (0.5 s after
-  exposing or a notification), backing off to 1 ms only for stale
-  exposures (0.03 core instead of 0.17).
+  exposing or a notification), backing off to 2 ms only for stale
+  exposures (about 0.05 core instead of 0.17; with a 1 ms cap, 0.05-0.08 in
+  session 8's runs: a wake-up costs more than NIXL's check).
 * **One transfer driver instead of a thread per pull.** With a thread per
   pull, 4 or 16 concurrent 1 GiB pulls reached 0.48 of raw NIXL with the
   same transfers posted at once: the threads contended for 2 cores and

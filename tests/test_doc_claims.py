@@ -313,7 +313,7 @@ def test_a_wrong_config_default_is_found_whatever_the_phrasing() -> None:
     page = planted(
         "`handshake_timeout` (default 10 s) and `transfer_timeout` (30 s)\n"
         "`max_bytes_per_transfer` (4 MiB), `poll_spin`, 100 us, `lease_initial` 30 s\n"
-        "`notification_poll_interval` (2 ms); `backoff_jitter` 20 % shorter\n"
+        "`notification_poll_interval` (1 ms); `backoff_jitter` 20 % shorter\n"
     )
     problems = config_problems(iter(page))
     assert problems == [
@@ -321,8 +321,8 @@ def test_a_wrong_config_default_is_found_whatever_the_phrasing() -> None:
         "but the code says ConnectorConfig.handshake_timeout = 5",
         "planted.md:2: '`max_bytes_per_transfer` (4 MiB', "
         "but the code says ConnectorConfig.max_bytes_per_transfer = 8.38861e+06",
-        "planted.md:3: '`notification_poll_interval` (2 ms', "
-        "but the code says ConnectorConfig.notification_poll_interval = 0.001",
+        "planted.md:3: '`notification_poll_interval` (1 ms', "
+        "but the code says ConnectorConfig.notification_poll_interval = 0.002",
     ]
 
 

@@ -154,7 +154,7 @@ def test_config_defaults() -> None:
         4096,
     )
     assert (c.poll_interval, c.poll_spin) == (0.0001, 0.0001)
-    assert (c.notification_poll_interval, c.idle_notification_poll_interval) == (0.001, 0.05)
+    assert (c.notification_poll_interval, c.idle_notification_poll_interval) == (0.002, 0.05)
     assert c.compatibility_key == ""
     assert c.nixl_backends == ("UCX",)
     assert dict(c.nixl_backend_params) == {}

@@ -146,7 +146,7 @@ class ConnectorConfig:
             notification arrives); beyond that -- exposures nobody reads --
             at doubling intervals up to this one, so that stale exposures
             cost little CPU. The first READ of such an exposure may wait up
-            to this long, once. Default 0.001.
+            to this long, once. Default 0.002.
         idle_notification_poll_interval: how often the producer checks while
             nothing is pending (late notifications are then only logged), and
             the longest the notification thread waits before it hands
@@ -220,7 +220,7 @@ class ConnectorConfig:
     poll_spin: float = attrs.field(default=0.0001, validator=_non_negative)
     inline_read_bytes: int = attrs.field(default=256 << 10, validator=_non_negative_int)
     inline_read_spin: float = attrs.field(default=0.0005, validator=_non_negative)
-    notification_poll_interval: float = attrs.field(default=0.001, validator=_positive)
+    notification_poll_interval: float = attrs.field(default=0.002, validator=_positive)
     idle_notification_poll_interval: float = attrs.field(default=0.05, validator=_positive)
     resolved_history: int = attrs.field(default=4096, validator=_at_least_one)
     backoff_initial: float = attrs.field(default=1.0, validator=_positive)
