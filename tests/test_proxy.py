@@ -194,6 +194,34 @@ async def test_a_request_id_is_passed_on_returned_and_minted_when_missing() -> N
             assert len(set(prefill.request_ids)) == 4
 
 
+async def test_a_clients_own_kv_transfer_params_never_reach_an_engine() -> None:
+    # (docs/security.md: replayed parameters are stopped by keeping them from
+    # clients; the proxy sends each engine only what it made itself)
+    replayed = {**KV, "remote_request_id": "someone-elses", "do_remote_prefill": True}
+    with trio.fail_after(30):
+        async with (
+            engines(2) as ([prefill, decode], urls),
+            proxy_for(urls[:1], urls[1:]) as (_, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            for route, body in (
+                ("completions", {**BODY, "kv_transfer_params": replayed}),
+                (
+                    "chat/completions",
+                    {
+                        "messages": [{"role": "user", "content": "hi"}],
+                        "kv_transfer_params": replayed,
+                    },
+                ),
+            ):
+                response = await client.post(f"{proxy}/v1/{route}", json=body)
+                assert response.status_code == 200, response.text
+            assert [b["kv_transfer_params"] for b in prefill.seen] == [
+                {"do_remote_decode": True}
+            ] * 2
+            assert [b["kv_transfer_params"] for b in decode.seen] == [KV] * 2
+
+
 def test_phase_times_and_server_timing_values() -> None:
     now = [0.0]
     times = PhaseTimes(clock=lambda: now[0])
