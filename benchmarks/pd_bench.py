@@ -498,6 +498,10 @@ async def bench_throughput(quick: bool) -> Result:
 # ---- 5. per-request overhead ------------------------------------------------------------
 
 
+SEQUENTIAL_ROUNDS = 5
+"""Benchmark 5's sequential loops take turns this many times (medians reported)."""
+
+
 async def bench_small_pulls(quick: bool) -> Result:
     """Tiny pulls one after another and many in flight, against raw NIXL's loop.
 
@@ -507,7 +511,7 @@ async def bench_small_pulls(quick: bool) -> Result:
     spaced apart, are timed one by one, interleaved with raw NIXL READs.
     """
     regions, blocks, block_bytes = 4, 8192, 4096
-    sequential, in_flight, lone = (300, 200, 60) if quick else (1000, 1000, 200)
+    sequential, in_flight, lone = (300, 200, 60) if quick else (5000, 1000, 200)
     out: Result = {"block_bytes": block_bytes, "regions": regions}
     rng = np.random.default_rng(0)
     async with open_prefill_worker(spec("tiny", regions, blocks, block_bytes)) as w:
@@ -550,24 +554,42 @@ async def bench_small_pulls(quick: bool) -> Result:
                     await connector.pull(rid, ids, remote)
                 return len(requests) / (time.perf_counter() - started)
 
+            # Sequential: in rounds, the three loops taking turns (which goes
+            # first rotates by round), so that the machine's noise falls on
+            # all of them; raw NIXL reads blocks that are exposed (pending) too,
+            # with the same notification, so the producer side behaves the same.
+            async def inline_loop(requests: list[tuple[str, list[int], int]]) -> float:
+                nonlocal trio_thread_cpu
+                remotes = await w.expose_many(requests)
+                started, cpu_started = time.perf_counter(), time.thread_time()
+                for (rid, ids, _), remote in zip(requests, remotes, strict=True):
+                    await d.pull(rid, ids, remote)
+                trio_thread_cpu += time.thread_time() - cpu_started
+                return len(requests) / (time.perf_counter() - started)
+
+            async def raw_nixl_loop(requests: list[tuple[str, list[int], int]]) -> float:
+                await w.expose_many(requests)
+                return raw_loop(requests)
+
+            async def driver_loop(requests: list[tuple[str, list[int], int]]) -> float:
+                return await trio_loop(d_off, requests)
+
+            loops = {"trio_pd": inline_loop, "raw NIXL": raw_nixl_loop, "inline off": driver_loop}
+            rates: dict[str, list[float]] = {name: [] for name in loops}
+            trio_thread_cpu = 0.0
             inline_before = (backend.reads_inline, backend.reads_adopted)
-            requests = plan("seq", sequential)
-            remotes = await w.expose_many(requests)
-            started, cpu_started = time.perf_counter(), time.thread_time()
-            for (rid, ids, _), remote in zip(requests, remotes, strict=True):
-                await d.pull(rid, ids, remote)
-            trio_seq = sequential / (time.perf_counter() - started)
-            trio_thread_cpu = (time.thread_time() - cpu_started) / sequential
+            per_round = sequential // SEQUENTIAL_ROUNDS
+            for round_ in range(SEQUENTIAL_ROUNDS):
+                order = list(loops)[round_ % 3 :] + list(loops)[: round_ % 3]
+                for name in order:
+                    requests = plan(f"seq-{name[:3]}-{round_}-", per_round)
+                    rates[name].append(await loops[name](requests))
             went_inline = backend.reads_inline - inline_before[0]
             adopted = backend.reads_adopted - inline_before[1]
-
-            # raw NIXL: the same sizes, sequential, blocking, no trio in between,
-            # on blocks that are exposed (pending) too, with the same
-            # notification, so the producer side behaves the same
-            requests = plan("raw", sequential)
-            await w.expose_many(requests)
-            raw_seq = raw_loop(requests)
-            driver_seq = await trio_loop(d_off, plan("drv", sequential))
+            trio_seq, raw_seq, driver_seq = (statistics.median(rates[n]) for n in loops)
+            round_ratios = [
+                round(a / b, 3) for a, b in zip(rates["trio_pd"], rates["raw NIXL"], strict=True)
+            ]
 
             # Lone pulls: spaced 2 ms apart, trio_pd and raw interleaved.
             requests = plan("lone", lone)
@@ -606,8 +628,12 @@ async def bench_small_pulls(quick: bool) -> Result:
         "trio_pd_pulls_per_s": round(trio_seq),
         "raw_nixl_pulls_per_s": round(raw_seq),
         "ratio": round(trio_seq / raw_seq, 3),
-        "pulls": sequential,
-        "trio_thread_cpu_us_per_pull": round(trio_thread_cpu * 1e6),
+        "pulls": per_round * SEQUENTIAL_ROUNDS,
+        "rounds": SEQUENTIAL_ROUNDS,
+        "round_ratios": round_ratios,
+        "trio_thread_cpu_us_per_pull": round(
+            trio_thread_cpu / (per_round * SEQUENTIAL_ROUNDS) * 1e6
+        ),
         "inline": went_inline,
         "adopted": adopted,
         "inline_off_pulls_per_s": round(driver_seq),

@@ -355,7 +355,14 @@ def render(results: dict[str, Any]) -> str:
             f"Pulls of 1-4 blocks ({sp['regions']} regions x {sp['block_bytes']} B), "
             "one after another, through trio_pd and with NIXL directly (post, poll, "
             "release, with the same notification; no trio); then many in flight at "
-            "once through trio_pd.",
+            "once through trio_pd."
+            + (
+                f" The sequential loops take turns in {q['rounds']} rounds (which goes "
+                "first rotates); pulls/s are the medians of the rounds, and each round's "
+                f"trio_pd ÷ raw NIXL ratio was {' '.join(str(x) for x in q['round_ratios'])}."
+                if "round_ratios" in q
+                else ""
+            ),
             "",
             _table(
                 ["", "pulls/s", "ratio to raw sequential"],
@@ -984,6 +991,29 @@ FINDINGS = """## What we found
   every 100 us from expose until the read (each `time.sleep(100 us)` took
   about 165 us and 20 us of CPU: the kernel's 50 us timer slack, now set to
   1 ns for these threads, see above).
+* **What one HTTP exchange costs, and what would take one off the path.**
+  A do-nothing hypercorn app in another process answered httpx2 in 1.24 ms
+  at p50, and a raw-socket client in 0.57 ms: httpx2's side of an exchange
+  is about 0.7 ms of Python, hypercorn's about 0.5 ms. A cProfile of
+  benchmark 12 puts almost all of the proxy's time in httpx2, httpcore,
+  h11, hypercorn and trio's scheduler; the proxy's own functions are a
+  small share. Through `trio-pd serve` the decode request's READ was an
+  inline read every time, but it waited 0.2-0.85 ms for the prefill
+  engine's notification thread (four processes on 2 cores), so 10 of 25
+  sampled outlasted the 0.5 ms spin and went to the driver. Two
+  designs would take an exchange off the path; neither is built. Sending
+  the decode request at the same time as the prefill (as SGLang's P/D
+  router does), its `kv_transfer_params` following in the same request
+  body, would hide the decode request's HTTP and parsing behind the
+  prefill: about 2.5 ms of the decode row by this breakdown. A decode
+  engine that calls a prefill engine itself (a decode-first engine, as
+  NVIDIA Dynamo's decode workers do) would drop the proxy's exchange and
+  its per-token relay, which is what bounds tokens/s at 8 clients. Both
+  change what a failure strands: a decode engine that fails before its
+  parameters arrive leaves the prefill's exposure to its lease, unless the
+  proxy cancels the prefill in time; and a decode-first engine faces
+  clients, so it must refuse `kv_transfer_params` from them (replays, see
+  [security](security.md)).
 """
 
 
