@@ -668,13 +668,18 @@ def process_rss_bytes(pid: int) -> int:
 
 
 SCALE_PRODUCER_CONFIG = trio_pd.ConnectorConfig(
-    poll_interval=0.05, notification_poll_interval=2.0, idle_notification_poll_interval=2.0
+    poll_interval=0.05,
+    notification_poll_interval=2.0,
+    idle_notification_poll_interval=2.0,
+    lease_initial=900.0,  # (every storm's exposures are made up front: none expires before
+    abort_timeout=900.0,  # its storm, which would only flood the log with expiry warnings)
 )
 """The scale benchmark's producer engines poll lazily: each stands for an engine
 on a host of its own, and 1024 of them share this machine's cores with the
 decoder (at the default pace, 256 idle engines with an exposure pending kept
 both cores busy). Their pace decides only how soon a first READ completes
-(UCX finishes its wire-up when the producer's worker progresses)."""
+(UCX finishes its wire-up when the producer's worker progresses). Their leases
+outlast the benchmark: all storms' exposures are made before the first storm."""
 
 SCALE_MODES = [
     "trio_pd",
