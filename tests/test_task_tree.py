@@ -1,9 +1,10 @@
-"""The design page's task-tree picture (docs/diagrams/task-tree.dot) is hand
-drawn; this test keeps it true. It opens a real connector (NIXL, ZeroMQ, CURVE
-on, so that every task it can run is running: a handshake waits on a peer that
-never answers), walks trio's task tree, and checks that the tasks of the
-connector's nursery are exactly the ones the picture draws in its producer and
-consumer boxes."""
+"""The design page's task-tree picture (docs/diagrams/task-tree.dot) and its
+table of the connector nursery's tasks are written by hand; this test keeps
+them true. It opens a real connector (NIXL, ZeroMQ, CURVE on, so that every
+task it can run is running: a handshake waits on a peer that never answers,
+a request is held), walks trio's task tree, and checks that the tasks of the
+connector's nursery are exactly the ones the picture draws in its producer
+and consumer boxes, and the ones the table lists."""
 
 from __future__ import annotations
 
@@ -41,6 +42,13 @@ def drawn_tasks() -> set[str]:
     for cluster in re.findall(r"subgraph cluster_\w+ \{(.*?)\n  \}", text, re.DOTALL):
         boxes |= set(re.findall(r"<b>([^<]+)</b>", cluster))
     return boxes
+
+
+def tabled_tasks() -> set[str]:
+    """The first column of design.md's table of the connector nursery's tasks."""
+    text = (TASK_TREE.parent.parent / "design.md").read_text()
+    table = text.split("| task | started | does | owns |", 1)[1].split("\n\n", 1)[0]
+    return {row.split("|")[1].strip() for row in table.strip().splitlines()[1:]}
 
 
 def connector_tasks() -> set[str]:
@@ -92,4 +100,5 @@ async def test_the_task_tree_picture_draws_every_task_of_the_connectors_nursery(
         silent.close()
         context.term()
     assert drawn_tasks() == set(DRAWN_AS), "the picture's task boxes changed: update DRAWN_AS"
+    assert tabled_tasks() == set(DRAWN_AS), "design.md's table of the nursery's tasks differs"
     assert running == set(DRAWN_AS.values())
