@@ -117,9 +117,16 @@ async def bench_head_of_line(quick: bool) -> Result:
     inline handshakes of vLLM before PR #19836.
     """
     k, delay, rounds = (4, 0.1, 1) if quick else (16, 0.1, 3)
-    regions, blocks, block_bytes = 4, 1024, 4096
-    baseline_pulls, storm_cap, gap = 100, 300, 0.005
-    out: Result = {"cold_engines": k, "link_delay_s": delay, "rounds": rounds, "modes": {}}
+    regions, blocks, block_bytes = 4, 2048, 4096
+    # (pulls 1 ms apart: enough of them in each storm for a p99 that is not one outlier)
+    baseline_pulls, storm_cap, gap = 500, 1500, 0.001
+    out: Result = {
+        "cold_engines": k,
+        "link_delay_s": delay,
+        "rounds": rounds,
+        "gap_s": gap,
+        "modes": {},
+    }
     worker_spec = spec("hol", regions, blocks, block_bytes, engines=k + 1)
     storm_loads: list[tuple[float, RecordedLoad]] = []  # (offset in the storm, load)
     all_pulls: list[tuple[float, float, str]] = []  # trio_pd's storm pulls, every round

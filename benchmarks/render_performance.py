@@ -159,7 +159,8 @@ def render(results: dict[str, Any]) -> str:
             "## 1. Head-of-line blocking",
             "",
             f"Latency of 1-block pulls to an engine that is already ready, issued every "
-            f"5 ms, while {h['cold_engines']} other engines handshake behind a "
+            f"{h.get('gap_s', 0.005) * 1e3:g} ms, while {h['cold_engines']} other engines "
+            "handshake behind a "
             f"{h['link_delay_s'] * 1e3:.0f} ms (one-way) link, divided by the same "
             f"with no handshake going on; {h.get('rounds', 1)} rounds, each on a fresh "
             "decoder, samples pooled. The raw NIXL mode is the anchor: the "
