@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -313,3 +315,36 @@ def test_the_same_tensor_twice_is_two_regions_over_the_same_memory() -> None:
     layout = layout_of_tensors([shared, shared])
     assert layout.num_regions == 2
     assert layout.base_addrs[0] == layout.base_addrs[1]
+
+
+# --- shared names --------------------------------------------------------------
+
+
+def _fresh(text: str) -> str:
+    """An equal string that is a new object (as a decoded reply's field is)."""
+    return "".join(list(text))
+
+
+def test_layouts_of_a_known_dtype_and_memory_type_share_one_string_each() -> None:
+    a = layout(dtype=_fresh("torch.bfloat16"))
+    b = KVLayout(
+        base_addrs=(0,),
+        block_lens=(8,),
+        num_blocks=2,
+        mem_type=_fresh("VRAM"),
+        dtype=_fresh("torch.bfloat16"),
+    )
+    c = KVLayout(base_addrs=(0,), block_lens=(8,), num_blocks=2, mem_type=_fresh("VRAM"))
+    assert a.dtype is b.dtype
+    assert b.mem_type is c.mem_type
+
+
+def test_a_name_a_peer_makes_up_is_kept_as_given_not_interned() -> None:
+    # A forged reply's dtype or memory type (up to max_message_bytes each) must
+    # not enter the interpreter's table of interned strings: on the free-threaded
+    # builds (and early CPython 3.12 releases) interned strings are never freed.
+    dtype, mem_type = _fresh("torch.forged-" + "x" * 100), _fresh("FORGED-" + "y" * 100)
+    lay = KVLayout(base_addrs=(0,), block_lens=(8,), num_blocks=2, mem_type=mem_type, dtype=dtype)
+    assert (lay.dtype, lay.mem_type) == (dtype, mem_type)
+    assert sys.intern(_fresh(dtype)) is not lay.dtype, "the forged dtype was interned"
+    assert sys.intern(_fresh(mem_type)) is not lay.mem_type, "the forged mem_type was interned"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import ItemsView
+
 import pytest
 
 import trio_pd._remote_engines as remote_engines
@@ -62,3 +64,38 @@ def test_past_the_bound_idle_records_are_forgotten_and_those_in_service_kept(
     assert len(table) == 3
     table.get_or_create(_remote("d"), PullPart(0), verify_interval=0.5)
     assert sorted(key[0] for key in table) == ["a", "d"]
+
+
+def test_a_storm_of_engines_none_idle_costs_each_new_record_constant_work(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Thousands of (forged) engine ids at once, every one with an attempt in
+    # flight: nothing is idle, so a pass that forgets idle records finds
+    # nothing. Scanning the whole table again for every new record made the
+    # storm quadratic (20,000 records in flight: 15 s of a blocked trio loop here).
+    monkeypatch.setattr(remote_engines, "MAX_RECORDS", 8)
+    examined = 0
+
+    class Counting(dict[remote_engines.EngineKey, remote_engines.RemoteEngine]):
+        def items(self) -> ItemsView[remote_engines.EngineKey, remote_engines.RemoteEngine]:  # type: ignore[override]
+            nonlocal examined
+            examined += len(self)
+            return super().items()
+
+    table = RemoteEngines()
+    table._by_key = Counting()
+    for i in range(2000):
+        engine = table.get_or_create(_remote(f"e{i}"), PullPart(0), verify_interval=0.5)
+        engine.record.state = EngineState.FETCHING
+    assert len(table) == 2000  # (all in flight: none forgotten)
+    assert examined <= 4 * 2000
+    # Once they are idle, they are forgotten before the table doubles.
+    for engine in table.values():
+        engine.record.state = EngineState.BACKOFF
+    for i in range(2000):
+        engine = table.get_or_create(_remote(f"later{i}"), PullPart(0), verify_interval=0.5)
+        engine.record.state = EngineState.BACKOFF
+        if len(table) < 2000:
+            break
+    assert len(table) < 2000
+    assert examined <= 4 * 4000

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import sys
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +36,42 @@ def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
     return tuple(int(v) for v in values)
 
 
+_SHARED_NAMES: dict[str, str] = {
+    name: name
+    for name in (
+        "DRAM",
+        "VRAM",
+        *(
+            f"torch.{kind}"
+            for kind in (
+                "float16",
+                "bfloat16",
+                "float32",
+                "float64",
+                "float8_e4m3fn",
+                "float8_e4m3fnuz",
+                "float8_e5m2",
+                "float8_e5m2fnuz",
+                "uint8",
+                "int8",
+                "int16",
+                "int32",
+                "int64",
+                "bool",
+            )
+        ),
+    )
+}
+"""The dtypes and memory types a layout shares one string of (a decoder keeps a
+layout per remote engine). Not ``sys.intern``: a peer names these in its reply,
+and interned strings are never freed on some interpreters (free-threaded builds,
+early CPython 3.12 releases); a name not here is kept as given."""
+
+
+def _shared_name(name: str) -> str:
+    return _SHARED_NAMES.get(name, name)
+
+
 @attrs.frozen
 class KVLayout:
     """Where a KV cache lies in memory, as NIXL needs to know it.
@@ -52,7 +87,8 @@ class KVLayout:
         device_id: NIXL device id (0 for host memory).
         mem_type: NIXL memory type, ``"DRAM"`` or ``"VRAM"``.
         dtype: element type of the regions, e.g. ``"torch.bfloat16"``. (It and
-            ``mem_type`` are interned: a decoder keeps a layout per remote engine.)
+            ``mem_type`` are one shared string per known name, see
+            :data:`_SHARED_NAMES`: a decoder keeps a layout per remote engine.)
         block_strides: bytes from one block to the next in each region
             (default: ``block_lens``, blocks back to back).
         kv_heads: KV heads per block (dimension 1 of the region tensors,
@@ -64,8 +100,8 @@ class KVLayout:
     block_lens: tuple[int, ...] = attrs.field(converter=_int_tuple)
     num_blocks: int
     device_id: int = 0
-    mem_type: str = attrs.field(default="DRAM", converter=sys.intern)
-    dtype: str = attrs.field(default="torch.uint8", converter=sys.intern)
+    mem_type: str = attrs.field(default="DRAM", converter=_shared_name)
+    dtype: str = attrs.field(default="torch.uint8", converter=_shared_name)
     block_strides: tuple[int, ...] = attrs.field(
         converter=_int_tuple,
         default=attrs.Factory(lambda self: self.block_lens, takes_self=True),

@@ -23,7 +23,11 @@ from ._records import RemoteBlocks
 from ._tp import PullPart
 
 MAX_RECORDS = 4096
-"""Remote engine records kept before idle ones (never answered, in backoff) are forgotten."""
+"""Remote engine records kept before idle ones (never answered, in backoff) are
+forgotten. Records with an attempt in flight or an agent are kept: while more
+than this are, idle ones are forgotten once the table has doubled since the
+last look (so a storm of engines costs each new record constant work, and
+the table holds at most twice the records in use)."""
 
 
 class AttemptDone:
@@ -121,12 +125,14 @@ class RemoteEngines(Mapping[EngineKey, RemoteEngine]):
     Keyed by everything a request claims about where the engine is: each
     remote rank is its own agent and record, and so is every address a
     request names. Bounded: requests may name any engine or address, so past
-    :data:`MAX_RECORDS` the idle records are forgotten (see :meth:`get_or_create`).
+    :data:`MAX_RECORDS` the idle records are forgotten (see :meth:`get_or_create`;
+    at most twice the records in use are held).
     Read-only as a mapping; records are added by :meth:`get_or_create` only.
     """
 
     def __init__(self) -> None:
         self._by_key: dict[EngineKey, RemoteEngine] = {}
+        self._forget_at = MAX_RECORDS  # (the size at which idle records are looked for)
 
     def __getitem__(self, key: EngineKey) -> RemoteEngine:
         return self._by_key[key]
@@ -165,12 +171,18 @@ class RemoteEngines(Mapping[EngineKey, RemoteEngine]):
         return engine
 
     def _forget_idle_records(self) -> None:
-        """Past :data:`MAX_RECORDS`, forget the records in backoff or never answered."""
-        if len(self._by_key) < MAX_RECORDS:
+        """Past :data:`MAX_RECORDS`, forget the records in backoff or never answered.
+
+        If too few are idle, the next look is once the table has doubled: a
+        look costs a pass over every record, and a storm of engines in flight
+        would otherwise pay one per new record (quadratic).
+        """
+        if len(self._by_key) < max(MAX_RECORDS, self._forget_at):
             return
         idle = (EngineState.UNKNOWN, EngineState.BACKOFF, EngineState.CLOSED)
         for key in [k for k, e in self._by_key.items() if e.record.state in idle]:
             del self._by_key[key]
+        self._forget_at = 2 * len(self._by_key)
 
     def _records_of(self, engine_id: str, tp_rank: int | None) -> list[RemoteEngine]:
         found = [
