@@ -63,7 +63,7 @@ def test_with_no_attempt_left_live_nothing_is_kept() -> None:
     queue.ended("a")
     assert queue.next_deadline() == 1.0  # (a's entry stays while b is live)
     queue.ended("b")
-    assert (len(queue), queue.next_deadline()) == (0, math.inf)
+    assert (len(queue), queue.waiting, queue.next_deadline()) == (0, False, math.inf)
     queue.ended("b")  # (no attempt: nothing happens)
     assert queue.take(0.0) is None
 
@@ -140,6 +140,34 @@ async def test_an_earlier_deadline_wakes_the_watchdog_earlier(
         await trio.sleep(20)
         nursery.cancel_scope.cancel()
     assert expired == [("early", 5.0), ("late", 10.0)]
+
+
+async def test_workers_hold_back_while_there_is_no_room_and_close_lets_them_go(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    fetched: list[str] = []
+    room = False
+
+    async def fetch(engine: str, attempt: int) -> None:
+        fetched.append(engine)
+        runner.ended(engine)
+
+    async with trio.open_nursery() as nursery:
+        runner = AttemptRunner[str](nursery, 4, fetch, lambda *_: None, room=lambda: room)
+        for engine in "abc":
+            runner.start(engine, 1, trio.current_time() + 60)
+        await trio.sleep(1)
+        assert (fetched, runner.workers_held_back) == ([], 3)
+        room = True
+        runner.room_made()
+        await trio.sleep(1)
+        assert (fetched, runner.workers_held_back) == (["a", "b", "c"], 0)
+        room = False
+        runner.start("d", 1, trio.current_time() + 60)
+        await trio.sleep(1)
+        assert runner.workers_held_back == 1
+        runner.close()  # (the connector closes: the held-back worker ends)
+    assert fetched == ["a", "b", "c"]
 
 
 # --- AttemptDone: the attempt's event ----------------------------------------------------

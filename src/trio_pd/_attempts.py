@@ -53,6 +53,11 @@ class AttemptQueue(Generic[E]):
         """Live attempts."""
         return len(self._live)
 
+    @property
+    def waiting(self) -> bool:
+        """Whether attempts are queued (some may have ended since)."""
+        return bool(self._queued)
+
     def add(self, engine: E, attempt: int, deadline: float) -> None:
         """``engine``'s attempt ``attempt`` started: queue it for a fetch worker,
         and watch ``deadline``."""
@@ -125,6 +130,9 @@ class AttemptRunner(Generic[E]):
             with whether it was still queued for a worker; it must end the
             attempt, or leave it to the fetch under way (which keeps the
             same deadline itself and says why it failed).
+        room: whether a worker may start a fetch now; while it says no, the
+            workers wait (queued attempts stay queued, their deadlines run
+            on) until :meth:`room_made`.
     """
 
     def __init__(
@@ -133,11 +141,15 @@ class AttemptRunner(Generic[E]):
         workers: int,
         fetch: Callable[[E, int], Awaitable[None]],
         expired: Callable[[E, int, bool], None],
+        *,
+        room: Callable[[], bool] = lambda: True,
     ) -> None:
         self._nursery = nursery
         self._max_workers = workers
         self._fetch = fetch
         self._expired = expired
+        self._room = room
+        self._held_back = trio.lowlevel.ParkingLot()
         self.queue: AttemptQueue[E] = AttemptQueue()
         self._workers = 0
         self._watching = False
@@ -161,17 +173,33 @@ class AttemptRunner(Generic[E]):
         if not self.queue and self._watch is not None:
             self._watch.cancel()  # (nothing left to watch: the watchdog ends)
 
+    def room_made(self) -> None:
+        """``room`` may say yes again: the workers held back look."""
+        self._held_back.unpark_all()
+
+    @property
+    def workers_held_back(self) -> int:
+        """Fetch workers waiting for ``room``."""
+        return self._held_back.statistics().tasks_waiting
+
     def close(self) -> None:
         """Forget every attempt; the workers and the watchdog end at their next turn."""
         self.queue.clear()
+        self._held_back.unpark_all()
         if self._watch is not None:
             self._watch.cancel()
 
     async def _fetch_worker(self) -> None:
         """A fetch worker: fetches queued attempts one after the other, in
-        order, until none is queued."""
+        order, until none is queued (waiting while ``room`` says no)."""
         try:
-            while (item := self.queue.take(trio.current_time())) is not None:
+            while self.queue.waiting:
+                if not self._room():
+                    await self._held_back.park()
+                    continue
+                item = self.queue.take(trio.current_time())
+                if item is None:
+                    return
                 await self._fetch(*item)
         finally:
             self._workers -= 1

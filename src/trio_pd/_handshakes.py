@@ -13,8 +13,10 @@ connector's nursery:
   (``_attempts.AttemptRunner``), there while attempts are: the workers
   fetch and check the queued attempts' metadata, in order, each within its
   attempt's deadline, and queue the load (what it needs, not the whole
-  reply); the watchdog fails an attempt still queued for a fetch or for its
-  load at its deadline, ``handshake_timeout`` after it started.
+  reply), holding back while the loads queued or running hold
+  :data:`LOAD_BYTES_AHEAD` bytes of agent metadata; the watchdog fails an
+  attempt still queued for a fetch or for its load at its deadline,
+  ``handshake_timeout`` after it started.
 
 Each attempt has an event (``_remote_engines.AttemptDone``); its outcome is
 in the engine's record (state, error), so every waiter reads the same
@@ -56,6 +58,13 @@ incarnation, the agent's name and metadata blob, the layout); a storm queues a t
 LOADS_PER_BATCH = 32
 """The most queued loads the handshake task hands the backend in one call (NIXL:
 one worker thread runs them back to back; an unload waits for the batch)."""
+
+LOAD_BYTES_AHEAD = 16 << 20
+"""While the loads queued or running hold this many bytes of agent metadata, the
+fetch workers start no fetch (deadlines run on). NIXL's own metadata is a few
+KiB (3.2 KiB for 64 regions), so a storm of a thousand engines never gets
+here; replies of up to ``max_message_bytes`` each (a hostile or broken side
+channel) could otherwise pile up in memory behind a slow load thread."""
 
 
 class Handshakes:
@@ -102,8 +111,13 @@ class Handshakes:
         self._engines = RemoteEngines()
         self._loads_send, self._loads_receive = trio.open_memory_channel[_QueuedLoad](math.inf)
         self._loads_queued = 0
+        self._load_bytes = 0  # (agent metadata queued or being loaded)
         self._attempts = AttemptRunner[RemoteEngine](
-            nursery, config.max_concurrent_fetches, self._fetch_metadata, self._deadline_passed
+            nursery,
+            config.max_concurrent_fetches,
+            self._fetch_metadata,
+            self._deadline_passed,
+            room=lambda: self._load_bytes < LOAD_BYTES_AHEAD,
         )
         self._rng = random.Random()
         self._closed = False
@@ -271,6 +285,7 @@ class Handshakes:
                 return
         self._loads_queued += 1
         blob = metadata.agent_metadata
+        self._load_bytes += len(blob)
         queued = (engine, attempt, metadata.incarnation, metadata.agent_name, blob, layout)
         self._loads_send.send_nowait(queued)
 
@@ -441,6 +456,8 @@ class Handshakes:
                 await self._load(batch)
             finally:
                 self._loads_queued -= len(batch)
+                self._load_bytes -= sum(len(item[4]) for item in batch)
+                self._attempts.room_made()
 
     def peer_lost(self, engine: RemoteEngine, agent: RemoteAgent, request_id: str) -> bool:
         """``agent`` is gone (NIXL said so, or the backend gave it up).

@@ -88,7 +88,7 @@ class KVLayout:
         mem_type: NIXL memory type, ``"DRAM"`` or ``"VRAM"``.
         dtype: element type of the regions, e.g. ``"torch.bfloat16"``. (It and
             ``mem_type`` are one shared string per known name, see
-            :data:`_SHARED_NAMES`: a decoder keeps a layout per remote engine.)
+            ``_SHARED_NAMES``: a decoder keeps a layout per remote engine.)
         block_strides: bytes from one block to the next in each region
             (default: ``block_lens``, blocks back to back).
         kv_heads: KV heads per block (dimension 1 of the region tensors,
