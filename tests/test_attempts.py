@@ -196,6 +196,30 @@ async def test_set_wakes_every_waiter_but_not_one_cancelled_meanwhile() -> None:
     assert done.is_set()
 
 
+async def test_waiters_cancelled_while_the_attempt_runs_on_are_not_kept() -> None:
+    # (a client that cancels its pulls at a high rate, say: each cancelled
+    # wait left its task in the list until the attempt ended)
+    done = AttemptDone()
+    woken: list[int] = []
+
+    async def waiter(n: int) -> None:
+        await done.wait()
+        woken.append(n)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(waiter, -1)  # (one stays)
+            for round_ in range(50):
+                async with trio.open_nursery() as doomed:
+                    for n in range(100):
+                        doomed.start_soon(waiter, round_ * 100 + n)
+                    await trio.testing.wait_all_tasks_blocked()
+                    doomed.cancel_scope.cancel()
+            assert len(done._waiters or []) <= 2 * 64 + 100  # (white box: not 5001)
+            done.set()
+    assert woken == [-1]
+
+
 async def test_a_waiter_cancelled_then_waiting_again_is_woken_once() -> None:
     done = AttemptDone()
     woken = 0

@@ -38,14 +38,17 @@ class AttemptDone:
     a closure (two cells and a function: about 300 bytes) and a set slot.
     Here a waiter is a list entry; on cancellation it stays there, marked
     gone by trio itself, which resets ``Task.custom_sleep_data`` whenever
-    it reschedules a task (documented in ``trio.lowlevel.Task``).
+    it reschedules a task (documented in ``trio.lowlevel.Task``). The list
+    drops those entries whenever it has doubled since it last did, so pulls
+    cancelled while the attempt runs on cost no memory past that.
     """
 
-    __slots__ = ("_flag", "_waiters")
+    __slots__ = ("_compact_at", "_flag", "_waiters")
 
     def __init__(self) -> None:
         self._flag = False
         self._waiters: list[trio.lowlevel.Task] | None = None  # (from the first waiter)
+        self._compact_at = _FIRST_COMPACTION
 
     def is_set(self) -> bool:
         return self._flag
@@ -69,8 +72,15 @@ class AttemptDone:
         task.custom_sleep_data = self
         if self._waiters is None:
             self._waiters = []
+        elif len(self._waiters) >= self._compact_at:
+            self._waiters = [t for t in self._waiters if t.custom_sleep_data is self]
+            self._compact_at = max(_FIRST_COMPACTION, 2 * len(self._waiters))
         self._waiters.append(task)
         await trio.lowlevel.wait_task_rescheduled(_abort_wait)
+
+
+_FIRST_COMPACTION = 64
+"""An :class:`AttemptDone` drops its cancelled waiters once it has this many entries."""
 
 
 def _abort_wait(_: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
