@@ -133,7 +133,10 @@ async def bench_head_of_line(quick: bool) -> Result:
     all_jobs: dict[str, Job] = {}
     samples: dict[str, tuple[list[float], list[float], list[float]]] = {}  # base, storm, s
     modes = ["trio_pd", "raw NIXL, same loads"] * rounds + ["inline (pre-#19836)"]
-    async with open_prefill_worker(worker_spec) as w:  # noqa: SIM117 - the relays need w
+    # (more warm exposures are made than a storm pulls: a lease that outlasts the
+    # benchmark keeps the rest from expiring into the log; SIM117: the relays need w)
+    long_leases = trio_pd.ConnectorConfig(lease_initial=900.0, abort_timeout=900.0)
+    async with open_prefill_worker(worker_spec, config=long_leases) as w:  # noqa: SIM117
         async with open_delay_relays([(h, p) for _, h, p in w.addresses[1:]], delay) as ports:
             for n, mode in enumerate(modes):
                 config = trio_pd.ConnectorConfig(handshake_timeout=60.0)
