@@ -219,3 +219,8 @@ def test_the_latest_fatal_cause_wins() -> None:
 def test_a_fetch_that_never_got_a_slot_says_so() -> None:
     log = ConnectionLog(max_reply_bytes=1024, waiting_for_slot=True)
     assert "max_concurrent_fetches" in log.diagnosis()
+    assert "held back" not in log.diagnosis()
+    held = ConnectionLog(max_reply_bytes=1024, waiting_for_slot=True, load_bytes_queued=17 << 20)
+    assert "held back while 17.0 MiB of agent metadata waited for the load thread" in (
+        held.diagnosis()
+    )

@@ -86,6 +86,9 @@ class ConnectionLog:
     waiting_for_slot: bool = False
     """The attempt never got a fetch slot (one of the ``max_concurrent_fetches``
     fetch workers, shared by every engine's handshakes): nothing was sent."""
+    load_bytes_queued: int = 0
+    """With ``waiting_for_slot``: the agent metadata waiting for the load thread
+    then, if the fetch workers were holding back for it (else 0)."""
     curve: bool = False
     handshakes_lost: int = 0
     """ZeroMQ handshakes that ended without detail on a plain-text socket: the
@@ -137,9 +140,13 @@ class ConnectionLog:
     def diagnosis(self) -> str:
         """The likeliest cause of a missing reply, in words."""
         if self.waiting_for_slot:
+            held = (
+                f", or held back while {self.load_bytes_queued / (1 << 20):.1f} MiB of agent "
+                "metadata waited for the load thread"
+            )
             return (
                 "nothing was sent: every fetch slot (max_concurrent_fetches) stayed busy "
-                "with other handshakes"
+                "with other handshakes" + (held if self.load_bytes_queued else "")
             )
         if self.fatal is not None:
             return self.fatal
@@ -329,11 +336,13 @@ async def fetch_engine_metadata(
 
 
 def unsent_failure(
-    record: EngineRecord, tp_rank: int, tp_size: int, timeout: float
+    record: EngineRecord, tp_rank: int, tp_size: int, timeout: float, held_back_for: int = 0
 ) -> FetchFailure:
     """The failure of ``record``'s attempt that got no fetch slot before its
-    deadline: the cause and words of a fetch that timed out, nothing sent."""
-    log = ConnectionLog(0, waiting_for_slot=True)
+    deadline: the cause and words of a fetch that timed out, nothing sent.
+    ``held_back_for``: the bytes of agent metadata the fetch workers were
+    holding back for (0: they were not)."""
+    log = ConnectionLog(0, waiting_for_slot=True, load_bytes_queued=held_back_for)
     where = _where(record.host, record.port, tp_rank, tp_size)
     return _timed_out(record.engine_id, where, log, timeout)
 

@@ -416,7 +416,9 @@ class Handshakes:
         record = engine.record
         if queued and self._current(engine, attempt, *_PENDING):
             rank, size = engine.part.remote_rank, engine.remote_tp
-            failure = unsent_failure(record, rank, size, self._config.handshake_timeout)
+            held = self._load_bytes if self._load_bytes >= LOAD_BYTES_AHEAD else 0
+            timeout = self._config.handshake_timeout
+            failure = unsent_failure(record, rank, size, timeout, held)
             self._handshake_failed(engine, failure.cause, failure.error)
         elif self._current(engine, attempt, EngineState.LOADING):
             self._handshake_failed(engine, FailureCause.NIXL, self._deadline_error(engine))
