@@ -209,13 +209,13 @@ async def test_waiters_cancelled_while_the_attempt_runs_on_are_not_kept() -> Non
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(waiter, -1)  # (one stays)
-            for round_ in range(50):
+            for round_ in range(10):
                 async with trio.open_nursery() as doomed:
                     for n in range(100):
                         doomed.start_soon(waiter, round_ * 100 + n)
                     await trio.testing.wait_all_tasks_blocked()
                     doomed.cancel_scope.cancel()
-            assert len(done._waiters or []) <= 2 * 64 + 100  # (white box: not 5001)
+            assert len(done._waiters or []) <= 2 * 64 + 100  # (white box: not 1001)
             done.set()
     assert woken == [-1]
 
