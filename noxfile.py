@@ -48,6 +48,7 @@ STARTABLE = ",".join(
         "serve_proxy",
         "hold_registration",
         "watch_engines",
+        "hostile",
         "_held",
         "open_one",
         "run_slot",

@@ -111,6 +111,7 @@ async def test_the_watchdog_ends_as_soon_as_no_attempt_is_live(
 ) -> None:
     async def fetch(engine: str, attempt: int) -> None:
         runner.ended(engine)  # (done at once: its deadline is an hour away)
+        await trio.lowlevel.checkpoint()
 
     async with trio.open_nursery() as nursery:
         runner = AttemptRunner[str](nursery, 8, fetch, lambda *_: None)
@@ -151,6 +152,7 @@ async def test_workers_hold_back_while_there_is_no_room_and_close_lets_them_go(
     async def fetch(engine: str, attempt: int) -> None:
         fetched.append(engine)
         runner.ended(engine)
+        await trio.lowlevel.checkpoint()
 
     async with trio.open_nursery() as nursery:
         runner = AttemptRunner[str](nursery, 4, fetch, lambda *_: None, room=lambda: room)
