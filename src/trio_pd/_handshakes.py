@@ -12,11 +12,9 @@ connector's nursery:
 * *fetch workers*, at most ``max_concurrent_fetches``, and one *watchdog*
   (``_attempts.AttemptRunner``), there while attempts are: the workers
   fetch and check the queued attempts' metadata, in order, each within its
-  attempt's deadline, and queue the load (what it needs, not the whole
-  reply), holding back while the loads queued or running hold
-  :data:`LOAD_BYTES_AHEAD` bytes of agent metadata; the watchdog fails an
-  attempt still queued for a fetch or for its load at its deadline,
-  ``handshake_timeout`` after it started.
+  deadline, and queue the load (not the whole reply), holding back at
+  :data:`LOAD_BYTES_AHEAD`; the watchdog fails an attempt still queued for
+  a fetch or its load at its deadline (``handshake_timeout`` after start).
 
 Each attempt has an event (``_remote_engines.AttemptDone``); its outcome is
 in the engine's record (state, error), so every waiter reads the same
@@ -52,19 +50,16 @@ HANDSHAKES_PER_PULL = 3
 _PENDING = (EngineState.FETCHING, EngineState.VERIFYING)  # (no metadata yet)
 
 _QueuedLoad = tuple[RemoteEngine, int, str, str, bytes, KVLayout]
-"""A load in the queue: engine, attempt, and of the reply what the load needs (the
-incarnation, the agent's name and metadata blob, the layout); a storm queues a thousand."""
+"""A queued load: engine, attempt, incarnation, agent name, metadata blob, layout."""
 
 LOADS_PER_BATCH = 32
 """The most queued loads the handshake task hands the backend in one call (NIXL:
 one worker thread runs them back to back; an unload waits for the batch)."""
 
 LOAD_BYTES_AHEAD = 16 << 20
-"""While the loads queued or running hold this many bytes of agent metadata, the
-fetch workers start no fetch (deadlines run on). NIXL's own metadata is a few
-KiB (3.2 KiB for 64 regions), so a storm of a thousand engines never gets
-here; replies of up to ``max_message_bytes`` each (a hostile or broken side
-channel) could otherwise pile up in memory behind a slow load thread."""
+"""While the loads queued or running hold this many bytes of agent metadata, no
+fetch starts (deadlines run on): NIXL's own is 3.2 KiB for 64 regions, so only
+oversized replies (a hostile or broken side channel) pile up to here."""
 
 
 class Handshakes:
@@ -417,8 +412,7 @@ class Handshakes:
         if queued and self._current(engine, attempt, *_PENDING):
             rank, size = engine.part.remote_rank, engine.remote_tp
             held = self._load_bytes if self._load_bytes >= LOAD_BYTES_AHEAD else 0
-            timeout = self._config.handshake_timeout
-            failure = unsent_failure(record, rank, size, timeout, held)
+            failure = unsent_failure(record, rank, size, self._config.handshake_timeout, held)
             self._handshake_failed(engine, failure.cause, failure.error)
         elif self._current(engine, attempt, EngineState.LOADING):
             self._handshake_failed(engine, FailureCause.NIXL, self._deadline_error(engine))
