@@ -10,7 +10,7 @@ import trio
 import trio.testing
 
 from trio_pd._attempts import AttemptQueue, AttemptRunner
-from trio_pd._remote_engines import NO_ATTEMPT, AttemptDone
+from trio_pd._remote_engines import _FIRST_COMPACTION, NO_ATTEMPT, AttemptDone
 
 # --- AttemptQueue (no I/O) ---------------------------------------------------------------
 
@@ -175,20 +175,21 @@ async def test_workers_hold_back_while_there_is_no_room_and_close_lets_them_go(
 # --- AttemptDone: the attempt's event ----------------------------------------------------
 
 
+async def wait_then_note(done: AttemptDone, woken: list[int], n: int) -> None:
+    """A pull's wait on its attempt: ``n`` goes to ``woken`` once woken."""
+    await done.wait()
+    woken.append(n)
+
+
 async def test_set_wakes_every_waiter_but_not_one_cancelled_meanwhile() -> None:
     done = AttemptDone()
     woken: list[int] = []
-
-    async def waiter(n: int) -> None:
-        await done.wait()
-        woken.append(n)
-
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
             for n in range(3):
-                nursery.start_soon(waiter, n)
+                nursery.start_soon(wait_then_note, done, woken, n)
             async with trio.open_nursery() as doomed:
-                doomed.start_soon(waiter, 99)
+                doomed.start_soon(wait_then_note, done, woken, 99)
                 await trio.testing.wait_all_tasks_blocked()
                 doomed.cancel_scope.cancel()
             assert not done.is_set()
@@ -203,21 +204,17 @@ async def test_waiters_cancelled_while_the_attempt_runs_on_are_not_kept() -> Non
     # wait left its task in the list until the attempt ended)
     done = AttemptDone()
     woken: list[int] = []
-
-    async def waiter(n: int) -> None:
-        await done.wait()
-        woken.append(n)
-
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(waiter, -1)  # (one stays)
+            nursery.start_soon(wait_then_note, done, woken, -1)  # (one stays)
             for round_ in range(10):
                 async with trio.open_nursery() as doomed:
                     for n in range(100):
-                        doomed.start_soon(waiter, round_ * 100 + n)
+                        doomed.start_soon(wait_then_note, done, woken, round_ * 100 + n)
                     await trio.testing.wait_all_tasks_blocked()
                     doomed.cancel_scope.cancel()
-            assert len(done._waiters or []) <= 2 * 64 + 100  # (white box: not 1001)
+            # (white box: at most twice the first compaction's size plus a round, not 1001)
+            assert len(done._waiters or []) <= 2 * _FIRST_COMPACTION + 100
             done.set()
     assert woken == [-1]
 
