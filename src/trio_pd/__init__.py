@@ -12,6 +12,7 @@ from ._config import ConnectorConfig
 from ._connector import Connector
 from ._engines import EngineState, FailureCause
 from ._errors import (
+    ExposureEndedError,
     HandshakeError,
     IncompatibleEngineError,
     ParamsRejectedError,
@@ -41,6 +42,7 @@ __all__ = [
     "ConsumerStatistics",
     "CurveAuth",
     "EngineState",
+    "ExposureEndedError",
     "FailureCause",
     "HandshakeError",
     "IncompatibleEngineError",

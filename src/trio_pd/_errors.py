@@ -87,6 +87,52 @@ class TransferError(TrioPdError):
         return (type(self), (self.request_id, self.failed_block_ids, self.reason))
 
 
+class ExposureEndedError(TransferError):
+    """The producer no longer held the pulled blocks for this request.
+
+    The exposure ended -- its lease expired, it was abandoned, every
+    consumer already read it, or the producer restarted -- before or while
+    the READ ran, so the bytes that arrived may be another request's KV
+    (the producer is free to reuse blocks once an exposure ends). The pull
+    fails instead of returning them; the local blocks hold undefined data.
+    A server answers it with an error that says so (``exposure_ended``);
+    the request can be prefilled again.
+
+    Attributes:
+        outcome: how the producer says the exposure ended (``"expired"``,
+            ``"abandoned"``, ``"read"``, ``"unknown"``: never exposed or
+            forgotten, ``"restarted"``, ``"refused"``: the token does not
+            verify), or ``"unconfirmed"`` when the producer's confirmation
+            did not arrive in time.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        failed_block_ids: Sequence[int],
+        reason: str,
+        *,
+        outcome: str = "unknown",
+        settled: trio.Event | None = None,
+    ) -> None:
+        super().__init__(request_id, failed_block_ids, reason, settled=settled)
+        self.outcome = outcome
+
+    def __reduce__(  # type: ignore[override]
+        self,
+    ) -> tuple[object, ...]:
+        return (
+            _exposure_ended,
+            (self.request_id, self.failed_block_ids, self.reason, self.outcome),
+        )
+
+
+def _exposure_ended(
+    request_id: str, failed_block_ids: tuple[int, ...], reason: str, outcome: str
+) -> ExposureEndedError:
+    return ExposureEndedError(request_id, failed_block_ids, reason, outcome=outcome)
+
+
 class ParamsRejectedError(TrioPdError, ValueError):
     """A request's ``kv_transfer_params`` claim something this connector refuses.
 
