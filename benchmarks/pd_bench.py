@@ -261,7 +261,7 @@ async def _raw_storm(
 
 
 def _keep_job(jobs: dict[str, Job], job: Job) -> None:
-    for request_id, _ in decode_notification(job.notification) or []:
+    for request_id, _, _ in decode_notification(job.notification) or []:
         jobs[request_id] = job
 
 

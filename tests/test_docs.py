@@ -322,7 +322,15 @@ def test_the_envelope_table_names_every_message_and_the_version() -> None:
     (type_key, type_kind, tags), (version_key, _, version) = wire.envelope_rows()
     assert (type_key, type_kind, version_key) == ("type", "string", "protocol_version")
     named = re.findall(r'`"(\w+)"`', tags)
-    assert named == ["metadata_request", "lease", "lease_reply", "metadata_reply", "error"]
+    assert named == [
+        "metadata_request",
+        "lease",
+        "lease_reply",
+        "confirm",
+        "confirm_reply",
+        "metadata_reply",
+        "error",
+    ]
     assert version.startswith(f"`{protocol.PROTOCOL_VERSION}` ")
 
 

@@ -174,7 +174,10 @@ async def test_small_jobs_waiting_together_go_out_as_one_read_with_one_notificat
     assert [len(h.local) for h in by_engine] == [64, 36]
     assert [i for h in by_engine for i in h.local] == list(range(100))
     names = [decode_notification(h.notification) for h in by_engine]
-    assert names == [[(f"req-{i}", 1) for i in range(32)], [(f"req-{i}", 1) for i in range(32, 50)]]
+    assert names == [
+        [(f"req-{i}", 1, 0) for i in range(32)],
+        [(f"req-{i}", 1, 0) for i in range(32, 50)],
+    ]
     assert len(agent.posted) == 3
     assert all(h.released for h in agent.posted)
     assert agent.notifications == []  # carried by the reads

@@ -10,7 +10,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trio_pd._exposures import ExposureTable, Notice, Released, lease_window
+from trio_pd._exposures import (
+    MAX_PINS,
+    Confirmed,
+    ExposureTable,
+    Notice,
+    Released,
+    blocks_digest,
+    lease_window,
+    pin_covers,
+)
 
 BLOCKS = np.array([3, 1, 4], dtype=np.int64)
 
@@ -252,13 +261,181 @@ def test_a_renewal_extends_the_deadline_from_its_arrival() -> None:
     assert t.renewed == 1
 
 
-def test_a_renewal_never_shortens_the_lease() -> None:
+def test_a_heartbeat_shortens_a_long_first_lease_so_a_dead_consumer_frees_the_blocks_soon() -> None:
+    # (issue 28, 6: a consumer held with lease_initial=30, lease_renewal=2 and
+    # died after a few heartbeats; the blocks stayed until the first lease ran out)
     t = table()
     exposure = t.expose("r1", BLOCKS, consumers=1, deadline=30.0, limit=120.0)
-    t.renew("r1", now=1.0, extension=10.0)
-    assert exposure.deadline == 30.0
-    assert t.expire(29.0) == []
-    assert t.expire(30.0) == [exposure]
+    t.renew("r1", now=1.0, extension=2.0)
+    t.renew("r1", now=1.5, extension=2.0)
+    assert exposure.deadline == 3.5
+    assert t.next_deadline() == 3.5
+    assert t.expire(3.4) == []
+    assert t.expire(3.5) == [exposure]
+    assert exposure.outcome is Released.EXPIRED
+
+
+def test_renewals_move_the_deadline_only_forward_once_they_began() -> None:
+    t = table()
+    exposure = t.expose("r1", BLOCKS, consumers=1, deadline=30.0, limit=120.0)
+    for now in (1.0, 2.0, 3.0):
+        t.renew("r1", now=now, extension=10.0)
+        assert exposure.deadline == now + 10.0
+    assert t.expire(12.9) == []
+    assert t.expire(13.0) == [exposure]
+
+
+def test_a_pin_keeps_an_exposure_pending_past_its_lease_until_it_ends() -> None:
+    t = table()
+    exposure = t.expose("r1", BLOCKS, consumers=1, deadline=10.0, limit=120.0)
+    answer = t.confirm("r1", "decode-a", blocks_digest(BLOCKS), now=9.0, hold_for=5.0)
+    assert (answer.state, answer.held_for) == (Confirmed.HELD, 5.0)
+    assert t.expire(10.0) == []  # (the lease ran out; the pin has not)
+    assert t.next_deadline() == 14.0
+    assert t.expire(14.0) == [exposure]
+    assert exposure.outcome is Released.EXPIRED
+
+
+def test_the_pinning_agents_notification_ends_its_pin_and_resolves() -> None:
+    t = table()
+    t.expose("r1", BLOCKS, consumers=1, deadline=10.0, limit=120.0)
+    t.confirm("r1", "decode-a", blocks_digest(BLOCKS), now=1.0, hold_for=5.0)
+    assert t.notify("r1", "decode-a") is Notice.RELEASED
+    assert t.outcome("r1") is Released.READ
+
+
+def test_other_readers_cannot_end_an_exposure_while_a_pin_holds_it() -> None:
+    # A replay (or a decode engine retried elsewhere) reads and notifies while
+    # the request's own decode is still READing under its pin: the exposure must
+    # not end (the prefill engine would reuse the blocks under that READ).
+    t = table()
+    exposure = t.expose("r1", BLOCKS, consumers=1, deadline=10.0, limit=120.0)
+    t.confirm("r1", "decode-a", blocks_digest(BLOCKS), now=1.0, hold_for=5.0)
+    assert t.notify("r1", "decode-b") is Notice.COUNTED
+    assert t.outcome("r1") is None
+    assert t.expire(5.9) == []
+    assert t.expire(6.0) == [exposure]  # (the pin ran out: resolved as accounted)
+    assert exposure.outcome is Released.READ
+
+
+def test_a_deferred_exposure_resolves_when_its_pinning_agent_notifies() -> None:
+    t = table()
+    t.expose("r1", BLOCKS, consumers=1, deadline=10.0, limit=120.0)
+    t.confirm("r1", "decode-a", blocks_digest(BLOCKS), now=1.0, hold_for=5.0)
+    assert t.notify("r1", "decode-b") is Notice.COUNTED
+    assert t.notify("r1", "decode-a") is Notice.RELEASED
+    assert t.outcome("r1") is Released.READ
+
+
+def test_a_pin_never_passes_the_cap() -> None:
+    t = table()
+    exposure = t.expose("r1", BLOCKS, consumers=1, deadline=10.0, limit=12.0)
+    answer = t.confirm("r1", "decode-a", blocks_digest(BLOCKS), now=9.0, hold_for=5.0)
+    assert (answer.state, answer.held_for) == (Confirmed.HELD, 3.0)
+    assert t.expire(12.0) == [exposure]
+    at_cap = t.expose("r2", BLOCKS, consumers=1, deadline=5.0, limit=5.0)
+    assert t.confirm("r2", "decode-a", blocks_digest(BLOCKS), 5.0, 5.0).state is Confirmed.EXPIRED
+    assert t.expire(5.0) == [at_cap]
+
+
+@pytest.mark.parametrize(
+    ("end", "answer"),
+    [
+        ("expire", Confirmed.EXPIRED),
+        ("abandon", Confirmed.ABANDONED),
+        ("read-by-b", Confirmed.READ_BY_OTHERS),
+    ],
+)
+def test_a_confirmation_after_the_exposure_ended_says_how(end: str, answer: Confirmed) -> None:
+    t = table()
+    t.expose("r1", BLOCKS, consumers=1, deadline=10.0, limit=120.0)
+    if end == "expire":
+        t.expire(10.0)
+    elif end == "abandon":
+        t.abandon("r1", "decode-b")
+    else:
+        t.notify("r1", "decode-b")
+    assert t.confirm("r1", "decode-a", blocks_digest(BLOCKS), 11.0, 5.0).state is answer
+    assert t.confirm("r1", "decode-a", blocks_digest(BLOCKS), 11.0, 5.0).held_for == 0.0
+
+
+def test_a_confirmation_after_the_agents_own_read_says_read() -> None:
+    # (its notification may reach the producer before its confirmation)
+    t = table()
+    digest = blocks_digest(BLOCKS)
+    t.expose("r1", BLOCKS, consumers=2, deadline=10.0, limit=120.0)
+    t.notify("r1", "decode-a", nonce=7)
+    assert t.confirm("r1", "decode-a", digest, 1.0, 5.0, nonce=7).state is Confirmed.READ
+    t.notify("r1", "decode-b", nonce=3)
+    assert t.confirm("r1", "decode-a", digest, 2.0, 5.0, nonce=7).state is Confirmed.READ
+    assert t.confirm("r1", "decode-c", digest, 2.0, 5.0, nonce=7).state is (
+        Confirmed.READ_BY_OTHERS
+    )
+
+
+def test_a_replay_by_the_agent_that_read_is_not_confirmed() -> None:
+    # (issue 28, 3: the same parameters sent again to the same decode engine
+    # after its pull: its next READ has another nonce)
+    t = table()
+    digest = blocks_digest(BLOCKS)
+    t.expose("r1", BLOCKS, consumers=1, deadline=10.0, limit=120.0)
+    t.notify("r1", "decode-a", nonce=7)
+    assert t.confirm("r1", "decode-a", digest, 1.0, 5.0, nonce=8).state is (
+        Confirmed.READ_BY_OTHERS
+    )
+    assert t.confirm("r1", "decode-a", digest, 1.0, 5.0).state is Confirmed.READ_BY_OTHERS
+
+
+def test_a_second_read_of_a_pending_exposure_is_pinned_and_its_notification_ends_the_pin() -> None:
+    t = table()
+    digest = blocks_digest(BLOCKS)
+    t.expose("r1", BLOCKS, consumers=2, deadline=10.0, limit=120.0)
+    t.notify("r1", "decode-a", nonce=1)
+    assert t.confirm("r1", "decode-a", digest, 1.0, 5.0, nonce=2).state is Confirmed.HELD
+    assert t.notify("r1", "decode-b", nonce=1) is Notice.COUNTED  # (held by a's pin)
+    assert t.notify("r1", "decode-a", nonce=2) is Notice.RELEASED
+    assert t.outcome("r1") is Released.READ
+
+
+def test_a_request_id_exposed_again_with_other_blocks_is_not_confirmed_for_the_old_ones() -> None:
+    t = table()
+    t.expose("r1", BLOCKS, consumers=1, deadline=10.0, limit=120.0)
+    t.expire(10.0)
+    t.expose("r1", np.array([7, 8], dtype=np.int64), consumers=1, deadline=20.0, limit=120.0)
+    assert t.confirm("r1", "decode-a", blocks_digest(BLOCKS), 11.0, 5.0).state is (
+        Confirmed.UNKNOWN
+    )
+    assert t.confirm("r1", "decode-a", blocks_digest([7, 8]), 11.0, 5.0).state is Confirmed.HELD
+    assert t.confirm("r9", "decode-a", blocks_digest(BLOCKS), 11.0, 5.0).state is (
+        Confirmed.UNKNOWN
+    )
+
+
+def test_pins_per_exposure_are_bounded() -> None:
+    t = table()
+    t.expose("r1", BLOCKS, consumers=1, deadline=10.0, limit=120.0)
+    digest = blocks_digest(BLOCKS)
+    for i in range(MAX_PINS):
+        assert t.confirm("r1", f"agent-{i}", digest, 1.0, 5.0).state is Confirmed.HELD
+    assert t.confirm("r1", "one-more", digest, 1.0, 5.0).state is Confirmed.TOO_MANY_PINS
+    assert t.confirm("r1", "agent-0", digest, 2.0, 5.0).state is Confirmed.HELD  # (renewed)
+
+
+def test_the_heap_stays_small_under_a_storm_of_renewals_and_confirmations() -> None:
+    t = table()
+    t.expose("r1", BLOCKS, consumers=1, deadline=30.0, limit=120.0)
+    digest = blocks_digest(BLOCKS)
+    for i in range(10_000):
+        now = 1.0 + i * 1e-3
+        t.renew("r1", now=now, extension=10.0)
+        t.confirm("r1", "decode-a", digest, now, 5.0)
+    assert len(t._deadlines) <= 3
+
+
+def test_pin_covers_counts_from_the_send_with_slack() -> None:
+    assert pin_covers(10.0, sent_at=100.0, read_done_at=109.0)
+    assert not pin_covers(10.0, sent_at=100.0, read_done_at=109.95)
+    assert not pin_covers(0.0, sent_at=100.0, read_done_at=100.0001)
 
 
 def test_renewals_never_pass_the_cap() -> None:
@@ -404,7 +581,7 @@ def test_an_exposure_follows_the_lease_rules(
             assert t.renew("r", now, y) is (outcome is None)
             if outcome is None:
                 renewals += 1
-                deadline = max(deadline, min(now + y, limit))
+                deadline = min(now + y, limit)  # (may shorten the first lease)
         elif op in ("notify", "abandon"):
             notice = t.notify("r", x, y) if op == "notify" else t.abandon("r", x, y)
             if outcome is not None:

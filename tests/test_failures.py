@@ -200,8 +200,14 @@ async def test_exposures_expire_and_late_notifications_are_ignored(
             with caplog.at_level(logging.WARNING, logger="trio_pd"):
                 assert await producer.wait_released("slowpoke") is trio_pd.Released.EXPIRED
                 assert "request 'slowpoke' expired after 0.3 s" in caplog.text
-                # The consumer reads anyway (too late): logged and ignored.
-                await consumer.pull("late", [3, 4], remote)
+                # The consumer reads anyway (too late): the pull fails, saying
+                # so (the blocks may be another request's by now), and its
+                # notification is logged and ignored.
+                with pytest.raises(trio_pd.ExposureEndedError, match="expired") as info:
+                    await consumer.pull("late", [3, 4], remote)
+                assert info.value.outcome == "expired"
+                assert info.value.failed_block_ids == (3, 4)
+                assert consumer.statistics().pulls_exposure_ended == 1
                 with trio.move_on_after(5):
                     await wait_until(lambda: producer.statistics().notifications_ignored)
             assert "late notification for request 'slowpoke'" in caplog.text

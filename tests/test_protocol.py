@@ -491,17 +491,18 @@ def test_a_lease_request_that_cannot_be_served_is_rejected(data: bytes, code: st
 # --- notifications -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("request_id", ["r1", "", "cmpl-é-日本", "a:b:c", "trio_pd:4:1:1:x"])
+@pytest.mark.parametrize("request_id", ["r1", "", "cmpl-é-日本", "a:b:c", "trio_pd:5:1:1:x"])
 @pytest.mark.parametrize("readers", [1, 2, 16])
-def test_notification_round_trips(request_id: str, readers: int) -> None:
-    message = encode_notification(request_id, readers)
+@pytest.mark.parametrize("nonce", [0, 1, 2**63 - 1])
+def test_notification_round_trips(request_id: str, readers: int, nonce: int) -> None:
+    message = encode_notification(request_id, readers, nonce)
     assert message.startswith(NOTIFICATION_PREFIX)
-    assert decode_notification(message) == [(request_id, readers)]
+    assert decode_notification(message) == [(request_id, readers, nonce)]
 
 
 def test_joined_notifications_carry_every_pull_in_order() -> None:
-    pulls = [("r1", 1), ("", 2), ("a:7:b", 4), ("日本", 1)]
-    message = join_notifications([encode_notification(r, n) for r, n in pulls])
+    pulls = [("r1", 1, 0), ("", 2, 5), ("a:7:b", 4, 0), ("日本", 1, 99)]
+    message = join_notifications([encode_notification(r, n, x) for r, n, x in pulls])
     assert message.count(NOTIFICATION_PREFIX) == 1
     assert decode_notification(message) == pulls
     assert join_notifications([encode_notification("only")]) == encode_notification("only")
@@ -512,17 +513,21 @@ def test_joined_notifications_carry_every_pull_in_order() -> None:
     [
         b"",
         b"r1",
-        b"trio_pd:4:",  # no entry
+        b"trio_pd:5:",  # no entry
         b"trio_pd:2:1:r1",  # protocol version 2
-        b"trio_pd:3:1:2:r1",  # protocol version 3 (no leases)
-        b"trio_pd:4:r1",  # no readers count
-        b"trio_pd:4:1:r1",  # no length
-        b"trio_pd:4:0:2:r1",  # zero readers
-        b"trio_pd:4:-1:2:r1",
-        b"trio_pd:4:1:3:r1",  # shorter than its length
-        b"trio_pd:4:1:2:r1x",  # trailing bytes that are not an entry
-        b"trio_pd:4:1:2:r11:",  # a second entry cut short
-        b"xtrio_pd:4:1:2:r1",
+        b"trio_pd:4:1:2:r1",  # protocol version 4 (no confirmations)
+        b"trio_pd:5:r1",  # no readers count
+        b"trio_pd:5:1:r1",  # no length
+        b"trio_pd:5:0:2:r1",  # zero readers
+        b"trio_pd:5:-1:2:r1",
+        b"trio_pd:5:1:3:r1",  # shorter than its length
+        b"trio_pd:5:1:2:r1x",  # trailing bytes that are not an entry
+        b"trio_pd:5:1:2:r11:",  # a second entry cut short
+        b"trio_pd:5:1/:2:r1",  # an empty nonce
+        b"trio_pd:5:1/0:2:r1",  # a zero nonce (none is written without the slash)
+        b"trio_pd:5:1/x:2:r1",
+        b"trio_pd:5:/3:2:r1",  # no readers count
+        b"xtrio_pd:5:1:2:r1",
         b"TRIO_PD:4:1:2:r1",
     ],
 )
@@ -535,10 +540,10 @@ def test_notification_with_invalid_utf8_is_not_ours() -> None:
 
 
 def test_notification_ids_are_exact_not_prefixes_or_substrings() -> None:
-    assert decode_notification(encode_notification("req-1")) == [("req-1", 1)]
-    assert decode_notification(encode_notification("req-10")) == [("req-10", 1)]
-    assert decode_notification(encode_notification("xreq-1x")) == [("xreq-1x", 1)]
-    assert decode_notification(encode_notification("req-1")) != [("req-10", 1)]
+    assert decode_notification(encode_notification("req-1")) == [("req-1", 1, 0)]
+    assert decode_notification(encode_notification("req-10")) == [("req-10", 1, 0)]
+    assert decode_notification(encode_notification("xreq-1x")) == [("xreq-1x", 1, 0)]
+    assert decode_notification(encode_notification("req-1")) != [("req-10", 1, 0)]
 
 
 # --- compatibility hash --------------------------------------------------------
@@ -546,9 +551,9 @@ def test_notification_ids_are_exact_not_prefixes_or_substrings() -> None:
 
 def test_compatibility_hash_is_stable() -> None:
     # Pinned: peers of the same protocol version must agree on it across
-    # releases (the version is part of the recipe: this is version 4's).
+    # releases (the version is part of the recipe: this is version 5's).
     assert compatibility_hash("model-a") == (
-        "fbcdb4526da43f4b0bd09262f52943d9920fc35e8f8e9d9c68ac4211d75758ab"
+        "86397dfa82d333a3ecd03b66958fd63e9a088c3fdaa57f773ed6ce165bae1c1b"
     )
     assert compatibility_hash("model-a") == HASH
 

@@ -64,7 +64,7 @@ def wire_type(annotation: Any) -> str:
         return "array of " + ("maps" if items == "map" else items.replace("integer", "integers"))
     if isinstance(annotation, type) and issubclass(annotation, msgspec.Struct):
         return "map"
-    names = {str: "string", int: "integer", bytes: "binary", bool: "boolean"}
+    names = {str: "string", int: "integer", bytes: "binary", bool: "boolean", float: "float"}
     if annotation in names:
         return names[annotation]
     raise ValueError(f"no wire type for {annotation!r}")

@@ -22,7 +22,7 @@ import zmq
 
 import trio_pd
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 def compatibility_hash(compatibility_key: str) -> str:
@@ -82,7 +82,7 @@ async def main() -> None:
     request_id = "req-42"  # the producer's remote_request_id
     readers = 1  # ranks of the consumer's engine that read this producer rank
     encoded = request_id.encode()
-    print("notification:", b"trio_pd:4:%d:%d:%s" % (readers, len(encoded), encoded))
+    print("notification:", b"trio_pd:5:%d:%d:%s" % (readers, len(encoded), encoded))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,8 @@ async def attempt(config: trio_pd.ConnectorConfig) -> None:
             await d.pull("mallory", [3, 4], remote)
         except trio_pd.ParamsRejectedError as exc:
             print(f"ParamsRejectedError, field {exc.field!r}: {exc.reason}")
+        except trio_pd.ExposureEndedError as exc:
+            print(f"ExposureEndedError ({exc.outcome}): {exc.reason}")
         else:
             stolen = mismatched_blocks(local, [3, 4], seed=ALICE) == []
             print(f"the pull succeeded; mallory now holds alice's KV cache: {stolen}")

@@ -10,6 +10,7 @@ remote agent. Pulls run in the caller's task.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from types import MappingProxyType
@@ -30,8 +31,16 @@ from ._backend import (
     TransferTimeout,
 )
 from ._config import ConnectorConfig
+from ._confirm import ConfirmChannels
 from ._engines import EngineState
-from ._errors import HandshakeError, IncompatibleEngineError, ParamsRejectedError, TransferError
+from ._errors import (
+    ExposureEndedError,
+    HandshakeError,
+    IncompatibleEngineError,
+    ParamsRejectedError,
+    TransferError,
+)
+from ._exposures import blocks_digest
 from ._groups import first_failure_wins
 from ._handshakes import Handshakes
 from ._layout import BlockIds, KVLayout, as_block_ids
@@ -54,7 +63,7 @@ class Consumer:
         tp_rank, tp_size: this rank of the (decode) engine, and how many it has.
         layout: the local KV layout (remote layouts must pair with it).
         backend: the transfer backend.
-        zmq_context: for the fetches' sockets.
+        zmq_context: for the fetches' and the confirmations' sockets.
         config: deadlines and limits.
         nursery: where the fetch workers and the watchdog run.
     """
@@ -80,6 +89,12 @@ class Consumer:
         self._handshakes = Handshakes(
             engine_id, tp_size, layout, backend, zmq_context, config, nursery, self._counters
         )
+        self._confirms = ConfirmChannels(engine_id, backend.agent_name, zmq_context, config)
+        self._nonces = itertools.count(1)  # (names each READ in its notification)
+        self.confirm_reads = True
+        """Whether READs are confirmed (``_confirm``). Only the benchmarks turn
+        it off, to measure what the confirmation costs side by side: without
+        it a pull may return another request's bytes."""
         self._pulls_in_flight: AsyncValue = AsyncValue(0)
         self._unsettled = UnsettledBlocks()
         self._closed = False
@@ -147,6 +162,10 @@ class Consumer:
             await first_failure_wins(transfers)
         except ParamsRejectedError:
             self._counters.pulls_rejected += 1
+            raise
+        except ExposureEndedError:
+            self._counters.pulls_failed += 1
+            self._counters.pulls_exposure_ended += 1
             raise
         except (HandshakeError, TransferError):
             self._counters.pulls_failed += 1
@@ -241,7 +260,8 @@ class Consumer:
     ) -> Callable[[], Awaitable[None]]:
         """One part's transfer, its block ids checked now (before any part runs)."""
         readers = readers_per_remote_rank(self._tp_size, remote.tp_size)
-        notification = protocol.encode_notification(remote.request_id, readers)
+        nonce = next(self._nonces)
+        notification = protocol.encode_notification(remote.request_id, readers, nonce)
         indices = None
         if local_ids.size:
             try:
@@ -257,7 +277,15 @@ class Consumer:
                 agent.layout.descriptor_indices(remote_ids),
             )
         return functools.partial(
-            self._transfer, engine, request_id, local_ids, agent, indices, notification
+            self._transfer,
+            engine,
+            request_id,
+            local_ids,
+            agent,
+            indices,
+            notification,
+            remote,
+            nonce,
         )
 
     def engine_state(self, engine_id: str, tp_rank: int | None = None) -> EngineState:
@@ -292,6 +320,7 @@ class Consumer:
             transfers_posted=self._backend.transfers_posted,
             transfers_unsettled=self._backend.transfers_unsettled,
             pulls_rejected=c.pulls_rejected,
+            pulls_exposure_ended=c.pulls_exposure_ended,
             blocks_unsettled=len(self._unsettled),
             backend_stuck_call=self._backend.stuck_call,
         )
@@ -306,8 +335,15 @@ class Consumer:
         agent: RemoteAgent,
         indices: tuple[np.ndarray, np.ndarray] | None,
         notification: bytes,
+        remote: RemoteBlocks,
+        nonce: int,
     ) -> None:
         """READ ``indices`` (local, remote) with ``notification``; only notify if ``None``.
+
+        A READ is confirmed (``_confirm``): the confirmation is sent just
+        before the READ is posted, its answer checked once the READ ended,
+        and the pull raises :class:`ExposureEndedError` unless the producer
+        held the blocks for this request for the whole READ.
 
         The agent is leased for the transfer: it cannot be unloaded under it.
         (A pull with several parts checkpoints between making its ranks ready
@@ -315,6 +351,7 @@ class Consumer:
         anything is read.)
         """
         self._pulls_in_flight.value += 1
+        pending = None
         try:
             async with AsyncExitStack() as lease:
                 try:
@@ -327,6 +364,23 @@ class Consumer:
                         await self._backend.notify(agent, notification)
                     else:
                         hold = functools.partial(self._unsettled.hold, local_ids.tolist())
+                        rank = (
+                            remote.engine_id,
+                            remote.host,
+                            remote.port + engine.part.remote_rank,
+                        )
+                        pending = (
+                            None
+                            if not self.confirm_reads
+                            else self._confirms.send(
+                                rank,
+                                remote.request_id,
+                                remote.token,
+                                remote.incarnation,
+                                blocks_digest(remote.block_ids),
+                                nonce,
+                            )
+                        )
                         await self._backend.read(agent, *indices, notification, hold)
                 except BackendError as exc:
                     if exc.peer_lost and self._handshakes.peer_lost(engine, agent, request_id):
@@ -347,7 +401,16 @@ class Consumer:
                     raise trio.ClosedResourceError(
                         f"connector closed while request {request_id!r} was in flight"
                     ) from None
+                if pending is not None:
+                    try:
+                        await self._confirms.check(
+                            pending, trio.current_time(), request_id, local_ids.tolist()
+                        )
+                    finally:
+                        pending = None
         finally:
+            if pending is not None:
+                self._confirms.discard(pending)  # (the READ failed: no answer is awaited)
             self._pulls_in_flight.value -= 1
 
     def _fail(
@@ -375,6 +438,7 @@ class Consumer:
         self._closed = True
         self._backend.begin_close()
         self._handshakes.begin_close()
+        self._confirms.close()
 
     async def wait_pulls_done(self) -> None:
         """Until no pull is in flight (bound it with a cancel scope)."""

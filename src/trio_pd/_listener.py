@@ -4,7 +4,8 @@ What the producer's ROUTER socket does with one request payload, in two
 steps: :func:`parse_request` says what it asks (or rejects it with the error
 reply to send: size, version, type, engine id); for a lease request,
 :func:`serve_lease_request` decides which entries to apply and which are
-unknown or refused, given lookups into the producer's exposures. The
+unknown or refused, given lookups into the producer's exposures; for a
+confirmation, :func:`serve_confirm_request` decides the answer. The
 producer (``_producer``) is the shell that receives, applies and sends.
 """
 
@@ -16,6 +17,7 @@ import attrs
 
 from . import _protocol as protocol
 from ._errors import ProtocolError
+from ._exposures import Confirmation
 
 
 @attrs.frozen
@@ -28,7 +30,7 @@ class Rejected:
 
 def parse_request(
     data: bytes, *, engine_id: str, max_bytes: int
-) -> protocol.MetadataRequest | protocol.LeaseRequest | Rejected:
+) -> protocol.MetadataRequest | protocol.LeaseRequest | protocol.ConfirmRequest | Rejected:
     """The listener's first step for one request payload: what it asks, or why not.
 
     Never raises: oversized, undecodable or mistyped requests, requests of
@@ -90,3 +92,33 @@ def serve_lease_request(
     )
     refused_ids = [request.entries[position].request_id for position in refused]
     return protocol.encode_message(reply), apply, refused_ids
+
+
+def serve_confirm_request(
+    request: protocol.ConfirmRequest,
+    *,
+    ours: bool,
+    token_verifies: bool | None,
+    confirm: Callable[[], Confirmation],
+) -> tuple[bytes, protocol.ConfirmState]:
+    """The listener's answer to a confirmation.
+
+    ``ours``: the request names this incarnation (else ``restarted``: the
+    blocks it read belonged to the engine that ran here before).
+    ``token_verifies``: ``None`` without an exposure secret, or when the
+    exposure is not pending (nothing to compare with); ``False`` answers
+    ``refused``. Otherwise ``confirm`` decides (and pins, see
+    ``ExposureTable.confirm``).
+
+    Returns:
+        the encoded :class:`~trio_pd._protocol.ConfirmReply` and its state.
+    """
+    if not ours:
+        state: protocol.ConfirmState = "restarted"
+        return protocol.confirm_reply(request.seq, state), state
+    if token_verifies is False:
+        state = "refused"
+        return protocol.confirm_reply(request.seq, state), state
+    answer = confirm()
+    state = answer.state.value  # (the same strings)
+    return protocol.confirm_reply(request.seq, state, answer.held_for), state

@@ -22,7 +22,10 @@ RESERVATIONS = Path(tempfile.gettempdir()) / f"trio-pd-ports-{os.getuid()}"
 """The file (one per user) of the ranges handed out in the last ``HOLD``
 seconds: ``base count until`` a line, read and rewritten under ``flock``."""
 
-_pick_base = random.randrange  # (a test replaces it, here only)
+_pick_base = random.SystemRandom().randrange
+"""Draws a base port. Not the module-level ``random``: test frameworks seed that
+(hypothesis does, per example), and a replayed seed then drew the same bases
+as the run before it, every one still reserved (a test replaces it, here only)."""
 
 
 def _ephemeral_low() -> int:

@@ -42,6 +42,8 @@ class _Counters:
     listener_rejects: int = 0
     listener_auth_failures: int = 0
     leases_refused: int = 0
+    confirmations: int = 0
+    confirmations_denied: int = 0
 
 
 class Producer:
@@ -192,6 +194,8 @@ class Producer:
             listener_requests=c.listener_requests,
             listener_rejects=c.listener_rejects,
             listener_auth_failures=c.listener_auth_failures,
+            confirmations=c.confirmations,
+            confirmations_denied=c.confirmations_denied,
         )
 
     # ---- the listener ----------------------------------------------------
@@ -252,6 +256,8 @@ class Producer:
                     reply = request.reply
                 elif isinstance(request, protocol.LeaseRequest):
                     reply = self._serve_leases(request)
+                elif isinstance(request, protocol.ConfirmRequest):
+                    reply = self._serve_confirm(request)
                 else:
                     self._counters.listener_requests += 1
                     reply = self._encoded_reply
@@ -311,6 +317,49 @@ class Producer:
                 self._release_events.pop(entry.request_id).set()
         return reply
 
+    def _serve_confirm(self, request: protocol.ConfirmRequest) -> bytes:
+        """Answer a consumer's confirmation (and pin the exposure for it).
+
+        The pin lasts ``lease_renewal`` (never past ``abort_timeout``): a
+        READ that takes longer is confirmed again once it ended.
+        """
+        self._counters.confirmations += 1
+        entry = protocol.LeaseEntry(
+            request_id=request.request_id,
+            token=request.token,
+            readers=1,
+            abandon=False,
+            incarnation=request.incarnation,
+        )
+        exposure = self._exposures.pending_exposure(request.request_id)
+        verifies = None
+        if self._config.exposure_secret is not None and exposure is not None:
+            verifies = self._token_verifies(entry)
+        reply, state = listener.serve_confirm_request(
+            request,
+            ours=self._entry_is_ours(entry),
+            token_verifies=verifies,
+            confirm=lambda: self._exposures.confirm(
+                request.request_id,
+                request.consumer_agent,
+                request.blocks_digest,
+                trio.current_time(),
+                self._config.lease_renewal,
+                request.nonce,
+            ),
+        )
+        if state not in ("held", "read"):
+            self._counters.confirmations_denied += 1
+            logger.info(
+                "engine %s: %s (agent %s) read request %r after its exposure ended: %s",
+                self._engine_id,
+                request.consumer_engine_id,
+                request.consumer_agent,
+                request.request_id,
+                state,
+            )
+        return reply
+
     def _token_verifies(self, entry: protocol.LeaseEntry) -> bool:
         """Whether ``entry`` carries the token issued for its (pending) exposure.
 
@@ -359,6 +408,9 @@ class Producer:
                 for message in messages:
                     self._count_notification(consumer, message)
             for exposure in self._exposures.expire(trio.current_time()):
+                self._release_events.pop(exposure.request_id).set()
+                if exposure.outcome is not Released.EXPIRED:
+                    continue  # (resolved READ or ABANDONED once its last pin ended)
                 capped = exposure.deadline >= exposure.limit
                 logger.warning(
                     "engine %s: request %r expired after %g s (%s) with %.3g of %d consumers read",
@@ -369,7 +421,6 @@ class Producer:
                     float(exposure.engines_read),
                     exposure.consumers,
                 )
-                self._release_events.pop(exposure.request_id).set()
 
     def _count_notification(self, consumer: str, message: bytes) -> None:
         decoded = protocol.decode_notification(message)
@@ -382,8 +433,8 @@ class Producer:
                 message[:64],
             )
             return
-        for request_id, readers in decoded:
-            notice = self._exposures.notify(request_id, consumer, readers)
+        for request_id, readers, nonce in decoded:
+            notice = self._exposures.notify(request_id, consumer, readers, nonce)
             if notice is Notice.RELEASED:
                 self._release_events.pop(request_id).set()
             elif notice is not Notice.COUNTED:

@@ -13,12 +13,16 @@ Consumer -> producer, one of::
                      consumer_engine_id, consumer_agent,
                      entries: [LeaseEntry {request_id, token, readers,
                                            abandon, incarnation}]}
+    ConfirmRequest  {type: "confirm", protocol_version, engine_id,
+                     consumer_engine_id, consumer_agent, seq, request_id,
+                     token, incarnation, blocks_digest, nonce}
 
 Producer -> consumer, one of::
 
     MetadataReply {type: "metadata_reply", protocol_version, compatibility_hash,
                    engine_metadata: bytes}      # msgpack EngineMetadata
     LeaseReply    {type: "lease_reply", protocol_version, unknown, refused}
+    ConfirmReply  {type: "confirm_reply", protocol_version, seq, state, held_for}
     ErrorReply    {type: "error", protocol_version, code, reason}
 
 A reply is decoded in three steps, each a clear error if it fails: the
@@ -27,8 +31,9 @@ reported as such); the full envelope with the compatibility hash compared; only
 then the inner :class:`EngineMetadata`, whose engine id must be the one asked for.
 
 Transfer notifications (consumer -> producer, through NIXL) are
-``b"trio_pd:3:"`` followed by one entry per pull, each
-``b"<readers>:<length>:" + request_id`` (UTF-8; ``length`` its byte length).
+``b"trio_pd:5:"`` followed by one entry per pull, each
+``b"<readers>[/<nonce>]:<length>:" + request_id`` (UTF-8; ``length`` its
+byte length; ``nonce`` the READ's, as its confirmation names it).
 ``readers`` is how many ranks of the consumer's engine read this producer
 rank (vLLM's ``"{request_id}:{count}"``). A consumer's transfer driver posts
 small pulls that arrive together as one transfer, and their notifications as
@@ -39,7 +44,10 @@ in ``_listener``.
 
 Version 2 added the tensor-parallel fields of :class:`EngineMetadata`
 (``tp_rank``, ``tp_size``, ``kv_heads``) and the readers count; version 3
-made a notification a list of entries; version 4 added the lease exchange.
+made a notification a list of entries; version 4 added the lease exchange;
+version 5 the confirmation of a pull's exposure (``ConfirmRequest``, sent on a
+long-lived DEALER per producer rank, so its replies name the ``seq`` they
+answer).
 """
 
 from __future__ import annotations
@@ -53,10 +61,10 @@ import msgspec
 from ._errors import HandshakeError, IncompatibleEngineError, ProtocolError
 from ._layout import KVLayout
 
-PROTOCOL_VERSION: Final = 4
+PROTOCOL_VERSION: Final = 5
 """Bumped on any incompatible change to the messages below."""
 
-NOTIFICATION_PREFIX: Final = b"trio_pd:4:"
+NOTIFICATION_PREFIX: Final = b"trio_pd:5:"
 
 ErrorCode = Literal["bad_request", "unsupported_version", "wrong_engine"]
 
@@ -114,6 +122,64 @@ class LeaseReply(msgspec.Struct, tag="lease_reply", tag_field="type", frozen=Tru
     """Entries (positions) whose token did not verify; positions, not request
     ids, because one consumer may hold the same request id under a real and a
     forged token, and only the forged entry's hold is lost."""
+
+
+class ConfirmRequest(msgspec.Struct, tag="confirm", tag_field="type", frozen=True):
+    """A consumer is about to READ (or has read) an exposure: does the producer
+    still hold it for this request? (see ``_exposures.ExposureTable.confirm``)"""
+
+    protocol_version: int
+    engine_id: str
+    """The producer engine the consumer expects to reach."""
+    consumer_engine_id: str
+    """The consumer's own engine id (logged)."""
+    consumer_agent: str
+    """The consumer's NIXL agent name: the pin is this agent's, and its
+    notification is what ends it."""
+    seq: Annotated[int, msgspec.Meta(ge=0)]
+    """Echoed in the reply: the consumer's channel matches replies by it."""
+    request_id: str
+    """``remote_request_id``."""
+    token: str
+    """``remote_token`` (empty when the producer signs nothing)."""
+    incarnation: str
+    """``remote_incarnation`` (rank 0's)."""
+    blocks_digest: Annotated[bytes, msgspec.Meta(max_length=32)]
+    """``_exposures.blocks_digest`` of ``remote_block_ids``."""
+    nonce: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """The nonce of the READ's notification: ``read`` is answered only if
+    that notification (not an earlier READ's of the same agent) was counted."""
+
+
+ConfirmState = Literal[
+    "held",
+    "read",
+    "expired",
+    "abandoned",
+    "read_by_others",
+    "unknown",
+    "too_many_pins",
+    "refused",
+    "restarted",
+]
+"""``_exposures.Confirmed``'s values, and two the listener decides: ``refused``
+(the token does not verify) and ``restarted`` (another incarnation)."""
+
+
+class ConfirmReply(msgspec.Struct, tag="confirm_reply", tag_field="type", frozen=True):
+    """The producer's answer to a :class:`ConfirmRequest`."""
+
+    protocol_version: int
+    seq: int
+    """The request's ``seq``."""
+    state: ConfirmState
+    """``held`` (pinned for ``held_for`` seconds from when it was answered)
+    or ``read`` (this agent's notification was counted while it was
+    pending) let the consumer keep what it read; every other state says why
+    not."""
+    held_for: float = 0.0
+    """With ``held``: how long the pin lasts, in seconds from when the producer
+    answered (0 otherwise)."""
 
 
 class MetadataReply(msgspec.Struct, tag="metadata_reply", tag_field="type", frozen=True):
@@ -206,7 +272,8 @@ _UNDECODABLE = (msgspec.DecodeError, RecursionError)
 
 _encoder = msgspec.msgpack.Encoder()
 _envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
-_request_decoder = msgspec.msgpack.Decoder(MetadataRequest | LeaseRequest)
+_request_decoder = msgspec.msgpack.Decoder(MetadataRequest | LeaseRequest | ConfirmRequest)
+_confirm_reply_decoder = msgspec.msgpack.Decoder(ConfirmReply | ErrorReply)
 _reply_decoder = msgspec.msgpack.Decoder(MetadataReply | ErrorReply)
 _lease_reply_decoder = msgspec.msgpack.Decoder(LeaseReply | ErrorReply)
 _metadata_decoder = msgspec.msgpack.Decoder(EngineMetadata)
@@ -244,11 +311,13 @@ def encode_request(engine_id: str, consumer_engine_id: str) -> bytes:
     )
 
 
-def decode_request(data: bytes, max_bytes: int) -> MetadataRequest | LeaseRequest | ErrorReply:
+def decode_request(
+    data: bytes, max_bytes: int
+) -> MetadataRequest | LeaseRequest | ConfirmRequest | ErrorReply:
     """Decode a request; a request this engine cannot serve becomes the reply to send.
 
     Returns:
-        the request (metadata or lease), or the :class:`ErrorReply` for a
+        the request (metadata, lease or confirm), or the :class:`ErrorReply` for a
         request of another protocol version.
 
     Raises:
@@ -263,16 +332,17 @@ def decode_request(data: bytes, max_bytes: int) -> MetadataRequest | LeaseReques
             f"this engine speaks {PROTOCOL_VERSION}",
         )
     try:
-        return _request_decoder.decode(data)
+        request: MetadataRequest | LeaseRequest | ConfirmRequest = _request_decoder.decode(data)
     except _UNDECODABLE as exc:
         raise ProtocolError(f"invalid request: {exc}") from None
+    return request
 
 
 def error_reply(code: ErrorCode, reason: str) -> ErrorReply:
     return ErrorReply(protocol_version=PROTOCOL_VERSION, code=code, reason=reason)
 
 
-def encode_message(message: MetadataReply | LeaseReply | ErrorReply) -> bytes:
+def encode_message(message: MetadataReply | LeaseReply | ConfirmReply | ErrorReply) -> bytes:
     return _encoder.encode(message)
 
 
@@ -331,13 +401,18 @@ def decode_reply(
     return metadata
 
 
-def encode_notification(request_id: str, readers: int = 1) -> bytes:
+def encode_notification(request_id: str, readers: int = 1, nonce: int = 0) -> bytes:
     """The notification a consumer rank posts once it has read ``request_id``'s blocks.
 
     ``readers``: how many ranks of its engine read the same producer rank
     (the producer counts each as ``1 / readers`` of a consumer engine).
+    ``nonce``: names this READ among the agent's (its confirmation names the
+    same one, so a ``read`` answer is about this READ, not an earlier one);
+    0 for none.
     """
     encoded = request_id.encode()
+    if nonce:
+        return b"%s%d/%d:%d:%s" % (NOTIFICATION_PREFIX, readers, nonce, len(encoded), encoded)
     return b"%s%d:%d:%s" % (NOTIFICATION_PREFIX, readers, len(encoded), encoded)
 
 
@@ -349,30 +424,34 @@ def join_notifications(messages: Sequence[bytes]) -> bytes:
     return NOTIFICATION_PREFIX + b"".join(message[skip:] for message in messages)
 
 
-def decode_notification(message: bytes) -> list[tuple[str, int]] | None:
-    """``[(request_id, readers), ...]`` of a notification, or ``None`` if it is not ours.
+def decode_notification(message: bytes) -> list[tuple[str, int, int]] | None:
+    """``[(request_id, readers, nonce), ...]`` of a notification, or ``None`` if it is not ours.
 
     A message that starts like ours but does not parse to the end is not ours.
     """
     if not message.startswith(NOTIFICATION_PREFIX):
         return None
-    entries: list[tuple[str, int]] = []
+    entries: list[tuple[str, int, int]] = []
     position, end = len(NOTIFICATION_PREFIX), len(message)
     while position < end:
         colon = message.find(b":", position)
         second = message.find(b":", colon + 1) if colon >= 0 else -1
         if second < 0:
             return None
-        readers, length = message[position:colon], message[colon + 1 : second]
+        head, length = message[position:colon], message[colon + 1 : second]
+        readers, slash, nonce = head.partition(b"/")
         if not (readers.isdigit() and length.isdigit()) or int(readers) < 1:
+            return None
+        if slash and not (nonce.isdigit() and int(nonce) > 0):
             return None
         start, position = second + 1, second + 1 + int(length)
         if position > end:
             return None
         try:
-            entries.append((message[start:position].decode(), int(readers)))
+            request_id = message[start:position].decode()
         except UnicodeDecodeError:
             return None
+        entries.append((request_id, int(readers), int(nonce) if slash else 0))
     return entries or None
 
 
@@ -411,6 +490,62 @@ def decode_lease_reply(data: bytes, max_bytes: int) -> LeaseReply:
     if isinstance(reply, ErrorReply):
         raise ProtocolError(f"remote refused ({reply.code}): {reply.reason}")
     return reply
+
+
+def encode_confirm_request(
+    engine_id: str,
+    consumer_engine_id: str,
+    consumer_agent: str,
+    seq: int,
+    request_id: str,
+    token: str,
+    incarnation: str,
+    blocks_digest: bytes,
+    nonce: int = 0,
+) -> bytes:
+    return _encoder.encode(
+        ConfirmRequest(
+            protocol_version=PROTOCOL_VERSION,
+            engine_id=engine_id,
+            consumer_engine_id=consumer_engine_id,
+            consumer_agent=consumer_agent,
+            seq=seq,
+            request_id=request_id,
+            token=token,
+            incarnation=incarnation,
+            blocks_digest=blocks_digest,
+            nonce=nonce,
+        )
+    )
+
+
+def confirm_reply(seq: int, state: ConfirmState, held_for: float = 0.0) -> bytes:
+    """The encoded :class:`ConfirmReply`."""
+    return _encoder.encode(
+        ConfirmReply(protocol_version=PROTOCOL_VERSION, seq=seq, state=state, held_for=held_for)
+    )
+
+
+def decode_confirm_reply(data: bytes, max_bytes: int) -> ConfirmReply | ErrorReply:
+    """Decode a producer's answer on a confirmation channel.
+
+    An :class:`ErrorReply` (another version, a request it could not parse)
+    names no ``seq``: the channel fails every confirmation it waits for.
+
+    Raises:
+        ProtocolError: oversized, undecodable, or another protocol version.
+    """
+    _check_size(data, max_bytes, "confirm reply")
+    envelope = _envelope(data, "confirm reply")
+    if envelope.protocol_version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"remote speaks protocol version {envelope.protocol_version}, "
+            f"local speaks {PROTOCOL_VERSION}"
+        )
+    try:
+        return _confirm_reply_decoder.decode(data)
+    except _UNDECODABLE as exc:
+        raise ProtocolError(f"invalid confirm reply: {exc}") from None
 
 
 def endpoint(host: str, port: int | str) -> str:

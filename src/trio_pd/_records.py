@@ -175,6 +175,7 @@ class ConsumerStatistics:
     heartbeats_sent: int = 0
     abandons_sent: int = 0
     abandons_failed: int = 0
+    pulls_exposure_ended: int = 0
 
 
 @attrs.frozen
@@ -191,6 +192,8 @@ class ProducerStatistics:
     listener_requests: int
     listener_rejects: int
     listener_auth_failures: int
+    confirmations: int = 0
+    confirmations_denied: int = 0
 
 
 @attrs.frozen
@@ -244,6 +247,9 @@ class ConnectorStatistics:
             a successful pull.
         abandons_failed: abandon messages that got no answer in time (or an
             error reply); their exposures expire when their leases run out.
+        pulls_exposure_ended: pulls that failed with
+            :class:`~trio_pd.ExposureEndedError` (also in ``pulls_failed``):
+            their producer no longer held the blocks for them.
         exposures_pending: producer side: exposures not resolved yet.
         exposures_released: exposures resolved ``READ``.
         exposures_expired: exposures resolved ``EXPIRED``.
@@ -257,6 +263,9 @@ class ConnectorStatistics:
         listener_rejects: side-channel requests rejected (malformed, wrong
             engine, other protocol version).
         listener_auth_failures: consumers refused by CURVE authentication.
+        confirmations: producer side: pulls' confirmations answered.
+        confirmations_denied: confirmations answered that the exposure had
+            ended (the pull fails with :class:`~trio_pd.ExposureEndedError`).
     """
 
     handshakes_started: int
@@ -291,6 +300,9 @@ class ConnectorStatistics:
     exposures_abandoned: int = 0
     leases_renewed: int = 0
     leases_refused: int = 0
+    pulls_exposure_ended: int = 0
+    confirmations: int = 0
+    confirmations_denied: int = 0
 
     @classmethod
     def of_roles(

@@ -245,6 +245,7 @@ class ConsumerCounters:
     pulls_succeeded: int = 0
     pulls_failed: int = 0
     pulls_rejected: int = 0
+    pulls_exposure_ended: int = 0
     pulls_rejected_in_backoff: int = 0
     restarts_detected: int = 0
     peers_disconnected: int = 0
