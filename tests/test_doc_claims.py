@@ -335,7 +335,7 @@ def test_a_wrong_flag_default_and_unknown_flags_are_found() -> None:
     problems = flag_problems(iter(page))
     assert problems == [
         "planted.md:1: '`--connect-timeout` (default 6', "
-        "but the code says trio-pd proxy default 5.0",
+        "but the code says trio-pd proxy default 2.0",
         "planted.md:2: 'trio-pd serve --idle-timeout 5', "
         "but the code says trio-pd serve has no --idle-timeout",
         "planted.md:3: '--no-such-flag', but the code says no trio-pd command has --no-such-flag",

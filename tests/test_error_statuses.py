@@ -39,7 +39,13 @@ import httpx2
 import pytest
 import trio
 
-from trio_pd import HandshakeError, IncompatibleEngineError, ParamsRejectedError, TransferError
+from trio_pd import (
+    ExposureEndedError,
+    HandshakeError,
+    IncompatibleEngineError,
+    ParamsRejectedError,
+    TransferError,
+)
 from trio_pd._cli import _parser
 from trio_pd._serve import app as app_module
 from trio_pd._serve import asgi as asgi_module
@@ -51,6 +57,7 @@ from trio_pd._serve.errors import (
     ERROR_STATUSES,
     BodyNotJSON,
     ErrorStatus,
+    ExposureEnded,
     HTTPError,
     ParamsInUse,
     StreamStalled,
@@ -67,6 +74,7 @@ from .test_proxy import BODY, closed_port_url, engines, proxy_for
 
 App = Callable[..., Awaitable[None]]
 KV = {"remote_engine_id": "p", "remote_block_ids": [1], "do_remote_prefill": True}
+ENDED = {"error": {"message": "engine d: ended", "type": "x", "code": "exposure_ended"}}
 
 # One exception of each row's class, as the server meets it. (None: raised by
 # the server itself -- a body that is not JSON, a deadline, a stall.)
@@ -77,6 +85,10 @@ SAMPLES: dict[type[BaseException], BaseException | None] = {
     HandshakeError: HandshakeError("p", "no answer"),
     IncompatibleEngineError: IncompatibleEngineError("p", "protocol version 9"),
     TransferError: TransferError("r", [1], "the backend failed"),
+    ExposureEndedError: ExposureEndedError(
+        "r", [1], "the producer answered that it expired", outcome="expired"
+    ),
+    ExposureEnded: None,  # (the proxy's, after a decode engine's second exposure_ended)
     OutOfBlocks: OutOfBlocks("2 KV blocks needed, none freed in 0.2 s"),
     httpx2.ConnectError: httpx2.ConnectError("connection refused"),
     httpx2.ConnectTimeout: httpx2.ConnectTimeout("no connection in 5 s"),
@@ -99,6 +111,7 @@ def check_answer(
     assert status == row.status, body
     assert error["type"] == row.type.format(**values)
     assert error["param"] == (row.param.format(**values) if row.param else None)
+    assert error["code"] == row.code
     assert headers.get(b"retry-after") == (
         str(row.retry_after).encode() if row.retry_after is not None else None
     )
@@ -149,7 +162,7 @@ async def engine_answer(cls: type[BaseException]) -> None:
     engine.generation = raising(sample)  # type: ignore[method-assign]
     answer = await call(app, "POST", "/v1/completions", _json(BODY), ((b"x-request-id", b"r1"),))
     error = check_answer(row, answer, exc=sample, cls=type(sample).__name__)
-    values = {"engine": "e0", "remote_engine": None, "request_id": "r1"}
+    values = {"engine": "e0", "remote_engine": None, "remote_request": None, "request_id": "r1"}
     assert error["message"] == row.message.format(exc=sample, **values)
 
 
@@ -164,12 +177,14 @@ def mock_proxy(
 
 async def proxy_answer(cls: type[BaseException]) -> None:
     sample = SAMPLES[cls]
-    role = "decode" if cls is StreamStalled else "prefill"
+    role = "decode" if cls in (StreamStalled, ExposureEnded) else "prefill"
     timeouts: dict[str, float] = {}
 
     async def handler(request: httpx2.Request) -> httpx2.Response:
         if request.url.host == "prefill" and role == "decode":
             return httpx2.Response(200, json={"kv_transfer_params": KV})
+        if cls is ExposureEnded:  # (every time: the proxy prefills again once, no more)
+            return httpx2.Response(409, json=ENDED)
         if cls is trio.TooSlowError:
             await trio.sleep_forever()
         if cls is StreamStalled:

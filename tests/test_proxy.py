@@ -13,8 +13,10 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+import re
+import socket
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import attrs
@@ -25,6 +27,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from trio_pd._serve.asgi import read_json, send_json
+from trio_pd._serve.defaults import HOLD_MARGIN
 from trio_pd._serve.proxy import Proxy
 from trio_pd._serve.proxy_client import ProxyTimeouts, open_client
 from trio_pd._serve.timing import PhaseTimes, parse
@@ -48,6 +51,10 @@ class Scripted:
     in_flight: int = 0
     most_in_flight: int = 0
     server_timing: str = ""  # (sent as Server-Timing when set)
+    kv: dict[str, Any] = attrs.field(factory=lambda: dict(KV))  # (a prefill's answer)
+    # (answered first, one per request, before status: (status, error code))
+    answers: list[tuple[int, str | None]] = attrs.field(factory=list)
+    arrived: list[float] = attrs.field(factory=list)  # (trio.current_time() of each request)
 
     async def app(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -59,6 +66,7 @@ class Scripted:
                     return
         body = await read_json(receive)
         self.seen.append(body)
+        self.arrived.append(trio.current_time())
         headers = dict(scope["headers"])
         self.request_ids.append(headers.get(b"x-request-id", b"").decode())
         self.authorizations.append(headers.get(b"authorization", b"").decode())
@@ -72,11 +80,12 @@ class Scripted:
         finally:
             self.in_flight -= 1
         timing = [(b"server-timing", self.server_timing.encode())] if self.server_timing else []
-        if self.status != 200:
-            error = {"error": {"message": f"scripted {self.status}", "type": "scripted"}}
-            await send_json(send, self.status, error)
+        status, code = self.answers.pop(0) if self.answers else (self.status, None)
+        if status != 200:
+            error = {"error": {"message": f"scripted {status}", "type": "scripted", "code": code}}
+            await send_json(send, status, error)
         elif body.get("kv_transfer_params", {}).get("do_remote_decode"):
-            await send_json(send, 200, {"kv_transfer_params": KV}, timing)
+            await send_json(send, 200, {"kv_transfer_params": self.kv}, timing)
         else:
             await send_json(send, 200, {"choices": [{"text": "ok"}]}, timing)
 
@@ -427,3 +436,226 @@ async def test_the_proxy_follows_engines_registered_on_etcd_and_outlives_etcd() 
                 nursery.cancel_scope.cancel()
             assert prefill.seen
             assert decode.seen
+
+
+# ---- only its own bytes (issue 28) --------------------------------------------------
+#
+# A decode engine whose pull finds the prefill's exposure over answers 409
+# ``exposure_ended`` (tests/test_error_statuses.py: the engine's row); the
+# scripted engines here stand in for it, which is the seam: the proxy's
+# contract is that answer.
+
+
+@contextmanager
+def unanswered_url() -> Iterator[str]:
+    """A URL whose connections are never made (a partitioned host, as TCP sees
+    it): a listener whose backlog is full and never accepted, so the kernel
+    drops further SYNs and a connect waits until its own timeout."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        address = listener.getsockname()
+        fillers: list[socket.socket] = []
+        try:
+            while True:  # (until a connect is not made: the backlog is full)
+                probe = socket.socket()
+                probe.settimeout(0.2)
+                fillers.append(probe)
+                try:
+                    probe.connect(address)
+                except TimeoutError:
+                    break
+            yield f"http://127.0.0.1:{address[1]}"
+        finally:
+            for filler in fillers:
+                filler.close()
+
+
+def sample(proxy: Proxy, name: str, **labels: str) -> float:
+    return proxy.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+ENDED = (409, "exposure_ended")
+
+
+async def test_an_exposure_ended_answer_is_prefilled_again_once_then_decoded() -> None:
+    with trio.fail_after(30):
+        async with (
+            engines(2) as ([prefill, decode], urls),
+            proxy_for(urls[:1], urls[1:]) as (router, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            decode.answers = [ENDED]
+            response = await client.post(f"{proxy}/v1/completions", json=BODY)
+            assert response.status_code == 200, response.text
+            assert (len(prefill.seen), len(decode.seen)) == (2, 2)
+            assert sample(router, "trio_pd_proxy_reprefills_total", reason="exposure_ended") == 1
+
+
+async def test_a_decode_engine_that_keeps_answering_exposure_ended_gets_one_reprefill() -> None:
+    # (a hostile or broken decode engine cannot make the proxy loop)
+    with trio.fail_after(30):
+        async with (
+            engines(3) as ([prefill, decode, other], urls),
+            proxy_for(urls[:1], urls[1:]) as (router, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            decode.status = other.status = 409
+            decode.answers = other.answers = [ENDED] * 10
+            response = await client.post(f"{proxy}/v1/completions", json=BODY)
+            assert response.status_code == 503, response.text
+            assert response.headers["retry-after"] == "1"
+            error = response.json()["error"]
+            assert (error["code"], error["type"]) == ("exposure_ended", "decode_failed")
+            assert "scripted 409" in error["message"]
+            # Two prefills, two decodes: the exposure is gone for every decode
+            # engine, so the other one is never tried with it.
+            assert len(prefill.seen) == 2
+            assert len(decode.seen) + len(other.seen) == 2
+            assert sample(router, "trio_pd_proxy_reprefills_total", reason="exposure_ended") == 1
+            errors = "trio_pd_proxy_engine_errors_total"
+            counted = sum(
+                sample(router, errors, role="decode", engine=url, kind="exposure_ended")
+                for url in urls[1:]
+            )
+            assert counted == 1
+
+
+async def test_no_decode_starts_after_the_exposures_lease_could_have_run_out() -> None:
+    # Issue 28, finding 2: the first decode engine never answers the
+    # connection, and the connect timeout (5 s) is longer than the exposure's
+    # lease (2 s): the proxy used to wait it out, then decode on the next
+    # engine with an expired exposure -- whose blocks another request's
+    # prefill may have taken. Now the connection is cut to what the lease
+    # leaves (minus the hold margin), and the request is prefilled again.
+    timeouts = ProxyTimeouts(connect=5.0)
+    with trio.fail_after(30), unanswered_url() as partitioned:
+        async with (
+            engines(2) as ([prefill, decode], urls),
+            proxy_for(urls[:1], [partitioned, urls[1]], timeouts) as (router, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            prefill.kv = {**KV, "remote_lease_initial": 2.0}  # (the hold margin: 1 s)
+            started = trio.current_time()
+            response = await client.post(f"{proxy}/v1/completions", json=BODY)
+            assert response.status_code == 200, response.text
+            assert trio.current_time() - started < timeouts.connect
+            assert len(prefill.seen) == 2
+            assert len(decode.seen) == 1
+            # The decode started within the second exposure's lease, less the margin
+            # (arrival times are the engines'; the answer left the prefill just before).
+            assert decode.arrived[0] - prefill.arrived[1] < 2.0 - HOLD_MARGIN
+            assert sample(router, "trio_pd_proxy_reprefills_total", reason="lease") == 1
+            refused = "trio_pd_proxy_engine_errors_total"
+            labels = {"role": "decode", "engine": partitioned, "kind": "refused"}
+            assert sample(router, refused, **labels) == 1
+
+
+async def test_a_lease_too_short_for_any_decode_is_one_reprefill_then_an_answer() -> None:
+    # Every decode engine partitioned: one more prefill (its lease may be
+    # enough for the next engine), then the refusal -- never a loop.
+    timeouts = ProxyTimeouts(connect=5.0)
+    with trio.fail_after(30), unanswered_url() as one, unanswered_url() as two:
+        async with (
+            engines(1) as ([prefill], urls),
+            proxy_for(urls, [one, two], timeouts) as (router, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            prefill.kv = {**KV, "remote_lease_initial": 1.6}
+            response = await client.post(f"{proxy}/v1/completions", json=BODY)
+            assert response.status_code == 502, response.text
+            error = response.json()["error"]
+            assert error["type"] == "decode_failed"
+            assert error["engine"] in (one, two)
+            assert len(prefill.seen) == 2
+            assert sample(router, "trio_pd_proxy_reprefills_total", reason="lease") == 1
+        # One decode engine, and it is partitioned: no other engine would read
+        # a second prefill's exposure, so none is made.
+        async with (
+            engines(1) as ([prefill], urls),
+            proxy_for(urls, [one], timeouts) as (router, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            prefill.kv = {**KV, "remote_lease_initial": 1.6}
+            response = await client.post(f"{proxy}/v1/completions", json=BODY)
+            assert response.status_code == 502, response.text
+            assert len(prefill.seen) == 1
+
+
+@pytest.mark.parametrize("lease", ["7", -1.0, 0, True, None, [5], {}, 1e300], ids=repr)
+async def test_a_prefill_answers_lease_that_is_not_a_duration_is_the_default(lease: Any) -> None:
+    # (the prefill engine's answer is trusted, but never crashes the proxy:
+    # what is not a positive finite number of seconds reads as the default)
+    with trio.fail_after(30):
+        async with (
+            engines(2) as ([prefill, _], urls),
+            proxy_for(urls[:1], urls[1:]) as (_, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            prefill.kv = {**KV, "remote_lease_initial": lease}
+            response = await client.post(f"{proxy}/v1/completions", json=BODY)
+            assert response.status_code == 200, response.text
+            assert len(prefill.seen) == 1
+
+
+async def test_a_clients_own_kv_transfer_params_change_no_check() -> None:
+    # Issue 28, finding 7: a client's {"do_remote_decode": true} made the
+    # proxy skip min_tokens (not checked on a prefill); the decode engine then
+    # refused the request after the prefill had exposed its blocks.
+    with trio.fail_after(30):
+        async with (
+            engines(2) as ([prefill, decode], urls),
+            proxy_for(urls[:1], urls[1:]) as (_, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            for own in (
+                {"do_remote_decode": True},
+                {"do_remote_decode": True, "do_remote_prefill": True},
+                {"do_remote_prefill": True, "remote_block_ids": ["x"]},
+                None,
+            ):
+                for route, body in (
+                    ("completions", {**BODY, "min_tokens": 500}),
+                    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                          "max_tokens": 2, "min_completion_tokens": 3}),
+                ):  # fmt: skip
+                    request = {**body, "kv_transfer_params": own}
+                    response = await client.post(f"{proxy}/v1/{route}", json=request)
+                    assert response.status_code == 400, (own, response.text)
+                    assert response.json()["error"]["param"] in (
+                        "min_tokens",
+                        "min_completion_tokens",
+                    )
+            assert prefill.seen == []
+            assert decode.seen == []
+            # Malformed or hostile parameters of a client's own are not looked at
+            # (the proxy sets them): the request is served as without them.
+            for own in (5, "x", [1], {"remote_lease_initial": 1e300, "do_remote_decode": "yes"}):
+                response = await client.post(
+                    f"{proxy}/v1/completions", json={**BODY, "kv_transfer_params": own}
+                )
+                assert response.status_code == 200, (own, response.text)
+            assert [b["kv_transfer_params"] for b in prefill.seen] == [
+                {"do_remote_decode": True}
+            ] * 4
+            assert [b["kv_transfer_params"] for b in decode.seen] == [KV] * 4
+
+
+def test_the_defaults_table_is_the_defaults_module() -> None:
+    from pathlib import Path
+
+    from trio_pd._serve import defaults
+    from trio_pd._serve.engine import EngineSettings
+
+    text = (Path(__file__).parent.parent / "docs" / "timeouts.md").read_text()
+    rows = dict(re.findall(r"^\| `([A-Z_]+)` \| ([\d.]+) \|", text, re.MULTILINE))
+    names = [name for name in vars(defaults) if name.isupper()]
+    assert sorted(rows) == sorted(names)
+    for name in names:
+        assert float(rows[name]) == getattr(defaults, name), name
+    # The rule the table states holds for the defaults, and the commands use them.
+    defaults.check_lease(defaults.LEASE_INITIAL, defaults.CONNECT_TIMEOUT, defaults.HOLD_MARGIN)
+    assert defaults.CONNECT_TIMEOUT + defaults.HOLD_MARGIN <= defaults.LEASE_INITIAL
+    assert defaults.decode_attempts(5.0, 2.0, 1.0) == 2
+    assert ProxyTimeouts().connect == defaults.CONNECT_TIMEOUT
+    assert EngineSettings("e", 0).lease_initial == defaults.LEASE_INITIAL

@@ -17,6 +17,9 @@ import httpx2
 import pytest
 import trio
 
+from trio_pd._serve.proxy_client import ProxyTimeouts
+
+from .test_proxy import proxy_for, unanswered_url
 from .test_serve import INTERNAL_KEY, complete, deployment_client, open_deployment, scrape
 
 pytestmark = pytest.mark.slow
@@ -242,3 +245,98 @@ async def test_a_client_that_stops_reading_fails_only_its_own_request(tmp_path: 
                     text = (await response.aread()).decode()
                 assert text.count("data: ") == 1025
                 assert text.endswith("data: [DONE]\n\n")
+
+
+# ---- only its own bytes (issue 28) --------------------------------------------------
+
+LEASE = 2.0  # the engines' --lease-initial here (the proxy's hold margin is 1 s)
+SMALL_POOL = 16  # KV blocks: a freed exposure's blocks are the next prefill's
+
+
+async def test_refusals_give_the_prefill_blocks_back_and_no_decode_reads_a_lapsed_exposure(
+    tmp_path: Path,
+) -> None:
+    options = ["--num-blocks", str(SMALL_POOL), "--lease-initial", str(LEASE)]
+    async with open_deployment(tmp_path, *options) as serving:
+        proxy, [prefill], [decode] = serving["proxy"], serving["prefill"], serving["decode"]
+        free = "trio_pd_serve_kv_blocks_free"
+        with trio.fail_after(120):
+            async with deployment_client(60) as client:
+                # Finding 7: a client's own do_remote_decode no longer skips the
+                # proxy's checks: a 400 before any prefill.
+                body = {
+                    "prompt": "cheap " * 100,
+                    "max_tokens": 4,
+                    "min_tokens": 500,
+                    "kv_transfer_params": {"do_remote_decode": True},
+                }
+                response = await client.post(f"{proxy}/v1/completions", json=body)
+                assert response.status_code == 400, response.text
+                assert response.json()["error"]["param"] == "min_tokens"
+                on_prefill = await scrape(client, prefill)
+                assert "trio_pd_serve_requests_total{kind=prefill,outcome=ok}" not in on_prefill
+                assert on_prefill[free] == SMALL_POOL
+
+                # A decode engine that refuses a request naming an exposure, for
+                # any reason and before it held it, abandons it: the prefill
+                # pool is whole within 1 s (the lease is 2 s).
+                prompt = "p" * 100  # (7 blocks of KV)
+                refusals = [
+                    ({"min_tokens": 500}, 400),
+                    ({"n": 2}, 400),
+                    ({"model": "another"}, 404),
+                    ({"messages": "not on this route"}, 200),  # (ignored field: served)
+                ]
+                abandoned = 0
+                for extra, status in refusals:
+                    response = await client.post(
+                        f"{prefill}/v1/completions",
+                        json={"prompt": prompt, "kv_transfer_params": {"do_remote_decode": True}},
+                    )
+                    params = response.json()["kv_transfer_params"]
+                    assert params["remote_lease_initial"] == LEASE
+                    assert (await scrape(client, prefill))[free] < SMALL_POOL
+                    request = {"prompt": prompt, "max_tokens": 2, "kv_transfer_params": params}
+                    response = await client.post(
+                        f"{decode}/v1/completions", json={**request, **extra}
+                    )
+                    assert response.status_code == status, response.text
+                    abandoned += status != 200
+                    with trio.fail_after(1):
+                        await wait_for(client, prefill, free, SMALL_POOL)
+                on_prefill = await scrape(client, prefill)
+                assert on_prefill["trio_pd_exposures_abandoned_total"] == abandoned
+                assert on_prefill["trio_pd_exposures_expired_total"] == 0
+
+                # Finding 2: a proxy whose first decode engine never answers the
+                # connection, with a connect timeout (5 s) past the exposure's
+                # lease (2 s). It used to decode on the next engine after the
+                # lease ran out -- and another request's prefill had taken the
+                # blocks meanwhile: the user got that request's KV. Now it
+                # prefills again instead, and decodes what is its own.
+                victim = {"prompt": "v" * 100, "max_tokens": 8}
+                other = {"prompt": "o" * 100, "max_tokens": 8}
+                expected = (await complete(client, decode, **victim))["choices"][0]["token_ids"]
+                answers: dict[str, dict[str, Any]] = {}
+                with unanswered_url() as partitioned:
+                    async with proxy_for(
+                        [prefill],
+                        [partitioned, decode],
+                        ProxyTimeouts(connect=5.0),
+                        internal_key=INTERNAL_KEY,
+                    ) as (router, ours):
+
+                        async def request(name: str, url: str, body: dict[str, Any]) -> None:
+                            answers[name] = await complete(client, url, **body)
+
+                        async with trio.open_nursery() as nursery:
+                            nursery.start_soon(request, "victim", ours, victim)
+                            await trio.sleep(LEASE + 0.5)  # (its first exposure lapsed)
+                            nursery.start_soon(request, "other", proxy, other)
+                        reprefills = router.metrics.registry.get_sample_value(
+                            "trio_pd_proxy_reprefills_total", {"reason": "lease"}
+                        )
+                assert answers["victim"]["choices"][0]["token_ids"] == expected
+                assert reprefills == 1
+                with trio.fail_after(10):
+                    await wait_for(client, prefill, free, SMALL_POOL)

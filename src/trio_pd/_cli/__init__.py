@@ -40,6 +40,7 @@ from .common import (
     EXIT_USAGE,
     UsageError,
     add_internal_key_argument,
+    add_lease_argument,
     add_send_timeout_argument,
     client_keys,
     internal_key,
@@ -207,6 +208,7 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds the proxy, then each engine, drains on SIGINT/SIGTERM",
     )
     add_send_timeout_argument(serve, serving.send_timeout)
+    add_lease_argument(serve, serving.lease_initial)
     serve.add_argument(
         "--num-blocks",
         type=int,
@@ -328,6 +330,7 @@ def _serve(args: argparse.Namespace) -> int:
         ready_file=args.ready_file,
         grace=args.grace,
         send_timeout=args.send_timeout,
+        lease_initial=args.lease_initial,
         num_blocks=args.num_blocks,
         hosts=args.hosts,
         etcd_ttl=args.etcd_ttl,

@@ -152,6 +152,18 @@ def add_send_timeout_argument(parser: argparse.ArgumentParser, default: float) -
     )
 
 
+def add_lease_argument(parser: argparse.ArgumentParser, default: float) -> None:
+    parser.add_argument(
+        "--lease-initial",
+        type=float,
+        default=default,
+        metavar="SECONDS",
+        help="how long a prefill engine keeps exposed KV blocks that no decode engine holds "
+        "yet (then they may serve another request); its answers say it, and the proxy starts "
+        "no decode after it (docs/timeouts.md: the defaults are chosen together)",
+    )
+
+
 def internal_key(key_file: str) -> str | None:
     """The deployment's internal key: ``key_file``'s content if given, else
     :data:`~trio_pd._serve.keys.INTERNAL_KEY_ENV`, else ``None``.

@@ -33,6 +33,7 @@ from .common import (
     UsageError,
     add_etcd_arguments,
     add_internal_key_argument,
+    add_lease_argument,
     add_send_timeout_argument,
     curve_auth,
     exposure_secret,
@@ -110,6 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how long requests in flight may finish after SIGTERM/SIGINT",
     )
     add_send_timeout_argument(parser, defaults.send_timeout)
+    add_lease_argument(parser, defaults.lease_initial)
     parser.add_argument(
         "--ready-file",
         default="",
@@ -172,6 +174,7 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         max_model_len=max_model_len,
         grace=args.grace,
         send_timeout=args.send_timeout,
+        lease_initial=args.lease_initial,
     )
     try:
         settings.check()

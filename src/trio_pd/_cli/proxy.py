@@ -23,6 +23,7 @@ import httpx2
 import trio
 
 from .._groups import unwrapped_errors
+from .._serve import defaults
 from .._serve.asgi import response_completes
 from .._serve.binding import (
     SEND_TIMEOUT,
@@ -65,7 +66,7 @@ class ProxyOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     advertise_host: str = ""  # the address in its URL (default: host)
-    grace: float = 10.0
+    grace: float = defaults.GRACE
     send_timeout: float = SEND_TIMEOUT  # (a client that stopped reading: reset, then cancelled)
     max_model_len: int | None = None  # (None: the engines judge each request)
     timeouts: ProxyTimeouts = attrs.Factory(ProxyTimeouts)
@@ -231,7 +232,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     timeouts = ProxyTimeouts()
     for flag, what in (
-        ("--connect-timeout", "connecting to an engine (then the next one is tried)"),
+        (
+            "--connect-timeout",
+            "connecting to an engine (then the next one is tried; a decode engine's is cut to "
+            "what the prefill's exposure lease leaves)",
+        ),
         ("--prefill-timeout", "a whole prefill request (then a 504)"),
         ("--first-byte-timeout", "a decode request until its answer starts (then a 504)"),
         ("--idle-timeout", "the longest gap in a decode stream"),

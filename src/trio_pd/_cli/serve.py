@@ -53,6 +53,7 @@ from .._auth import generate_keypair
 from .._etcd_server import EtcdServer, EtcdUnavailable, open_etcd
 from .._groups import unwrapped_errors
 from .._netns import TestHost, TestHostsUnavailable, open_test_hosts
+from .._serve import defaults
 from .._serve.binding import (
     SEND_TIMEOUT,
     BindError,
@@ -93,8 +94,9 @@ class ServeOptions:
     advertise_host: str = ""  # (default: host; 127.0.0.1 when host is a wildcard)
     port: int = 8000
     ready_file: str = ""
-    grace: float = 10.0
+    grace: float = defaults.GRACE
     send_timeout: float = SEND_TIMEOUT  # (the proxy's and every engine's)
+    lease_initial: float = defaults.LEASE_INITIAL  # (every engine's; the proxy reads it)
     num_blocks: int = 1024
     start_timeout: float = 120.0
     hosts: int = 0  # (> 0: the engines on that many test hosts, found through etcd)
@@ -122,6 +124,7 @@ class ServeOptions:
         if not self.grace > 0:  # (NaN too)
             raise ValueError("--grace must be > 0")
         check_send_timeout(self.send_timeout)
+        defaults.check_lease(self.lease_initial, defaults.CONNECT_TIMEOUT, defaults.HOLD_MARGIN)
         if self.num_blocks < 1:
             raise ValueError(f"--num-blocks must be at least 1 (got {self.num_blocks})")
         if not 0 <= self.port <= 65535:
@@ -386,6 +389,7 @@ def _engine_command(
         "--max-model-len": options.max_model_len(),
         "--grace": options.grace,
         "--send-timeout": options.send_timeout,
+        "--lease-initial": options.lease_initial,
         "--ready-file": engine.ready_file,
         "--parent-pid": os.getpid(),  # (it drains if this command dies)
     }

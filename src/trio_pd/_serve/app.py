@@ -29,7 +29,7 @@ import trio
 from prometheus_client import generate_latest
 
 from .._config import ConnectorConfig
-from .._errors import HandshakeError, ParamsRejectedError, TransferError
+from .._errors import ExposureEndedError, HandshakeError, ParamsRejectedError, TransferError
 from .._open_connector import open_connector
 from .._ports import free_port_range
 from .asgi import (
@@ -60,7 +60,14 @@ from .timing import PhaseTimes
 
 logger = logging.getLogger("trio_pd.serve")
 
-PULL_ERRORS = (OutOfBlocks, ParamsRejectedError, ParamsInUse, HandshakeError, TransferError)
+PULL_ERRORS = (
+    OutOfBlocks,
+    ParamsRejectedError,
+    ParamsInUse,
+    HandshakeError,
+    ExposureEndedError,
+    TransferError,
+)
 """What a generation request may fail with besides its own refusals: answered
 by their rows of :data:`~.errors.ERROR_STATUSES`."""
 
@@ -282,12 +289,18 @@ async def _wait_for_exposures(engine: Engine) -> None:
 async def _generation(engine: Engine, receive: Receive, send: Send, rid: str, chat: bool) -> None:
     """``POST /v1/completions`` or ``/v1/chat/completions``: prefill, decode or both."""
     body = await read_json(receive)
-    request = parse_chat_request(body) if chat else parse_completions_request(body)
+    try:
+        request = parse_chat_request(body) if chat else parse_completions_request(body)
+        if not engine.accepting:
+            raise HTTPError(503, "the engine is draining", "unavailable", retry_after=1)
+    except HTTPError:
+        # Refused before it held the prefill's blocks: give them back now
+        # (a refusal while it holds them does so as it leaves the hold).
+        engine.give_back(body)
+        raise
     if request.ignored:
         ignored = ", ".join(request.ignored)
         logger.warning("request %s: unknown fields ignored: %s", rid, ignored[:500])
-    if not engine.accepting:
-        raise HTTPError(503, "the engine is draining", "unavailable", retry_after=1)
     request_id = engine.request_id(rid, "chatcmpl" if chat else "cmpl")
     shapes = Shapes(request_id, chat, len(request.prompt))
     outcome, answered = "error", False
@@ -314,7 +327,10 @@ async def _generation(engine: Engine, receive: Receive, send: Send, rid: str, ch
             outcome = "stalled"
     except PULL_ERRORS as exc:
         raise http_error(
-            exc, engine=engine.settings.engine_id, remote_engine=params.get("remote_engine_id")
+            exc,
+            engine=engine.settings.engine_id,
+            remote_engine=params.get("remote_engine_id"),
+            remote_request=params.get("remote_request_id"),
         ) from None
     finally:
         engine.requests.labels(request.kind, outcome).inc()

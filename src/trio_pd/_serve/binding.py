@@ -26,8 +26,9 @@ from typing import Any
 
 from .._open_connector import WILDCARD_HOSTS
 from .._records import unbracket
+from . import defaults
 
-SEND_TIMEOUT = 30.0
+SEND_TIMEOUT = defaults.SEND_TIMEOUT
 """The default ``--send-timeout``, in seconds."""
 
 MAX_SEND_TIMEOUT = (2**31 - 1) // 1000

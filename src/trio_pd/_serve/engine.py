@@ -57,12 +57,13 @@ from .._connector import Connector
 from .._errors import IncompatibleEngineError, ParamsRejectedError
 from .._groups import first_failure_wins
 from .._records import RemoteBlocks
+from . import defaults
 from .binding import SEND_TIMEOUT, check_send_timeout, is_wildcard
 from .errors import HTTPError, ParamsInUse
 from .keys import BearerKeys
 from .metrics import ConnectorCollector
 from .model import ModelConfig, TinyLlama
-from .openai import MAX_MODEL_LEN, check_prompt_blocks, parse_remote_blocks
+from .openai import LEASE_PARAM, MAX_MODEL_LEN, check_prompt_blocks, parse_remote_blocks
 from .pool import BlockPool
 from .timing import PhaseTimes
 
@@ -79,17 +80,19 @@ class EngineSettings:
     host: str = "127.0.0.1"  # where HTTP and the side channel bind (may be a wildcard)
     advertise_host: str = ""  # what peers and the proxy dial (default: host)
     num_blocks: int = 1024
-    abort_timeout: float = 30.0
+    abort_timeout: float = defaults.ABORT_TIMEOUT
     ready_file: str = ""  # written with {"url": ...} once the engine accepts requests
     tp_size: int = 1
     max_model_len: int = MAX_MODEL_LEN
-    admission_timeout: float = 10.0  # how long a request waits for free KV blocks
-    # Exposures: held 5 s unless the decode engine holds them (it renews every
-    # second while the request waits for its blocks), 30 s at most.
-    lease_initial: float = 5.0
-    lease_renewal: float = 3.0
-    heartbeat_interval: float = 1.0
-    grace: float = 10.0  # how long requests in flight may drain after SIGTERM
+    admission_timeout: float = defaults.ADMISSION_TIMEOUT  # (waiting for free KV blocks)
+    # Exposures: held lease_initial unless the decode engine holds them (it
+    # renews every heartbeat_interval while the request waits for its
+    # blocks), abort_timeout at most. (The proxy's deadlines depend on them:
+    # see _serve.defaults.)
+    lease_initial: float = defaults.LEASE_INITIAL
+    lease_renewal: float = defaults.LEASE_RENEWAL
+    heartbeat_interval: float = defaults.HEARTBEAT_INTERVAL
+    grace: float = defaults.GRACE  # how long requests in flight may drain after SIGTERM
     # How long an answer may wait for a client that stopped reading before
     # the kernel resets its connection (and the request is cancelled).
     send_timeout: float = SEND_TIMEOUT
@@ -107,6 +110,12 @@ class EngineSettings:
         if not self.grace > 0:  # (NaN too)
             raise ValueError("--grace must be > 0")
         check_send_timeout(self.send_timeout)
+        if not (math.isfinite(self.lease_initial) and self.lease_initial > 0):
+            raise ValueError("--lease-initial must be a positive number of seconds")
+        if self.lease_initial > self.abort_timeout:
+            raise ValueError(
+                f"--lease-initial must be at most the exposure's cap ({self.abort_timeout:g} s)"
+            )
         heads = ModelConfig().kv_heads
         if self.tp_size < 1 or heads % self.tp_size:
             raise ValueError(f"--tp {self.tp_size} must divide the model's {heads} KV heads")
@@ -200,6 +209,9 @@ class Engine:
         self.exposures_unresolved: AsyncValue[int] = AsyncValue(0)
         self.drain_deadline = math.inf  # (set when the drain starts: it ends by then)
         self._ids = itertools.count()
+        # The parameters of the decode requests under way (a refused request
+        # that names them does not abandon what another request reads).
+        self._decoding: set[RemoteBlocks] = set()
         self.metrics = EngineMetrics(lambda: self.pool.free, lambda: self.connectors)
         self.registry = self.metrics.registry
         self.requests = self.metrics.requests
@@ -285,7 +297,9 @@ class Engine:
         assert self.nursery is not None
         self.exposures_unresolved.value += 1
         self.nursery.start_soon(self._release_when_released, connectors, request_id, blocks)
-        return {**remote.to_kv_transfer_params(), "do_remote_prefill": True}
+        # (the lease tells the proxy how long it may take to start the decode)
+        lease = {LEASE_PARAM: self.settings.lease_initial}
+        return {**remote.to_kv_transfer_params(), "do_remote_prefill": True, **lease}
 
     async def _release_when_released(
         self, connectors: list[Connector], request_id: str, blocks: list[int]
@@ -349,6 +363,10 @@ class Engine:
             remote = parse_remote_blocks(params)
         connectors = self._connectors()
         blocks: list[int] | None = None
+        # (a second request with the same parameters fails at its hold: ParamsInUse)
+        ours = remote if remote is not None and remote not in self._decoding else None
+        if ours is not None:
+            self._decoding.add(ours)
         try:
             async with AsyncExitStack() as holds:
                 if remote is not None:
@@ -387,8 +405,54 @@ class Engine:
                         await self.step(blocks, prompt[:-1], 0)
             yield self._tokens(blocks, prompt, max_tokens)
         finally:
+            if ours is not None:
+                self._decoding.discard(ours)
             if blocks is not None:
                 self._release_when_settled(connectors, blocks)
+
+    def give_back(self, body: object) -> None:
+        """Abandon, in the background, the exposure that a refused request's
+        ``kv_transfer_params`` name, so that its prefill engine has the blocks
+        back at once (within one side-channel round trip) instead of when the
+        lease runs out.
+
+        For a request refused before it held them (a bad field, an unknown
+        model, a draining engine); one refused while holding them abandons
+        them as it leaves the hold. Nothing is sent for parameters that do
+        not parse, that another request of this engine is decoding (the same
+        parameters sent twice), or whose token does not verify (the producer
+        would refuse it: nobody but the prefill engine's own parameters can
+        abandon an exposure). Never raises.
+        """
+        params = body.get("kv_transfer_params") if isinstance(body, dict) else None
+        if not isinstance(params, dict) or not self.connectors or self.nursery is None:
+            return
+        try:
+            remote = RemoteBlocks.from_kv_transfer_params(params)
+        except ValueError:
+            return
+        if remote in self._decoding:
+            return
+        self.nursery.start_soon(self._abandon, list(self.connectors), remote)
+
+    async def _abandon(self, connectors: list[Connector], remote: RemoteBlocks) -> None:
+        """Every rank abandons ``remote`` (best effort: a failure is logged)."""
+
+        async def abandon(connector: Connector) -> None:
+            try:
+                await connector.abandon(remote)
+            except (ValueError, IncompatibleEngineError, trio.ClosedResourceError) as exc:
+                # (ParamsRejectedError is a ValueError: forged or garbled parameters)
+                logger.debug(
+                    "engine %s: the exposure of %r not abandoned: %s",
+                    self.settings.engine_id,
+                    remote.request_id,
+                    exc,
+                )
+
+        async with trio.open_nursery() as nursery:
+            for connector in connectors:
+                nursery.start_soon(abandon, connector)
 
     def _release_when_settled(self, connectors: list[Connector], blocks: list[int]) -> None:
         """Give ``blocks`` back now, or -- if a transfer may still write one of

@@ -25,6 +25,7 @@ import httpx2
 import trio
 
 from .._errors import (
+    ExposureEndedError,
     HandshakeError,
     IncompatibleEngineError,
     ParamsRejectedError,
@@ -78,6 +79,12 @@ class StreamStalled(Exception):
     """A decode engine's answer sent nothing for the proxy's idle deadline."""
 
 
+class ExposureEnded(Exception):
+    """A decode engine answered ``exposure_ended`` (its pull found the
+    prefill's exposure over) again after the proxy prefilled once more; the
+    message is the engine's."""
+
+
 @attrs.frozen(kw_only=True)
 class ErrorStatus:
     """How the servers answer one kind of exception.
@@ -93,6 +100,7 @@ class ErrorStatus:
         meaning: when it is answered, for the docs (reST inline markup).
         where: the servers that answer it: ``"engine"``, ``"proxy"``.
         param: the error body's ``param``, or ``None``.
+        code: the error body's ``code`` (OpenAI's machine-readable reason), or ``None``.
         extra: the site's keywords copied into the error body.
         retry_after: seconds, sent as ``Retry-After``; ``None``: no header.
         counted: the proxy's ``trio_pd_proxy_engine_errors_total`` ``kind``
@@ -105,6 +113,7 @@ class ErrorStatus:
     meaning: str
     where: tuple[str, ...]
     param: str | None = None
+    code: str | None = None
     extra: tuple[str, ...] = ()
     retry_after: int | None = None
     counted: str | None = None
@@ -173,6 +182,22 @@ ERROR_STATUSES: dict[type[BaseException], ErrorStatus] = {
         where=("engine",),
         param="kv_transfer_params",
     ),
+    ExposureEndedError: ErrorStatus(
+        status=409,
+        type="{cls}",
+        code="exposure_ended",
+        message="engine {engine}: the KV of request {remote_request!r} on engine "
+        "{remote_engine!r} is no longer exposed ({exc.outcome}): nothing was decoded, "
+        "prefill the request again ({exc.reason})",
+        meaning="the decode engine's pull found the prefill's exposure over before or while "
+        "it read (``ExposureEndedError``: its lease ran out, it was abandoned or already "
+        "read, its engine restarted; ``outcome`` says which). The blocks it read may hold "
+        "another request's KV, so nothing is decoded. A 409, not a 503: these "
+        "``kv_transfer_params`` will never be readable again, only a new prefill helps "
+        "(the proxy does that, once). ``remote_request`` names the prefill's request.",
+        where=("engine",),
+        extra=("engine", "remote_engine", "remote_request"),
+    ),
     HandshakeError: _PULL_FAILED,
     IncompatibleEngineError: _PULL_FAILED,
     TransferError: _PULL_FAILED,
@@ -184,6 +209,19 @@ ERROR_STATUSES: dict[type[BaseException], ErrorStatus] = {
         "(10 s). The client may retry.",
         where=("engine",),
         retry_after=1,
+    ),
+    ExposureEnded: ErrorStatus(
+        status=503,
+        type="decode_failed",
+        code="exposure_ended",
+        message="decode engine {engine}: {exc} (after one more prefill)",
+        meaning="a decode engine answered ``exposure_ended`` (the 409 above) for the "
+        "request prefilled a second time too: the proxy prefills again once, never more. "
+        "The client may retry.",
+        where=("proxy",),
+        extra=("engine",),
+        retry_after=1,
+        counted="exposure_ended",
     ),
     httpx2.ConnectError: _REFUSED,
     httpx2.ConnectTimeout: _REFUSED,
@@ -257,6 +295,7 @@ def http_error(
         row.message.format(**values),
         row.type.format(**values),
         param=row.param.format(**values) if row.param is not None else None,
+        code=row.code,
         retry_after=row.retry_after,
         **{name: fields[name] for name in row.extra},
     )

@@ -118,7 +118,16 @@ class ProxyMetrics:
         self.engine_errors = Counter(
             "trio_pd_proxy_engine_errors",
             "Failed requests to engines, by role, engine and kind: refused (passed over, "
-            "retried elsewhere), timeout, transport, status (a 5xx).",
+            "retried elsewhere), timeout, transport, status (a 5xx), exposure_ended (a decode "
+            "engine found the prefill's exposure over, after one more prefill).",
             ["role", "engine", "kind"],
+            registry=r,
+        )
+        self.reprefills = Counter(
+            "trio_pd_proxy_reprefills",
+            "Requests prefilled a second time, by reason: exposure_ended (a decode engine "
+            "found the first prefill's exposure over), lease (too little of its lease was "
+            "left to start a decode on the next engine).",
+            ["reason"],
             registry=r,
         )

@@ -58,6 +58,11 @@ MAX_MODEL_LEN = 2048
 CHAT_ROLES = ("system", "user", "assistant")
 MAX_REQUEST_ID = 128
 """The longest ``X-Request-Id`` taken from a request (a longer one is replaced)."""
+LEASE_PARAM = "remote_lease_initial"
+"""The ``kv_transfer_params`` key of a prefill answer that says how long (in
+seconds, from the answer) the exposure waits for a decode engine's hold: the
+prefill engine's ``lease_initial``. The proxy starts no decode request after
+that (see :mod:`.defaults`); a decode engine ignores it."""
 
 Kind = Literal["prefill", "decode", "whole"]
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from typing import Any
@@ -65,10 +66,12 @@ from .asgi import (
     trivial_lifespan,
 )
 from .binding import SEND_TIMEOUT
-from .errors import HTTPError, StreamStalled, error_status, http_error
+from .defaults import HOLD_MARGIN, LEASE_INITIAL, REPREFILLS
+from .errors import ExposureEnded, HTTPError, StreamStalled, error_status, http_error
 from .keys import BearerKeys, bearer_header
 from .metrics import ProxyMetrics
 from .openai import (
+    LEASE_PARAM,
     GenerationRequest,
     parse_chat_request,
     parse_completions_request,
@@ -81,6 +84,9 @@ from .timing import PhaseTimes
 logger = logging.getLogger("trio_pd.proxy")
 
 REQUEST_ID_HEADER = "x-request-id"
+KV_PARAMS = "kv_transfer_params"
+EXPOSURE_ENDED = "exposure_ended"
+"""The ``code`` of a decode engine's answer when the exposure it was to read ended."""
 
 ROUTES = {
     "/v1/completions": parse_completions_request,
@@ -107,6 +113,9 @@ class Proxy:
             without one of them (``None``: open to anyone who can connect).
         internal_key: the deployment's internal key, sent to the engines
             (which refuse ``/v1/*`` without it, when they have one).
+        hold_margin: what must be left of an exposure's lease once the
+            proxy connected to a decode engine (for that engine to hold it);
+            :data:`~.defaults.HOLD_MARGIN`.
     """
 
     def __init__(
@@ -120,8 +129,10 @@ class Proxy:
         send_timeout: float = SEND_TIMEOUT,
         api_keys: BearerKeys | None = None,
         internal_key: str | None = None,
+        hold_margin: float = HOLD_MARGIN,
     ):
         self._max_model_len = max_model_len
+        self._hold_margin = hold_margin
         self._engines = {"prefill": EngineSet(prefill), "decode": EngineSet(decode)}
         self._client = client
         self._timeouts = timeouts
@@ -194,6 +205,12 @@ class Proxy:
         self.metrics.in_flight.inc()
         try:
             body = await read_json(receive)
+            if isinstance(body, dict):
+                # The proxy sets kv_transfer_params itself (a client's own never
+                # reach an engine): the body is checked without them, so a
+                # request is checked the same whatever the client put there
+                # (``do_remote_decode`` would skip ``min_tokens``, say).
+                body = {key: value for key, value in body.items() if key != KV_PARAMS}
             # A bad request is a 400 here, before any engine does work for it.
             parsed: GenerationRequest = ROUTES[path](body)
             prompt, max_tokens = parsed.prompt, parsed.max_tokens
@@ -221,15 +238,7 @@ class Proxy:
             times = PhaseTimes()
             sending = SendWatch(send_tracked)
             async with cancel_on_disconnect(receive):
-                kv = await self._prefill(path, request_id, body, times)
-                await self._decode(
-                    path,
-                    request_id,
-                    {**body, "kv_transfer_params": kv},
-                    sending,
-                    started,
-                    times,
-                )
+                await self._disaggregate(path, request_id, body, sending, started, times)
             if outcome == "disconnected" and sending.stalled(self._send_timeout):
                 outcome = "stalled"
                 sending.log_stall(
@@ -244,15 +253,58 @@ class Proxy:
             self.metrics.requests.labels(outcome).inc()
             self.metrics.seconds.observe(trio.current_time() - started)
 
+    async def _disaggregate(
+        self,
+        path: str,
+        request_id: str,
+        body: dict[str, Any],
+        send: Send,
+        started: float,
+        times: PhaseTimes,
+    ) -> None:
+        """Prefill ``body`` on one engine, decode it on another; prefill it
+        again, once, if its exposure ended before a decode engine read it
+        (``exposure_ended``) or too little of its lease was left to start a
+        decode on the next engine (see :mod:`.defaults`).
+
+        The second round runs within the request's deadline: what one round
+        may take (``prefill`` + ``first_byte``) from the request's arrival.
+        """
+        deadline = math.inf
+        for round_ in range(1 + REPREFILLS):
+            kv, expires = await self._prefill(path, request_id, body, times, deadline)
+            decoding = {**body, KV_PARAMS: kv}
+            try:
+                await self._decode(
+                    path, request_id, decoding, send, started, times, expires, deadline
+                )
+                return
+            except _PrefillAgain as again:
+                if round_ == REPREFILLS:
+                    if again.error is not None:
+                        raise again.error from None
+                    raise self._engine_error("decode", again.engine, ExposureEnded(again)) from None
+                self.metrics.reprefills.labels(again.reason).inc()
+                logger.warning("request %s: prefilled again: %s", request_id, again)
+                deadline = started + self._timeouts.prefill + self._timeouts.first_byte
+
     async def _prefill(
-        self, path: str, request_id: str, body: dict[str, Any], times: PhaseTimes
-    ) -> dict[str, Any]:
-        """The KV of ``body``'s prompt, from a prefill engine that answers.
+        self,
+        path: str,
+        request_id: str,
+        body: dict[str, Any],
+        times: PhaseTimes,
+        deadline: float = math.inf,
+    ) -> tuple[dict[str, Any], float]:
+        """The KV of ``body``'s prompt, from a prefill engine that answers,
+        and when its exposure's lease runs out (``trio.current_time()``'s
+        clock: counted from the answer, see :func:`_lease_of`).
 
         An engine that refuses the connection, or answers 503 (it did no
         work), is passed over for the next; any other failure is this
         request's (see the module docstring). ``times`` gets the phase
-        ``prefill`` (every attempt) and the answering engine's phases.
+        ``prefill`` (every attempt) and the answering engine's phases. Each
+        attempt ends at ``--prefill-timeout`` or ``deadline``, the earlier.
         """
         request = {
             **body,
@@ -266,8 +318,9 @@ class Proxy:
         failure: HTTPError | None = None
         for engine in engines.candidates(trio.current_time()):
             with engines.attempt(engine):
+                limit = min(self._timeouts.prefill, deadline - trio.current_time())
                 try:
-                    with times.phase("prefill"), trio.fail_after(self._timeouts.prefill):
+                    with times.phase("prefill"), trio.fail_after(max(limit, 0)):
                         response = await self._client.post(
                             f"{engine}{path}",
                             json=request,
@@ -279,7 +332,7 @@ class Proxy:
                     continue
                 except trio.TooSlowError as exc:
                     raise self._engine_error(
-                        "prefill", engine, exc, phase="no answer", seconds=self._timeouts.prefill
+                        "prefill", engine, exc, phase="no answer", seconds=max(limit, 0)
                     ) from None
                 except httpx2.HTTPError as exc:
                     raise self._engine_error("prefill", engine, exc) from None
@@ -289,9 +342,10 @@ class Proxy:
             if response.status_code != 200:
                 self._count_status("prefill", engine, response.status_code)
                 raise _relayed("prefill", engine, response.status_code, response.text)
-            kv: dict[str, Any] = response.json()["kv_transfer_params"]
+            answered = trio.current_time()
+            kv: dict[str, Any] = response.json()[KV_PARAMS]
             times.relay("prefill.", response.headers.get("server-timing"))
-            return kv
+            return kv, answered + _lease_of(kv)
         raise failure or HTTPError(503, "no prefill engine", "unavailable", retry_after=1)
 
     async def _decode(
@@ -302,19 +356,46 @@ class Proxy:
         send: Send,
         started: float,
         times: PhaseTimes,
+        expires: float,
+        deadline: float = math.inf,
     ) -> None:
         """Relay ``body``'s decoding from a decode engine that can be reached.
 
         One that refuses the connection (it died, say) is passed over for
         the next: it never saw the request, and the prefill engine's
-        exposure is still there for another one to read.
+        exposure is still there for another one to read -- while its lease
+        (it runs out at ``expires``) lasts. Each connection must be made by
+        ``expires - hold_margin``, so that the decode engine holds the
+        exposure before the lease runs out: its connect timeout is cut to
+        that, and once nothing is left the next engine is not tried
+        (:class:`_PrefillAgain`). Nor is it when the decode engine answers
+        ``exposure_ended`` (the exposure is gone for every engine).
         """
         engines = self._engines["decode"]
         failure: HTTPError | None = None
         for engine in engines.candidates(trio.current_time()):
+            connect = min(self._timeouts.connect, expires - self._hold_margin - trio.current_time())
+            if connect <= 0:
+                left = max(expires - trio.current_time(), 0)
+                raise _PrefillAgain(
+                    "lease",
+                    f"{left:.2f} s of the exposure's lease left, {self._hold_margin:g} s "
+                    f"needed to start a decode on {engine}",
+                    engine=engine,
+                    error=failure
+                    or HTTPError(
+                        503,
+                        f"no decode request could start within the exposure's lease "
+                        f"(a hold needs {self._hold_margin:g} s of it)",
+                        "unavailable",
+                        retry_after=1,
+                    ),
+                )
             with engines.attempt(engine):
                 try:
-                    await self._decode_on(engine, path, request_id, body, send, started, times)
+                    await self._decode_on(
+                        engine, path, request_id, body, send, started, times, connect, deadline
+                    )
                 except _Refused as exc:
                     engines.refused(engine, trio.current_time())
                     failure = exc.error
@@ -331,28 +412,39 @@ class Proxy:
         send: Send,
         started: float,
         times: PhaseTimes,
+        connect: float,
+        deadline: float,
     ) -> None:
         streaming = False
+        timeouts = self._timeouts
         request = self._client.build_request(
             "POST",
             f"{engine}{path}",
             json=body,
             headers={REQUEST_ID_HEADER: request_id, **self._upstream_headers},
+            # (connected within the lease, see _decode; reads bounded per phase here)
+            timeout=httpx2.Timeout(connect=connect, read=None, write=timeouts.idle, pool=None),
         )
         response: httpx2.Response | None = None
+        first_byte = max(min(timeouts.first_byte, deadline - trio.current_time()), 0)
         try:
-            with times.phase("decode"), trio.fail_after(self._timeouts.first_byte):
+            with times.phase("decode"), trio.fail_after(first_byte):
                 response = await self._client.send(request, stream=True)
             if response.status_code != 200:
                 self._count_status("decode", engine, response.status_code)
                 try:
-                    with trio.fail_after(self._timeouts.idle):  # (its error body, too)
+                    with trio.fail_after(timeouts.idle):  # (its error body, too)
                         text = (await response.aread()).decode(errors="replace")
                 except trio.TooSlowError:
                     raise StreamStalled(
-                        f"its {response.status_code} answer stalled for {self._timeouts.idle:g} s"
+                        f"its {response.status_code} answer stalled for {timeouts.idle:g} s"
                     ) from None
-                raise _relayed("decode", engine, response.status_code, text)
+                relayed = _relayed("decode", engine, response.status_code, text)
+                if response.status_code == 409 and _code(relayed) == EXPOSURE_ENDED:
+                    # (the exposure is gone: no other decode engine can read it)
+                    message = str(relayed).removeprefix(f"decode engine {engine}: ")
+                    raise _PrefillAgain(EXPOSURE_ENDED, message, engine=engine)
+                raise relayed
             times.relay("decode.", response.headers.get("server-timing"))
             await send(
                 {
@@ -391,7 +483,7 @@ class Proxy:
                 engine,
                 exc,
                 phase="not even the first byte of an answer",
-                seconds=self._timeouts.first_byte,
+                seconds=first_byte,
             ) from None
         except (httpx2.HTTPError, StreamStalled) as exc:
             error = self._engine_error("decode", engine, exc)
@@ -417,12 +509,45 @@ class Proxy:
             self.metrics.engine_errors.labels(role, engine, "status").inc()
 
 
+class _PrefillAgain(Exception):
+    """The request's exposure cannot be read by another decode engine: it
+    ended (``reason`` ``"exposure_ended"``, said by ``engine``) or too little
+    of its lease is left for ``engine`` (``"lease"``). ``error`` is the
+    client's answer if the proxy does not prefill again (``None``: the
+    :class:`~.errors.ExposureEnded` row)."""
+
+    def __init__(
+        self, reason: str, message: str, *, engine: str, error: HTTPError | None = None
+    ) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.engine = engine
+        self.error = error
+
+
 class _Refused(Exception):
     """A decode engine refused the connection (``error`` says so, for the client)."""
 
     def __init__(self, error: HTTPError) -> None:
         super().__init__(str(error))
         self.error = error
+
+
+def _lease_of(kv: dict[str, Any]) -> float:
+    """How long (seconds) the exposure of a prefill answer's ``kv`` waits for
+    a decode engine's hold: its ``remote_lease_initial`` (the prefill
+    engine's ``--lease-initial``), or :data:`~.defaults.LEASE_INITIAL` when
+    it does not say (another engine) or says something that is not a
+    positive, finite number of seconds."""
+    lease = kv.get(LEASE_PARAM) if isinstance(kv, dict) else None
+    if isinstance(lease, int | float) and not isinstance(lease, bool) and lease > 0:
+        return float(lease) if math.isfinite(lease) else LEASE_INITIAL
+    return LEASE_INITIAL
+
+
+def _code(error: HTTPError) -> object:
+    """The ``code`` of an error answer."""
+    return error.body["error"].get("code")
 
 
 def _outcome(status: int) -> str:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import attrs
 import httpx2
 
+from . import defaults
+
 
 @attrs.frozen(kw_only=True)
 class ProxyTimeouts:
@@ -17,17 +19,18 @@ class ProxyTimeouts:
 
     Attributes:
         connect: connecting to an engine (a connection refused or not made
-            in time: the next engine is tried).
+            in time: the next engine is tried); a decode engine's is cut to
+            what the exposure's lease leaves (:mod:`.defaults`).
         prefill: the whole prefill request, from sending it to its answer.
         first_byte: a decode request, from sending it until its response
             starts (for a request that does not stream, the whole answer).
         idle: the longest gap between two chunks of a decode stream.
     """
 
-    connect: float = 5.0
-    prefill: float = 60.0
-    first_byte: float = 120.0
-    idle: float = 60.0
+    connect: float = defaults.CONNECT_TIMEOUT
+    prefill: float = defaults.PREFILL_TIMEOUT
+    first_byte: float = defaults.FIRST_BYTE_TIMEOUT
+    idle: float = defaults.IDLE_TIMEOUT
 
 
 def open_client(timeouts: ProxyTimeouts = ProxyTimeouts()) -> httpx2.AsyncClient:
