@@ -438,3 +438,37 @@ async def test_heartbeats_and_abandons_travel_over_curve_and_strangers_get_nowhe
                 assert p.statistics().exposures_pending == 1
             assert await p.wait_released("r") is trio_pd.Released.ABANDONED
             assert p.statistics().listener_auth_failures >= 1
+
+
+async def test_a_consumer_that_stops_heartbeating_frees_the_blocks_within_lease_renewal(
+    memory_fabric: MemoryFabric,
+) -> None:
+    # (issue 28, 6: a consumer held with a long first lease and died after a few
+    # heartbeats; the producer kept the blocks until that first lease ran out.)
+    # The consumer here is a bare DEALER that sends two heartbeats, then goes
+    # silent as a SIGKILLed process does.
+    long_first = attrs.evolve(LEASES, lease_initial=30.0, lease_renewal=0.5, abort_timeout=60.0)
+    with trio.fail_after(10):
+        async with trio_pd.open_connector(
+            "p", kv_cache(blocks=8), config=long_first, backend=memory_fabric.backend
+        ) as p:
+            remote = p.expose("r", [3])
+            entry = protocol.LeaseEntry(
+                request_id="r", token=remote.token, readers=1, abandon=False
+            )
+            host, port = p.address
+            with zmq.Context() as context:
+                dealer = TrioZmqSocket(context.socket(zmq.DEALER))
+                async with dealer:
+                    dealer.zmq_socket.setsockopt(zmq.LINGER, 0)
+                    dealer.zmq_socket.connect(f"tcp://{host}:{port}")
+                    for _ in range(2):
+                        request = protocol.encode_lease_request("p", "d", "d#dead", [entry])
+                        await dealer.send_multipart([b"", request])
+                        await dealer.receive_multipart()
+                    last_heartbeat = trio.current_time()
+            assert await p.wait_released("r") is trio_pd.Released.EXPIRED
+            # within lease_renewal (0.5 s, + a notification poll and a busy
+            # machine's slack), not when the 30 s first lease runs out
+            assert trio.current_time() - last_heartbeat < 5.0
+            assert p.statistics().leases_renewed == 2
