@@ -304,7 +304,8 @@ def shutdown_notes(config: ConnectorConfig) -> dict[str, str]:
             "even past the deadline"
         ),
         "leases.wait_idle": (
-            "abandons running in your tasks (cancelled by begin_close) close their sockets"
+            "abandons running in your tasks (each ending by close_timeout after "
+            "begin_close) close their sockets"
         ),
         "context.destroy": "the ZeroMQ context goes, after every socket is closed",
     }
