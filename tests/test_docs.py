@@ -167,7 +167,10 @@ def test_fetches_vs_loads_is_drawn_from_the_code_and_drift_fails_the_build(
     default = attrs.fields(trio_pd.ConnectorConfig).max_concurrent_fetches.default
     assert f"at most {default} at once" in dot
     assert "backend_stuck_call = " in dot
-    assert "add_remote_agent for agent 'agent-prefill-0' (5.0 s)" in dot
+    assert (
+        "add_remote_agent for agent 'agent-prefill-0' (5.0 s; abandoned at its handshake's "
+        "deadline)" in dot
+    )
     text = " ".join(dot.replace("\\n", " ").split())  # (labels are wrapped)
     assert "of the handshake's start (1 loads queued); the transfer backend is stuck" in text
     # A handshake task that loaded without the deadline would fail the build.

@@ -472,3 +472,111 @@ async def test_a_consumer_that_stops_heartbeating_frees_the_blocks_within_lease_
             # machine's slack), not when the 30 s first lease runs out
             assert trio.current_time() - last_heartbeat < 5.0
             assert p.statistics().leases_renewed == 2
+
+
+async def test_closing_right_after_leaving_holds_sends_their_abandons_first(
+    memory_fabric: MemoryFabric,
+) -> None:
+    # Issue 28: the abandons that leaving the holds queued were dropped by the
+    # close, so the producer kept the blocks until their leases expired.
+    with trio.fail_after(10):
+        async with engine(memory_fabric, "p") as (p, _):
+            remote = p.expose("one", [0])
+            async with engine(memory_fabric, "d") as (d, _), d.hold(remote):
+                pass
+            outcome, waited = await wait_timed(p, "one")
+            assert (outcome, waited < AT_ONCE) == (trio_pd.Released.ABANDONED, True)
+            # Many holds left together, no checkpoint between them and the close.
+            remotes = [p.expose(f"r{n}", [n]) for n in range(1, 41)]
+            async with engine(memory_fabric, "d") as (d, _), AsyncExitStack() as holds:
+                for remote in remotes:
+                    await holds.enter_async_context(d.hold(remote))
+            stats = d.statistics()
+            assert (stats.abandons_sent, stats.abandons_failed) == (40, 0)
+            assert p.statistics().exposures_abandoned == 41
+            for n in range(1, 41):
+                outcome, waited = await wait_timed(p, f"r{n}")
+                assert (outcome, waited < AT_ONCE) == (trio_pd.Released.ABANDONED, True)
+
+
+async def test_close_waits_for_abandons_to_dead_producers_at_most_close_timeout(
+    memory_fabric: MemoryFabric, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Queued and in-flight abandons go concurrently under one close_timeout: a
+    # dead producer (refused, or accepting and never answering) delays close by
+    # at most that, and the live producer's abandon is not queued behind them.
+    context = zmq.Context()
+    silent = TrioZmqSocket(context.socket(zmq.ROUTER))
+    try:
+        silent.zmq_socket.setsockopt(zmq.LINGER, 0)
+        silent.zmq_socket.bind("tcp://127.0.0.1:*")
+        silent_port = int(silent.zmq_socket.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":")[-1])
+        slow = attrs.evolve(LEASES, handshake_timeout=30.0)  # (close_timeout: 1 s)
+        with trio.fail_after(15), caplog.at_level(logging.INFO, logger="trio_pd"):
+            async with engine(memory_fabric, "p") as (p, _):
+                alive = [p.expose(f"r{n}", [n]) for n in range(3)]
+                dead = [
+                    trio_pd.RemoteBlocks(f"gone{n}", "127.0.0.1", free_port(), [1], "x")
+                    for n in range(3)
+                ] + [trio_pd.RemoteBlocks("hung", "127.0.0.1", silent_port, [1], "y")]
+                async with engine(memory_fabric, "d", slow) as (d, _):
+                    for remote in [*dead, *alive]:
+                        async with d.hold(remote):
+                            pass
+                    closing = trio.current_time()
+                closed_after = trio.current_time() - closing
+                assert closed_after < LEASES.close_timeout + AT_ONCE
+                for n in range(3):
+                    assert await p.wait_released(f"r{n}") is trio_pd.Released.ABANDONED
+                stats = d.statistics()
+                assert (stats.abandons_sent, stats.abandons_failed) == (7, 4)
+        assert "engine hung: abandon of request 'y' at 127.0.0.1" in caplog.text
+        assert "not answered within close_timeout (1 s)" in caplog.text
+    finally:
+        silent.close()
+        context.destroy(linger=0)
+
+
+async def test_cancelling_a_close_that_waits_for_abandons_still_bounds_and_ends_it(
+    memory_fabric: MemoryFabric,
+) -> None:
+    with trio.fail_after(10):
+        async with engine(memory_fabric, "p") as (p, _):
+            remote = p.expose("r", [1])
+            gone = trio_pd.RemoteBlocks("gone", "127.0.0.1", free_port(), [1], "x")
+            with trio.CancelScope() as outside:
+                async with engine(
+                    memory_fabric, "d", attrs.evolve(LEASES, handshake_timeout=30.0)
+                ) as (
+                    d,
+                    _,
+                ):
+                    async with d.hold(gone), d.hold(remote):
+                        pass
+                    outside.cancel()
+                    cancelled_at = trio.current_time()
+            # The close was cancelled too: shielded, it still sent the live abandon.
+            assert trio.current_time() - cancelled_at < LEASES.close_timeout + AT_ONCE
+            outcome, waited = await wait_timed(p, "r")
+            assert (outcome, waited < AT_ONCE) == (trio_pd.Released.ABANDONED, True)
+
+
+async def test_more_abandons_to_a_dead_producer_than_run_at_once_still_end_by_close_timeout(
+    memory_fabric: MemoryFabric,
+) -> None:
+    # Past MAX_BACKGROUND_ABANDONS the queue waits for a slot: those that get
+    # one only after the close's deadline fail at once, and close is not held up.
+    from trio_pd._leases import MAX_BACKGROUND_ABANDONS
+
+    many = MAX_BACKGROUND_ABANDONS + 6
+    port = free_port()
+    slow = attrs.evolve(LEASES, handshake_timeout=30.0)
+    with trio.fail_after(15):
+        async with engine(memory_fabric, "d", slow) as (d, _), AsyncExitStack() as holds:
+            for n in range(many):
+                gone = trio_pd.RemoteBlocks("gone", "127.0.0.1", port, [1], f"x{n}")
+                await holds.enter_async_context(d.hold(gone))
+            closing = trio.current_time()
+        assert trio.current_time() - closing < LEASES.close_timeout + AT_ONCE
+        stats = d.statistics()
+        assert (stats.abandons_sent, stats.abandons_failed) == (many, many)

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+import threading
+from typing import Any
+
+import attrs
 import pytest
 import torch
 import trio
 import trio.testing
 
 import trio_pd
+import trio_pd._nixl
 
-from .conftest import FAST, kv_cache, live_threads, open_fds
+from .conftest import FAST, kv_cache, live_threads, open_fds, wait_until
 
 
 async def _pull_once(producer_kv: list[torch.Tensor], consumer_kv: list[torch.Tensor]) -> None:
@@ -146,3 +152,188 @@ async def test_bad_tensor_parallel_arguments_are_value_errors(
     with pytest.raises(ValueError, match=match):
         async with trio_pd.open_connector("x", kv_cache(blocks=4), **kwargs):  # type: ignore[arg-type]
             pass  # pragma: no cover
+
+
+class GatedLoads:
+    """A real NIXL agent whose ``add_remote_agent`` waits on a gate (a peer slow
+    to answer): ``entered`` is set when a load is in the call. Open the gate to
+    let the call (and every later one) through."""
+
+    def __init__(self, agent: Any) -> None:
+        self._agent = agent
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.removed: list[str] = []
+
+    def add_remote_agent(self, metadata: bytes) -> Any:
+        self.entered.set()
+        self.gate.wait()
+        return self._agent.add_remote_agent(metadata)
+
+    def remove_remote_agent(self, name: str | bytes) -> Any:
+        self.removed.append(name if isinstance(name, str) else repr(name))
+        return self._agent.remove_remote_agent(name)
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(self._agent, attribute)
+
+
+@attrs.define
+class Made:
+    """The backends a factory made (the connector's, to look at after close)."""
+
+    backends: list[trio_pd.NixlBackend] = attrs.field(factory=list)
+    gates: list[GatedLoads] = attrs.field(factory=list)
+
+    async def nixl(self, *args: Any) -> trio_pd.NixlBackend:
+        backend = await trio_pd.NixlBackend.create(*args)
+        self.backends.append(backend)
+        return backend
+
+    async def gated(self, *args: Any) -> trio_pd.NixlBackend:
+        backend = await self.nixl(*args)
+        gated = GatedLoads(backend.agent)
+        backend._remotes._agent = lambda: gated  # the fault seam (as in test_nixl_loads)
+        self.gates.append(gated)
+        return backend
+
+
+def assert_released(backend: trio_pd.NixlBackend, caplog: pytest.LogCaptureFixture) -> None:
+    """The backend let go of its agent, remote agents and registrations; nothing was kept."""
+    assert backend.agent is None
+    assert backend.remote_agents_loaded == 0
+    assert backend not in trio_pd._nixl._KEPT_FOR_LIFE
+    assert "stay registered" not in caplog.text
+    assert "abandoned at its handshake's deadline" not in caplog.text
+
+
+@pytest.mark.parametrize("gate_opens", ["before close", "while close waits"])
+async def test_cancelling_while_a_remote_agent_loads_waits_for_the_load_and_releases_it(
+    gate_opens: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    made = Made()
+    with trio.fail_after(30), caplog.at_level(logging.INFO, logger="trio_pd"):
+        await _pull_once(kv_cache(blocks=4), kv_cache(blocks=4))
+        fds, threads = open_fds(), live_threads()
+        async with (
+            trio_pd.open_connector("p", kv_cache(blocks=4), config=FAST) as p,
+            trio.open_nursery() as helpers,
+        ):
+            remote = p.expose("r", [1])
+            with trio.CancelScope() as outside:
+                async with (
+                    trio_pd.open_connector(
+                        "d", kv_cache(blocks=4), config=FAST, backend=made.gated
+                    ) as d,
+                    trio.open_nursery() as nursery,
+                ):
+                    nursery.start_soon(d.pull, "r", [0], remote)
+                    gated = made.gates[0]
+                    assert await trio.to_thread.run_sync(gated.entered.wait, 20)
+                    assert d.engine_state("p") is trio_pd.EngineState.LOADING
+                    outside.cancel()  # the load is in NIXL, in its worker thread
+                    if gate_opens == "before close":
+                        gated.gate.set()
+                    else:  # once the close began: d's handshake task was cancelled
+                        helpers.start_soon(trio.to_thread.run_sync, _open_when, made, gated)
+            assert outside.cancelled_caught
+            assert_released(made.backends[0], caplog)
+            # The thread unloaded what it loaded (nobody took it).
+            assert gated.removed == ["p#" + remote.incarnation]
+            assert (
+                "abandoned when its caller was cancelled, still in add_remote_agent" in caplog.text
+            )
+        gated._agent = None  # (the gate, still reachable from d, holds the agent)
+        assert open_fds() == fds
+        assert live_threads() == threads
+
+
+def _open_when(made: Made, gated: GatedLoads) -> None:
+    """(A thread) open the gate once the connector's backend began closing."""
+    made.backends[0]._closing.wait(20)
+    gated.gate.set()
+
+
+@pytest.mark.parametrize("delay_ms", [0, 1, 2, 3, 5])
+async def test_cancelling_at_any_moment_of_an_ordinary_load_releases_everything(
+    delay_ms: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    # No fault: a load of a real agent, cancelled from outside 0-5 ms after the
+    # handshake entered LOADING (issue 28: it was kept for the life of the process).
+    made = Made()
+    with trio.fail_after(30), caplog.at_level(logging.INFO, logger="trio_pd"):
+        async with trio_pd.open_connector("p", kv_cache(blocks=4), config=FAST) as p:
+            remote = p.expose("r", [1])
+            with trio.CancelScope() as outside:
+                async with (
+                    trio_pd.open_connector(
+                        "d", kv_cache(blocks=4), config=FAST, backend=made.nixl
+                    ) as d,
+                    trio.open_nursery() as nursery,
+                ):
+                    nursery.start_soon(d.pull, "r", [0], remote)
+                    await wait_until(lambda: d.engine_state("p") is trio_pd.EngineState.LOADING, 0)
+                    await trio.sleep(delay_ms / 1000)
+                    outside.cancel()
+            assert outside.cancelled_caught
+            assert_released(made.backends[0], caplog)
+
+
+async def test_a_load_still_in_nixl_after_close_timeout_is_kept_and_logged_as_cancelled(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    short = attrs.evolve(FAST, close_timeout=0.5)
+    made = Made()
+    try:
+        with trio.fail_after(30), caplog.at_level(logging.INFO, logger="trio_pd"):
+            async with trio_pd.open_connector("p", kv_cache(blocks=4), config=FAST) as p:
+                remote = p.expose("r", [1])
+                with trio.CancelScope() as outside:
+                    async with (
+                        trio_pd.open_connector(
+                            "d", kv_cache(blocks=4), config=short, backend=made.gated
+                        ) as d,
+                        trio.open_nursery() as nursery,
+                    ):
+                        nursery.start_soon(d.pull, "r", [0], remote)
+                        assert await trio.to_thread.run_sync(made.gates[0].entered.wait, 20)
+                        outside.cancel()
+                        cancelled_at = trio.current_time()
+                closed_after = trio.current_time() - cancelled_at
+            # close waited close_timeout for the load, not longer, then kept the agent
+            assert short.close_timeout <= closed_after < short.close_timeout + 1.0
+            assert made.backends[0] in trio_pd._nixl._KEPT_FOR_LIFE
+            kept = [r.getMessage() for r in caplog.records if "stay registered" in r.getMessage()]
+            assert len(kept) == 1
+            assert "still in add_remote_agent for agent 'p#" in kept[0]
+            assert "abandoned when its caller was cancelled), 0.5 s (close_timeout)" in kept[0]
+            assert "deadline" not in kept[0]
+    finally:
+        for gated in made.gates:
+            gated.gate.set()  # (the thread then releases what it loaded itself)
+
+
+async def test_cancelling_the_close_itself_still_waits_for_the_load_and_releases_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    made = Made()
+    with trio.fail_after(30), caplog.at_level(logging.INFO, logger="trio_pd"):
+        async with (
+            trio_pd.open_connector("p", kv_cache(blocks=4), config=FAST) as p,
+            trio.open_nursery() as helpers,
+        ):
+            remote = p.expose("r", [1])
+            with trio.CancelScope() as again, trio.CancelScope() as outside:
+                async with (
+                    trio_pd.open_connector(
+                        "d", kv_cache(blocks=4), config=FAST, backend=made.gated
+                    ) as d,
+                    trio.open_nursery() as nursery,
+                ):
+                    nursery.start_soon(d.pull, "r", [0], remote)
+                    gated = made.gates[0]
+                    assert await trio.to_thread.run_sync(gated.entered.wait, 20)
+                    outside.cancel()
+                    again.cancel()  # (a second, outer cancellation during the close)
+                    helpers.start_soon(trio.to_thread.run_sync, _open_when, made, gated)
+            assert_released(made.backends[0], caplog)

@@ -11,6 +11,7 @@ test gates ``remove_remote_agent`` the same way).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -18,7 +19,9 @@ from typing import Any
 
 import attrs
 import numpy as np
+import pytest
 import trio
+import trio.testing
 
 import trio_pd
 from trio_pd import BackendError, LoadRequest, RemoteAgent
@@ -84,7 +87,7 @@ def opened_gates(agent: GatedAgent) -> Iterator[None]:
 
 @asynccontextmanager
 async def backends(
-    producers: int,
+    producers: int, config: trio_pd.ConnectorConfig = FAST
 ) -> AsyncIterator[tuple[trio_pd.NixlBackend, GatedAgent, list[trio_pd.NixlBackend]]]:
     """A consumer backend (its agent gated) and ``producers`` producer backends."""
     made: list[trio_pd.NixlBackend] = []
@@ -92,7 +95,7 @@ async def backends(
         for n in range(producers + 1):
             caches = kv_cache(regions=2, blocks=8, block_shape=(64,))
             made.append(
-                await trio_pd.NixlBackend.create(f"a{n}", caches, layout_of_tensors(caches), FAST)
+                await trio_pd.NixlBackend.create(f"a{n}", caches, layout_of_tensors(caches), config)
             )
         consumer, others = made[0], made[1:]
         gated = GatedAgent(consumer.agent, {p.agent_metadata(): p.agent_name for p in others})
@@ -284,10 +287,35 @@ async def test_a_stuck_load_whose_call_then_fails_is_stuck_no_longer() -> None:
             assert isinstance(outcomes[0], RemoteAgent)
 
 
-async def test_closing_while_a_load_is_stuck_keeps_the_agent_instead_of_waiting() -> None:
+SHORT_CLOSE = attrs.evolve(FAST, close_timeout=0.5)
+
+
+async def test_closing_while_a_load_is_stuck_keeps_the_agent_after_close_timeout(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     # Every release would wait behind the stuck call (NIXL's writer lock: up
-    # to 135 s towards a vanished peer), past close's deadline: close keeps
-    # the agent for the life of the process, at once, and releases nothing.
+    # to 135 s towards a vanished peer): close waits close_timeout for it,
+    # then keeps the agent for the life of the process and releases nothing.
+    with trio.fail_after(60), caplog.at_level(logging.ERROR, logger="trio_pd"):
+        async with backends(1, SHORT_CLOSE) as (consumer, agent, (a,)):
+            agent.gate(a.agent_name)
+            outcomes: dict[int, Outcome] = {}
+            await consumer.load_remotes([request(a, consumer, 0.5)], outcomes.__setitem__)
+            assert consumer.stuck_call.startswith("add_remote_agent")
+            consumer.begin_close()
+            began = trio.current_time()
+            with trio.fail_after(SHORT_CLOSE.close_timeout + 1):
+                await consumer.aclose()
+                await consumer.aclose()  # (idempotent)
+            assert trio.current_time() - began >= SHORT_CLOSE.close_timeout
+            assert consumer in trio_pd._nixl._KEPT_FOR_LIFE
+            assert agent.removed == []
+        kept = [r.getMessage() for r in caplog.records if "stay registered" in r.getMessage()]
+        assert len(kept) == 1
+        assert "abandoned at its handshake's deadline), 0.5 s (close_timeout)" in kept[0]
+
+
+async def test_a_stuck_load_that_returns_while_close_waits_is_released_with_the_agent() -> None:
     with trio.fail_after(60):
         async with backends(1) as (consumer, agent, (a,)):
             agent.gate(a.agent_name)
@@ -295,11 +323,14 @@ async def test_closing_while_a_load_is_stuck_keeps_the_agent_instead_of_waiting(
             await consumer.load_remotes([request(a, consumer, 0.5)], outcomes.__setitem__)
             assert consumer.stuck_call.startswith("add_remote_agent")
             consumer.begin_close()
-            with trio.fail_after(FAST.close_timeout):
-                await consumer.aclose()
-                await consumer.aclose()  # (idempotent)
-            assert consumer in trio_pd._nixl._KEPT_FOR_LIFE
-            assert agent.removed == []
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(consumer.aclose)
+                await trio.testing.wait_all_tasks_blocked()  # (close waits for the load)
+                assert consumer.agent is not None
+                agent.gates[a.agent_name].set()
+            assert consumer.agent is None  # released
+            assert consumer not in trio_pd._nixl._KEPT_FOR_LIFE
+            assert agent.removed == [a.agent_name]  # (by the load's thread, which loaded it)
 
 
 async def test_metadata_of_a_loaded_agent_under_another_name_unloads_nothing() -> None:

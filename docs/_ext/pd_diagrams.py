@@ -491,6 +491,7 @@ def fetch_load_dot() -> str:
     progress = remotes.LoadProgress("agent-prefill-0")
     progress.call = "add_remote_agent"
     progress.started -= timeout
+    progress.why = remotes.AT_DEADLINE
     nixl._stuck = progress
     stuck = nixl.stuck_call
     # The error of a load still queued at its deadline, as the shell writes it.

@@ -285,6 +285,15 @@ def shutdown_notes(config: ConnectorConfig) -> dict[str, str]:
             "released (NIXL may still write that memory)"
         ),
         "self._driver.stop": "the transfer driver's thread ends (its jobs are over)",
+        "self._remotes.wait_idle": (
+            "a remote-agent load still in NIXL (its caller cancelled by the close, or "
+            "given up at its deadline) returns, its thread releasing what it loaded: "
+            f"until close_timeout ({c['close_timeout']:g} s) after begin_close"
+        ),
+        "if stuck": (
+            "a load still in NIXL after that: the agent, its memory registration and "
+            "the KV tensors are kept for the life of the process (logged, with why)"
+        ),
         "if self._driver.transfers_kept": (
             "a transfer NIXL could not stop still runs: the agent, its memory "
             "registration and the KV tensors are kept for the life of the process (logged)"
@@ -295,7 +304,8 @@ def shutdown_notes(config: ConnectorConfig) -> dict[str, str]:
             "even past the deadline"
         ),
         "leases.wait_idle": (
-            "abandons running in your tasks (cancelled by begin_close) close their sockets"
+            "abandons running in your tasks (each ending by close_timeout after "
+            "begin_close) close their sockets"
         ),
         "context.destroy": "the ZeroMQ context goes, after every socket is closed",
     }
@@ -355,9 +365,9 @@ def shutdown_timeline(config: ConnectorConfig | None = None) -> Scope:
     exit_step.note = (
         "its exit waits for every task: "
         + ", ".join([*nursery.tasks, *_fetch_tasks()])
-        + ". Each closes its own sockets on the way out; a remote-agent load stuck "
-        "in NIXL is abandoned (abandon_on_cancel=True), the notification poll "
-        "returns once closing is set"
+        + ". Each closes its own sockets on the way out; the handshake task lets go "
+        "of a remote-agent load in NIXL (abandon_on_cancel=True: the backend's close "
+        "waits for its thread), the notification poll returns once closing is set"
     )
     return root
 

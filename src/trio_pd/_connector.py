@@ -236,8 +236,9 @@ class Connector:
         ``config.handshake_timeout``), so a request whose producer is gone
         fails at once. The exit raises nothing but the body's own
         exception; a failed abandon is logged and counted
-        (``abandons_failed``); one still unsent when the connector closes
-        is dropped (the lease expires on its own).
+        (``abandons_failed``). Closing the connector sends those still
+        queued or in flight, concurrently, for at most
+        ``config.close_timeout`` (see :func:`open_connector`).
 
         A pull inside a hold that the producer has answered it does not
         hold (expired, read, abandoned: the parameters are stale or

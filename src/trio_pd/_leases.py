@@ -17,7 +17,9 @@ the blocks at once instead of when the lease runs out. That message is sent
 by the *abandon task* (also in :meth:`Leases.run`), not in the exit: a
 request that failed because its producer is gone fails at once, instead of
 waiting up to ``handshake_timeout`` for a courtesy to a dead peer.
-:meth:`Leases.abandon` sends one on demand, and waits for it.
+:meth:`Leases.abandon` sends one on demand, and waits for it. Closing the
+connector does not drop them: the abandons queued and in flight go on,
+concurrently, until ``close_timeout`` after :meth:`Leases.begin_close`.
 
 Every exchange is one request/reply on a fresh DEALER socket (``_fetch``'s
 rounds, CURVE included), closed on every exit path. What the producer
@@ -109,7 +111,11 @@ class Leases:
         self._hold_added = trio.Event()
         self._failing: set[Rank] = set()
         self._closed = False
-        self._abandoning: set[trio.CancelScope] = set()
+        self._close_deadline = math.inf  # (close_timeout after begin_close)
+        self._abandoning: set[trio.CancelScope] = set()  # (one per rank of an abandon)
+        # The abandon task's scope: shielded, so that the connector's close does
+        # not cancel the abandons it sends (each ends by _close_deadline).
+        self._sender_scope = trio.CancelScope(shield=True)
         self._abandons_in_flight: AsyncValue = AsyncValue(0)
         # Holds that ended without a pull: (remote, ranks) for the abandon task.
         self._to_abandon, self._abandons = trio.open_memory_channel[
@@ -172,27 +178,23 @@ class Leases:
         await self._abandon(remote, ranks)
 
     def begin_close(self) -> None:
-        """Refuse new holds and abandons; holds that end from now on send nothing;
-        abandons in flight stop (see :meth:`wait_idle`), and those not sent yet
-        are dropped: counted in ``abandons_failed`` and logged (their leases
-        expire on their own)."""
+        """Refuse new holds and abandons; holds that end from now on send nothing.
+
+        The abandons already queued (holds left without a pull) and those in
+        flight, in the abandon task or in callers' tasks, go on -- the abandon
+        task is shielded from the connector's cancellation -- and end by
+        ``close_timeout`` from now: one not answered by then is logged and
+        counted in ``abandons_failed`` (its lease expires on its own). The
+        abandon task ends once it sent the queue; :meth:`wait_idle` waits for
+        the abandons in callers' tasks. Idempotent.
+        """
+        if self._closed:
+            return
         self._closed = True
+        self._close_deadline = trio.current_time() + self._config.close_timeout
         for scope in self._abandoning:
-            scope.cancel()
-        dropped = 0
-        while True:
-            try:
-                _, ranks = self._abandons.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                break
-            dropped += len(ranks)
-        if dropped:
-            self.counters.abandons_failed += dropped
-            logger.warning(
-                "engine %s: %d abandons not sent before close (their leases expire on their own)",
-                self._engine_id,
-                dropped,
-            )
+            scope.deadline = min(scope.deadline, self._close_deadline)
+        self._to_abandon.close()  # (the abandon task sends what is queued, then ends)
 
     async def wait_idle(self) -> None:
         """Until no abandon runs in a caller's task (their sockets are closed).
@@ -207,10 +209,10 @@ class Leases:
     # ---- the heartbeat task ----------------------------------------------
 
     async def run(self) -> None:
-        """Renew the leases of every held request, and send the abandons of
-        holds that ended without a pull, until cancelled (the connector's
-        close: abandons not sent by then are dropped, and those leases
-        expire on their own).
+        """Renew the leases of every held request until cancelled (the
+        connector's close), and send the abandons of holds that ended
+        without a pull, until close has sent them too (see :meth:`begin_close`:
+        they end by ``close_timeout`` after it).
 
         While anything is held: a round at once, then one every
         ``heartbeat_interval``; a round never takes longer than that, so a
@@ -220,11 +222,16 @@ class Leases:
         """
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._send_abandons)
-            await self._renew_rounds()
+            try:
+                await self._renew_rounds()
+            finally:  # (cancelled: the connector closes; begin_close came first, normally)
+                self.begin_close()
 
     async def _send_abandons(self) -> None:
         # At most MAX_BACKGROUND_ABANDONS at once (each holds a socket for up
         # to handshake_timeout when its producer is gone); the rest wait here.
+        # Shielded: after begin_close it sends the queue, each abandon ending
+        # by the close's deadline, and ends when the queue is empty.
         slots = trio.Semaphore(MAX_BACKGROUND_ABANDONS)
 
         async def send(remote: RemoteBlocks, ranks: list[Rank]) -> None:
@@ -233,10 +240,11 @@ class Leases:
             finally:
                 slots.release()
 
-        async with trio.open_nursery() as nursery:
-            async for remote, ranks in self._abandons:
-                await slots.acquire()
-                nursery.start_soon(send, remote, ranks)
+        with self._sender_scope:
+            async with trio.open_nursery() as nursery:
+                async for remote, ranks in self._abandons:
+                    await slots.acquire()
+                    nursery.start_soon(send, remote, ranks)
 
     async def _renew_rounds(self) -> None:
         interval = self._config.heartbeat_interval
@@ -311,22 +319,18 @@ class Leases:
     async def _abandon(self, remote: RemoteBlocks, ranks: Sequence[Rank]) -> None:
         """Tell ``ranks`` that we will not read ``remote``, concurrently; never raises.
 
-        Each message is bounded by ``handshake_timeout``; a failure is logged
-        and counted (``abandons_failed``).
+        Each message is bounded by ``handshake_timeout``, and by the close's
+        deadline once the connector closes; a failure is logged and counted
+        (``abandons_failed``).
         """
         entries = self._entries(remote, abandon=True)
-        with trio.CancelScope() as scope:  # (cancelled by begin_close)
-            self._abandoning.add(scope)
-            self._abandons_in_flight.value += 1
-            if self._closed:
-                scope.cancel()
-            try:
-                async with trio.open_nursery() as nursery:
-                    for rank in ranks:
-                        nursery.start_soon(self._abandon_one, rank, entries[rank])
-            finally:
-                self._abandoning.discard(scope)
-                self._abandons_in_flight.value -= 1
+        self._abandons_in_flight.value += 1
+        try:
+            async with trio.open_nursery() as nursery:
+                for rank in ranks:
+                    nursery.start_soon(self._abandon_one, rank, entries[rank])
+        finally:
+            self._abandons_in_flight.value -= 1
 
     async def _abandon_one(self, rank: Rank, entry: protocol.LeaseEntry) -> None:
         self.counters.abandons_sent += 1
@@ -334,20 +338,29 @@ class Leases:
         limit = self._config.handshake_timeout
         log = ConnectionLog(self._config.max_message_bytes)
         reply: protocol.LeaseReply | str = f"no reply within {limit:g} s"
-        with trio.move_on_after(limit) as scope:
+        deadline = min(trio.current_time() + limit, self._close_deadline)
+        with trio.move_on_at(deadline) as scope:  # (begin_close may move it earlier)
+            self._abandoning.add(scope)
             try:
                 reply = await self._exchange(rank, request, log)
             except Exception as exc:  # best effort, never raised: the connector may be closing
                 reply = f"{type(exc).__name__}: {exc}"
-        if scope.cancelled_caught:
+            finally:
+                self._abandoning.discard(scope)
+        if scope.cancelled_caught and scope.deadline >= self._close_deadline:
+            timeout = self._config.close_timeout
+            reply = f"not answered within close_timeout ({timeout:g} s): {log.diagnosis()}"
+        elif scope.cancelled_caught:
             reply = f"no reply within {limit:g} s: {log.diagnosis()}"
         if isinstance(reply, str) and self._closed:
             self.counters.abandons_failed += 1
-            logger.info(
-                "engine %s: abandon of request %r at %s stopped: the connector closed",
+            logger.warning(
+                "engine %s: abandon of request %r at %s, sent as the connector closed: %s "
+                "(its lease expires on its own)",
                 rank[0],
                 entry.request_id,
                 _where(rank),
+                reply,
             )
         elif isinstance(reply, str):
             self.counters.abandons_failed += 1

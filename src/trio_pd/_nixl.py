@@ -130,6 +130,7 @@ class NixlBackend:
         self._local_dlist = local_dlist
         self._config = config
         self._closing = threading.Event()
+        self._closing_since: float | None = None  # (trio.current_time() of begin_close)
         self._remotes = NixlRemotes(
             self._live_agent, layout, local_dlist, config, self.run_blocking
         )
@@ -229,23 +230,35 @@ class NixlBackend:
         return data
 
     def begin_close(self) -> None:
-        """Tell in-flight transfers to stop; the driver notices within a turn."""
+        """Tell in-flight transfers to stop; the driver notices within a turn.
+
+        From now on a load in NIXL has ``close_timeout`` to return before
+        :meth:`aclose` gives up waiting for it.
+        """
+        if self._closing_since is None:
+            self._closing_since = trio.current_time()
         self._closing.set()
         self._driver.begin_close()
 
     async def aclose(self) -> None:
-        """Stop the driver, then release remote agents, descriptor lists and memory.
+        """Stop the driver, wait for the load thread, then release remote
+        agents, descriptor lists and memory.
 
         Idempotent. Stopping the driver waits (at most ``close_timeout``) for
-        its running transfers to stop. If one still runs then (NIXL cannot
-        stop it), nothing is released: the agent, its registrations and the
-        KV tensors are kept for the life of the process (logged as an
-        error), since a transfer may still write that memory. The releases run in a
-        worker thread that is not abandoned (freeing registrations under a
-        running NIXL call would crash); each takes
-        milliseconds. The bookkeeping is dropped here, on the trio thread.
+        its running transfers to stop. A remote-agent load still in NIXL
+        (its caller was cancelled by the close, or gave up at its deadline)
+        gets until ``close_timeout`` after ``begin_close`` to return;
+        its thread then releases what it loaded itself. If a transfer or
+        that load still runs after those bounds (NIXL cannot stop either),
+        nothing is released: the agent, its registrations and the KV tensors
+        are kept for the life of the process (logged as an error, with the
+        reason), since a transfer may still write that memory and a release
+        would queue behind the stuck call. The releases run in a worker
+        thread that is not abandoned (freeing registrations under a running
+        NIXL call would crash); each takes milliseconds. The bookkeeping is
+        dropped here, on the trio thread.
         """
-        self._closing.set()
+        self.begin_close()
         agent = self._agent
         if agent is None or self in _KEPT_FOR_LIFE:
             await trio.lowlevel.checkpoint()
@@ -263,6 +276,9 @@ class NixlBackend:
                 self._driver.transfers_kept,
             )
             return
+        assert self._closing_since is not None
+        with trio.move_on_at(self._closing_since + self._config.close_timeout):
+            await self._remotes.wait_idle()  # (a load's thread returns, and cleans up)
         stuck = self._remotes.stuck_call
         if stuck:
             # Every release would wait behind the stuck call (it holds NIXL's
@@ -270,11 +286,12 @@ class NixlBackend:
             # deadline, and destroying the agent under it would crash: keep it.
             _KEPT_FOR_LIFE.append(self)
             logger.error(
-                "agent %s closed while a load is stuck in %s: its agent, remote agents and "
-                "KV-cache memory stay registered (and the tensors referenced) for the life "
-                "of the process",
+                "agent %s closed while a load is still in %s, %g s (close_timeout) after "
+                "close began: its agent, remote agents and KV-cache memory stay registered "
+                "(and the tensors referenced) for the life of the process",
                 self._agent_name,
                 stuck,
+                self._config.close_timeout,
             )
             return
         handles, views = self._remotes.take_all()

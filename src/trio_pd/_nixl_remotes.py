@@ -11,13 +11,16 @@ ends (``TrioToken.run_sync_soon``), so a batch costs one thread hop, not one
 per load, and no load waits for the trio loop to start the next.
 
 A load has a deadline (its handshake's) but NIXL calls cannot be
-interrupted: at the deadline a load the thread has not begun is skipped, and
-one it is in is *abandoned*. The thread goes on; if that call ever returns,
-it releases what it loaded itself (nobody takes it) and skips the rest of
-the batch. While it runs, :attr:`NixlRemotes.stuck_call` names the NIXL call
-it is in and further loads fail fast: in NIXL's ``rw`` sync mode a load
-holds the agent's writer lock, so they would only queue behind it (see the
-design page for the measurements).
+interrupted: at the deadline, or when the caller is cancelled (the
+connector closing), a load the thread has not begun is skipped, and one it
+is in is *abandoned*. The thread goes on; if that call ever returns, it
+releases what it loaded itself (nobody takes it) and skips the rest of the
+batch. While it runs, :attr:`NixlRemotes.stuck_call` names the NIXL call it
+is in, and why it was abandoned, and further loads fail fast: in NIXL's
+``rw`` sync mode a load holds the agent's writer lock, so they would only
+queue behind it (see the design page for the measurements). The backend's
+close waits for that thread (:meth:`NixlRemotes.wait_idle`, bounded by
+``close_timeout``) before it releases the agent.
 
 Trio thread only, except the worker threads, which touch NIXL, their
 arguments and their :class:`LoadProgress`.
@@ -29,6 +32,7 @@ import contextlib
 import logging
 import threading
 import time
+import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -53,6 +57,18 @@ logger = logging.getLogger("trio_pd.nixl")
 RunBlocking = Callable[..., Awaitable[Any]]
 """``run_blocking(limiter, fn, *args)``: the backend's way to run a NIXL call."""
 
+AT_DEADLINE = "abandoned at its handshake's deadline"
+"""Why a load was abandoned, when its deadline passed (the other: cancelled)."""
+
+
+def _abandoned_because(exc: BaseException) -> str:
+    """Why a batch's caller gave up on its loads, for the logs."""
+    if isinstance(exc, trio.Cancelled) or (
+        isinstance(exc, BaseExceptionGroup) and exc.split(trio.Cancelled)[1] is None
+    ):
+        return "abandoned when its caller was cancelled"
+    return f"abandoned after {type(exc).__name__}"
+
 
 class LoadProgress:
     """Where one load of a batch is, shared by the batch's thread and the trio thread.
@@ -71,6 +87,8 @@ class LoadProgress:
         self.running = False
         self.finished = False
         self.result: Any = None
+        self.why = ""
+        """Why the trio side abandoned it: at its deadline, or cancelled."""
         self._abandoned = False
         self._lock = lock or threading.Lock()
 
@@ -87,14 +105,17 @@ class LoadProgress:
         """(Thread) the load ended (with ``result``, the descriptor list, if it
         loaded); False if the trio side had abandoned it first."""
         with self._lock:
-            if not self.finished:
-                self.finished, self.result = True, result
+            if not self.finished:  # (abandoned: the thread releases it; not kept here)
+                self.finished = True
+                self.result = None if self._abandoned else result
             return not self._abandoned
 
-    def abandon(self) -> bool:
-        """(Trio) give up on the load; True if the thread is in it now (stuck)."""
+    def abandon(self, why: str = "") -> bool:
+        """(Trio) give up on the load (``why``: for the logs); True if the thread
+        is in it now (stuck)."""
         with self._lock:
             self._abandoned = True
+            self.why = self.why or why
             return self.running and not self.finished
 
 
@@ -160,12 +181,25 @@ class NixlRemotes:
 
     @property
     def stuck_call(self) -> str:
-        """The NIXL call an abandoned load is still in (``""`` once it returned)."""
+        """The NIXL call an abandoned load is still in, and why it was
+        abandoned (``""`` once it returned)."""
         stuck = self._stuck
         if stuck is None or stuck.finished:
             return ""
         age = time.monotonic() - stuck.started
-        return f"{stuck.call} for agent {stuck.agent_name!r} ({age:.1f} s)"
+        why = f"; {stuck.why}" if stuck.why else ""
+        return f"{stuck.call} for agent {stuck.agent_name!r} ({age:.1f} s{why})"
+
+    async def wait_idle(self) -> None:
+        """Until no load or unload runs in a worker thread, an abandoned one
+        included (bound it with a cancel scope).
+
+        trio gives the limiter back for an abandoned thread only when the
+        thread returns; once this holds the limiter, the thread has released
+        what it loaded and nobody took. The backend's close waits here.
+        """
+        async with self._limiter:
+            pass
 
     async def load_many(self, requests: Sequence[LoadRequest], loaded: Loaded) -> None:
         """See :meth:`trio_pd.NixlBackend.load_remotes`."""
@@ -236,20 +270,21 @@ class NixlRemotes:
                         loaded(load.index, self._take(load))
                         continue
                     taken += 1
-                    stuck = self._give_up(load, late)  # its deadline passed
+                    stuck = self._give_up(load, late, AT_DEADLINE)
                     loaded(load.index, None)
                     if stuck:  # the rest would queue behind NIXL's writer lock: fail fast
                         for rest in loads[taken:]:
-                            self._give_up(rest, late)
+                            self._give_up(rest, late, AT_DEADLINE)
                             loaded(rest.index, self._stuck_error(rest.request.agent_name, stuck))
                         taken = len(loads)
                         break
                 nursery.cancel_scope.cancel()  # (a thread still in a stuck call is abandoned)
             if failure is not None:
                 raise failure
-        except BaseException:  # cancelled or closing: give up on every load left
+        except BaseException as exc:  # cancelled or closing: give up on every load left
+            why = _abandoned_because(exc)
             for load in loads[taken:]:
-                self._give_up(load, late)
+                self._give_up(load, late, why)
             raise
         finally:
             for load in late:  # (each shielded, with its deadline, inside)
@@ -272,16 +307,23 @@ class NixlRemotes:
         with trio.move_on_after(self._config.close_timeout, shield=True):
             await self._run_blocking(self._limiter, release_remote, agent, name, dlist)
 
-    def _give_up(self, load: _Load, late: list[_Load]) -> str:
-        """Abandon ``load`` (its deadline passed, an earlier one is stuck, or the
-        caller was cancelled); if the thread is in it, it is stuck: return the
-        call it is in. One that loaded but was not taken goes to ``late``."""
-        if load.progress.abandon():
+    def _give_up(self, load: _Load, late: list[_Load], why: str) -> str:
+        """Abandon ``load`` (``why``: its deadline passed, an earlier one is
+        stuck, or the caller was cancelled); if the thread is in it, it is
+        stuck: return the call it is in. One that loaded but was not taken
+        goes to ``late``.
+
+        Stuck at its deadline is an error (NIXL hangs); cancelled in a call
+        is what closing during any load does: the close waits for the
+        thread (see :meth:`wait_idle`), and says so only if it waits in vain.
+        """
+        if load.progress.abandon(why):
             self._stuck = load.progress
-            logger.error(
-                "loading agent %s: abandoned at its handshake's deadline, still in %s; "
-                "loads fail fast until it returns",
+            logger.log(
+                logging.ERROR if why == AT_DEADLINE else logging.INFO,
+                "loading agent %s: %s, still in %s; loads fail fast until it returns",
                 load.request.agent_name,
+                why,
                 load.progress.call,
             )
             return self.stuck_call
@@ -394,6 +436,9 @@ class NixlRemotes:
                     self._load_blocking(load.request, progress, keep)
                 # (a plain thread: reported to the trio side, which re-raises bugs)
                 except BaseException as exc:  # noqa: ASYNC103
+                    # Its finished frames hold NIXL handles, which hold the
+                    # agent: an abandoned load's error would keep it alive.
+                    traceback.clear_frames(exc.__traceback__)
                     load.error = exc
                 else:
                     keep.add(load.request.agent_name)

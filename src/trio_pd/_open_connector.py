@@ -129,12 +129,18 @@ async def open_connector(
         outside -- the block's end stops the tasks, wakes every waiter with
         :class:`trio.ClosedResourceError`, stops in-flight pulls after their
         current transfer (waiting at most ``config.close_timeout`` for pulls
-        in other tasks to let go), then releases transfer handles, remote
-        agents, descriptor lists, the memory registration, the agent and the
-        ZeroMQ sockets and context. One exception: if a pull's transfer is
-        still running after ``close_timeout``, the backend is *not* released
-        (freeing memory under a running transfer would let it write into
-        freed memory); that is logged as an error.
+        in other tasks to let go), waits for what is in flight -- a
+        remote-agent load in NIXL, the abandons of holds left without a
+        pull, queued or sent -- at most ``config.close_timeout`` after the
+        close began, then releases transfer handles, remote agents,
+        descriptor lists, the memory registration, the agent and the ZeroMQ
+        sockets and context. Two exceptions: if a pull's transfer is still
+        running after ``close_timeout``, or a remote-agent load is still in
+        NIXL then, the backend is *not* released (freeing memory under a
+        running transfer would let it write into freed memory; a release
+        would queue behind the stuck load); that is logged as an error,
+        with the reason. An abandon not answered by then is given up
+        (logged; its lease expires on its own).
 
     Error handling:
         An exception in the block propagates as itself. A failure of the
@@ -235,9 +241,10 @@ async def _release(
     """Wait (bounded) for pulls in other tasks, then release the backend and ZeroMQ.
 
     Called once, shielded, when the nursery has exited: no task of ours
-    uses the backend or ZeroMQ any more, only pulls and abandons in
-    callers' tasks may (abandons were cancelled by ``begin_close``: their
-    sockets close within a checkpoint or two).
+    uses the backend or ZeroMQ any more (the abandon task sent what was
+    queued before it ended), only pulls and abandons in callers' tasks may
+    (abandons end by ``close_timeout`` after ``begin_close``), and a
+    remote-agent load abandoned in NIXL (``transfers.aclose`` waits for it).
     """
     try:
         if consumer is not None:
