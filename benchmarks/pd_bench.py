@@ -1361,6 +1361,147 @@ async def bench_proxy_overhead(quick: bool) -> Result:
     }
 
 
+# ---- 13. the confirmation's cost -------------------------------------------------
+
+
+CONFIRM_ROUNDS = 5
+"""Benchmark 13's loops take turns this many times (medians reported)."""
+
+
+async def bench_confirm(quick: bool) -> Result:
+    """What confirming each READ with its producer costs (issue 28), side by side.
+
+    Two decode connectors pull from one prefill engine (its own process): one
+    confirms every READ (the library's only mode), the other has the
+    confirmation turned off (``Consumer.confirm_reads``, a switch for this
+    benchmark only: without it a pull may return another request's bytes).
+    In rounds, taking turns: tiny pulls one after another; 1 MiB pulls one
+    after another; and waves of many tiny pulls at once (each pull timed, as
+    a request waiting for its KV would see it). One side-channel round trip
+    (a lease request naming nothing, on a kept DEALER) is timed in the same
+    rounds: the issue allows a tiny pull at most that much more.
+    """
+    import zmq
+
+    from trio_pd import _protocol as protocol
+    from trio_pd._zmq import TrioZmqSocket
+
+    regions, blocks, block_bytes = 4, 8192, 4096
+    big_blocks = (1 << 20) // (regions * block_bytes)  # 1 MiB per pull
+    tiny, big, wave, waves = (200, 20, 64, 2) if quick else (2000, 200, 256, 4)
+    out: Result = {"block_bytes": block_bytes, "regions": regions, "rounds": CONFIRM_ROUNDS}
+    async with open_prefill_worker(spec("confirm", regions, blocks, block_bytes)) as w:
+        local = kv(regions, blocks, block_bytes)
+        async with (
+            trio_pd.open_connector("dec-on", local) as on,
+            trio_pd.open_connector("dec-off", kv(regions, blocks, block_bytes)) as off,
+        ):
+            off._consumer.confirm_reads = False
+            for name, conn in (("on", on), ("off", off)):
+                await conn.pull(f"warm-{name}", [0], await w.expose(f"warm-{name}", [0], seed=0))
+            remote = await w.expose("addr2", [1], seed=0)
+            host, port = remote.host, remote.port
+            counter = iter(range(1 << 30))
+
+            def requests(n: int, size: int) -> list[tuple[str, list[int], int]]:
+                out_ = []
+                for _ in range(n):
+                    i = next(counter)
+                    start = 8 + (i * size) % (blocks - 8 - size)
+                    out_.append((f"c{i}", list(range(start, start + size)), i))
+                return out_
+
+            async def sequential(conn: trio_pd.Connector, n: int, size: int) -> list[float]:
+                reqs = requests(n, size)
+                remotes = await w.expose_many(reqs)
+                times = []
+                for (rid, ids, _), remote_ in zip(reqs, remotes, strict=True):
+                    started = time.perf_counter()
+                    await conn.pull(rid, ids, remote_)
+                    times.append(time.perf_counter() - started)
+                return times
+
+            async def waves_of(conn: trio_pd.Connector) -> list[float]:
+                times: list[float] = []
+
+                async def one(rid: str, ids: list[int], remote_: trio_pd.RemoteBlocks) -> None:
+                    started = time.perf_counter()
+                    await conn.pull(rid, ids, remote_)
+                    times.append(time.perf_counter() - started)
+
+                for _ in range(waves):
+                    reqs = requests(wave, 2)
+                    remotes = await w.expose_many(reqs)
+                    async with trio.open_nursery() as nursery:
+                        for (rid, ids, _), remote_ in zip(reqs, remotes, strict=True):
+                            nursery.start_soon(one, rid, ids, remote_)
+                return times
+
+            lease = protocol.encode_lease_request("confirm", "bench", "bench#0", [])
+            rtts: list[float] = []
+            tiny_on: list[float] = []
+            tiny_off: list[float] = []
+            big_on: list[float] = []
+            big_off: list[float] = []
+            wave_on: list[float] = []
+            wave_off: list[float] = []
+            with zmq.Context() as context:
+                dealer = TrioZmqSocket(context.socket(zmq.DEALER))
+                async with dealer:
+                    dealer.zmq_socket.setsockopt(zmq.LINGER, 0)
+                    dealer.zmq_socket.connect(protocol.endpoint(host, port))
+                    for round_ in range(CONFIRM_ROUNDS):
+                        first, second = (on, off) if round_ % 2 == 0 else (off, on)
+                        for conn in (first, second):
+                            on_ = conn is on
+                            (tiny_on if on_ else tiny_off).extend(
+                                await sequential(conn, tiny // CONFIRM_ROUNDS, 2)
+                            )
+                            (big_on if on_ else big_off).extend(
+                                await sequential(conn, big // CONFIRM_ROUNDS, big_blocks)
+                            )
+                            (wave_on if on_ else wave_off).extend(await waves_of(conn))
+                        for _ in range(tiny // CONFIRM_ROUNDS // 4):
+                            started = time.perf_counter()
+                            await dealer.send_multipart([b"", lease])
+                            await dealer.receive_multipart()
+                            rtts.append(time.perf_counter() - started)
+            for conn in (on, off):
+                assert conn.statistics().pulls_failed == 0
+            assert off.statistics().pulls_exposure_ended == 0
+
+    def p(values: list[float], q: float) -> float:
+        return round(pct(values, q) * 1e3, 4)
+
+    rtt = statistics.median(rtts)
+    out["side_channel_rtt_ms_p50"] = round(rtt * 1e3, 4)
+    out["tiny"] = {
+        "pulls": len(tiny_on),
+        "confirmed_ms_p50": p(tiny_on, 50),
+        "unconfirmed_ms_p50": p(tiny_off, 50),
+        "extra_ms_p50": round((statistics.median(tiny_on) - statistics.median(tiny_off)) * 1e3, 4),
+        "extra_in_rtts": round((statistics.median(tiny_on) - statistics.median(tiny_off)) / rtt, 2),
+        "ratio": round(statistics.median(tiny_off) / statistics.median(tiny_on), 3),
+    }
+    out["mib"] = {
+        "pulls": len(big_on),
+        "confirmed_ms_p50": p(big_on, 50),
+        "unconfirmed_ms_p50": p(big_off, 50),
+        "ratio": round(statistics.median(big_off) / statistics.median(big_on), 3),
+    }
+    out["many_at_once"] = {
+        "pulls": len(wave_on),
+        "in_flight": wave,
+        "confirmed_ms_p50": p(wave_on, 50),
+        "confirmed_ms_p99": p(wave_on, 99),
+        "unconfirmed_ms_p50": p(wave_off, 50),
+        "unconfirmed_ms_p99": p(wave_off, 99),
+        "p50_ratio": round(pct(wave_on, 50) / pct(wave_off, 50), 3),
+        "p99_ratio": round(pct(wave_on, 99) / pct(wave_off, 99), 3),
+    }
+    return out
+
+
 BENCHMARKS: dict[str, Callable[[bool], Awaitable[Result]]] = {
     "head_of_line": bench_head_of_line,
     "cold_fan_out": bench_cold_fan_out,
@@ -1374,6 +1515,7 @@ BENCHMARKS: dict[str, Callable[[bool], Awaitable[Result]]] = {
     "serve": bench_serve,
     "proxy_overhead": bench_proxy_overhead,
     "scale": bench_scale,
+    "confirm": bench_confirm,
 }
 
 

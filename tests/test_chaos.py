@@ -1601,6 +1601,43 @@ class ChaosMachine(RuleBasedStateMachine):
         if reopen:
             await self._open_consumer(index)
 
+    @rule(consumer=st.integers(0, CONSUMERS - 1), slot=st.integers(0, SLOTS - 1))
+    @traced
+    def cancel_during_load(self, consumer: int, slot: int) -> None:
+        """Close a consumer while it loads a remote agent: its producer's loads are
+        made slow, a fresh exposure is pulled by a freshly opened consumer (its
+        first pull loads), and the consumer is closed once the load runs; the
+        close is bounded and releases what it holds (checked as every close is)."""
+        self.run(self._cancel_during_load, consumer, slot)
+
+    async def _cancel_during_load(self, index: int, slot_index: int) -> None:
+        await trio.lowlevel.checkpoint()
+        slot = self.slots[slot_index]
+        if slot.alive is None or slot.cut:
+            return
+        await self._close_consumer(index, reopen=True)
+        consumer = self.consumers[index]
+        if consumer is None:
+            return
+        self.disturb(slot)
+        faults = self.faults_of(slot)
+        before = faults.load_delay
+        faults.load_delay = max(before, 0.3)
+        try:
+            exposure = self.expose_now(slot, 1)
+            pull = None if exposure is None else self.make_pull(consumer, exposure)
+            if pull is None:
+                return
+            self.start_job(self._pull, pull)
+            loading = trio_pd.EngineState.LOADING
+            with trio.move_on_after(CONFIG.handshake_timeout):
+                await wait_until(
+                    lambda: any(r.state is loading for r in self.records(consumer, pull.remote))
+                )
+        finally:
+            faults.load_delay = before
+        await self._close_consumer(index, reopen=True)
+
     @rule(consumer=st.integers(0, CONSUMERS - 1))
     @traced
     def open_consumer(self, consumer: int) -> None:

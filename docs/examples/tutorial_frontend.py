@@ -85,10 +85,13 @@ class PrefillEngine:
 class DecodeEngine:
     """Pulls a request's KV blocks from the prefill engine named in its params."""
 
-    def __init__(self, conn: trio_pd.Connector, kv: list[torch.Tensor]) -> None:
+    def __init__(
+        self, conn: trio_pd.Connector, kv: list[torch.Tensor], nursery: trio.Nursery
+    ) -> None:
         self.conn = conn
         self.kv = kv
         self.pool = BlockPool()
+        self.nursery = nursery  # where the "free when settled" tasks run
 
     async def decode(self, request_id: str, prompt: str, params: dict[str, object]) -> str:
         remote = trio_pd.RemoteBlocks.from_kv_transfer_params(params)
@@ -103,7 +106,14 @@ class DecodeEngine:
                     assert torch.all(tensor[block] == fake_kv_value(prompt, k, region))
             return f"{len(blocks)} blocks, {result.bytes} bytes, verified"
         finally:
-            self.pool.free(blocks)
+            # A pull that was cancelled or failed may leave a transfer NIXL
+            # could not stop, still writing these blocks: back to the pool
+            # only once it ended (at once, almost always).
+            self.nursery.start_soon(self._free_when_settled, blocks)
+
+    async def _free_when_settled(self, blocks: list[int]) -> None:
+        await self.conn.wait_settled(blocks)
+        self.pool.free(blocks)
 
 
 async def handle_request(
@@ -141,9 +151,10 @@ async def main() -> None:
         trio_pd.open_connector("prefill-0", prefill_kv) as prefill_conn,
         trio.open_nursery() as prefill_tasks,
         trio_pd.open_connector("decode-0", decode_kv) as decode_conn,
+        trio.open_nursery() as decode_tasks,
     ):
         prefill = PrefillEngine(prefill_conn, prefill_kv, prefill_tasks)
-        decode = DecodeEngine(decode_conn, decode_kv)
+        decode = DecodeEngine(decode_conn, decode_kv, decode_tasks)
         results: dict[str, str] = {}
 
         async def serve(request_id: str, prompt: str) -> None:

@@ -251,13 +251,15 @@ class ConfirmChannels:
         else:
             channel.checking[pending.seq] = pending
             try:
-                with trio.move_on_at(deadline):
+                with trio.move_on_at(deadline) as scope:
                     await self._receive_until_done(channel, pending)
             finally:
                 del channel.checking[pending.seq]
                 if channel.leader is None:
                     self._hand_on(channel)
-            if not pending.done and channel.waiting.pop(pending.seq, None) is not None:
+                if not pending.done:  # (our deadline, or we were cancelled)
+                    channel.waiting.pop(pending.seq, None)
+            if scope.cancelled_caught and not pending.done and not channel.closed:
                 # (a peer that answers nothing: a fresh socket for the next pull)
                 self._drop(channel, f"no reply within {self._config.handshake_timeout:g} s")
         if self._closed and pending.reply is None:
