@@ -21,6 +21,8 @@ GOALS = {
     "tokens/s via the proxy vs one engine, 8 clients": ">= 0.95",
     "1024 engines handshaked from one decoder": "< 10 s",
     "decoder memory per engine, 1024-engine storm": "< 16 KiB",
+    "a confirmed tiny pull's extra time": "<= one side-channel round trip",
+    "confirmed 1 MiB pulls vs unconfirmed": ">= 0.97",
 }
 
 TTFT_PHASES = {
@@ -733,6 +735,8 @@ def render(results: dict[str, Any]) -> str:
             ),
             "",
         ]
+    if "confirm" in r:
+        out += _confirm_section(r["confirm"], checks)
     out += ["## Goals", "", _table(["goal", "measured", "target", ""], checks), ""]
     missed = [row[0] for row in checks if row[3] != "met"]
     bounds = [f"* **{name}:** {MISSED_BOUNDS[name](r)}" for name in missed if name in MISSED_BOUNDS]
@@ -841,6 +845,73 @@ MISSED_BOUNDS = {
     "throughput vs raw NIXL": _bound_throughput,
 }
 """For a goal a run misses: what bounds it, in words made from that run's results."""
+
+
+def _confirm_section(c: dict[str, Any], checks: list[list[str]]) -> list[str]:
+    """Section 13 (benchmark ``confirm``), and its goal rows."""
+    t, m, w = c["tiny"], c["mib"], c["many_at_once"]
+    out = [
+        "## 13. What confirming each READ costs",
+        "",
+        "Every pull confirms with its producer that the blocks are still its "
+        "request's for the whole READ ([protocol]"
+        "(protocol.md#confirmations-a-pull-keeps-only-its-own-bytes)). "
+        "Two decode connectors pull from one prefill engine (its own process): one "
+        "confirms, the other has the confirmation switched off (a switch for this "
+        "benchmark only: without it a pull may return another request's bytes). "
+        f"They take turns in {c['rounds']} rounds: tiny pulls (2 blocks of "
+        f"{c['regions']} x {c['block_bytes']} B) one after another, 1 MiB pulls one "
+        f"after another, and waves of {w['in_flight']} tiny pulls at once. One "
+        "side-channel round trip (a lease request naming nothing, on a kept socket) "
+        f"took {c['side_channel_rtt_ms_p50']} ms at p50 in the same rounds.",
+        "",
+        _table(
+            ["", "confirmed, ms", "unconfirmed, ms", "unconfirmed ÷ confirmed"],
+            [
+                [
+                    f"tiny, one after another ({t['pulls']}), p50",
+                    t["confirmed_ms_p50"],
+                    t["unconfirmed_ms_p50"],
+                    t["ratio"],
+                ],
+                [
+                    f"1 MiB, one after another ({m['pulls']}), p50",
+                    m["confirmed_ms_p50"],
+                    m["unconfirmed_ms_p50"],
+                    m["ratio"],
+                ],
+                [
+                    f"{w['in_flight']} at once ({w['pulls']}), p50",
+                    w["confirmed_ms_p50"],
+                    w["unconfirmed_ms_p50"],
+                    round(1 / w["p50_ratio"], 3),
+                ],
+                [
+                    f"{w['in_flight']} at once ({w['pulls']}), p99",
+                    w["confirmed_ms_p99"],
+                    w["unconfirmed_ms_p99"],
+                    round(1 / w["p99_ratio"], 3),
+                ],
+            ],
+        ),
+        "",
+        f"A tiny pull pays {t['extra_ms_p50']} ms more at p50, {t['extra_in_rtts']} of a "
+        "round trip: its READ (about 0.1 ms) ends before the answer is back, so it "
+        "waits for the rest of the round trip. A READ longer than the round trip "
+        "finds the answer there when it ends.",
+        "",
+    ]
+    checks.append(
+        _goal(
+            "a confirmed tiny pull's extra time",
+            f"{t['extra_ms_p50']} ms ({t['extra_in_rtts']} round trips)",
+            t["extra_in_rtts"] <= 1.0,
+        )
+    )
+    checks.append(
+        _goal("confirmed 1 MiB pulls vs unconfirmed", f"x{m['ratio']}", m["ratio"] >= 0.97)
+    )
+    return out
 
 
 def _ttft_breakdown(sv: dict[str, Any], overhead: dict[str, Any] | None) -> list[str]:
