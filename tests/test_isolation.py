@@ -15,8 +15,13 @@ from __future__ import annotations
 import pytest
 import torch
 import trio
+import trio.testing
+import zmq
 
 import trio_pd
+from trio_pd import _protocol as protocol
+from trio_pd._confirm import ConfirmChannels, Pending
+from trio_pd._exposures import blocks_digest
 from trio_pd.testing import MemoryFabric, fill_blocks, free_port_range, mismatched_blocks
 
 from .conftest import FAST, kv_cache, wait_until
@@ -179,3 +184,96 @@ async def test_a_pull_of_a_tensor_parallel_producer_whose_exposure_ended_fails()
             p1.expose("r2", [3])
             await d.pull("r2", [0], remote)
             await wait_until(lambda: p1.statistics().exposures_released == 1)
+
+
+# ---- the confirmation channel against a scripted producer (a bare ROUTER) ----
+
+
+class _ScriptedProducer:
+    """A ROUTER that receives confirmations and answers them when told."""
+
+    def __init__(self, context: zmq.Context[zmq.Socket[bytes]]) -> None:
+        self.socket = context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+        self.rank = ("p", "127.0.0.1", self.port)
+        self.requests: dict[str, tuple[bytes, int]] = {}  # request id -> (peer, seq)
+
+    def receive(self, n: int) -> None:
+        for _ in range(n):
+            assert self.socket.poll(5000), "no confirmation arrived"
+            peer, _, payload = self.socket.recv_multipart()
+            request = protocol.decode_request(payload, 1 << 20)
+            assert isinstance(request, protocol.ConfirmRequest)
+            self.requests[request.request_id] = (peer, request.seq)
+
+    def answer(self, request_id: str, held_for: float = 100.0) -> None:
+        peer, seq = self.requests[request_id]
+        self.socket.send_multipart([peer, b"", protocol.confirm_reply(seq, "held", held_for)])
+
+
+async def test_a_leader_whose_answer_another_waiter_received_returns_at_once() -> None:
+    # Pull a leads the wait on the fd; its answer arrives and pull b (just
+    # starting to wait) drains it. ZeroMQ's fd is edge-triggered and that
+    # edge is spent: a must be woken by whoever hands it its answer, not
+    # wait for the next reply or its whole handshake_timeout (30 s here).
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    producer = _ScriptedProducer(context)
+    channels = ConfirmChannels(
+        "d", "agent-d", context, trio_pd.ConnectorConfig(handshake_timeout=30.0)
+    )
+    digest = blocks_digest([1])
+    try:
+        with trio.fail_after(10):
+            a = channels.send(producer.rank, "a", "", "inc", digest, 1)
+            b = channels.send(producer.rank, "b", "", "inc", digest, 2)
+            producer.receive(2)
+            done: list[str] = []
+
+            async def check(pending: Pending, name: str) -> None:
+                await channels.check(pending, trio.current_time(), name, [0])
+                done.append(name)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(check, a, "a")
+                await trio.testing.wait_all_tasks_blocked()  # (a leads)
+                producer.answer("a")
+                # (a's answer is in the DEALER now; the spent edge stands for
+                # the send, drain or EVENTS of another pull that got there first)
+                assert a.channel is not None
+                assert a.channel.socket.poll(5000)
+                nursery.start_soon(check, b, "b")  # (b drains a's answer)
+                await trio.testing.wait_all_tasks_blocked()
+                assert done == ["a"]
+                producer.answer("b")
+            assert done == ["a", "b"]
+    finally:
+        channels.close()
+        producer.socket.close(linger=0)
+        context.term()
+
+
+async def test_a_pull_cancelled_while_it_waits_for_its_confirmation_leaves_nothing_behind() -> None:
+    # A producer that never answers, and a caller that gives up first: the
+    # confirmation must not stay in the channel's table for good (which
+    # also keeps the channel from ever being closed as least recently used).
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    producer = _ScriptedProducer(context)
+    channels = ConfirmChannels(
+        "d", "agent-d", context, trio_pd.ConnectorConfig(handshake_timeout=30.0)
+    )
+    try:
+        with trio.fail_after(10):
+            for i in range(3):
+                pending = channels.send(
+                    producer.rank, f"r{i}", "", "inc", blocks_digest([1]), i + 1
+                )
+                with trio.move_on_after(0.05):
+                    await channels.check(pending, trio.current_time(), f"r{i}", [0])
+                assert pending.channel is not None
+                assert pending.channel.waiting == {}
+                assert pending.channel.checking == {}
+    finally:
+        channels.close()
+        producer.socket.close(linger=0)
+        context.term()

@@ -257,7 +257,9 @@ class ConfirmChannels:
                 del channel.checking[pending.seq]
                 if channel.leader is None:
                     self._hand_on(channel)
-            if not pending.done and channel.waiting.pop(pending.seq, None) is not None:
+                # (cancelled, or no answer in time: none is awaited any more)
+                unanswered = not pending.done and channel.waiting.pop(pending.seq, None) is not None
+            if unanswered:
                 # (a peer that answers nothing: a fresh socket for the next pull)
                 self._drop(channel, f"no reply within {self._config.handshake_timeout:g} s")
         if self._closed and pending.reply is None:
@@ -385,13 +387,18 @@ class ConfirmChannels:
         channel.waiting.clear()
 
     def _drain(self, channel: _Channel) -> None:
-        """Hand every reply readable now to the pull it answers."""
+        """Hand every reply readable now to the pull it answers (and wake
+        the leader if its own answer was among them: the edge it waits for
+        was spent by this drain)."""
         while not channel.closed:
             try:
                 frames = channel.socket.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
-                return
+                break
             self._dispatch(channel, frames)
+        leader = channel.leader
+        if leader is not None and leader.done and channel.wait_scope is not None:
+            channel.wait_scope.cancel()
 
     def _dispatch(self, channel: _Channel, frames: list[bytes]) -> None:
         if len(frames) != 2 or frames[0] != b"":
