@@ -277,3 +277,47 @@ async def test_a_pull_cancelled_while_it_waits_for_its_confirmation_leaves_nothi
         channels.close()
         producer.socket.close(linger=0)
         context.term()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a confirmation names an exposure by request id and blocks digest only: a request "
+    "id exposed again with the same blocks after the first exposure ended is taken for it "
+    "(design: the reply should say how long the exposure has been pending, or the "
+    "parameters name the exposure)",
+)
+async def test_a_read_across_the_end_and_a_re_exposure_of_its_request_on_the_same_blocks_fails() -> (
+    None
+):
+    # v1 expires while its decode's READ runs; the block serves v2 meanwhile
+    # (the READ copies v2's KV); v1 is then prefilled again, on the same
+    # block (a LIFO pool), and exposed again before the READ's second
+    # confirmation: the old pull must not take v2's bytes for v1's.
+    fabric = MemoryFabric()
+    short = _config(None, lease_initial=0.2, lease_renewal=0.2, heartbeat_interval=0.1)
+    prefill_kv, decode_kv = kv_cache(blocks=8), kv_cache(blocks=8)
+    with trio.fail_after(30):
+        async with (
+            trio_pd.open_connector("p", prefill_kv, config=short, backend=fabric.backend) as p,
+            trio_pd.open_connector("d", decode_kv, config=FAST, backend=fabric.backend) as d,
+        ):
+            await d.pull("warm", [], p.expose("warm", []))  # (the handshake)
+            fill_blocks(prefill_kv, [1], seed=1)
+            v1 = p.expose("v1", [1])
+            fabric.faults("p").unstoppable_reads = True
+            async with trio.open_nursery() as nursery:
+                failure: list[BaseException] = []
+
+                async def pull() -> None:
+                    try:
+                        await d.pull("v1", [2], v1)
+                    except trio_pd.ExposureEndedError as exc:
+                        failure.append(exc)
+
+                nursery.start_soon(pull)
+                assert await p.wait_released("v1") is trio_pd.Released.EXPIRED
+                fill_blocks(prefill_kv, [1], seed=2)  # v2's KV
+                assert fabric.finish_unstoppable_reads("p") == 1  # (copies it)
+                fill_blocks(prefill_kv, [1], seed=1)  # v1 prefilled again
+                p.expose("v1", [1])
+            assert failure or mismatched_blocks(decode_kv, [2], seed=1) == []
