@@ -286,9 +286,7 @@ async def test_a_pull_cancelled_while_it_waits_for_its_confirmation_leaves_nothi
     "(design: the reply should say how long the exposure has been pending, or the "
     "parameters name the exposure)",
 )
-async def test_a_read_across_the_end_and_a_re_exposure_of_its_request_on_the_same_blocks_fails() -> (
-    None
-):
+async def test_a_read_across_the_end_and_a_re_exposure_of_its_request_on_its_blocks_fails() -> None:
     # v1 expires while its decode's READ runs; the block serves v2 meanwhile
     # (the READ copies v2's KV); v1 is then prefilled again, on the same
     # block (a LIFO pool), and exposed again before the READ's second
@@ -321,3 +319,33 @@ async def test_a_read_across_the_end_and_a_re_exposure_of_its_request_on_the_sam
                 fill_blocks(prefill_kv, [1], seed=1)  # v1 prefilled again
                 p.expose("v1", [1])
             assert failure or mismatched_blocks(decode_kv, [2], seed=1) == []
+
+
+async def test_a_confirmation_too_large_for_the_producer_fails_alone_and_is_never_sent() -> None:
+    # Parameters come from the network: a request id (or token) over
+    # max_message_bytes would make the producer's ZeroMQ close the shared
+    # channel's connection, losing the confirmations of every other pull
+    # in flight to that rank (each then waits its handshake_timeout).
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    producer = _ScriptedProducer(context)
+    config = trio_pd.ConnectorConfig(handshake_timeout=30.0)
+    producer.socket.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
+    channels = ConfirmChannels("d", "agent-d", context, config)
+    digest = blocks_digest([1])
+    try:
+        with trio.fail_after(10):
+            legit = channels.send(producer.rank, "a", "", "inc", digest, 1)
+            huge = "x" * config.max_message_bytes
+            hostile = channels.send(producer.rank, huge, "", "inc", digest, 2)
+            assert hostile.done
+            assert "max_message_bytes" in hostile.failure
+            producer.receive(1)
+            producer.answer("a")
+            await channels.check(legit, trio.current_time(), "a", [0])
+            with pytest.raises(trio_pd.ExposureEndedError) as info:
+                await channels.check(hostile, trio.current_time(), "h", [1])
+            assert info.value.outcome == "unconfirmed"
+    finally:
+        channels.close()
+        producer.socket.close(linger=0)
+        context.term()

@@ -317,6 +317,13 @@ class ConfirmChannels:
             pending.digest,
             pending.nonce,
         )
+        if len(payload) > self._config.max_message_bytes:
+            # (the producer's ZeroMQ would close the connection, losing the
+            # other pulls' confirmations in flight on it: this one fails alone)
+            pending.finish(
+                failure=f"its confirmation ({len(payload)} bytes) is over max_message_bytes"
+            )
+            return
         pending.channel = channel
         channel.waiting[pending.seq] = pending
         try:
