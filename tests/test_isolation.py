@@ -349,3 +349,32 @@ async def test_a_confirmation_too_large_for_the_producer_fails_alone_and_is_neve
         channels.close()
         producer.socket.close(linger=0)
         context.term()
+
+
+async def test_a_pull_that_must_confirm_again_after_the_connector_closed_opens_nothing() -> None:
+    # Its first answer (a pin that ended before its READ did) came before the
+    # close; the confirmation it then sends again must not open a socket the
+    # close will never close (nor wait for its answer).
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    producer = _ScriptedProducer(context)
+    channels = ConfirmChannels(
+        "d", "agent-d", context, trio_pd.ConnectorConfig(handshake_timeout=30.0)
+    )
+    digest = blocks_digest([1])
+    try:
+        with trio.fail_after(10):
+            a = channels.send(producer.rank, "a", "", "inc", digest, 1)
+            b = channels.send(producer.rank, "b", "", "inc", digest, 2)
+            producer.receive(2)
+            producer.answer("a", held_for=0.0)
+            producer.answer("b")
+            await channels.check(b, trio.current_time(), "b", [0])  # (receives a's too)
+            assert a.done
+            channels.close()
+            with pytest.raises(trio.ClosedResourceError):
+                await channels.check(a, trio.current_time() + 1.0, "a", [0])
+            assert channels.open_channels == 0
+    finally:
+        channels.close()
+        producer.socket.close(linger=0)
+        context.term()

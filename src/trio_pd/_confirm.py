@@ -301,6 +301,9 @@ class ConfirmChannels:
         """Send ``pending`` (a new ``seq``, sent now) on its rank's channel."""
         pending.seq = next(self._seq)
         pending.sent_at = trio.current_time()
+        if self._closed:  # (a confirmation sent again: no socket the close will not close)
+            pending.finish(failure="the connector closed")
+            return
         try:
             channel = self._channel(pending.rank)
         except (FetchRefused, zmq.ZMQError) as exc:
