@@ -600,3 +600,33 @@ def test_an_exposure_follows_the_lease_rules(
     assert t.renewed == renewals
     if outcome is None:
         assert t.next_deadline() == deadline
+
+
+def test_a_second_read_whose_notification_came_before_its_confirmation_is_read() -> None:
+    # The same agent reads a pending exposure twice (a retried pull); the
+    # second READ's notification (UCX) overtakes its confirmation (ZeroMQ).
+    # It was counted while the exposure was pending: that READ read the
+    # request's bytes, whether the exposure resolved since or not -- and it
+    # must not leave a pin that nothing will end.
+    t = table()
+    digest = blocks_digest(BLOCKS)
+    t.expose("r1", BLOCKS, consumers=2, deadline=10.0, limit=120.0)
+    assert t.notify("r1", "decode-a", nonce=1) is Notice.COUNTED
+    assert t.notify("r1", "decode-a", nonce=2) is Notice.DUPLICATE
+    assert t.confirm("r1", "decode-a", digest, 1.0, 5.0, nonce=2).state is Confirmed.READ
+    assert t.notify("r1", "decode-b", nonce=1) is Notice.RELEASED  # (no pin left behind)
+    assert t.confirm("r1", "decode-a", digest, 2.0, 5.0, nonce=2).state is Confirmed.READ
+    assert t.confirm("r1", "decode-a", digest, 2.0, 5.0, nonce=3).state is (
+        Confirmed.READ_BY_OTHERS
+    )
+
+
+def test_the_reads_remembered_per_exposure_are_bounded() -> None:
+    # (a peer notifying with ever new nonces cannot grow an exposure)
+    t = table()
+    t.expose("r1", BLOCKS, consumers=2, deadline=10.0, limit=120.0)
+    for nonce in range(1, 10_000):
+        t.notify("r1", "decode-a", nonce=nonce)
+    exposure = t.pending_exposure("r1")
+    assert exposure is not None
+    assert len(exposure.read_nonces) <= MAX_PINS

@@ -301,6 +301,9 @@ class ConfirmChannels:
         """Send ``pending`` (a new ``seq``, sent now) on its rank's channel."""
         pending.seq = next(self._seq)
         pending.sent_at = trio.current_time()
+        if self._closed:  # (a confirmation sent again: no socket the close will not close)
+            pending.finish(failure="the connector closed")
+            return
         try:
             channel = self._channel(pending.rank)
         except (FetchRefused, zmq.ZMQError) as exc:
@@ -317,6 +320,13 @@ class ConfirmChannels:
             pending.digest,
             pending.nonce,
         )
+        if len(payload) > self._config.max_message_bytes:
+            # (the producer's ZeroMQ would close the connection, losing the
+            # other pulls' confirmations in flight on it: this one fails alone)
+            pending.finish(
+                failure=f"its confirmation ({len(payload)} bytes) is over max_message_bytes"
+            )
+            return
         pending.channel = channel
         channel.waiting[pending.seq] = pending
         try:
@@ -387,13 +397,18 @@ class ConfirmChannels:
         channel.waiting.clear()
 
     def _drain(self, channel: _Channel) -> None:
-        """Hand every reply readable now to the pull it answers."""
+        """Hand every reply readable now to the pull it answers (and wake
+        the leader if its own answer was among them: the edge it waits for
+        was spent by this drain)."""
         while not channel.closed:
             try:
                 frames = channel.socket.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
-                return
+                break
             self._dispatch(channel, frames)
+        leader = channel.leader
+        if leader is not None and leader.done and channel.wait_scope is not None:
+            channel.wait_scope.cancel()
 
     def _dispatch(self, channel: _Channel, frames: list[bytes]) -> None:
         if len(frames) != 2 or frames[0] != b"":

@@ -163,8 +163,10 @@ class Exposure:
     outcome: Released | None = None
     digest: bytes = attrs.field(default=b"", repr=False)
     """:func:`blocks_digest` of ``block_ids``."""
-    read_nonces: dict[str, int] = attrs.field(factory=dict)
-    """The nonce of each reader's counted notification (0: none given)."""
+    read_nonces: set[tuple[str, int]] = attrs.field(factory=set)
+    """The READs, as ``(agent, nonce)``, whose notifications were counted while
+    it was pending: each reader's first, and (at most :data:`MAX_PINS` in
+    all) its later READs' (a notification may overtake its READ's confirmation)."""
     pins: dict[tuple[str, int], float] = attrs.field(factory=dict)
     """READs confirmed, as ``(agent, nonce)``, and until when (see
     :meth:`ExposureTable.confirm`): an agent may run several READs of one
@@ -307,7 +309,7 @@ class ExposureTable:
             if nonce and (agent, nonce) in reads:
                 return Confirmation(Confirmed.READ)
             return Confirmation(_ENDED[outcome])
-        if nonce and exposure.read_nonces.get(agent) == nonce:
+        if nonce and (agent, nonce) in exposure.read_nonces:
             return Confirmation(Confirmed.READ)
         if agent in exposure.abandoned:
             return Confirmation(Confirmed.ABANDONED)
@@ -347,12 +349,15 @@ class ExposureTable:
         if consumer in exposure.readers or consumer in exposure.abandoned:
             # (another READ of the same agent: it ends that READ's pin)
             ended = not abandon and exposure.pins.pop((consumer, nonce), None) is not None
+            if not abandon and nonce and len(exposure.read_nonces) < MAX_PINS:
+                exposure.read_nonces.add((consumer, nonce))
             if ended and self._settle(exposure):
                 return Notice.RELEASED
             return Notice.DUPLICATE
         (exposure.abandoned if abandon else exposure.readers)[consumer] = readers
         if not abandon:
-            exposure.read_nonces[consumer] = nonce
+            if nonce:
+                exposure.read_nonces.add((consumer, nonce))
             exposure.pins.pop((consumer, nonce), None)
         return Notice.RELEASED if self._settle(exposure) else Notice.COUNTED
 
@@ -442,7 +447,7 @@ class ExposureTable:
         self._resolved[exposure.request_id] = (
             outcome,
             exposure.digest,
-            frozenset(exposure.read_nonces.items()),
+            frozenset(exposure.read_nonces),
         )
         while len(self._resolved) > self.history:
             self._resolved.popitem(last=False)
