@@ -24,8 +24,13 @@ from .conftest import wait_until
 
 CONFIG = trio_pd.ConnectorConfig(handshake_timeout=0.3)
 
-Answer = Callable[[protocol.ConfirmRequest], list[bytes]]
+Answer = Callable[[protocol.ConfirmEntry], list[bytes]]
 """What the scripted producer sends back for one confirmation (maybe nothing)."""
+
+
+def reply(seq: int, state: protocol.ConfirmState, held_for: float = 10.0) -> bytes:
+    """A confirmation reply answering ``seq`` alone."""
+    return protocol.confirm_reply([protocol.ConfirmAnswer(seq, state, held_for)])
 
 
 class Producer:
@@ -40,7 +45,7 @@ class Producer:
 
     def reply(self, seq: int, state: protocol.ConfirmState) -> None:
         """Answer ``seq`` now (the serving task sends it within 10 ms)."""
-        self.outbox.append(protocol.confirm_reply(seq, state, 10.0))
+        self.outbox.append(reply(seq, state))
 
 
 @asynccontextmanager
@@ -57,8 +62,8 @@ async def scripted(answer: Answer) -> AsyncIterator[Producer]:
                 while True:
                     frames = []
                     while producer.outbox:
-                        reply = producer.outbox.pop(0)
-                        await router.send_multipart([producer.identity, b"", reply])
+                        message = producer.outbox.pop(0)
+                        await router.send_multipart([producer.identity, b"", message])
                     with trio.move_on_after(0.01):
                         frames = await router.receive_multipart()
                     if not frames:
@@ -66,10 +71,11 @@ async def scripted(answer: Answer) -> AsyncIterator[Producer]:
                     identity, _, payload = frames
                     request = protocol.decode_request(payload, 1 << 20)
                     assert isinstance(request, protocol.ConfirmRequest)
-                    producer.seen.append(request.seq)
                     producer.identity = identity
-                    for reply in answer(request):
-                        await router.send_multipart([identity, b"", reply])
+                    for entry in request.entries:
+                        producer.seen.append(entry.seq)
+                        for message in answer(entry):
+                            await router.send_multipart([identity, b"", message])
 
             nursery.start_soon(serve)
             yield producer
@@ -116,14 +122,14 @@ async def test_a_producer_that_never_answers_fails_the_pull_as_unconfirmed_in_ti
     "noise",
     [
         [b"\xc1 not msgpack"],
-        [protocol.confirm_reply(10**9, "held", 10.0)],  # another seq
+        [reply(10**9, "held")],  # another seq
         [b"", b"two frames"],
     ],
     ids=["garbage", "another-seq", "extra-frame"],
 )
 async def test_replies_that_answer_nothing_of_ours_are_dropped(noise: list[bytes]) -> None:
-    def answer(request: protocol.ConfirmRequest) -> list[bytes]:
-        return [*noise, protocol.confirm_reply(request.seq, "read")]
+    def answer(entry: protocol.ConfirmEntry) -> list[bytes]:
+        return [*noise, reply(entry.seq, "read")]
 
     async with scripted_producer(answer) as (port, _), channels() as confirms:
         with trio.fail_after(5):
@@ -131,7 +137,7 @@ async def test_replies_that_answer_nothing_of_ours_are_dropped(noise: list[bytes
 
 
 async def test_an_error_reply_fails_every_confirmation_waiting_on_that_socket() -> None:
-    def answer(request: protocol.ConfirmRequest) -> list[bytes]:
+    def answer(entry: protocol.ConfirmEntry) -> list[bytes]:
         return [protocol.encode_message(protocol.error_reply("bad_request", "nope"))]
 
     async with scripted_producer(answer) as (port, _), channels() as confirms:
@@ -143,16 +149,13 @@ async def test_an_error_reply_fails_every_confirmation_waiting_on_that_socket() 
 async def test_many_pulls_waiting_on_one_channel_each_get_their_own_answer() -> None:
     # Replies come back in reverse order, and only once all were sent: the
     # pulls that do not lead the wait on the socket are handed their answers.
-    held: list[protocol.ConfirmRequest] = []
+    held: list[protocol.ConfirmEntry] = []
 
-    def answer(request: protocol.ConfirmRequest) -> list[bytes]:
-        held.append(request)
+    def answer(entry: protocol.ConfirmEntry) -> list[bytes]:
+        held.append(entry)
         if len(held) < 20:
             return []
-        return [
-            protocol.confirm_reply(r.seq, "held" if r.nonce % 2 else "expired", 10.0)
-            for r in reversed(held)
-        ]
+        return [reply(e.seq, "held" if e.nonce % 2 else "expired") for e in reversed(held)]
 
     outcomes: dict[int, str] = {}
     async with scripted_producer(answer) as (port, _), channels() as confirms:
@@ -194,8 +197,9 @@ async def test_a_pull_cancelled_while_it_leads_hands_the_wait_on() -> None:
                     done.set()
 
                 nursery.start_soon(lead)
+                await wait_until(lambda: len(producer.seen) == 1)
+                nursery.start_soon(follow)  # (the second was queued: its wait sends it)
                 await wait_until(lambda: len(producer.seen) == 2)
-                nursery.start_soon(follow)
                 await trio.sleep(0.02)
                 cancel_first.cancel()
                 await trio.sleep(0.02)

@@ -200,16 +200,20 @@ class _ScriptedProducer:
         self.requests: dict[str, tuple[bytes, int]] = {}  # request id -> (peer, seq)
 
     def receive(self, n: int) -> None:
-        for _ in range(n):
+        """Until ``n`` more confirmations arrived (in one request or several)."""
+        wanted = len(self.requests) + n
+        while len(self.requests) < wanted:
             assert self.socket.poll(5000), "no confirmation arrived"
             peer, _, payload = self.socket.recv_multipart()
             request = protocol.decode_request(payload, 1 << 20)
             assert isinstance(request, protocol.ConfirmRequest)
-            self.requests[request.request_id] = (peer, request.seq)
+            for entry in request.entries:
+                self.requests[entry.request_id] = (peer, entry.seq)
 
     def answer(self, request_id: str, held_for: float = 100.0) -> None:
         peer, seq = self.requests[request_id]
-        self.socket.send_multipart([peer, b"", protocol.confirm_reply(seq, "held", held_for)])
+        answer = protocol.ConfirmAnswer(seq, "held", held_for)
+        self.socket.send_multipart([peer, b"", protocol.confirm_reply([answer])])
 
 
 async def test_a_leader_whose_answer_another_waiter_received_returns_at_once() -> None:
@@ -226,8 +230,8 @@ async def test_a_leader_whose_answer_another_waiter_received_returns_at_once() -
     try:
         with trio.fail_after(10):
             a = channels.send(producer.rank, "a", "", "inc", digest, 1)
-            b = channels.send(producer.rank, "b", "", "inc", digest, 2)
-            producer.receive(2)
+            b = channels.send(producer.rank, "b", "", "inc", digest, 2)  # (queued behind a)
+            producer.receive(1)
             done: list[str] = []
 
             async def check(pending: Pending, name: str) -> None:
@@ -242,9 +246,10 @@ async def test_a_leader_whose_answer_another_waiter_received_returns_at_once() -
                 # the send, drain or EVENTS of another pull that got there first)
                 assert a.channel is not None
                 assert a.channel.socket.poll(5000)
-                nursery.start_soon(check, b, "b")  # (b drains a's answer)
+                nursery.start_soon(check, b, "b")  # (b sends itself, drains a's answer)
                 await trio.testing.wait_all_tasks_blocked()
                 assert done == ["a"]
+                producer.receive(1)
                 producer.answer("b")
             assert done == ["a", "b"]
     finally:
@@ -364,11 +369,15 @@ async def test_a_pull_that_must_confirm_again_after_the_connector_closed_opens_n
     try:
         with trio.fail_after(10):
             a = channels.send(producer.rank, "a", "", "inc", digest, 1)
-            b = channels.send(producer.rank, "b", "", "inc", digest, 2)
-            producer.receive(2)
+            b = channels.send(producer.rank, "b", "", "inc", digest, 2)  # (queued behind a)
+            producer.receive(1)
             producer.answer("a", held_for=0.0)
-            producer.answer("b")
-            await channels.check(b, trio.current_time(), "b", [0])  # (receives a's too)
+            async with trio.open_nursery() as nursery:
+                # (b's wait sends it, and receives a's answer too)
+                nursery.start_soon(channels.check, b, trio.current_time(), "b", [0])
+                await trio.testing.wait_all_tasks_blocked()
+                producer.receive(1)
+                producer.answer("b")
             assert a.done
             channels.close()
             with pytest.raises(trio.ClosedResourceError):

@@ -55,6 +55,8 @@ from ._fetch import FetchRefused, curve_client
 
 logger = logging.getLogger("trio_pd")
 
+EMPTY_REQUEST = len(protocol.encode_confirm_request("", "", "", []))
+
 MAX_CHANNELS = 64
 """Confirmation sockets kept open at once (one per producer rank pulled from
 lately); past it, the least recently used idle one is closed."""
@@ -75,16 +77,18 @@ class Pending:
     nonce: int
     seq: int = -1
     sent_at: float = 0.0
+    """When it was posted (it may have been sent later, with a batch)."""
+    sent: bool = False
     channel: _Channel | None = attrs.field(default=None, repr=False)
     done: bool = False
     """Answered, or no answer will come (``failure`` says why)."""
     wake: trio.Event | None = attrs.field(default=None, repr=False)
     """Set when it is answered, or when the leader's wait is handed to it."""
-    reply: protocol.ConfirmReply | None = None
+    reply: protocol.ConfirmAnswer | None = None
     failure: str = ""
     """Why no reply will come (an error reply, the channel closed)."""
 
-    def finish(self, reply: protocol.ConfirmReply | None = None, failure: str = "") -> None:
+    def finish(self, reply: protocol.ConfirmAnswer | None = None, failure: str = "") -> None:
         self.done = True
         self.reply = reply
         self.failure = self.failure or failure
@@ -98,7 +102,14 @@ class _Channel:
     socket: zmq.Socket[bytes]
     fd: int
     waiting: dict[int, Pending] = attrs.field(factory=dict)
-    """Sent and not answered yet, by ``seq``."""
+    """Posted and not answered yet, by ``seq`` (queued ones too)."""
+    queued: list[Pending] = attrs.field(factory=list)
+    """Posted while a request was in flight: sent together, when its answer
+    comes (or when one of their pulls needs its own answer)."""
+    in_flight: int = 0
+    """Requests sent and not answered."""
+    envelope: int = 0
+    """The encoded size of a request of no entries, from us to this rank."""
     checking: dict[int, Pending] = attrs.field(factory=dict)
     """Those of ``waiting`` whose pulls wait for the answer now."""
     leader: Pending | None = None
@@ -197,7 +208,9 @@ class ConfirmChannels:
         elif reply is not None:
             self._ended(pending, reply.state, request_id, local_ids)
         # The pin ended before the READ did, or no answer: once more, now.
-        again = attrs.evolve(pending, seq=-1, done=False, wake=None, reply=None, failure="")
+        again = attrs.evolve(
+            pending, seq=-1, sent=False, done=False, wake=None, reply=None, failure=""
+        )
         self._post(again)
         await self._wait(again, again.sent_at + timeout)
         if again.reply is None:
@@ -249,6 +262,8 @@ class ConfirmChannels:
         if channel is None or pending.done:
             await trio.lowlevel.checkpoint()
         else:
+            if not pending.sent:  # (queued behind a request in flight: ours is needed now)
+                self._flush(channel)
             channel.checking[pending.seq] = pending
             try:
                 with trio.move_on_at(deadline) as scope:
@@ -298,9 +313,12 @@ class ConfirmChannels:
                 return
 
     def _post(self, pending: Pending) -> None:
-        """Send ``pending`` (a new ``seq``, sent now) on its rank's channel."""
+        """Post ``pending`` (a new ``seq``, from now) on its rank's channel: sent
+        at once if no request of that channel waits for its answer, else
+        queued for the next one (the pulls that arrive while one request is
+        in flight travel together: one message, and one answer, for many)."""
         pending.seq = next(self._seq)
-        pending.sent_at = trio.current_time()
+        pending.sent_at = trio.current_time()  # (the pin counts from no earlier)
         if self._closed:  # (a confirmation sent again: no socket the close will not close)
             pending.finish(failure="the connector closed")
             return
@@ -309,10 +327,20 @@ class ConfirmChannels:
         except (FetchRefused, zmq.ZMQError) as exc:
             pending.finish(failure=str(exc))
             return
-        payload = protocol.encode_confirm_request(
-            pending.rank[0],
-            self._engine_id,
-            self._agent_name,
+        size = self._size(channel, pending)
+        if channel.envelope + size > self._config.max_message_bytes:
+            # (the producer's ZeroMQ would close the connection, losing the
+            # other pulls' confirmations in flight on it: this one fails alone)
+            pending.finish(failure=f"its confirmation ({size} bytes) is over max_message_bytes")
+            return
+        pending.channel = channel
+        channel.waiting[pending.seq] = pending
+        channel.queued.append(pending)
+        if channel.in_flight == 0:
+            self._flush(channel)
+
+    def _entry(self, pending: Pending) -> protocol.ConfirmEntry:
+        return protocol.ConfirmEntry(
             pending.seq,
             pending.request_id,
             pending.token,
@@ -320,20 +348,44 @@ class ConfirmChannels:
             pending.digest,
             pending.nonce,
         )
-        if len(payload) > self._config.max_message_bytes:
-            # (the producer's ZeroMQ would close the connection, losing the
-            # other pulls' confirmations in flight on it: this one fails alone)
-            pending.finish(
-                failure=f"its confirmation ({len(payload)} bytes) is over max_message_bytes"
-            )
-            return
-        pending.channel = channel
-        channel.waiting[pending.seq] = pending
+
+    def _size(self, channel: _Channel, pending: Pending) -> int:
+        """The bytes ``pending``'s entry adds to a request (and room for the
+        array's header to grow)."""
+        request = protocol.encode_confirm_request("", "", "", [self._entry(pending)])
+        return len(request) - EMPTY_REQUEST + 8
+
+    def _flush(self, channel: _Channel) -> None:
+        """Send what is queued on ``channel``, in requests under ``max_message_bytes``."""
+        batch: list[protocol.ConfirmEntry] = []
+        size = channel.envelope
+        queued, channel.queued = channel.queued, []
+        for pending in queued:
+            if pending.done or pending.seq not in channel.waiting:
+                continue  # (cancelled or failed meanwhile)
+            entry_size = self._size(channel, pending)
+            if batch and size + entry_size > self._config.max_message_bytes:
+                self._send(channel, batch)
+                batch, size = [], channel.envelope
+            pending.sent = True
+            batch.append(self._entry(pending))
+            size += entry_size
+        if batch:
+            self._send(channel, batch)
+
+    def _send(self, channel: _Channel, batch: list[protocol.ConfirmEntry]) -> None:
+        payload = protocol.encode_confirm_request(
+            channel.rank[0], self._engine_id, self._agent_name, batch
+        )
         try:
             channel.socket.send_multipart([b"", payload], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # (unbounded queue: only a closed socket)
-            del channel.waiting[pending.seq]
-            pending.finish(failure=f"could not send: {exc}")
+            for entry in batch:
+                pending = channel.waiting.pop(entry.seq, None)
+                if pending is not None:
+                    pending.finish(failure=f"could not send: {exc}")
+            return
+        channel.in_flight += 1
         # Our calls may have consumed the edge the leader waits for: if
         # anything is readable now, wake it (if not, the next reply makes a
         # new edge).
@@ -369,6 +421,8 @@ class ConfirmChannels:
             raw.close(linger=0)
             raise
         channel = _Channel(rank, raw, cast(int, raw.getsockopt(zmq.FD)))
+        empty = protocol.encode_confirm_request(rank[0], self._engine_id, self._agent_name, [])
+        channel.envelope = len(empty)
         self._channels[rank] = channel
         if len(self._channels) > MAX_CHANNELS:
             for old in list(self._channels.values()):
@@ -419,12 +473,17 @@ class ConfirmChannels:
         except ProtocolError as exc:
             logger.warning("engine %s: confirmation reply dropped: %s", channel.rank[0], exc)
             return
+        channel.in_flight = max(0, channel.in_flight - 1)
         if isinstance(reply, protocol.ErrorReply):
             # (names no seq: every confirmation waiting here gets it)
             for pending in channel.waiting.values():
                 pending.finish(failure=f"the producer refused ({reply.code}): {reply.reason}")
             channel.waiting.clear()
+            channel.queued.clear()
             return
-        answered = channel.waiting.pop(reply.seq, None)
-        if answered is not None:
-            answered.finish(reply)
+        for answer in reply.answers:
+            answered = channel.waiting.pop(answer.seq, None)
+            if answered is not None:
+                answered.finish(answer)
+        if channel.queued and channel.in_flight == 0:
+            self._flush(channel)

@@ -97,28 +97,30 @@ def serve_lease_request(
 def serve_confirm_request(
     request: protocol.ConfirmRequest,
     *,
-    ours: bool,
-    token_verifies: bool | None,
-    confirm: Callable[[], Confirmation],
-) -> tuple[bytes, protocol.ConfirmState]:
-    """The listener's answer to a confirmation.
+    ours: Callable[[str], bool],
+    token_verifies: Callable[[protocol.ConfirmEntry], bool | None],
+    confirm: Callable[[protocol.ConfirmEntry], Confirmation],
+) -> tuple[bytes, list[protocol.ConfirmAnswer]]:
+    """The listener's answers to a confirmation request, entry by entry.
 
-    ``ours``: the request names this incarnation (else ``restarted``: the
-    blocks it read belonged to the engine that ran here before).
-    ``token_verifies``: ``None`` without an exposure secret, or when the
-    exposure is not pending (nothing to compare with); ``False`` answers
-    ``refused``. Otherwise ``confirm`` decides (and pins, see
+    ``ours(incarnation)``: the entry names this incarnation (else
+    ``restarted``: the blocks it read belonged to the engine that ran here
+    before). ``token_verifies``: ``None`` without an exposure secret, or
+    when the exposure is not pending (nothing to compare with); ``False``
+    answers ``refused``. Otherwise ``confirm`` decides (and pins, see
     ``ExposureTable.confirm``).
 
     Returns:
-        the encoded :class:`~trio_pd._protocol.ConfirmReply` and its state.
+        the encoded :class:`~trio_pd._protocol.ConfirmReply` and its answers.
     """
-    if not ours:
-        state: protocol.ConfirmState = "restarted"
-        return protocol.confirm_reply(request.seq, state), state
-    if token_verifies is False:
-        state = "refused"
-        return protocol.confirm_reply(request.seq, state), state
-    answer = confirm()
-    state = answer.state.value  # (the same strings)
-    return protocol.confirm_reply(request.seq, state, answer.held_for), state
+    answers = []
+    for entry in request.entries:
+        if not ours(entry.incarnation):
+            answer = protocol.ConfirmAnswer(entry.seq, "restarted")
+        elif token_verifies(entry) is False:
+            answer = protocol.ConfirmAnswer(entry.seq, "refused")
+        else:
+            decided = confirm(entry)
+            answer = protocol.ConfirmAnswer(entry.seq, decided.state.value, decided.held_for)
+        answers.append(answer)
+    return protocol.confirm_reply(answers), answers

@@ -26,7 +26,7 @@ from . import _listener as listener
 from . import _protocol as protocol
 from ._backend import BackendError, TransferBackend
 from ._config import ConnectorConfig
-from ._exposures import ExposureTable, Notice, Released, lease_window
+from ._exposures import Confirmation, ExposureTable, Notice, Released, lease_window
 from ._layout import KVLayout, as_block_ids
 from ._records import ProducerStatistics, RemoteBlocks
 from ._tokens import exposure_token, token_matches
@@ -272,7 +272,11 @@ class Producer:
         before a restart abandoned the new one's exposure of the same
         request id (found by the chaos suite).
         """
-        return self._tp_rank != 0 or not entry.incarnation or entry.incarnation == self._incarnation
+        return self._incarnation_is_ours(entry.incarnation)
+
+    def _incarnation_is_ours(self, incarnation: str) -> bool:
+        """See :meth:`_entry_is_ours` (an empty incarnation is taken as ours)."""
+        return self._tp_rank != 0 or not incarnation or incarnation == self._incarnation
 
     def _serve_leases(self, request: protocol.LeaseRequest) -> bytes:
         """Renew or abandon what a lease request names; the reply to send.
@@ -318,46 +322,42 @@ class Producer:
         return reply
 
     def _serve_confirm(self, request: protocol.ConfirmRequest) -> bytes:
-        """Answer a consumer's confirmation (and pin the exposure for it).
+        """Answer a consumer's confirmations (and pin the exposures for them).
 
-        The pin lasts ``lease_renewal`` (never past ``abort_timeout``): a
+        Each pin lasts ``lease_renewal`` (never past ``abort_timeout``): a
         READ that takes longer is confirmed again once it ended.
         """
-        self._counters.confirmations += 1
-        entry = protocol.LeaseEntry(
-            request_id=request.request_id,
-            token=request.token,
-            readers=1,
-            abandon=False,
-            incarnation=request.incarnation,
-        )
-        exposure = self._exposures.pending_exposure(request.request_id)
-        verifies = None
-        if self._config.exposure_secret is not None and exposure is not None:
-            verifies = self._token_verifies(entry)
-        reply, state = listener.serve_confirm_request(
-            request,
-            ours=self._entry_is_ours(entry),
-            token_verifies=verifies,
-            confirm=lambda: self._exposures.confirm(
-                request.request_id,
-                request.consumer_agent,
-                request.blocks_digest,
-                trio.current_time(),
-                self._config.lease_renewal,
-                request.nonce,
-            ),
-        )
-        if state not in ("held", "read"):
-            self._counters.confirmations_denied += 1
-            logger.info(
-                "engine %s: %s (agent %s) read request %r after its exposure ended: %s",
-                self._engine_id,
-                request.consumer_engine_id,
-                request.consumer_agent,
-                request.request_id,
-                state,
+        now = trio.current_time()
+        hold_for = self._config.lease_renewal
+        agent = request.consumer_agent
+        secret = self._config.exposure_secret is not None
+
+        def token_verifies(entry: protocol.ConfirmEntry) -> bool | None:
+            if not secret or self._exposures.pending_exposure(entry.request_id) is None:
+                return None
+            lease = protocol.LeaseEntry(entry.request_id, entry.token, 1, False, entry.incarnation)
+            return self._token_verifies(lease)
+
+        def confirm(entry: protocol.ConfirmEntry) -> Confirmation:
+            return self._exposures.confirm(
+                entry.request_id, agent, entry.blocks_digest, now, hold_for, entry.nonce
             )
+
+        reply, answers = listener.serve_confirm_request(
+            request, ours=self._incarnation_is_ours, token_verifies=token_verifies, confirm=confirm
+        )
+        self._counters.confirmations += len(answers)
+        for entry, answer in zip(request.entries, answers, strict=True):
+            if answer.state not in ("held", "read"):
+                self._counters.confirmations_denied += 1
+                logger.info(
+                    "engine %s: %s (agent %s) read request %r after its exposure ended: %s",
+                    self._engine_id,
+                    request.consumer_engine_id,
+                    agent,
+                    entry.request_id,
+                    answer.state,
+                )
         return reply
 
     def _token_verifies(self, entry: protocol.LeaseEntry) -> bool:

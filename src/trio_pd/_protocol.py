@@ -14,15 +14,17 @@ Consumer -> producer, one of::
                      entries: [LeaseEntry {request_id, token, readers,
                                            abandon, incarnation}]}
     ConfirmRequest  {type: "confirm", protocol_version, engine_id,
-                     consumer_engine_id, consumer_agent, seq, request_id,
-                     token, incarnation, blocks_digest, nonce}
+                     consumer_engine_id, consumer_agent,
+                     entries: [ConfirmEntry {seq, request_id, token,
+                                             incarnation, blocks_digest, nonce}]}
 
 Producer -> consumer, one of::
 
     MetadataReply {type: "metadata_reply", protocol_version, compatibility_hash,
                    engine_metadata: bytes}      # msgpack EngineMetadata
     LeaseReply    {type: "lease_reply", protocol_version, unknown, refused}
-    ConfirmReply  {type: "confirm_reply", protocol_version, seq, state, held_for}
+    ConfirmReply  {type: "confirm_reply", protocol_version,
+                   answers: [ConfirmAnswer {seq, state, held_for}]}
     ErrorReply    {type: "error", protocol_version, code, reason}
 
 A reply is decoded in three steps, each a clear error if it fails: the
@@ -46,8 +48,8 @@ Version 2 added the tensor-parallel fields of :class:`EngineMetadata`
 (``tp_rank``, ``tp_size``, ``kv_heads``) and the readers count; version 3
 made a notification a list of entries; version 4 added the lease exchange;
 version 5 the confirmation of a pull's exposure (``ConfirmRequest``, sent on a
-long-lived DEALER per producer rank, so its replies name the ``seq`` they
-answer).
+long-lived DEALER per producer rank, so its answers name the ``seq`` they
+answer; the READs that queue while one request waits travel together).
 """
 
 from __future__ import annotations
@@ -124,20 +126,11 @@ class LeaseReply(msgspec.Struct, tag="lease_reply", tag_field="type", frozen=Tru
     forged token, and only the forged entry's hold is lost."""
 
 
-class ConfirmRequest(msgspec.Struct, tag="confirm", tag_field="type", frozen=True):
-    """A consumer is about to READ (or has read) an exposure: does the producer
-    still hold it for this request? (see ``_exposures.ExposureTable.confirm``)"""
+class ConfirmEntry(msgspec.Struct, frozen=True):
+    """One READ to confirm, in a :class:`ConfirmRequest`."""
 
-    protocol_version: int
-    engine_id: str
-    """The producer engine the consumer expects to reach."""
-    consumer_engine_id: str
-    """The consumer's own engine id (logged)."""
-    consumer_agent: str
-    """The consumer's NIXL agent name: the pin is this agent's, and its
-    notification is what ends it."""
     seq: Annotated[int, msgspec.Meta(ge=0)]
-    """Echoed in the reply: the consumer's channel matches replies by it."""
+    """Echoed in its answer: the consumer matches answers by it."""
     request_id: str
     """``remote_request_id``."""
     token: str
@@ -149,6 +142,23 @@ class ConfirmRequest(msgspec.Struct, tag="confirm", tag_field="type", frozen=Tru
     nonce: Annotated[int, msgspec.Meta(ge=0)] = 0
     """The nonce of the READ's notification: ``read`` is answered only if
     that notification (not an earlier READ's of the same agent) was counted."""
+
+
+class ConfirmRequest(msgspec.Struct, tag="confirm", tag_field="type", frozen=True):
+    """READs a consumer is about to post (or has posted): does the producer still
+    hold their exposures for them? (see ``_exposures.ExposureTable.confirm``)"""
+
+    protocol_version: int
+    engine_id: str
+    """The producer engine the consumer expects to reach."""
+    consumer_engine_id: str
+    """The consumer's own engine id (logged)."""
+    consumer_agent: str
+    """The consumer's NIXL agent name: each pin is this agent's, and its
+    READ's notification is what ends it."""
+    entries: list[ConfirmEntry]
+    """One per READ: the pulls that reach the consumer's socket while an
+    earlier request waits for its answer travel together."""
 
 
 ConfirmState = Literal[
@@ -166,20 +176,27 @@ ConfirmState = Literal[
 (the token does not verify) and ``restarted`` (another incarnation)."""
 
 
-class ConfirmReply(msgspec.Struct, tag="confirm_reply", tag_field="type", frozen=True):
-    """The producer's answer to a :class:`ConfirmRequest`."""
+class ConfirmAnswer(msgspec.Struct, frozen=True):
+    """The producer's answer for one :class:`ConfirmEntry`."""
 
-    protocol_version: int
     seq: int
-    """The request's ``seq``."""
+    """The entry's ``seq``."""
     state: ConfirmState
     """``held`` (pinned for ``held_for`` seconds from when it was answered)
-    or ``read`` (this agent's notification was counted while it was
+    or ``read`` (this READ's notification was counted while it was
     pending) let the consumer keep what it read; every other state says why
     not."""
     held_for: float = 0.0
     """With ``held``: how long the pin lasts, in seconds from when the producer
     answered (0 otherwise)."""
+
+
+class ConfirmReply(msgspec.Struct, tag="confirm_reply", tag_field="type", frozen=True):
+    """The producer's answers to a :class:`ConfirmRequest`, one per entry, in order."""
+
+    protocol_version: int
+    answers: list[ConfirmAnswer]
+    """One per entry of the request, in its order."""
 
 
 class MetadataReply(msgspec.Struct, tag="metadata_reply", tag_field="type", frozen=True):
@@ -476,13 +493,7 @@ def decode_lease_reply(data: bytes, max_bytes: int) -> LeaseReply:
         ProtocolError: oversized, undecodable, another protocol version, or
             an error reply (its code and reason named).
     """
-    _check_size(data, max_bytes, "lease reply")
-    envelope = _envelope(data, "lease reply")
-    if envelope.protocol_version != PROTOCOL_VERSION:
-        raise ProtocolError(
-            f"remote speaks protocol version {envelope.protocol_version}, "
-            f"local speaks {PROTOCOL_VERSION}"
-        )
+    _check_version(data, max_bytes, "lease reply")
     try:
         reply = _lease_reply_decoder.decode(data)
     except _UNDECODABLE as exc:
@@ -496,12 +507,7 @@ def encode_confirm_request(
     engine_id: str,
     consumer_engine_id: str,
     consumer_agent: str,
-    seq: int,
-    request_id: str,
-    token: str,
-    incarnation: str,
-    blocks_digest: bytes,
-    nonce: int = 0,
+    entries: Sequence[ConfirmEntry],
 ) -> bytes:
     return _encoder.encode(
         ConfirmRequest(
@@ -509,21 +515,14 @@ def encode_confirm_request(
             engine_id=engine_id,
             consumer_engine_id=consumer_engine_id,
             consumer_agent=consumer_agent,
-            seq=seq,
-            request_id=request_id,
-            token=token,
-            incarnation=incarnation,
-            blocks_digest=blocks_digest,
-            nonce=nonce,
+            entries=list(entries),
         )
     )
 
 
-def confirm_reply(seq: int, state: ConfirmState, held_for: float = 0.0) -> bytes:
+def confirm_reply(answers: Sequence[ConfirmAnswer]) -> bytes:
     """The encoded :class:`ConfirmReply`."""
-    return _encoder.encode(
-        ConfirmReply(protocol_version=PROTOCOL_VERSION, seq=seq, state=state, held_for=held_for)
-    )
+    return _encoder.encode(ConfirmReply(protocol_version=PROTOCOL_VERSION, answers=list(answers)))
 
 
 def decode_confirm_reply(data: bytes, max_bytes: int) -> ConfirmReply | ErrorReply:
@@ -535,17 +534,27 @@ def decode_confirm_reply(data: bytes, max_bytes: int) -> ConfirmReply | ErrorRep
     Raises:
         ProtocolError: oversized, undecodable, or another protocol version.
     """
-    _check_size(data, max_bytes, "confirm reply")
-    envelope = _envelope(data, "confirm reply")
+    _check_version(data, max_bytes, "confirm reply")
+    try:
+        reply: ConfirmReply | ErrorReply = _confirm_reply_decoder.decode(data)
+    except _UNDECODABLE as exc:
+        raise ProtocolError(f"invalid confirm reply: {exc}") from None
+    return reply
+
+
+def _check_version(data: bytes, max_bytes: int, what: str) -> None:
+    """A reply's size and envelope, and that it speaks our version.
+
+    Raises:
+        ProtocolError: oversized, no envelope, or another protocol version.
+    """
+    _check_size(data, max_bytes, what)
+    envelope = _envelope(data, what)
     if envelope.protocol_version != PROTOCOL_VERSION:
         raise ProtocolError(
             f"remote speaks protocol version {envelope.protocol_version}, "
             f"local speaks {PROTOCOL_VERSION}"
         )
-    try:
-        return _confirm_reply_decoder.decode(data)
-    except _UNDECODABLE as exc:
-        raise ProtocolError(f"invalid confirm reply: {exc}") from None
 
 
 def endpoint(host: str, port: int | str) -> str:
