@@ -630,3 +630,20 @@ def test_the_reads_remembered_per_exposure_are_bounded() -> None:
     exposure = t.pending_exposure("r1")
     assert exposure is not None
     assert len(exposure.read_nonces) <= MAX_PINS
+
+
+def test_a_request_exposed_again_is_a_new_generation_and_confirmations_name_theirs() -> None:
+    t = table()
+    digest = blocks_digest(BLOCKS)
+    assert t.generation("r1") == 1
+    t.expose("r1", BLOCKS, consumers=1, deadline=10.0, limit=120.0)
+    t.expire(10.0)
+    assert t.generation("r1") == 2
+    again = t.expose("r1", BLOCKS, consumers=1, deadline=20.0, limit=120.0)
+    assert again.generation == 2
+    # a READ of the first exposure is not confirmed by the second, on the same blocks
+    assert t.confirm("r1", "d", digest, 11.0, 5.0, nonce=1, generation=1).state is (
+        Confirmed.UNKNOWN
+    )
+    assert t.confirm("r1", "d", digest, 11.0, 5.0, nonce=2, generation=2).state is Confirmed.HELD
+    assert t.confirm("r1", "d", digest, 11.0, 5.0, nonce=3).state is Confirmed.HELD  # (0: any)

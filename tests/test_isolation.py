@@ -284,13 +284,9 @@ async def test_a_pull_cancelled_while_it_waits_for_its_confirmation_leaves_nothi
         context.term()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a confirmation names an exposure by request id and blocks digest only: a request "
-    "id exposed again with the same blocks after the first exposure ended is taken for it "
-    "(design: the reply should say how long the exposure has been pending, or the "
-    "parameters name the exposure)",
-)
+# (found by a hostile review: a confirmation named an exposure by request id
+# and blocks digest only; exposures now carry their generation,
+# remote_exposure, and the confirmation names it)
 async def test_a_read_across_the_end_and_a_re_exposure_of_its_request_on_its_blocks_fails() -> None:
     # v1 expires while its decode's READ runs; the block serves v2 meanwhile
     # (the READ copies v2's KV); v1 is then prefilled again, on the same

@@ -36,7 +36,15 @@ def test_kv_transfer_params_use_vllm_key_names_plus_the_incarnation() -> None:
         "remote_incarnation": "",
         "tp_size": 1,
         "remote_token": "",
+        "remote_exposure": 0,
     }
+
+
+@pytest.mark.parametrize("bad", [-1, "2", True, 2**63, 1.5])
+def test_a_bad_remote_exposure_is_refused_naming_it(bad: object) -> None:
+    with pytest.raises(ValueError, match="remote_exposure"):
+        RemoteBlocks.from_kv_transfer_params({**PARAMS, "remote_exposure": bad})
+    assert RemoteBlocks.from_kv_transfer_params({**PARAMS, "remote_exposure": None}).exposure == 0
 
 
 def test_kv_transfer_params_carry_the_tp_size_and_default_it_to_one() -> None:

@@ -75,6 +75,7 @@ class Pending:
     incarnation: str
     digest: bytes
     nonce: int
+    exposure: int = 0
     seq: int = -1
     sent_at: float = 0.0
     """When it was posted (it may have been sent later, with a batch)."""
@@ -169,6 +170,7 @@ class ConfirmChannels:
         incarnation: str,
         digest: bytes,
         nonce: int,
+        exposure: int = 0,
     ) -> Pending:
         """Ask ``rank`` (now, without waiting) to confirm and pin an exposure
         for the READ whose notification carries ``nonce``.
@@ -178,7 +180,7 @@ class ConfirmChannels:
         """
         if self._closed:
             raise trio.ClosedResourceError(f"connector {self._engine_id!r} is closed")
-        pending = Pending(rank, request_id, token, incarnation, digest, nonce)
+        pending = Pending(rank, request_id, token, incarnation, digest, nonce, exposure)
         self._post(pending)
         return pending
 
@@ -347,6 +349,7 @@ class ConfirmChannels:
             pending.incarnation,
             pending.digest,
             pending.nonce,
+            pending.exposure,
         )
 
     def _size(self, channel: _Channel, pending: Pending) -> int:

@@ -199,6 +199,7 @@ class Consumer:
             tp_size=remote.tp_size,
             request_id=remote.request_id,
             block_ids=remote.block_ids,
+            exposure=remote.exposure,
         )
         if not token_matches(expected, remote.token):
             raise ParamsRejectedError(
@@ -379,6 +380,7 @@ class Consumer:
                                 remote.incarnation,
                                 blocks_digest(remote.block_ids),
                                 nonce,
+                                remote.exposure,
                             )
                         )
                         await self._backend.read(agent, *indices, notification, hold)

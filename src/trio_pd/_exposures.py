@@ -163,6 +163,9 @@ class Exposure:
     outcome: Released | None = None
     digest: bytes = attrs.field(default=b"", repr=False)
     """:func:`blocks_digest` of ``block_ids``."""
+    generation: int = 1
+    """Which exposure of ``request_id`` this is (1 for its first; see
+    :meth:`ExposureTable.generation`)."""
     read_nonces: set[tuple[str, int]] = attrs.field(factory=set)
     """The READs, as ``(agent, nonce)``, whose notifications were counted while
     it was pending: each reader's first, and (at most :data:`MAX_PINS` in
@@ -195,6 +198,9 @@ def _engines(agents: dict[str, int]) -> Fraction:
     return sum((Fraction(1, n) for n in agents.values()), Fraction(0))
 
 
+_Resolved = tuple[Released, bytes, frozenset[tuple[str, int]], int]
+
+
 @attrs.define
 class ExposureTable:
     """Pending exposures, their deadlines, and a bounded history of outcomes.
@@ -205,10 +211,9 @@ class ExposureTable:
 
     history: int
     _pending: dict[str, Exposure] = attrs.field(factory=dict, init=False)
-    _resolved: OrderedDict[str, tuple[Released, bytes, frozenset[tuple[str, int]]]] = attrs.field(
-        factory=OrderedDict, init=False
-    )
-    """Outcome, blocks digest and the READs counted (agent, nonce) of resolved exposures."""
+    _resolved: OrderedDict[str, _Resolved] = attrs.field(factory=OrderedDict, init=False)
+    """Outcome, blocks digest, the READs counted (agent, nonce) and the
+    generation of resolved exposures."""
     _deadlines: list[tuple[float, str]] = attrs.field(factory=list, init=False)
     released: int = attrs.field(default=0, init=False)
     expired: int = attrs.field(default=0, init=False)
@@ -233,12 +238,14 @@ class ExposureTable:
         limit: float | None = None,
         token: str = "",
         digest: bytes | None = None,
+        generation: int | None = None,
     ) -> Exposure:
         """Record an exposure that expires at ``deadline`` unless renewed.
 
         ``limit`` (default: ``deadline``) caps renewals (see
         :func:`lease_window`); ``token`` is what was issued for it;
-        ``digest`` is :func:`blocks_digest` of ``block_ids`` (computed if not given).
+        ``digest`` is :func:`blocks_digest` of ``block_ids`` (computed if not
+        given); ``generation`` is :meth:`generation` (computed if not given).
 
         Raises:
             ValueError: ``request_id`` is already pending, or ``consumers < 1``.
@@ -250,13 +257,31 @@ class ExposureTable:
         limit = deadline if limit is None else limit
         if limit < deadline:
             raise ValueError(f"request {request_id!r}: limit {limit} is before deadline {deadline}")
+        if generation is None:
+            generation = self.generation(request_id)
         self._resolved.pop(request_id, None)
         if digest is None:
             digest = blocks_digest(block_ids)
-        exposure = Exposure(request_id, block_ids, consumers, deadline, limit, token, digest=digest)
+        exposure = Exposure(
+            request_id,
+            block_ids,
+            consumers,
+            deadline,
+            limit,
+            token,
+            digest=digest,
+            generation=generation,
+        )
         self._pending[request_id] = exposure
         self._schedule(exposure, deadline)
         return exposure
+
+    def generation(self, request_id: str) -> int:
+        """The generation the next exposure of ``request_id`` gets: 1, or one
+        more than the last one's while it is remembered (the ranks of an
+        engine expose the same requests, so they count alike)."""
+        resolved = self._resolved.get(request_id)
+        return 1 if resolved is None else resolved[3] + 1
 
     def renew(self, request_id: str, now: float, extension: float) -> bool:
         """A consumer's heartbeat for ``request_id`` arrived at ``now``.
@@ -286,6 +311,7 @@ class ExposureTable:
         now: float,
         hold_for: float,
         nonce: int = 0,
+        generation: int = 0,
     ) -> Confirmation:
         """``agent`` is about to READ (or has read) ``request_id``'s blocks: may it?
 
@@ -298,14 +324,16 @@ class ExposureTable:
         ``agent``'s READ ``nonce`` was counted while it was pending (whether
         or not it has resolved since, as long as it is remembered): not an
         earlier READ of the same agent, which a replay would be; and why
-        not otherwise.
+        not otherwise. ``generation`` (0: any) names the exposure of
+        ``request_id`` that the READ's parameters came from: a later one of
+        the same request on the same blocks is another exposure.
         """
         exposure = self._pending.get(request_id)
-        if exposure is None or exposure.digest != digest:
+        if exposure is None or not _names(exposure.digest, exposure.generation, digest, generation):
             resolved = self._resolved.get(request_id)
-            if resolved is None or resolved[1] != digest:
+            if resolved is None or not _names(resolved[1], resolved[3], digest, generation):
                 return Confirmation(Confirmed.UNKNOWN)
-            outcome, _, reads = resolved
+            outcome, _, reads, _ = resolved
             if nonce and (agent, nonce) in reads:
                 return Confirmation(Confirmed.READ)
             return Confirmation(_ENDED[outcome])
@@ -448,6 +476,7 @@ class ExposureTable:
             outcome,
             exposure.digest,
             frozenset(exposure.read_nonces),
+            exposure.generation,
         )
         while len(self._resolved) > self.history:
             self._resolved.popitem(last=False)
@@ -457,6 +486,12 @@ class ExposureTable:
             self.abandoned += 1
         else:
             self.expired += 1
+
+
+def _names(digest: bytes, generation: int, wanted_digest: bytes, wanted_generation: int) -> bool:
+    """Whether an exposure of ``digest`` and ``generation`` is the one a
+    confirmation names (a generation of 0 names any)."""
+    return digest == wanted_digest and wanted_generation in (0, generation)
 
 
 _ENDED = {

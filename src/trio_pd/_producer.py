@@ -128,11 +128,14 @@ class Producer:
         )
         config = self._config
         block_list = ids.tolist()
-        token = self._token(request_id, block_list, self._incarnation)
+        generation = self._exposures.generation(request_id)
+        token = self._token(request_id, block_list, self._incarnation, generation)
         deadline, limit = lease_window(
             trio.current_time(), config.lease_initial, config.abort_timeout
         )
-        self._exposures.expose(request_id, ids, consumers, deadline, limit=limit, token=token)
+        self._exposures.expose(
+            request_id, ids, consumers, deadline, limit=limit, token=token, generation=generation
+        )
         self._release_events[request_id] = trio.Event()
         self._exposure_added.set()
         self._backend.expect_reads()
@@ -145,6 +148,7 @@ class Producer:
             self._incarnation,
             self._tp_size,
             token,
+            generation,
         )
 
     @property
@@ -152,7 +156,9 @@ class Producer:
         """The engine's base port, whichever rank this is."""
         return self.address[1] - self._tp_rank
 
-    def _token(self, request_id: str, block_ids: list[int], incarnation: str) -> str:
+    def _token(
+        self, request_id: str, block_ids: list[int], incarnation: str, generation: int
+    ) -> str:
         """The exposure token of these blocks (empty without a secret)."""
         secret = self._config.exposure_secret
         if secret is None:
@@ -166,6 +172,7 @@ class Producer:
             tp_size=self._tp_size,
             request_id=request_id,
             block_ids=block_ids,
+            exposure=generation,
         )
 
     async def wait_released(self, request_id: str) -> Released:
@@ -340,7 +347,13 @@ class Producer:
 
         def confirm(entry: protocol.ConfirmEntry) -> Confirmation:
             return self._exposures.confirm(
-                entry.request_id, agent, entry.blocks_digest, now, hold_for, entry.nonce
+                entry.request_id,
+                agent,
+                entry.blocks_digest,
+                now,
+                hold_for,
+                entry.nonce,
+                entry.exposure,
             )
 
         reply, answers = listener.serve_confirm_request(
@@ -374,7 +387,7 @@ class Producer:
         if self._tp_rank == 0 or entry.incarnation == self._incarnation:
             return token_matches(exposure.token, entry.token)
         block_ids = exposure.block_ids.tolist()
-        expected = self._token(entry.request_id, block_ids, entry.incarnation)
+        expected = self._token(entry.request_id, block_ids, entry.incarnation, exposure.generation)
         return token_matches(expected, entry.token)
 
     def auth_refused(self, reason: str) -> None:

@@ -16,7 +16,8 @@ Consumer -> producer, one of::
     ConfirmRequest  {type: "confirm", protocol_version, engine_id,
                      consumer_engine_id, consumer_agent,
                      entries: [ConfirmEntry {seq, request_id, token,
-                                             incarnation, blocks_digest, nonce}]}
+                                             incarnation, blocks_digest, nonce,
+                                             exposure}]}
 
 Producer -> consumer, one of::
 
@@ -142,6 +143,9 @@ class ConfirmEntry(msgspec.Struct, frozen=True):
     nonce: Annotated[int, msgspec.Meta(ge=0)] = 0
     """The nonce of the READ's notification: ``read`` is answered only if
     that notification (not an earlier READ's of the same agent) was counted."""
+    exposure: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """``remote_exposure``: which exposure of the request the READ's
+    parameters came from (0: unknown, any)."""
 
 
 class ConfirmRequest(msgspec.Struct, tag="confirm", tag_field="type", frozen=True):

@@ -43,6 +43,13 @@ class RemoteBlocks:
             ``ConnectorConfig.exposure_secret``); empty when the producer
             has no secret. A consumer with a secret reads only blocks whose
             token matches.
+        exposure: which exposure of ``request_id`` on the producer this is:
+            1 for its first, 2 if it was exposed again after the first
+            ended, and so on (each rank of an engine counts the same). A
+            pull's confirmation names it, so that a READ that outlasted one
+            exposure is never taken for a later one of the same request on
+            the same blocks. 0 when unknown (then only the request id and
+            the blocks name it).
     """
 
     engine_id: str
@@ -53,11 +60,13 @@ class RemoteBlocks:
     incarnation: str = ""
     tp_size: int = 1
     token: str = attrs.field(default="", repr=False)
+    exposure: int = 0
 
     def to_kv_transfer_params(self) -> dict[str, Any]:
         """vLLM's ``kv_transfer_params`` keys, so a P/D proxy can pass them through.
 
-        trio_pd adds ``remote_incarnation`` and ``remote_token``; proxies
+        trio_pd adds ``remote_incarnation``, ``remote_token`` and
+        ``remote_exposure``; proxies
         pass unknown keys along. ``tp_size`` is vLLM's key for the
         producer's tensor-parallel size.
         """
@@ -68,7 +77,7 @@ class RemoteBlocks:
     @classmethod
     def from_kv_transfer_params(cls, params: Mapping[str, Any]) -> RemoteBlocks:
         """Inverse of :meth:`to_kv_transfer_params`; extra keys are ignored,
-        ``remote_incarnation`` and ``remote_token`` are optional (``None``
+        ``remote_incarnation``, ``remote_token`` and ``remote_exposure`` are optional (``None``
         counts as absent, as vLLM's proxy sends them), an absent ``tp_size``
         means 1.
 
@@ -93,6 +102,9 @@ class RemoteBlocks:
         token = params.get("remote_token") or ""
         if not isinstance(token, str):
             raise ValueError("remote_token must be a string")
+        exposure = params.get("remote_exposure") or 0
+        if not isinstance(exposure, int) or isinstance(exposure, bool) or not 0 <= exposure < 2**63:
+            raise ValueError(f"remote_exposure must be an int >= 0, got {exposure!r}")
         if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
             raise ValueError(f"remote_port must be a TCP port, got {port!r}")
         tp_size = params.get("tp_size")
@@ -105,7 +117,9 @@ class RemoteBlocks:
             isinstance(b, int) and not isinstance(b, bool) for b in block_ids
         ):
             raise ValueError("remote_block_ids must be a list of ints")
-        return cls(engine_id, host, port, block_ids, request_id, incarnation, tp_size, token)
+        return cls(
+            engine_id, host, port, block_ids, request_id, incarnation, tp_size, token, exposure
+        )
 
 
 KV_TRANSFER_PARAMS: Final = {
@@ -117,6 +131,7 @@ KV_TRANSFER_PARAMS: Final = {
     "remote_incarnation": "incarnation",
     "tp_size": "tp_size",
     "remote_token": "token",
+    "remote_exposure": "exposure",
 }
 """The ``kv_transfer_params`` keys, in order, and the :class:`RemoteBlocks`
 attribute each carries: a key is required when its attribute has no default,

@@ -24,7 +24,7 @@ from typing import Final
 
 import msgspec
 
-DOMAIN: Final = b"trio_pd exposure token v1\0"
+DOMAIN: Final = b"trio_pd exposure token v2\0"
 """Separates these tags from any other use of the same secret."""
 
 TOKEN_HEX_LENGTH: Final = 32
@@ -43,10 +43,14 @@ def exposure_token(
     tp_size: int,
     request_id: str,
     block_ids: Sequence[int],
+    exposure: int = 0,
 ) -> str:
-    """The tag a producer attaches to one exposure (hex, :data:`TOKEN_HEX_LENGTH` long)."""
+    """The tag a producer attaches to one exposure (hex, :data:`TOKEN_HEX_LENGTH` long).
+
+    ``exposure``: which exposure of ``request_id`` this is (``RemoteBlocks.exposure``).
+    """
     message = _encoder.encode(
-        [engine_id, host, port, incarnation, tp_size, request_id, list(block_ids)]
+        [engine_id, host, port, incarnation, tp_size, request_id, list(block_ids), exposure]
     )
     digest = hmac.new(secret, DOMAIN + message, hashlib.sha256).hexdigest()
     return digest[:TOKEN_HEX_LENGTH]
