@@ -829,6 +829,22 @@ def _bound_producer_cpu(r: dict[str, Any]) -> str:
     )
 
 
+def _bound_confirm_mib(r: dict[str, Any]) -> str:
+    c = r["confirm"]
+    return (
+        f"the 1 MiB READ ({c['mib']['unconfirmed_ms_p50']} ms) is longer than the "
+        f"round trip ({c['side_channel_rtt_ms_p50']} ms), so the answer is not what it "
+        "waits for: the producer's work to answer (waking its listener, about 50 us) "
+        "and the consumer's to send and collect run on the same 2 cores as the READ's "
+        "copy and both processes' polling threads, and slow it down"
+    )
+
+
+def _bound_confirm_tiny(r: dict[str, Any]) -> str:
+    t = r["confirm"]["tiny"]
+    return f"the tiny pull waited {t['extra_in_rtts']} round trips for its answer"
+
+
 def _bound_throughput(r: dict[str, Any]) -> str:
     return f"section 4 shows what bounds one pull.{_spread(r)}"
 
@@ -843,6 +859,8 @@ MISSED_BOUNDS = {
     "tokens/s via the proxy vs one engine, 8 clients": _bound_tokens,
     "producer CPU, 1000 stale exposures": _bound_producer_cpu,
     "throughput vs raw NIXL": _bound_throughput,
+    "confirmed 1 MiB pulls vs unconfirmed": _bound_confirm_mib,
+    "a confirmed tiny pull's extra time": _bound_confirm_tiny,
 }
 """For a goal a run misses: what bounds it, in words made from that run's results."""
 

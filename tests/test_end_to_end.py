@@ -57,6 +57,7 @@ async def test_kv_transfer_params_pass_through_a_proxy_unchanged() -> None:
                     "remote_incarnation",  # trio_pd's addition: restart detection
                     "tp_size",  # vLLM's key for the producer's TP size
                     "remote_token",  # trio_pd's addition: proof of the exposure
+                    "remote_exposure",  # trio_pd's addition: which exposure of the request
                 }
                 again = trio_pd.RemoteBlocks.from_kv_transfer_params(dict(params, extra=1))
                 assert again == remote

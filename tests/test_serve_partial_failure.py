@@ -340,3 +340,30 @@ async def test_refusals_give_the_prefill_blocks_back_and_no_decode_reads_a_lapse
                 assert reprefills == 1
                 with trio.fail_after(10):
                     await wait_for(client, prefill, free, SMALL_POOL)
+
+                # Finding 1, at the engines themselves: v1's exposure expires,
+                # v2's prefill takes its blocks, then v1's decode arrives with
+                # v1's own parameters. It used to answer 200 with v2's tokens;
+                # its pull now fails (the producer no longer held the blocks
+                # for v1) and the engine answers 409 exposure_ended.
+                expired = (await scrape(client, prefill))["trio_pd_exposures_expired_total"]
+                late = {"prompt": "late " * 20, "max_tokens": 4}
+                first = await client.post(
+                    f"{prefill}/v1/completions",
+                    json={**late, "kv_transfer_params": {"do_remote_decode": True}},
+                )
+                v1 = first.json()["kv_transfer_params"]
+                with trio.fail_after(LEASE + 5):
+                    await wait_for(client, prefill, "trio_pd_exposures_expired_total", expired + 1)
+                second = await client.post(
+                    f"{prefill}/v1/completions",
+                    json={"prompt": "next " * 20, "kv_transfer_params": {"do_remote_decode": True}},
+                )
+                assert sorted(second.json()["kv_transfer_params"]["remote_block_ids"]) == (
+                    sorted(v1["remote_block_ids"])
+                )  # (the pool is LIFO: v2 has v1's blocks)
+                response = await client.post(
+                    f"{decode}/v1/completions", json={**late, "kv_transfer_params": v1}
+                )
+                assert response.status_code == 409, response.text
+                assert response.json()["error"]["code"] == "exposure_ended"

@@ -149,7 +149,9 @@ class Handshakes:
                 changed under ``HANDSHAKES_PER_PULL`` handshakes.
             TransferError: the blocks belong to an incarnation that is not
                 running (gone, or refuted by the engine itself).
+            trio.ClosedResourceError: the connector closed (before or meanwhile).
         """
+        self._check_open()  # (a pull's second round of parts may start after close)
         record = engine.record
         waits = 0
         while True:
