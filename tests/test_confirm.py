@@ -58,9 +58,8 @@ async def scripted(answer: Answer) -> AsyncIterator[Producer]:
             producer = Producer(router, router.zmq_socket.bind_to_random_port("tcp://127.0.0.1"))
 
             async def serve() -> None:
-                frames: list[bytes] = []
                 while True:
-                    frames = []
+                    frames: list[bytes] = []
                     while producer.outbox:
                         message = producer.outbox.pop(0)
                         await router.send_multipart([producer.identity, b"", message])
@@ -77,7 +76,8 @@ async def scripted(answer: Answer) -> AsyncIterator[Producer]:
                         for message in answer(entry):
                             await router.send_multipart([identity, b"", message])
 
-            nursery.start_soon(serve)
+            # (bound already: what arrives before serve runs waits in the socket)
+            nursery.start_soon(serve)  # noqa: ASYNC113
             yield producer
             nursery.cancel_scope.cancel()
 
