@@ -208,3 +208,18 @@ async def test_a_pull_cancelled_while_it_leads_hands_the_wait_on() -> None:
                 await done.wait()
                 # (the second's deadline is 10 s away: it was woken by the reply)
                 assert trio.current_time() - answered_at < patient.handshake_timeout / 2
+
+
+async def test_a_request_whose_pulls_all_gave_up_no_longer_holds_back_the_next() -> None:
+    # Confirmations posted while a request waits for its answer are queued for
+    # the next one. A request whose answer was lost, and whose pulls all gave
+    # up (cancelled) before their deadline, must not keep them queued for good.
+    patient = trio_pd.ConnectorConfig(handshake_timeout=10.0)
+    async with scripted(lambda entry: []) as producer, channels(patient) as confirms:
+        with trio.fail_after(5):
+            first = send(confirms, producer.port, 1)
+            await wait_until(lambda: len(producer.seen) == 1)
+            with trio.move_on_after(0.05):
+                await confirms.check(first, trio.current_time(), "a", [1])  # type: ignore[arg-type]
+            send(confirms, producer.port, 2)  # (nobody waits for it yet: sent at once)
+            await wait_until(lambda: len(producer.seen) == 2)

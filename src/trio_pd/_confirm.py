@@ -80,6 +80,8 @@ class Pending:
     sent_at: float = 0.0
     """When it was posted (it may have been sent later, with a batch)."""
     sent: bool = False
+    batch: int = -1
+    """The ``seq`` of the first entry of the request it was sent in."""
     channel: _Channel | None = attrs.field(default=None, repr=False)
     done: bool = False
     """Answered, or no answer will come (``failure`` says why)."""
@@ -107,8 +109,11 @@ class _Channel:
     queued: list[Pending] = attrs.field(factory=list)
     """Posted while a request was in flight: sent together, when its answer
     comes (or when one of their pulls needs its own answer)."""
-    in_flight: int = 0
-    """Requests sent and not answered."""
+    unanswered: dict[int, int] = attrs.field(factory=dict)
+    """Requests sent whose entries still wait: each by the ``seq`` of its
+    first entry, and how many of its entries wait. A request counts as in
+    flight while one of its pulls still waits for it, so that a reply the
+    network lost does not keep later confirmations queued for good."""
     envelope: int = 0
     """The encoded size of a request of no entries, from us to this rank."""
     checking: dict[int, Pending] = attrs.field(factory=dict)
@@ -230,7 +235,7 @@ class ConfirmChannels:
     def discard(self, pending: Pending) -> None:
         """Stop waiting for ``pending``'s answer (its READ failed)."""
         if pending.channel is not None:
-            pending.channel.waiting.pop(pending.seq, None)
+            self._unwait(pending.channel, pending.seq)
 
     def close(self) -> None:
         """Refuse new confirmations, close every socket, and wake the pulls
@@ -275,7 +280,7 @@ class ConfirmChannels:
                 if channel.leader is None:
                     self._hand_on(channel)
                 if not pending.done:  # (our deadline, or we were cancelled)
-                    channel.waiting.pop(pending.seq, None)
+                    self._unwait(channel, pending.seq)
             if scope.cancelled_caught and not pending.done and not channel.closed:
                 # (a peer that answers nothing: a fresh socket for the next pull)
                 self._drop(channel, f"no reply within {self._config.handshake_timeout:g} s")
@@ -338,7 +343,7 @@ class ConfirmChannels:
         pending.channel = channel
         channel.waiting[pending.seq] = pending
         channel.queued.append(pending)
-        if channel.in_flight == 0:
+        if not channel.unanswered:
             self._flush(channel)
 
     def _entry(self, pending: Pending) -> protocol.ConfirmEntry:
@@ -388,7 +393,9 @@ class ConfirmChannels:
                 if pending is not None:
                     pending.finish(failure=f"could not send: {exc}")
             return
-        channel.in_flight += 1
+        channel.unanswered[batch[0].seq] = len(batch)
+        for entry in batch:
+            channel.waiting[entry.seq].batch = batch[0].seq
         # Our calls may have consumed the edge the leader waits for: if
         # anything is readable now, wake it (if not, the next reply makes a
         # new edge).
@@ -476,17 +483,29 @@ class ConfirmChannels:
         except ProtocolError as exc:
             logger.warning("engine %s: confirmation reply dropped: %s", channel.rank[0], exc)
             return
-        channel.in_flight = max(0, channel.in_flight - 1)
         if isinstance(reply, protocol.ErrorReply):
             # (names no seq: every confirmation waiting here gets it)
             for pending in channel.waiting.values():
                 pending.finish(failure=f"the producer refused ({reply.code}): {reply.reason}")
             channel.waiting.clear()
             channel.queued.clear()
+            channel.unanswered.clear()
             return
         for answer in reply.answers:
-            answered = channel.waiting.pop(answer.seq, None)
+            answered = self._unwait(channel, answer.seq)
             if answered is not None:
                 answered.finish(answer)
-        if channel.queued and channel.in_flight == 0:
+        if channel.queued and not channel.unanswered:
             self._flush(channel)
+
+    def _unwait(self, channel: _Channel, seq: int) -> Pending | None:
+        """Take ``seq`` out of what waits on ``channel`` (answered, given up
+        or discarded); its request stops counting once none of it waits."""
+        pending = channel.waiting.pop(seq, None)
+        if pending is not None and pending.batch in channel.unanswered:
+            left = channel.unanswered[pending.batch] - 1
+            if left:
+                channel.unanswered[pending.batch] = left
+            else:
+                del channel.unanswered[pending.batch]
+        return pending
