@@ -22,6 +22,10 @@ waiter. (A task per channel would be runnable whenever ZeroMQ signals its
 descriptor, which would keep small sequential pulls off their inline path:
 those run only when no other task is runnable.)
 
+Replies are drained :data:`DRAIN_BATCH` at a time, with a checkpoint between,
+and at most :data:`RECEIVE_QUEUE` wait in the socket: a hostile producer
+that floods the socket neither holds the loop nor grows memory without bound.
+
 ZeroMQ's file descriptor is edge-triggered, and any call on the socket --
 a send too -- may consume the edge the leader waits for. So after every
 send the pull checks ``EVENTS``, and if a reply is readable wakes the
@@ -56,6 +60,13 @@ from ._fetch import FetchRefused, curve_client
 logger = logging.getLogger("trio_pd")
 
 EMPTY_REQUEST = len(protocol.encode_confirm_request("", "", "", []))
+
+DRAIN_BATCH = 256
+"""Replies handed out per drain before the draining task checkpoints."""
+
+RECEIVE_QUEUE = 65536
+"""Replies ZeroMQ keeps for a confirmation socket before it drops more (a
+producer answers once per request: only a hostile one gets near it)."""
 
 MAX_CHANNELS = 64
 """Confirmation sockets kept open at once (one per producer rank pulled from
@@ -300,7 +311,10 @@ class ConfirmChannels:
                 channel.leader = pending
                 try:
                     with trio.CancelScope() as channel.wait_scope:
-                        if not self._readable(channel):
+                        if self._readable(channel):
+                            # (more than one drain's worth: let the others run)
+                            await trio.lowlevel.checkpoint()
+                        else:
                             await trio.lowlevel.wait_readable(channel.fd)
                 except trio.ClosedResourceError:
                     pass  # (the channel was dropped: its waiters were finished)
@@ -417,7 +431,7 @@ class ConfirmChannels:
         raw = self._zmq.socket(zmq.DEALER)
         raw.setsockopt(zmq.LINGER, 0)
         raw.setsockopt(zmq.SNDHWM, 0)
-        raw.setsockopt(zmq.RCVHWM, 0)
+        raw.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
         raw.setsockopt(zmq.MAXMSGSIZE, self._config.max_message_bytes)
         if ":" in rank[1]:
             raw.setsockopt(zmq.IPV6, 1)
@@ -463,8 +477,11 @@ class ConfirmChannels:
     def _drain(self, channel: _Channel) -> None:
         """Hand every reply readable now to the pull it answers (and wake
         the leader if its own answer was among them: the edge it waits for
-        was spent by this drain)."""
-        while not channel.closed:
+        was spent by this drain). At most :data:`DRAIN_BATCH` at a time: a
+        producer that floods the socket does not hold the loop."""
+        for _ in range(DRAIN_BATCH):
+            if channel.closed:
+                break
             try:
                 frames = channel.socket.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
