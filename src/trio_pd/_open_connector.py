@@ -24,6 +24,7 @@ the checks of the addresses it binds and advertises (:data:`WILDCARD_HOSTS`).
 from __future__ import annotations
 
 import logging
+import resource
 import secrets
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -53,6 +54,15 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger("trio_pd")
+
+
+def max_sockets() -> int:
+    """ZeroMQ sockets a connector's context may hold: the soft limit on open
+    files (every socket needs one), between 1024 and 65536."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 65536
+    return min(max(soft, 1024), 65536)
 
 
 def bind_and_advertised_hosts(host: str, advertise_host: str | None) -> tuple[str, str]:
@@ -174,6 +184,10 @@ async def open_connector(
     create = NixlBackend.create if backend is None else backend
     await wait_for_interface(engine_id, advertised, config)
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    # ZeroMQ's own cap (1023 sockets) is below what a decoder of many engines
+    # uses (a confirmation socket per producer rank pulled from at once): the
+    # process's file limit, which bounds them anyway, is the cap instead.
+    context.set(zmq.MAX_SOCKETS, max_sockets())
     try:
         transfers: TransferBackend = await create(
             f"{engine_id}#{incarnation}", kv_caches, layout, config
