@@ -1235,13 +1235,7 @@ class ChaosMachine(RuleBasedStateMachine):
         ]
         if consumer is None or not found:
             return
-        pull = self.make_pull(consumer, found[choice % len(found)])
-        if pull is None:
-            return
-        if wait:
-            await self._pull(pull)
-        else:
-            self.start_job(self._pull, pull)
+        await self._run_pull(self.make_pull(consumer, found[choice % len(found)]), wait)
 
     @rule(
         consumer=st.integers(0, CONSUMERS - 1),
@@ -1293,10 +1287,15 @@ class ChaosMachine(RuleBasedStateMachine):
         exposure = self.pick(choice)
         if consumer is None or exposure is None:
             return
-        pull = self.make_pull(consumer, exposure, forgery, cancel_after, notify_only)
+        await self._run_pull(
+            self.make_pull(consumer, exposure, forgery, cancel_after, notify_only), wait
+        )
+
+    async def _run_pull(self, pull: Pull | None, wait: bool) -> None:
+        """Run ``pull`` here (``wait``) or in a job of its own; nothing if ``None``."""
         if pull is None:
-            return
-        if wait:
+            await trio.lowlevel.checkpoint()
+        elif wait:
             await self._pull(pull)
         else:
             self.start_job(self._pull, pull)

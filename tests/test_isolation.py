@@ -12,6 +12,9 @@ ZeroMQ on loopback, except where the in-memory backend injects a slow READ.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 import trio
@@ -216,18 +219,30 @@ class _ScriptedProducer:
         self.socket.send_multipart([peer, b"", protocol.confirm_reply([answer])])
 
 
+@contextmanager
+def scripted_channels(
+    config: trio_pd.ConnectorConfig | None = None,
+) -> Iterator[tuple[_ScriptedProducer, ConfirmChannels]]:
+    """A scripted producer and a consumer's confirmation channels (closed on exit)."""
+    config = trio_pd.ConnectorConfig(handshake_timeout=30.0) if config is None else config
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    producer = _ScriptedProducer(context)
+    channels = ConfirmChannels("d", "agent-d", context, config)
+    try:
+        yield producer, channels
+    finally:
+        channels.close()
+        producer.socket.close(linger=0)
+        context.term()
+
+
 async def test_a_leader_whose_answer_another_waiter_received_returns_at_once() -> None:
     # Pull a leads the wait on the fd; its answer arrives and pull b (just
     # starting to wait) drains it. ZeroMQ's fd is edge-triggered and that
     # edge is spent: a must be woken by whoever hands it its answer, not
     # wait for the next reply or its whole handshake_timeout (30 s here).
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    producer = _ScriptedProducer(context)
-    channels = ConfirmChannels(
-        "d", "agent-d", context, trio_pd.ConnectorConfig(handshake_timeout=30.0)
-    )
     digest = blocks_digest([1])
-    try:
+    with scripted_channels() as (producer, channels):
         with trio.fail_after(10):
             a = channels.send(producer.rank, "a", "", "inc", digest, 1)
             b = channels.send(producer.rank, "b", "", "inc", digest, 2)  # (queued behind a)
@@ -252,22 +267,13 @@ async def test_a_leader_whose_answer_another_waiter_received_returns_at_once() -
                 producer.receive(1)
                 producer.answer("b")
             assert done == ["a", "b"]
-    finally:
-        channels.close()
-        producer.socket.close(linger=0)
-        context.term()
 
 
 async def test_a_pull_cancelled_while_it_waits_for_its_confirmation_leaves_nothing_behind() -> None:
     # A producer that never answers, and a caller that gives up first: the
     # confirmation must not stay in the channel's table for good (which
     # also keeps the channel from ever being closed as least recently used).
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    producer = _ScriptedProducer(context)
-    channels = ConfirmChannels(
-        "d", "agent-d", context, trio_pd.ConnectorConfig(handshake_timeout=30.0)
-    )
-    try:
+    with scripted_channels() as (producer, channels):
         with trio.fail_after(10):
             for i in range(3):
                 pending = channels.send(
@@ -278,10 +284,6 @@ async def test_a_pull_cancelled_while_it_waits_for_its_confirmation_leaves_nothi
                 assert pending.channel is not None
                 assert pending.channel.waiting == {}
                 assert pending.channel.checking == {}
-    finally:
-        channels.close()
-        producer.socket.close(linger=0)
-        context.term()
 
 
 # (found by a hostile review: a confirmation named an exposure by request id
@@ -327,13 +329,10 @@ async def test_a_confirmation_too_large_for_the_producer_fails_alone_and_is_neve
     # max_message_bytes would make the producer's ZeroMQ close the shared
     # channel's connection, losing the confirmations of every other pull
     # in flight to that rank (each then waits its handshake_timeout).
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    producer = _ScriptedProducer(context)
     config = trio_pd.ConnectorConfig(handshake_timeout=30.0)
-    producer.socket.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
-    channels = ConfirmChannels("d", "agent-d", context, config)
     digest = blocks_digest([1])
-    try:
+    with scripted_channels(config) as (producer, channels):
+        producer.socket.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
         with trio.fail_after(10):
             legit = channels.send(producer.rank, "a", "", "inc", digest, 1)
             huge = "x" * config.max_message_bytes
@@ -346,23 +345,14 @@ async def test_a_confirmation_too_large_for_the_producer_fails_alone_and_is_neve
             with pytest.raises(trio_pd.ExposureEndedError) as info:
                 await channels.check(hostile, trio.current_time(), "h", [1])
             assert info.value.outcome == "unconfirmed"
-    finally:
-        channels.close()
-        producer.socket.close(linger=0)
-        context.term()
 
 
 async def test_a_pull_that_must_confirm_again_after_the_connector_closed_opens_nothing() -> None:
     # Its first answer (a pin that ended before its READ did) came before the
     # close; the confirmation it then sends again must not open a socket the
     # close will never close (nor wait for its answer).
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    producer = _ScriptedProducer(context)
-    channels = ConfirmChannels(
-        "d", "agent-d", context, trio_pd.ConnectorConfig(handshake_timeout=30.0)
-    )
     digest = blocks_digest([1])
-    try:
+    with scripted_channels() as (producer, channels):
         with trio.fail_after(10):
             a = channels.send(producer.rank, "a", "", "inc", digest, 1)
             b = channels.send(producer.rank, "b", "", "inc", digest, 2)  # (queued behind a)
@@ -379,7 +369,3 @@ async def test_a_pull_that_must_confirm_again_after_the_connector_closed_opens_n
             with pytest.raises(trio.ClosedResourceError):
                 await channels.check(a, trio.current_time() + 1.0, "a", [0])
             assert channels.open_channels == 0
-    finally:
-        channels.close()
-        producer.socket.close(linger=0)
-        context.term()
