@@ -2,18 +2,23 @@
 
 A pull's bytes are kept only if the producer still held them for its
 request for the whole READ (see ``_exposures``: the producer pins the
-exposure for the confirming agent). The confirmation is sent just before
+exposure for the confirming READ). The confirmation is sent just before
 the READ is posted and its reply awaited only once the READ has ended, so
-on any READ longer than one side-channel round trip it costs nothing; on a
-tiny READ it costs at most the rest of that round trip.
+a READ longer than one side-channel round trip waits for nothing more (the
+producer's work to answer still takes CPU: on a small machine it competes
+with the copy, see the performance page); a tiny READ waits for at most
+the rest of that round trip.
 
 A fresh socket per confirmation (as the handshakes and heartbeats use)
 would cost a TCP and ZMTP handshake (and a CURVE one) per pull, so each
 producer rank gets one DEALER socket, kept while pulls use it (at most
 :data:`MAX_CHANNELS`, the least recently used idle one closed past that).
-Sends are made by the pulling tasks themselves, at once (``NOBLOCK``; the
-socket's queue is unbounded, so a send never fails for lack of room: what
-waits there is bounded by the pulls in flight). There is no reader task:
+Sends are made by the pulling tasks themselves (``NOBLOCK``; the socket's
+queue is unbounded, so a send never fails for lack of room: what waits
+there is bounded by the pulls in flight): at once when no request of that
+channel waits for its answer, else queued and sent together with the others
+when it comes, or when one of their pulls needs its answer (one message,
+and one answer, for many pulls at once). There is no reader task:
 the pulls waiting for their answers receive them. One of them at a time
 (the channel's *leader*) waits on the socket's file descriptor; every
 waiter drains what is readable and hands each reply to the pull it answers
