@@ -50,8 +50,8 @@ from comparison import (
 )
 
 import trio_pd
-from trio_pd._jobs import Job
-from trio_pd._protocol import decode_notification
+from trio_pd._core._protocol import decode_notification
+from trio_pd._transfer._jobs import Job
 from trio_pd.testing import (
     CapturedBackends,
     LoopStallMonitor,
@@ -1383,8 +1383,8 @@ async def bench_confirm(quick: bool) -> Result:
     """
     import zmq
 
-    from trio_pd import _protocol as protocol
-    from trio_pd._zmq import TrioZmqSocket
+    from trio_pd._core import _protocol as protocol
+    from trio_pd._side_channel._zmq import TrioZmqSocket
 
     regions, blocks, block_bytes = 4, 8192, 4096
     big_blocks = (1 << 20) // (regions * block_bytes)  # 1 MiB per pull

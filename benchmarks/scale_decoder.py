@@ -39,8 +39,8 @@ import zmq
 from comparison import OneLoadPerCall
 
 import trio_pd
-from trio_pd import _protocol as protocol
-from trio_pd._fetch import fetch_engine_metadata
+from trio_pd._core import _protocol as protocol
+from trio_pd._side_channel._fetch import fetch_engine_metadata
 from trio_pd.testing import CapturedBackends, mismatched_blocks
 
 

@@ -73,7 +73,7 @@ from soak_ledger import (
 )
 
 import trio_pd
-from trio_pd._tokens import exposure_token
+from trio_pd._core._tokens import exposure_token
 from trio_pd.testing import (
     PrefillWorker,
     TestHost,

@@ -32,8 +32,8 @@ import numpy as np
 import trio
 
 import trio_pd
-from trio_pd._handshakes import HANDSHAKES_PER_PULL
-from trio_pd._payload import block_bytes
+from trio_pd._consumer._handshakes import HANDSHAKES_PER_PULL
+from trio_pd._harness._payload import block_bytes
 from trio_pd.testing import expected_blocks
 
 SENTINEL = 0xA5

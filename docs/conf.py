@@ -51,7 +51,7 @@ nitpicky = True
 # network at build time): torch and numpy.
 nitpick_ignore = [
     ("py:class", "torch.Tensor"),
-    ("py:class", "trio_pd._nixl._T"),
+    ("py:class", "trio_pd._transfer._nixl._T"),
     # the backend seam's internal exceptions (see TransferBackend's docstring)
     ("py:exc", "TransferTimeout"),
     ("py:exc", "BackendClosing"),

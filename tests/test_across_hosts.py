@@ -17,7 +17,7 @@ import pytest
 import trio
 
 import trio_pd
-from trio_pd._prefill_spec import config_overrides
+from trio_pd._harness._prefill_spec import config_overrides
 from trio_pd.testing import (
     PrefillWorker,
     TestHost,

@@ -6,7 +6,7 @@ import pytest
 import zmq
 import zmq.utils.z85
 
-from trio_pd._auth import ANY_ENGINE, CurveAuth, generate_keypair, zap_verdict
+from trio_pd._side_channel._auth import ANY_ENGINE, CurveAuth, generate_keypair, zap_verdict
 
 Z85_ALPHABET = frozenset(
     "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"

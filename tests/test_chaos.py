@@ -98,7 +98,7 @@ from hypothesis.stateful import (
 from trio_util import AsyncValue
 
 import trio_pd
-from trio_pd._engines import EngineRecord
+from trio_pd._core._engines import EngineRecord
 from trio_pd.testing import (
     LoopStallMonitor,
     MemoryFabric,

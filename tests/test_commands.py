@@ -375,18 +375,21 @@ async def test_an_engine_registers_before_its_ready_file_and_withdraws_while_it_
 def test_the_serving_commands_never_load_the_testing_toolkit() -> None:
     """``trio-pd engine``, ``proxy``, ``serve`` and ``demo`` run without
     ``trio_pd.testing`` (the demo's harness is the package's own:
-    ``_prefill_worker`` and the modules next to it; see the next test for
+    ``_harness._prefill_worker`` and the modules next to it; see the next test for
     what the commands import later, inside functions)."""
     names = ("_cli", "_cli.engine", "_cli.proxy", "_cli.serve", "_cli.demo", "_serve.process")
-    harness = (
-        "_prefill_worker",
-        "_prefill_child",
-        "_prefill_spec",
-        "_relay",
-        "_child",
-        "_raw_nixl",
-        "_stall",
-        "_payload",
+    harness = tuple(
+        f"_harness.{name}"
+        for name in (
+            "_prefill_worker",
+            "_prefill_child",
+            "_prefill_spec",
+            "_relay",
+            "_child",
+            "_raw_nixl",
+            "_stall",
+            "_payload",
+        )
     )
     modules = ", ".join(f"trio_pd.{name}" for name in (*names, *harness))
     check = (
@@ -458,3 +461,35 @@ def test_the_import_check_sees_every_way_of_importing_the_toolkit() -> None:
         "trio_pd.testing._memory.MemoryFabric",
         "trio_pd.testing._etcd",
     }, found
+
+
+def test_the_sans_io_core_imports_no_io_library() -> None:
+    """``trio_pd._core`` (the protocol, state machines and decisions) stays free
+    of ZeroMQ, NIXL, sockets and threads: the shells around it are the other
+    packages (trio for the types of public records, torch for tensor types)."""
+    offenders = []
+    for path in sorted((SRC / "trio_pd" / "_core").rglob("*.py")):
+        package = ".".join(path.relative_to(SRC).parts[:-1])
+        for line, module in _imported_modules(path.read_text(), package):
+            top = module.split(".")[0]
+            inside = module.startswith("trio_pd._core") or module == "trio_pd"
+            if top in ("zmq", "nixl", "socket", "threading", "httpx2") or (
+                top == "trio_pd" and not inside
+            ):
+                offenders.append(f"{path.relative_to(SRC)}:{line}: {module}")
+    assert not offenders, offenders
+
+
+def test_the_library_never_imports_the_harness() -> None:
+    """Only the CLI (the demo), the serving commands' tests' toolkit and the
+    harness itself import ``trio_pd._harness``."""
+    offenders = []
+    for path in sorted((SRC / "trio_pd").rglob("*.py")):
+        parts = path.relative_to(SRC / "trio_pd").parts
+        if parts[0] in ("_harness", "testing", "_cli"):
+            continue
+        package = ".".join(path.relative_to(SRC).parts[:-1])
+        for line, module in _imported_modules(path.read_text(), package):
+            if module.startswith("trio_pd._harness"):
+                offenders.append(f"{path.relative_to(SRC)}:{line}: {module}")
+    assert not offenders, offenders

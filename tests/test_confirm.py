@@ -16,9 +16,9 @@ import trio
 import zmq
 
 import trio_pd
-from trio_pd import _protocol as protocol
-from trio_pd._confirm import ConfirmChannels
-from trio_pd._zmq import TrioZmqSocket
+from trio_pd._core import _protocol as protocol
+from trio_pd._side_channel._confirm import ConfirmChannels
+from trio_pd._side_channel._zmq import TrioZmqSocket
 
 from .conftest import wait_until
 

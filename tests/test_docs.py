@@ -23,9 +23,9 @@ import msgspec
 import pytest
 
 import trio_pd
-import trio_pd._protocol as protocol
+import trio_pd._core._protocol as protocol
 import trio_pd.testing
-from trio_pd._engines import TRANSITIONS, EngineEvent, EngineRecord, EngineState, PullAction
+from trio_pd._core._engines import TRANSITIONS, EngineEvent, EngineRecord, EngineState, PullAction
 
 from .conftest import run_doc_script
 
@@ -174,7 +174,7 @@ def test_fetches_vs_loads_is_drawn_from_the_code_and_drift_fails_the_build(
     text = " ".join(dot.replace("\\n", " ").split())  # (labels are wrapped)
     assert "of the handshake's start (1 loads queued); the transfer backend is stuck" in text
     # A handshake task that loaded without the deadline would fail the build.
-    import trio_pd._handshakes as handshakes
+    import trio_pd._consumer._handshakes as handshakes
 
     async def load_without_deadline(self: object, batch: object) -> None:
         pass
@@ -236,7 +236,7 @@ def test_the_shutdown_timeline_is_read_from_the_code_and_drift_fails_the_build(
 def test_the_deadline_budget_adds_up_the_code_s_deadlines_and_drift_fails_the_build(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from trio_pd._handshakes import HANDSHAKES_PER_PULL, Handshakes
+    from trio_pd._consumer._handshakes import HANDSHAKES_PER_PULL, Handshakes
 
     timelines = _extension("pd_budget")
     for config in (trio_pd.ConnectorConfig(), trio_pd.ConnectorConfig(handshake_timeout=7.0)):
@@ -352,7 +352,7 @@ def test_the_kv_transfer_params_table_is_what_the_parser_takes(
     """The keys the table shows are those the producer sends, and a key the
     table calls optional is one the consumer's parser lets go (with the default
     shown), a required one is one it refuses to go without."""
-    import trio_pd._records as records
+    import trio_pd._core._records as records
 
     rows = _wire().kv_param_rows()
     sent = trio_pd.RemoteBlocks("p", "h", 5, [1, 2], "r", "i", 2, "t").to_kv_transfer_params()

@@ -9,7 +9,7 @@ import attrs
 import msgspec
 import pytest
 
-from trio_pd._engines import (
+from trio_pd._core._engines import (
     RETIRED_INCARNATIONS_KEPT,
     TRANSITIONS,
     Backoff,
@@ -20,8 +20,8 @@ from trio_pd._engines import (
     MetadataOutcome,
     PullAction,
 )
-from trio_pd._errors import HandshakeError
-from trio_pd._protocol import EngineMetadata
+from trio_pd._core._errors import HandshakeError
+from trio_pd._core._protocol import EngineMetadata
 
 S, E = EngineState, EngineEvent
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trio_pd._exposures import (
+from trio_pd._core._exposures import (
     MAX_PINS,
     Confirmed,
     ExposureTable,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from trio_pd._fetch import ConnectionLog
+from trio_pd._side_channel._fetch import ConnectionLog
 
 LIMIT = 65536
 

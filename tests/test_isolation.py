@@ -22,9 +22,9 @@ import trio.testing
 import zmq
 
 import trio_pd
-from trio_pd import _protocol as protocol
-from trio_pd._confirm import ConfirmChannels, Pending
-from trio_pd._exposures import blocks_digest
+from trio_pd._core import _protocol as protocol
+from trio_pd._core._exposures import blocks_digest
+from trio_pd._side_channel._confirm import ConfirmChannels, Pending
 from trio_pd.testing import MemoryFabric, fill_blocks, free_port_range, mismatched_blocks
 
 from .conftest import FAST, kv_cache, wait_until

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trio_pd._layout import KVLayout, as_block_ids, layout_of_tensors
+from trio_pd._core._layout import KVLayout, as_block_ids, layout_of_tensors
 
 
 def layout(

@@ -23,8 +23,8 @@ import trio
 import zmq
 
 import trio_pd
-from trio_pd import _protocol as protocol
-from trio_pd._zmq import TrioZmqSocket
+from trio_pd._core import _protocol as protocol
+from trio_pd._side_channel._zmq import TrioZmqSocket
 from trio_pd.testing import MemoryFabric, fill_blocks, free_port_range, mismatched_blocks
 
 from .conftest import kv_cache, wait_until
@@ -566,7 +566,7 @@ async def test_more_abandons_to_a_dead_producer_than_run_at_once_still_end_by_cl
 ) -> None:
     # Past MAX_BACKGROUND_ABANDONS the queue waits for a slot: those that get
     # one only after the close's deadline fail at once, and close is not held up.
-    from trio_pd._leases import MAX_BACKGROUND_ABANDONS
+    from trio_pd._consumer._leases import MAX_BACKGROUND_ABANDONS
 
     many = MAX_BACKGROUND_ABANDONS + 6
     port = free_port()

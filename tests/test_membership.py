@@ -16,11 +16,11 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 import trio
 
-from trio_pd import _etcd as wire
-from trio_pd import _etcd_server
-from trio_pd._etcd_client import EtcdClient
-from trio_pd._members import MemberTable
-from trio_pd._membership import (
+from trio_pd._harness import _etcd_server
+from trio_pd._membership import _etcd as wire
+from trio_pd._membership._etcd_client import EtcdClient
+from trio_pd._membership._members import MemberTable
+from trio_pd._membership._membership import (
     ClusterView,
     Member,
     MembershipConfig,

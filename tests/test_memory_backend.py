@@ -20,8 +20,8 @@ import trio
 import trio.testing
 
 import trio_pd
-from trio_pd._backend import Loaded, LoadRequest
-from trio_pd._handshakes import LOAD_BYTES_AHEAD
+from trio_pd._consumer._handshakes import LOAD_BYTES_AHEAD
+from trio_pd._transfer._backend import Loaded, LoadRequest
 from trio_pd.testing import MemoryFabric, fill_blocks, mismatched_blocks
 
 from .conftest import kv_cache, wait_until
@@ -452,8 +452,8 @@ async def test_a_storm_of_forged_replies_with_huge_metadata_queues_a_bounded_num
     # queued and running loads hold LOAD_BYTES_AHEAD (16 MiB) of metadata.
     import zmq
 
-    from trio_pd import _protocol as protocol
-    from trio_pd._zmq import TrioZmqSocket
+    from trio_pd._core import _protocol as protocol
+    from trio_pd._side_channel._zmq import TrioZmqSocket
 
     blob = b"\0" * (512 << 10)
     config = attrs.evolve(QUICK, handshake_timeout=5.0)

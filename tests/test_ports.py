@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from trio_pd import _ports
-from trio_pd._ports import (
+from trio_pd._serve import ports as _ports
+from trio_pd._serve.ports import (
     LOWEST,
     _ephemeral_low,
     format_reservations,
@@ -26,14 +26,14 @@ from trio_pd._ports import (
 def reservations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """This test's own reservations file (the machine's stays untouched)."""
     path = tmp_path / _ports.RESERVATIONS.name
-    monkeypatch.setattr("trio_pd._ports.RESERVATIONS", path)
+    monkeypatch.setattr("trio_pd._serve.ports.RESERVATIONS", path)
     return path
 
 
 def picking(monkeypatch: pytest.MonkeyPatch, *bases: int) -> None:
     """``free_port_range`` draws ``bases``, in order (and no more)."""
     picks = iter(bases)
-    monkeypatch.setattr("trio_pd._ports._pick_base", lambda low, high: next(picks))
+    monkeypatch.setattr("trio_pd._serve.ports._pick_base", lambda low, high: next(picks))
 
 
 def test_a_range_is_free_and_below_the_ephemeral_ports() -> None:
@@ -109,7 +109,7 @@ def test_a_range_overlaps_a_held_one_when_they_share_a_port(
 def test_without_a_writable_temp_dir_ranges_are_still_found(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr("trio_pd._ports.RESERVATIONS", tmp_path / "missing" / "trio-pd-ports")
+    monkeypatch.setattr("trio_pd._serve.ports.RESERVATIONS", tmp_path / "missing" / "trio-pd-ports")
     picking(monkeypatch, 25000, 25000)
     assert free_port_range(2) == 25000
     assert free_port_range(2) == 25000  # (nothing recorded: nothing held)

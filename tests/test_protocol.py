@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trio_pd._errors import HandshakeError, IncompatibleEngineError, ProtocolError
-from trio_pd._layout import KVLayout
-from trio_pd._listener import Rejected, parse_request, serve_lease_request
-from trio_pd._protocol import (
+from trio_pd._core._errors import HandshakeError, IncompatibleEngineError, ProtocolError
+from trio_pd._core._layout import KVLayout
+from trio_pd._core._listener import Rejected, parse_request, serve_lease_request
+from trio_pd._core._protocol import (
     NOTIFICATION_PREFIX,
     PROTOCOL_VERSION,
     EngineMetadata,

@@ -392,7 +392,7 @@ async def test_health_and_engine_sets_that_change() -> None:
 
 
 async def test_the_proxy_follows_engines_registered_on_etcd_and_outlives_etcd() -> None:
-    from trio_pd._membership import Member, register, watch_members
+    from trio_pd._membership._membership import Member, register, watch_members
     from trio_pd._serve.cluster import follow_cluster
     from trio_pd.testing import open_etcd
 

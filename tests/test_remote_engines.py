@@ -6,10 +6,10 @@ from collections.abc import ItemsView
 
 import pytest
 
-import trio_pd._remote_engines as remote_engines
+import trio_pd._consumer._remote_engines as remote_engines
 from trio_pd import EngineState, RemoteBlocks
-from trio_pd._remote_engines import RemoteEngines
-from trio_pd._tp import PullPart
+from trio_pd._consumer._remote_engines import RemoteEngines
+from trio_pd._core._tp import PullPart
 
 
 def _remote(

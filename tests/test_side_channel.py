@@ -10,8 +10,8 @@ import trio
 import zmq
 
 import trio_pd
-from trio_pd import _protocol as protocol
-from trio_pd._zmq import TrioZmqSocket
+from trio_pd._core import _protocol as protocol
+from trio_pd._side_channel._zmq import TrioZmqSocket
 from trio_pd.testing import free_port_range
 
 from .conftest import FAST, kv_cache

@@ -21,13 +21,13 @@ from .conftest import kv_cache, wait_until
 TASK_TREE = Path(__file__).parent.parent / "docs" / "diagrams" / "task-tree.dot"
 
 DRAWN_AS = {
-    "ZAP handler": "trio_pd._auth.serve_zap",
-    "listener": "trio_pd._producer.Producer.serve_listener",
-    "notification task": "trio_pd._producer.Producer.collect_notifications",
-    "handshake task": "trio_pd._consumer.Consumer.run_handshakes",
-    "heartbeat task": "trio_pd._leases.Leases.run",
-    "fetch workers": "trio_pd._attempts.AttemptRunner._fetch_worker",
-    "watchdog": "trio_pd._attempts.AttemptRunner._watch_deadlines",
+    "ZAP handler": "trio_pd._side_channel._auth.serve_zap",
+    "listener": "trio_pd._producer._producer.Producer.serve_listener",
+    "notification task": "trio_pd._producer._producer.Producer.collect_notifications",
+    "handshake task": "trio_pd._consumer._consumer.Consumer.run_handshakes",
+    "heartbeat task": "trio_pd._consumer._leases.Leases.run",
+    "fetch workers": "trio_pd._consumer._attempts.AttemptRunner._fetch_worker",
+    "watchdog": "trio_pd._consumer._attempts.AttemptRunner._watch_deadlines",
 }
 """Each task box of the picture (its bold first line) and the function its task runs."""
 

@@ -10,7 +10,7 @@ import pytest
 import trio
 
 import trio_pd
-from trio_pd._tokens import exposure_token, token_matches
+from trio_pd._core._tokens import exposure_token, token_matches
 from trio_pd.testing import MemoryFabric, fill_blocks, mismatched_blocks
 
 from .conftest import kv_cache

@@ -10,8 +10,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trio_pd._layout import KVLayout, layout_of_tensors
-from trio_pd._tp import (
+from trio_pd._core._layout import KVLayout, layout_of_tensors
+from trio_pd._core._tp import (
     HeadSlice,
     PullPart,
     check_tp,

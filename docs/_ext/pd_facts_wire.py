@@ -6,10 +6,10 @@ Directives (for MyST pages):
 
 ``protocol-message`` *STRUCT*
     The keys of one side-channel message (a msgspec Struct of
-    ``trio_pd._protocol``): key, wire type, meaning (its docstring).
+    ``trio_pd._core._protocol``): key, wire type, meaning (its docstring).
 ``protocol-envelope``
     The two keys every side-channel message has (``_protocol._Envelope``):
-    ``type``, with the tag of every message of ``trio_pd._protocol``, and
+    ``type``, with the tag of every message of ``trio_pd._core._protocol``, and
     ``protocol_version``. A message without ``protocol_version``, or one the
     envelope's ``type`` cannot name, is an error.
 ``kv-transfer-params``
@@ -37,8 +37,8 @@ from pd_facts import Cell, Code, FactTable, Markdown, attribute_docs, rst_to_mys
 from sphinx.application import Sphinx
 from sphinx.pycode import ModuleAnalyzer
 
-import trio_pd._protocol as protocol
-import trio_pd._records as records
+import trio_pd._core._protocol as protocol
+import trio_pd._core._records as records
 import trio_pd._serve.errors as serve_errors
 from trio_pd import RemoteBlocks
 
@@ -111,7 +111,7 @@ class ProtocolMessage(FactTable):
     def rows(self) -> Iterable[Sequence[Cell]]:
         struct = getattr(protocol, self.arguments[0], None)
         if not (isinstance(struct, type) and issubclass(struct, msgspec.Struct)):
-            raise self.error(f"trio_pd._protocol has no message {self.arguments[0]!r}")
+            raise self.error(f"trio_pd._core._protocol has no message {self.arguments[0]!r}")
         try:
             rows = message_rows(struct)
         except ValueError as exc:
@@ -121,7 +121,7 @@ class ProtocolMessage(FactTable):
 
 
 def tagged_messages() -> list[type[msgspec.Struct]]:
-    """The messages of ``trio_pd._protocol`` (the Structs with a tag), in its order."""
+    """The messages of ``trio_pd._core._protocol`` (the Structs with a tag), in its order."""
     return [
         value
         for value in vars(protocol).values()

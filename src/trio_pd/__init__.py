@@ -1,17 +1,18 @@
 """trio_pd: move KV caches between prefill and decode engines with trio, ZeroMQ and NIXL.
 
-The public API; the implementation lives in private modules named after what
-they do (``_open_connector``, ``_connector``, ``_consumer``, ``_producer``,
-``_backend``, ...).
+The public API; the implementation lives in private packages named after
+what they hold: ``_core`` (sans-IO: protocol, state machines, decisions),
+``_side_channel`` (ZeroMQ), ``_transfer`` (the backend seam and NIXL),
+``_consumer`` and ``_producer`` (the two roles), ``_membership`` (etcd),
+``_serve`` and ``_cli`` (the commands), ``_harness`` (what the demo and the
+tests run around the library); ``open_connector`` is in ``_open_connector``.
 Testing tools are in :mod:`trio_pd.testing`.
 """
 
-from ._auth import CurveAuth, generate_keypair
-from ._backend import BackendError, BackendFactory, LoadRequest, RemoteAgent, TransferBackend
-from ._config import ConnectorConfig
-from ._connector import Connector
-from ._engines import EngineState, FailureCause
-from ._errors import (
+from trio_pd._config import ConnectorConfig
+from trio_pd._connector import Connector
+from trio_pd._core._engines import EngineState, FailureCause
+from trio_pd._core._errors import (
     ExposureEndedError,
     HandshakeError,
     IncompatibleEngineError,
@@ -19,17 +20,25 @@ from ._errors import (
     TransferError,
     TrioPdError,
 )
-from ._exposures import Released
-from ._layout import KVLayout
-from ._nixl import NixlBackend
-from ._open_connector import open_connector
-from ._records import (
+from trio_pd._core._exposures import Released
+from trio_pd._core._layout import KVLayout
+from trio_pd._core._records import (
     ConnectorStatistics,
     ConsumerStatistics,
     ProducerStatistics,
     PullResult,
     RemoteBlocks,
 )
+from trio_pd._open_connector import open_connector
+from trio_pd._side_channel._auth import CurveAuth, generate_keypair
+from trio_pd._transfer._backend import (
+    BackendError,
+    BackendFactory,
+    LoadRequest,
+    RemoteAgent,
+    TransferBackend,
+)
+from trio_pd._transfer._nixl import NixlBackend
 
 __version__ = "0.1.0"
 

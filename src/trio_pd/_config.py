@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 import attrs
 
-from ._auth import CurveAuth
-from ._engines import Backoff
+from trio_pd._core._engines import Backoff
+from trio_pd._side_channel._auth import CurveAuth
 
 NixlSyncMode = Literal["rw", "strict"]
 

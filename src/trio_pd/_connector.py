@@ -17,13 +17,13 @@ from contextlib import asynccontextmanager
 
 import attrs
 
-from ._consumer import Consumer
-from ._engines import EngineState
-from ._exposures import Released
-from ._layout import KVLayout
-from ._leases import Leases
-from ._producer import Producer
-from ._records import ConnectorStatistics, PullResult, RemoteBlocks
+from trio_pd._consumer._consumer import Consumer
+from trio_pd._consumer._leases import Leases
+from trio_pd._core._engines import EngineState
+from trio_pd._core._exposures import Released
+from trio_pd._core._layout import KVLayout
+from trio_pd._core._records import ConnectorStatistics, PullResult, RemoteBlocks
+from trio_pd._producer._producer import Producer
 
 
 class Connector:

@@ -33,19 +33,19 @@ from typing import TYPE_CHECKING
 import trio
 import zmq
 
-from ._auth import serve_zap
-from ._backend import BackendFactory, TransferBackend
-from ._config import ConnectorConfig
-from ._connector import Connector
-from ._consumer import Consumer
-from ._groups import unwrapped_errors
-from ._interfaces import wait_for_interface
-from ._layout import layout_of_tensors
-from ._leases import Leases
-from ._nixl import NixlBackend
-from ._producer import Producer
-from ._records import unbracket
-from ._tp import check_tp
+from trio_pd._config import ConnectorConfig
+from trio_pd._connector import Connector
+from trio_pd._consumer._consumer import Consumer
+from trio_pd._consumer._leases import Leases
+from trio_pd._core._layout import layout_of_tensors
+from trio_pd._core._records import unbracket
+from trio_pd._core._tp import check_tp
+from trio_pd._groups import unwrapped_errors
+from trio_pd._producer._producer import Producer
+from trio_pd._side_channel._auth import serve_zap
+from trio_pd._transfer._backend import BackendFactory, TransferBackend
+from trio_pd._transfer._interfaces import wait_for_interface
+from trio_pd._transfer._nixl import NixlBackend
 
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "", "*"})
 """Bind addresses that mean "every interface": never an address to connect to."""

@@ -29,12 +29,9 @@ import attrs
 import trio
 from rich.console import Console
 
-from .._auth import generate_keypair
-from .._netns import TestHostsUnavailable
-from .._serve.keys import API_KEY_ENV
-from . import engine as engine_command
-from . import proxy as proxy_command
-from .common import (
+from trio_pd._cli import engine as engine_command
+from trio_pd._cli import proxy as proxy_command
+from trio_pd._cli.common import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_USAGE,
@@ -45,9 +42,12 @@ from .common import (
     client_keys,
     internal_key,
 )
-from .demo import DemoOptions, run_demo
-from .demo_summary import format_summary
-from .serve import ServeError, ServeOptions, run_serve
+from trio_pd._cli.demo import DemoOptions, run_demo
+from trio_pd._cli.demo_summary import format_summary
+from trio_pd._cli.serve import ServeError, ServeOptions, run_serve
+from trio_pd._harness._netns import TestHostsUnavailable
+from trio_pd._serve.keys import API_KEY_ENV
+from trio_pd._side_channel._auth import generate_keypair
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -41,18 +41,18 @@ import trio
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from .._config import ConnectorConfig
-from .._connector import Connector
-from .._errors import TrioPdError
-from .._groups import unwrapped_errors
-from .._netns import TestHost, open_test_hosts
-from .._open_connector import open_connector
-from .._ports import free_port_range
-from .._records import RemoteBlocks
-from .demo_raw import NOT_MEASURED, compare_with_raw_nixl
+from trio_pd._cli.demo_raw import NOT_MEASURED, compare_with_raw_nixl
+from trio_pd._config import ConnectorConfig
+from trio_pd._connector import Connector
+from trio_pd._core._errors import TrioPdError
+from trio_pd._core._records import RemoteBlocks
+from trio_pd._groups import unwrapped_errors
+from trio_pd._harness._netns import TestHost, open_test_hosts
+from trio_pd._open_connector import open_connector
+from trio_pd._serve.ports import free_port_range
 
 if TYPE_CHECKING:
-    from .._prefill_worker import PrefillWorker
+    from trio_pd._harness._prefill_worker import PrefillWorker
 
 
 @attrs.frozen(kw_only=True)
@@ -181,11 +181,11 @@ async def run_demo(options: DemoOptions) -> dict[str, Any]:
     import torch
 
     # (the harness, loaded here: the serving commands import this module)
-    from .._prefill_spec import WorkerSpec
-    from .._prefill_worker import open_prefill_workers
-    from .._raw_nixl import CapturedBackends
-    from .._relay import open_delay_relays
-    from .._stall import LoopStallMonitor
+    from trio_pd._harness._prefill_spec import WorkerSpec
+    from trio_pd._harness._prefill_worker import open_prefill_workers
+    from trio_pd._harness._raw_nixl import CapturedBackends
+    from trio_pd._harness._relay import open_delay_relays
+    from trio_pd._harness._stall import LoopStallMonitor
 
     o = options
     o.check()
@@ -337,7 +337,7 @@ async def _drive(
     decoders: list[tuple[Connector, list[Any]]],
     tally: _Tally,
 ) -> None:
-    from .._prefill_worker import WorkerError
+    from trio_pd._harness._prefill_worker import WorkerError
 
     local_pool = BlockPool(o.blocks, rng)
     remote_pools = [BlockPool(o.blocks, rng) for _ in engines]
@@ -456,7 +456,7 @@ def _corrupt(
     seed: int,
 ) -> bool:
     """Whether any decode rank holds a byte other than the prefill ranks wrote."""
-    from .._payload import mismatched_blocks, mismatched_heads
+    from trio_pd._harness._payload import mismatched_blocks, mismatched_heads
 
     if not o.tensor_parallel:
         return bool(mismatched_blocks(decoders[0][1], local_ids, seed))

@@ -15,12 +15,12 @@ import attrs
 import numpy as np
 import trio
 
-from .._connector import Connector
-from .._nixl import NixlBackend
-from .._protocol import encode_notification
+from trio_pd._connector import Connector
+from trio_pd._core._protocol import encode_notification
+from trio_pd._transfer._nixl import NixlBackend
 
 if TYPE_CHECKING:
-    from .._prefill_worker import PrefillWorker
+    from trio_pd._harness._prefill_worker import PrefillWorker
 
 REPETITIONS = 5
 
@@ -45,7 +45,7 @@ async def compare_with_raw_nixl(
     Raises:
         TrioPdError: a pull failed; WorkerError: the prefill worker died.
     """
-    from .._raw_nixl import raw_nixl_read
+    from trio_pd._harness._raw_nixl import raw_nixl_read
 
     ids = list(range(blocks))
     size = 0

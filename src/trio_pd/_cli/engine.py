@@ -22,12 +22,7 @@ import sys
 import torch
 import trio
 
-from .._serve.engine import EXPOSURE_SECRET_ENV, EngineSettings
-from .._serve.keys import INTERNAL_KEY_ENV, BearerKeys
-from .._serve.model import ModelConfig
-from .._serve.openai import MAX_MODEL_LEN
-from .._serve.process import EngineStartError, serve_engine
-from .common import (
+from trio_pd._cli.common import (
     EXIT_FAILED,
     EXIT_OK,
     UsageError,
@@ -40,6 +35,11 @@ from .common import (
     internal_key,
     membership_from_args,
 )
+from trio_pd._serve.engine import EXPOSURE_SECRET_ENV, EngineSettings
+from trio_pd._serve.keys import INTERNAL_KEY_ENV, BearerKeys
+from trio_pd._serve.model import ModelConfig
+from trio_pd._serve.openai import MAX_MODEL_LEN
+from trio_pd._serve.process import EngineStartError, serve_engine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ import attrs
 import trio
 from rich.console import Console
 
-from .._netns import TestHost
+from trio_pd._harness._netns import TestHost
 
 
 @attrs.define(eq=False)

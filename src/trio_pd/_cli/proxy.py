@@ -22,27 +22,7 @@ import attrs
 import httpx2
 import trio
 
-from .._groups import unwrapped_errors
-from .._serve import defaults
-from .._serve.asgi import response_completes
-from .._serve.binding import (
-    SEND_TIMEOUT,
-    BindError,
-    base_url,
-    bind_listener,
-    check_send_timeout,
-    hypercorn_bind,
-    is_wildcard,
-    remove_file,
-    write_json_atomically,
-)
-from .._serve.keys import API_KEY_ENV, BearerKeys
-from .._serve.membership import EngineSet, Membership
-from .._serve.openai import MAX_MODEL_LEN
-from .._serve.proxy import Proxy
-from .._serve.proxy_client import ProxyTimeouts, open_client
-from .._serve.stopping import StopRequest, stop_requests
-from .common import (
+from trio_pd._cli.common import (
     EXIT_FAILED,
     EXIT_OK,
     UsageError,
@@ -53,6 +33,26 @@ from .common import (
     internal_key,
     membership_from_args,
 )
+from trio_pd._groups import unwrapped_errors
+from trio_pd._serve import defaults
+from trio_pd._serve.asgi import response_completes
+from trio_pd._serve.binding import (
+    SEND_TIMEOUT,
+    BindError,
+    base_url,
+    bind_listener,
+    check_send_timeout,
+    hypercorn_bind,
+    is_wildcard,
+    remove_file,
+    write_json_atomically,
+)
+from trio_pd._serve.keys import API_KEY_ENV, BearerKeys
+from trio_pd._serve.membership import EngineSet, Membership
+from trio_pd._serve.openai import MAX_MODEL_LEN
+from trio_pd._serve.proxy import Proxy
+from trio_pd._serve.proxy_client import ProxyTimeouts, open_client
+from trio_pd._serve.stopping import StopRequest, stop_requests
 
 
 class ProxyStartError(Exception):

@@ -15,7 +15,7 @@ During start-up a signal abandons the start (nothing is served).
 
 ``--hosts N`` (root) shows the cluster shape on one machine: the engines
 run on N test hosts (network namespaces joined by veth links, routed to each
-other through this one, see :mod:`trio_pd._netns`), engine ``k`` on host
+other through this one, see :mod:`trio_pd._harness._netns`), engine ``k`` on host
 ``k mod N`` (prefill engines first), each bound to its host's address; an
 etcd runs on one more test host of its own (reachable through the links
 only, as on a cluster network); every engine registers on it and the proxy
@@ -49,12 +49,18 @@ import trio
 from rich.console import Console
 from rich.table import Table
 
-from .._auth import generate_keypair
-from .._etcd_server import EtcdServer, EtcdUnavailable, open_etcd
-from .._groups import unwrapped_errors
-from .._netns import TestHost, TestHostsUnavailable, open_test_hosts
-from .._serve import defaults
-from .._serve.binding import (
+from trio_pd._cli.engine_processes import (
+    EngineBoard,
+    EngineProcess,
+    notify_when,
+    run_engine_process,
+)
+from trio_pd._cli.proxy import ProxyOptions, ProxyStartError, serve_proxy
+from trio_pd._groups import unwrapped_errors
+from trio_pd._harness._etcd_server import EtcdServer, EtcdUnavailable, open_etcd
+from trio_pd._harness._netns import TestHost, TestHostsUnavailable, open_test_hosts
+from trio_pd._serve import defaults
+from trio_pd._serve.binding import (
     SEND_TIMEOUT,
     BindError,
     bind_listener,
@@ -63,19 +69,13 @@ from .._serve.binding import (
     remove_file,
     write_json_atomically,
 )
-from .._serve.engine import EXPOSURE_SECRET_ENV
-from .._serve.keys import API_KEY_ENV, INTERNAL_KEY_ENV, BearerKeys
-from .._serve.membership import EngineSet, EtcdMembership, Membership
-from .._serve.model import ModelConfig
-from .._serve.openai import MAX_MODEL_LEN
-from .._serve.stopping import StopRequest, stop_requests
-from .engine_processes import (
-    EngineBoard,
-    EngineProcess,
-    notify_when,
-    run_engine_process,
-)
-from .proxy import ProxyOptions, ProxyStartError, serve_proxy
+from trio_pd._serve.engine import EXPOSURE_SECRET_ENV
+from trio_pd._serve.keys import API_KEY_ENV, INTERNAL_KEY_ENV, BearerKeys
+from trio_pd._serve.membership import EngineSet, EtcdMembership, Membership
+from trio_pd._serve.model import ModelConfig
+from trio_pd._serve.openai import MAX_MODEL_LEN
+from trio_pd._serve.stopping import StopRequest, stop_requests
+from trio_pd._side_channel._auth import generate_keypair
 
 
 class ServeError(Exception):

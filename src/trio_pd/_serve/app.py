@@ -28,11 +28,15 @@ from typing import Any
 import trio
 from prometheus_client import generate_latest
 
-from .._config import ConnectorConfig
-from .._errors import ExposureEndedError, HandshakeError, ParamsRejectedError, TransferError
-from .._open_connector import open_connector
-from .._ports import free_port_range
-from .asgi import (
+from trio_pd._config import ConnectorConfig
+from trio_pd._core._errors import (
+    ExposureEndedError,
+    HandshakeError,
+    ParamsRejectedError,
+    TransferError,
+)
+from trio_pd._open_connector import open_connector
+from trio_pd._serve.asgi import (
     Receive,
     Scope,
     Send,
@@ -45,18 +49,19 @@ from .asgi import (
     send_text,
     start_events,
 )
-from .engine import Engine
-from .errors import HTTPError, ParamsInUse, http_error
-from .openai import (
+from trio_pd._serve.engine import Engine
+from trio_pd._serve.errors import HTTPError, ParamsInUse, http_error
+from trio_pd._serve.openai import (
     MODEL_NAME,
     GenerationRequest,
     parse_chat_request,
     parse_completions_request,
     request_id_from_headers,
 )
-from .pool import OutOfBlocks
-from .responses import Shapes, model_card, model_list
-from .timing import PhaseTimes
+from trio_pd._serve.pool import OutOfBlocks
+from trio_pd._serve.ports import free_port_range
+from trio_pd._serve.responses import Shapes, model_card, model_list
+from trio_pd._serve.timing import PhaseTimes
 
 logger = logging.getLogger("trio_pd.serve")
 

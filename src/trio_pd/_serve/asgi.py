@@ -17,8 +17,8 @@ from typing import Any
 
 import trio
 
-from .._groups import unwrapped_errors
-from .errors import BodyNotJSON, HTTPError, http_error
+from trio_pd._groups import unwrapped_errors
+from trio_pd._serve.errors import BodyNotJSON, HTTPError, http_error
 
 Scope = dict[str, Any]
 Message = dict[str, Any]

@@ -24,9 +24,9 @@ import os
 import socket
 from typing import Any
 
-from .._open_connector import WILDCARD_HOSTS
-from .._records import unbracket
-from . import defaults
+from trio_pd._core._records import unbracket
+from trio_pd._open_connector import WILDCARD_HOSTS
+from trio_pd._serve import defaults
 
 SEND_TIMEOUT = defaults.SEND_TIMEOUT
 """The default ``--send-timeout``, in seconds."""

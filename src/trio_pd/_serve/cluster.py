@@ -1,9 +1,10 @@
-"""The proxy's engines from etcd: follow a :class:`~trio_pd._cluster_view.ClusterView`."""
+"""The proxy's engines from etcd: follow a
+:class:`~trio_pd._membership._cluster_view.ClusterView`."""
 
 from __future__ import annotations
 
-from .._cluster_view import ClusterView
-from .proxy import Proxy
+from trio_pd._membership._cluster_view import ClusterView
+from trio_pd._serve.proxy import Proxy
 
 ROLES = ("prefill", "decode")
 

@@ -52,20 +52,25 @@ from prometheus_client import (
 )
 from trio_util import AsyncValue
 
-from .._auth import CurveAuth
-from .._connector import Connector
-from .._errors import IncompatibleEngineError, ParamsRejectedError
-from .._groups import first_failure_wins
-from .._records import RemoteBlocks
-from . import defaults
-from .binding import SEND_TIMEOUT, check_send_timeout, is_wildcard
-from .errors import HTTPError, ParamsInUse
-from .keys import BearerKeys
-from .metrics import ConnectorCollector
-from .model import ModelConfig, TinyLlama
-from .openai import LEASE_PARAM, MAX_MODEL_LEN, check_prompt_blocks, parse_remote_blocks
-from .pool import BlockPool
-from .timing import PhaseTimes
+from trio_pd._connector import Connector
+from trio_pd._core._errors import IncompatibleEngineError, ParamsRejectedError
+from trio_pd._core._records import RemoteBlocks
+from trio_pd._groups import first_failure_wins
+from trio_pd._serve import defaults
+from trio_pd._serve.binding import SEND_TIMEOUT, check_send_timeout, is_wildcard
+from trio_pd._serve.errors import HTTPError, ParamsInUse
+from trio_pd._serve.keys import BearerKeys
+from trio_pd._serve.metrics import ConnectorCollector
+from trio_pd._serve.model import ModelConfig, TinyLlama
+from trio_pd._serve.openai import (
+    LEASE_PARAM,
+    MAX_MODEL_LEN,
+    check_prompt_blocks,
+    parse_remote_blocks,
+)
+from trio_pd._serve.pool import BlockPool
+from trio_pd._serve.timing import PhaseTimes
+from trio_pd._side_channel._auth import CurveAuth
 
 logger = logging.getLogger("trio_pd.serve")
 

@@ -24,14 +24,14 @@ import attrs
 import httpx2
 import trio
 
-from .._errors import (
+from trio_pd._core._errors import (
     ExposureEndedError,
     HandshakeError,
     IncompatibleEngineError,
     ParamsRejectedError,
     TransferError,
 )
-from .pool import OutOfBlocks
+from trio_pd._serve.pool import OutOfBlocks
 
 
 class HTTPError(Exception):

@@ -10,7 +10,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import HTTPError
+from trio_pd._serve.errors import HTTPError
 
 ANY = object()  # (a field ignored at any value of its type)
 BOTH_NEUTRAL: dict[str, tuple[Any, ...]] = {

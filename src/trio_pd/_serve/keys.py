@@ -20,7 +20,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Iterable, Sequence
 
-from .errors import HTTPError
+from trio_pd._serve.errors import HTTPError
 
 GUARDED_PREFIX = "/v1/"
 API_KEY_ENV = "TRIO_PD_API_KEY"

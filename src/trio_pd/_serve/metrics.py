@@ -10,8 +10,8 @@ import attrs
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from .._connector import Connector
-from .._records import ConnectorStatistics
+from trio_pd._connector import Connector
+from trio_pd._core._records import ConnectorStatistics
 
 BY_CAUSE = "handshake_failures_by_cause"
 

@@ -28,9 +28,9 @@ from typing import Any, Literal
 
 import attrs
 
-from .._records import RemoteBlocks
-from .errors import HTTPError
-from .fields import (
+from trio_pd._core._records import RemoteBlocks
+from trio_pd._serve.errors import HTTPError
+from trio_pd._serve.fields import (
     ANY,
     CHAT,
     CHAT_NEUTRAL,
@@ -46,7 +46,7 @@ from .fields import (
     show,
     typed,
 )
-from .model import tokenize
+from trio_pd._serve.model import tokenize
 
 MODEL_NAME = "trio-pd-tiny"
 MAX_TOKENS = 1024

@@ -16,9 +16,8 @@ import attrs
 import trio
 from prometheus_client import disable_created_metrics
 
-from .._auth import CurveAuth
-from .app import build_app
-from .binding import (
+from trio_pd._serve.app import build_app
+from trio_pd._serve.binding import (
     BindError,
     base_url,
     bind_listener,
@@ -26,11 +25,12 @@ from .binding import (
     remove_file,
     write_json_atomically,
 )
-from .engine import Engine, EngineSettings
-from .keys import BearerKeys
-from .membership import EngineAnnouncement, Membership, Role
-from .model import ModelConfig, TinyLlama
-from .stopping import StopRequest, stop_requests
+from trio_pd._serve.engine import Engine, EngineSettings
+from trio_pd._serve.keys import BearerKeys
+from trio_pd._serve.membership import EngineAnnouncement, Membership, Role
+from trio_pd._serve.model import ModelConfig, TinyLlama
+from trio_pd._serve.stopping import StopRequest, stop_requests
+from trio_pd._side_channel._auth import CurveAuth
 
 logger = logging.getLogger("trio_pd.serve")
 

@@ -53,7 +53,7 @@ import httpx2
 import trio
 from prometheus_client import generate_latest
 
-from .asgi import (
+from trio_pd._serve.asgi import (
     Receive,
     Scope,
     Send,
@@ -65,21 +65,21 @@ from .asgi import (
     send_text,
     trivial_lifespan,
 )
-from .binding import SEND_TIMEOUT
-from .defaults import HOLD_MARGIN, LEASE_INITIAL, REPREFILLS
-from .errors import ExposureEnded, HTTPError, StreamStalled, error_status, http_error
-from .keys import BearerKeys, bearer_header
-from .metrics import ProxyMetrics
-from .openai import (
+from trio_pd._serve.binding import SEND_TIMEOUT
+from trio_pd._serve.defaults import HOLD_MARGIN, LEASE_INITIAL, REPREFILLS
+from trio_pd._serve.errors import ExposureEnded, HTTPError, StreamStalled, error_status, http_error
+from trio_pd._serve.keys import BearerKeys, bearer_header
+from trio_pd._serve.metrics import ProxyMetrics
+from trio_pd._serve.openai import (
     LEASE_PARAM,
     GenerationRequest,
     parse_chat_request,
     parse_completions_request,
     request_id_from_headers,
 )
-from .proxy_client import ProxyTimeouts
-from .routing import EngineSet
-from .timing import PhaseTimes
+from trio_pd._serve.proxy_client import ProxyTimeouts
+from trio_pd._serve.routing import EngineSet
+from trio_pd._serve.timing import PhaseTimes
 
 logger = logging.getLogger("trio_pd.proxy")
 

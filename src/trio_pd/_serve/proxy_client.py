@@ -10,7 +10,7 @@ from __future__ import annotations
 import attrs
 import httpx2
 
-from . import defaults
+from trio_pd._serve import defaults
 
 
 @attrs.frozen(kw_only=True)

@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from .openai import MODEL_NAME
+from trio_pd._serve.openai import MODEL_NAME
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

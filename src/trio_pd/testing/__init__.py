@@ -34,9 +34,10 @@
   with ``pytest_plugins = ["trio_pd.testing.fixtures"]`` in a ``conftest.py``.
 """
 
-from .._etcd_server import EtcdServer, EtcdUnavailable, open_etcd
-from .._netns import TestHost, TestHostsUnavailable, open_test_hosts
-from .._payload import (
+from trio_pd._core._protocol import encode_notification
+from trio_pd._harness._etcd_server import EtcdServer, EtcdUnavailable, open_etcd
+from trio_pd._harness._netns import TestHost, TestHostsUnavailable, open_test_hosts
+from trio_pd._harness._payload import (
     expected_blocks,
     expected_heads,
     fill_blocks,
@@ -44,19 +45,18 @@ from .._payload import (
     mismatched_blocks,
     mismatched_heads,
 )
-from .._ports import free_port_range
-from .._prefill_spec import WorkerSpec
-from .._prefill_worker import (
+from trio_pd._harness._prefill_spec import WorkerSpec
+from trio_pd._harness._prefill_worker import (
     PrefillWorker,
     WorkerError,
     open_prefill_worker,
     open_prefill_workers,
 )
-from .._protocol import encode_notification
-from .._raw_nixl import CapturedBackends, raw_nixl_read, raw_nixl_read_at_once
-from .._relay import open_delay_relays, serve_delay_relay
-from .._stall import LoopStallMonitor
-from ._memory import MemoryBackend, MemoryFabric, MemoryFaults
+from trio_pd._harness._raw_nixl import CapturedBackends, raw_nixl_read, raw_nixl_read_at_once
+from trio_pd._harness._relay import open_delay_relays, serve_delay_relay
+from trio_pd._harness._stall import LoopStallMonitor
+from trio_pd._serve.ports import free_port_range
+from trio_pd.testing._memory import MemoryBackend, MemoryFabric, MemoryFaults
 
 __all__ = [
     "CapturedBackends",

@@ -1,6 +1,6 @@
 """A registered engine in its own process, for the membership tests (killed to make a crash).
 
-The etcd server itself lives in :mod:`trio_pd._etcd_server` (``trio-pd serve
+The etcd server itself lives in :mod:`trio_pd._harness._etcd_server` (``trio-pd serve
 --hosts`` runs one too); this package re-exports it.
 """
 
@@ -16,15 +16,15 @@ from typing import Any
 import attrs
 import trio
 
-from .._child import open_child, read_lines
-from .._etcd_server import START_TIMEOUT
-from .._members import Member
+from trio_pd._harness._child import open_child, read_lines
+from trio_pd._harness._etcd_server import START_TIMEOUT
+from trio_pd._membership._members import Member
 
 # ---- a registered engine in its own process (killed to make a crash) --------
 
 
 async def _registered_main(spec: dict[str, Any]) -> None:
-    from .._membership import Member, register
+    from trio_pd._membership._membership import Member, register
 
     stdin = trio.lowlevel.FdStream(os.dup(0))
     stdout = trio.lowlevel.FdStream(os.dup(1))

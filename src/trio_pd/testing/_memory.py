@@ -29,7 +29,10 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
-from .._backend import (
+from trio_pd._config import ConnectorConfig
+from trio_pd._core._layout import KVLayout
+from trio_pd._harness._payload import block_bytes
+from trio_pd._transfer._backend import (
     NO_UNSETTLED,
     BackendClosing,
     BackendError,
@@ -41,9 +44,6 @@ from .._backend import (
     UnsettledHook,
     load_one_by_one,
 )
-from .._config import ConnectorConfig
-from .._layout import KVLayout
-from .._payload import block_bytes
 
 if TYPE_CHECKING:
     import torch

@@ -23,9 +23,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from .._prefill_spec import WorkerSpec
-from .._prefill_worker import PrefillWorker, open_prefill_worker
-from ._memory import MemoryFabric
+from trio_pd._harness._prefill_spec import WorkerSpec
+from trio_pd._harness._prefill_worker import PrefillWorker, open_prefill_worker
+from trio_pd.testing._memory import MemoryFabric
 
 
 @pytest.fixture

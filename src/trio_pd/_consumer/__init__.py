@@ -1,0 +1,9 @@
+"""The consumer (decode) role: pulls, handshakes, holds.
+
+``_consumer.Consumer`` runs a pull's parts; ``_handshakes`` carries out the
+remote engines' records (the handshake task, loads); ``_attempts`` the fetch
+queue, its workers and the deadline watchdog; ``_remote_engines`` the table of
+remote engine ranks; ``_leases`` the holds and the heartbeat task;
+``_settlement`` which local blocks a transfer that could not be stopped may
+still write. May import ``_core``, ``_side_channel`` and ``_transfer``.
+"""

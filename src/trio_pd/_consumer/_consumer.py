@@ -1,0 +1,452 @@
+"""The consumer role (decode side): pulls.
+
+A pull finds the remote ranks it reads (``_tp.plan_pull``), has them made
+ready by the handshakes (``_handshakes.Handshakes``, which own the remote
+engines' records and the handshake tasks), checks every part's block ids,
+then runs the parts' transfers concurrently, each holding a lease on its
+remote agent. Pulls run in the caller's task.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack
+from types import MappingProxyType
+from typing import NoReturn
+
+import numpy as np
+import trio
+import zmq
+from trio_util import AsyncValue
+
+from trio_pd._config import ConnectorConfig
+from trio_pd._consumer._handshakes import Handshakes
+from trio_pd._consumer._remote_engines import ConsumerCounters, RemoteEngine
+from trio_pd._consumer._settlement import UnsettledBlocks
+from trio_pd._core import _protocol as protocol
+from trio_pd._core._engines import EngineState
+from trio_pd._core._errors import (
+    ExposureEndedError,
+    HandshakeError,
+    IncompatibleEngineError,
+    ParamsRejectedError,
+    TransferError,
+)
+from trio_pd._core._exposures import blocks_digest
+from trio_pd._core._layout import BlockIds, KVLayout, as_block_ids
+from trio_pd._core._records import ConsumerStatistics, PullResult, RemoteBlocks
+from trio_pd._core._tokens import exposure_token, token_matches
+from trio_pd._core._tp import PullPart, plan_pull, readers_per_remote_rank, sizes_mismatch
+from trio_pd._groups import first_failure_wins
+from trio_pd._side_channel._confirm import ConfirmChannels
+from trio_pd._transfer._backend import (
+    BackendClosing,
+    BackendError,
+    RemoteAgent,
+    RemoteRetired,
+    TransferBackend,
+    TransferTimeout,
+)
+
+
+class Consumer:
+    """The decode side of a connector: pulls remote engines' blocks.
+
+    Owns the pulls' bookkeeping (in flight, counters) and the
+    :class:`~trio_pd._consumer._handshakes.Handshakes`, whose fetch workers run in
+    ``nursery`` (the connector's); :meth:`run_handshakes` must run there too.
+
+    Args:
+        engine_id: this engine's id (named in metadata requests).
+        tp_rank, tp_size: this rank of the (decode) engine, and how many it has.
+        layout: the local KV layout (remote layouts must pair with it).
+        backend: the transfer backend.
+        zmq_context: for the fetches' and the confirmations' sockets.
+        config: deadlines and limits.
+        nursery: where the fetch workers and the watchdog run.
+    """
+
+    def __init__(
+        self,
+        engine_id: str,
+        tp_rank: int,
+        tp_size: int,
+        layout: KVLayout,
+        backend: TransferBackend,
+        zmq_context: zmq.Context[zmq.Socket[bytes]],
+        config: ConnectorConfig,
+        nursery: trio.Nursery,
+    ) -> None:
+        self._engine_id = engine_id
+        self._tp_rank = tp_rank
+        self._tp_size = tp_size
+        self._layout = layout
+        self._backend = backend
+        self._config = config
+        self._counters = ConsumerCounters()
+        self._handshakes = Handshakes(
+            engine_id, tp_size, layout, backend, zmq_context, config, nursery, self._counters
+        )
+        self._confirms = ConfirmChannels(engine_id, backend.agent_name, zmq_context, config)
+        self._nonces = itertools.count(1)  # (names each READ in its notification)
+        self.confirm_reads = True
+        """Whether READs are confirmed (``_confirm``). Only the benchmarks turn
+        it off, to measure what the confirmation costs side by side: without
+        it a pull may return another request's bytes."""
+        self._pulls_in_flight: AsyncValue = AsyncValue(0)
+        self._unsettled = UnsettledBlocks()
+        self._closed = False
+
+    async def run_handshakes(self) -> None:
+        """The handshake task (see :meth:`Handshakes.run`)."""
+        await self._handshakes.run()
+
+    # ---- public (through the Connector facade) ---------------------------
+
+    async def pull(
+        self,
+        request_id: str,
+        local_block_ids: Sequence[int],
+        remote: RemoteBlocks,
+        *,
+        lost: str | None = None,
+    ) -> PullResult:
+        """See :meth:`trio_pd.Connector.pull`.
+
+        Three phases, so that nothing is transferred unless every part can
+        be: the remote ranks this rank reads (see ``_tp.plan_pull``) are made
+        ready concurrently; every part's block ids are checked; then the
+        parts transfer concurrently.
+
+        ``lost``: why the producer no longer holds ``remote`` for us (a hold
+        heard so): the pull fails with :class:`TransferError` without
+        reading, counted in ``pulls_failed`` as every failed pull is.
+        """
+        self._check_open()
+        started = trio.current_time()
+        local_ids = as_block_ids(
+            local_block_ids, self._layout.num_blocks, f"local block ids of request {request_id!r}"
+        )
+        if local_ids.size and local_ids.size != len(remote.block_ids):
+            raise ValueError(
+                f"request {request_id!r}: {local_ids.size} local block ids for "
+                f"{len(remote.block_ids)} remote block ids"
+            )
+        try:
+            if lost is not None:
+                await trio.lowlevel.checkpoint()
+                raise TransferError(
+                    request_id,
+                    local_ids.tolist(),
+                    f"engine {remote.engine_id!r} no longer holds these blocks for us "
+                    f"({lost}): not read",
+                )
+            self.check_token(request_id, remote)
+            mismatch = sizes_mismatch(self._tp_size, remote.tp_size)
+            if mismatch is not None:
+                raise IncompatibleEngineError(remote.engine_id, mismatch)
+            parts = plan_pull(self._tp_rank, self._tp_size, remote.tp_size)
+            # (No comprehension or closure in this coroutine: every variable one
+            # captured would cost each pull in flight a cell, for its whole life.)
+            if len(parts) == 1:  # (one remote rank, the usual case: no group to wait in)
+                engine = self._handshakes.engine(remote, parts[0])
+                agent = await self._handshakes.ready_agent(engine, request_id, local_ids, remote)
+                engines, agents = [engine], [agent]
+            else:
+                engines = self._engines_read(remote, parts)
+                agents = await self._ready_parts(engines, request_id, local_ids, remote)
+            handshake_wait = trio.current_time() - started
+            transfers = self._transfers_for(engines, agents, request_id, local_ids, remote)
+            await first_failure_wins(transfers)
+        except ParamsRejectedError:
+            self._counters.pulls_rejected += 1
+            raise
+        except ExposureEndedError:
+            self._counters.pulls_failed += 1
+            self._counters.pulls_exposure_ended += 1
+            raise
+        except (HandshakeError, TransferError):
+            self._counters.pulls_failed += 1
+            raise
+        nbytes = int(local_ids.size) * self._layout.bytes_per_block_id
+        self._counters.pulls_succeeded += 1
+        self._counters.bytes_pulled += nbytes
+        return PullResult(
+            request_id, remote.engine_id, nbytes, trio.current_time() - started, handshake_wait
+        )
+
+    def check_token(self, request_id: str, remote: RemoteBlocks) -> None:
+        """With ``exposure_secret``: refuse parameters the producer did not sign.
+
+        Raises:
+            ParamsRejectedError: ``remote.token`` is missing or does not verify.
+        """
+        secret = self._config.exposure_secret
+        if secret is None:
+            return
+        if not remote.token:
+            raise ParamsRejectedError(
+                request_id, "remote_token", "missing (this deployment signs its exposures)"
+            )
+        expected = exposure_token(
+            secret,
+            engine_id=remote.engine_id,
+            host=remote.host,
+            port=remote.port,
+            incarnation=remote.incarnation,
+            tp_size=remote.tp_size,
+            request_id=remote.request_id,
+            block_ids=remote.block_ids,
+            exposure=remote.exposure,
+        )
+        if not token_matches(expected, remote.token):
+            raise ParamsRejectedError(
+                request_id,
+                "remote_token",
+                f"does not match the other parameters: engine {remote.engine_id!r} did not "
+                "expose these blocks for this request (or another secret signed them)",
+            )
+
+    def _engines_read(self, remote: RemoteBlocks, parts: Sequence[PullPart]) -> list[RemoteEngine]:
+        """The records of the remote ranks ``parts`` read (see ``Handshakes.engine``)."""
+        return [self._handshakes.engine(remote, part) for part in parts]
+
+    async def _ready_parts(
+        self,
+        engines: list[RemoteEngine],
+        request_id: str,
+        local_ids: BlockIds,
+        remote: RemoteBlocks,
+    ) -> list[RemoteAgent]:
+        """The agents of several remote ranks, made ready concurrently (the first
+        failure cancels the others and propagates)."""
+        ready = [
+            functools.partial(self._handshakes.ready_agent, e, request_id, local_ids, remote)
+            for e in engines
+        ]
+        agents = await first_failure_wins(ready)
+        # A part made ready while another part's handshake found the engine
+        # restarted has an agent that was retired since (an engine's ranks
+        # restart together): once more, for those parts.
+        again = [i for i, e in enumerate(engines) if e.agent is not agents[i]]
+        if again:
+            renewed = await first_failure_wins([ready[i] for i in again])
+            for i, agent in zip(again, renewed, strict=True):
+                agents[i] = agent
+        return agents
+
+    def _transfers_for(
+        self,
+        engines: list[RemoteEngine],
+        agents: list[RemoteAgent],
+        request_id: str,
+        local_ids: BlockIds,
+        remote: RemoteBlocks,
+    ) -> list[Callable[[], Awaitable[None]]]:
+        """Every part's transfer, all block ids checked now (before any part runs)."""
+        return [
+            self._transfer_for(engine, agent, request_id, local_ids, remote)
+            for engine, agent in zip(engines, agents, strict=True)
+        ]
+
+    def _transfer_for(
+        self,
+        engine: RemoteEngine,
+        agent: RemoteAgent,
+        request_id: str,
+        local_ids: BlockIds,
+        remote: RemoteBlocks,
+    ) -> Callable[[], Awaitable[None]]:
+        """One part's transfer, its block ids checked now (before any part runs)."""
+        readers = readers_per_remote_rank(self._tp_size, remote.tp_size)
+        nonce = next(self._nonces)
+        notification = protocol.encode_notification(remote.request_id, readers, nonce)
+        indices = None
+        if local_ids.size:
+            try:
+                remote_ids = as_block_ids(
+                    remote.block_ids,
+                    agent.layout.num_blocks,
+                    f"remote block ids of engine {remote.engine_id!r}",
+                )
+            except ValueError as exc:
+                raise ParamsRejectedError(request_id, "remote_block_ids", str(exc)) from None
+            indices = (
+                agent.local_layout.descriptor_indices(local_ids),
+                agent.layout.descriptor_indices(remote_ids),
+            )
+        return functools.partial(
+            self._transfer,
+            engine,
+            request_id,
+            local_ids,
+            agent,
+            indices,
+            notification,
+            remote,
+            nonce,
+        )
+
+    def engine_state(self, engine_id: str, tp_rank: int | None = None) -> EngineState:
+        return self._handshakes.engine_state(engine_id, tp_rank)
+
+    def unsettled_blocks(self) -> frozenset[int]:
+        """See :meth:`trio_pd.Connector.unsettled_blocks`."""
+        return self._unsettled.snapshot()
+
+    async def wait_settled(self, block_ids: Sequence[int]) -> None:
+        """See :meth:`trio_pd.Connector.wait_settled`."""
+        await self._unsettled.wait_settled(block_ids)
+
+    def statistics(self) -> ConsumerStatistics:
+        c = self._counters
+        return ConsumerStatistics(
+            handshakes_started=c.handshakes_started,
+            handshakes_succeeded=c.handshakes_succeeded,
+            handshakes_failed=c.handshake_failures.total(),
+            handshake_failures_by_cause=MappingProxyType(
+                {str(cause): n for cause, n in c.handshake_failures.items()}
+            ),
+            engines_ready=self._handshakes.ready_count(),
+            pulls_succeeded=c.pulls_succeeded,
+            pulls_failed=c.pulls_failed,
+            pulls_in_flight=self._pulls_in_flight.value,
+            pulls_rejected_in_backoff=c.pulls_rejected_in_backoff,
+            restarts_detected=c.restarts_detected,
+            peers_disconnected=c.peers_disconnected,
+            bytes_pulled=c.bytes_pulled,
+            remote_agents_loaded=self._backend.remote_agents_loaded,
+            transfers_posted=self._backend.transfers_posted,
+            transfers_unsettled=self._backend.transfers_unsettled,
+            pulls_rejected=c.pulls_rejected,
+            pulls_exposure_ended=c.pulls_exposure_ended,
+            blocks_unsettled=len(self._unsettled),
+            backend_stuck_call=self._backend.stuck_call,
+        )
+
+    # ---- transfers -------------------------------------------------------
+
+    async def _transfer(
+        self,
+        engine: RemoteEngine,
+        request_id: str,
+        local_ids: BlockIds,
+        agent: RemoteAgent,
+        indices: tuple[np.ndarray, np.ndarray] | None,
+        notification: bytes,
+        remote: RemoteBlocks,
+        nonce: int,
+    ) -> None:
+        """READ ``indices`` (local, remote) with ``notification``; only notify if ``None``.
+
+        A READ is confirmed (``_confirm``): the confirmation is sent just
+        before the READ is posted, its answer checked once the READ ended,
+        and the pull raises :class:`ExposureEndedError` unless the producer
+        held the blocks for this request for the whole READ.
+
+        The agent is leased for the transfer: it cannot be unloaded under it.
+        (A pull with several parts checkpoints between making its ranks ready
+        and leasing them; an agent retired in that gap fails the pull before
+        anything is read.)
+        """
+        self._pulls_in_flight.value += 1
+        pending = None
+        try:
+            async with AsyncExitStack() as lease:
+                try:
+                    await lease.enter_async_context(self._backend.lease(agent))
+                except RemoteRetired:
+                    reason = "its agent was retired (restart or lost peer) before the transfer"
+                    self._fail(request_id, local_ids, engine.rank_label + reason)
+                try:
+                    if indices is None:
+                        await self._backend.notify(agent, notification)
+                    else:
+                        hold = functools.partial(self._unsettled.hold, local_ids.tolist())
+                        rank = (
+                            remote.engine_id,
+                            remote.host,
+                            remote.port + engine.part.remote_rank,
+                        )
+                        pending = (
+                            None
+                            if not self.confirm_reads
+                            else self._confirms.send(
+                                rank,
+                                remote.request_id,
+                                remote.token,
+                                remote.incarnation,
+                                blocks_digest(remote.block_ids),
+                                nonce,
+                                remote.exposure,
+                            )
+                        )
+                        await self._backend.read(agent, *indices, notification, hold)
+                except BackendError as exc:
+                    if exc.peer_lost and self._handshakes.peer_lost(engine, agent, request_id):
+                        with trio.CancelScope(shield=True):
+                            await self._backend.retire(agent)  # unloaded when the lease ends
+                    self._fail(
+                        request_id,
+                        local_ids,
+                        engine.rank_label + str(exc),
+                        cause=exc,
+                        settled=exc.settled,
+                    )
+                except TransferTimeout:
+                    timeout = self._config.transfer_timeout
+                    reason = f"{engine.rank_label}not complete within {timeout:g} s"
+                    self._fail(request_id, local_ids, reason)
+                except BackendClosing:
+                    raise trio.ClosedResourceError(
+                        f"connector closed while request {request_id!r} was in flight"
+                    ) from None
+                if pending is not None:
+                    try:
+                        await self._confirms.check(
+                            pending, trio.current_time(), request_id, local_ids.tolist()
+                        )
+                    finally:
+                        pending = None
+        finally:
+            if pending is not None:
+                self._confirms.discard(pending)  # (the READ failed: no answer is awaited)
+            self._pulls_in_flight.value -= 1
+
+    def _fail(
+        self,
+        request_id: str,
+        local_ids: BlockIds,
+        reason: str,
+        cause: BaseException | None = None,
+        settled: trio.Event | None = None,
+    ) -> NoReturn:
+        """Raise the pull's TransferError (``pull`` counts it)."""
+        raise TransferError(request_id, local_ids.tolist(), reason, settled=settled) from cause
+
+    # ---- life cycle ------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError(f"connector {self._engine_id!r} is closed")
+
+    def begin_close(self) -> None:
+        """Refuse new pulls, wake every waiter (they raise ClosedResourceError),
+        and tell the backend to stop in-flight transfers."""
+        if self._closed:
+            return
+        self._closed = True
+        self._backend.begin_close()
+        self._handshakes.begin_close()
+        self._confirms.close()
+
+    async def wait_pulls_done(self) -> None:
+        """Until no pull is in flight (bound it with a cancel scope)."""
+        await self._pulls_in_flight.wait_value(lambda n: n == 0)
+
+    @property
+    def pulls_in_flight(self) -> int:
+        count: int = self._pulls_in_flight.value
+        return count

@@ -1,0 +1,148 @@
+"""A pull's reads as the transfer driver sees them: jobs and how they end.
+
+A :class:`Job` is built on the trio thread, handed to
+:meth:`~trio_pd._transfer._driver.TransferDriver.submit`, and then written by the
+driver thread only, except the two fields the trio side may set
+(``cancel_requested``, ``on_settled``). Its ``finished`` and ``settled``
+events are set on the trio thread by :func:`wake`, which the driver
+schedules through the trio token, so a task wakes only after the driver has
+written the job's outcome.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import trio
+
+from trio_pd._config import ConnectorConfig
+from trio_pd._transfer._backend import BackendClosing, BackendError, RemoteAgent, TransferTimeout
+
+
+class Outcome(enum.Enum):
+    """How a job ended."""
+
+    DONE = "done"
+    FAILED = "failed"  # ``Job.error`` says why
+    TIMED_OUT = "timed out"
+    CLOSING = "closing"
+    CANCELLED = "cancelled"
+
+
+@attrs.define(eq=False)
+class Job:
+    """One read of a pull's part (or, with no indices, one notification).
+
+    Built on the trio thread and handed to :meth:`TransferDriver.submit`.
+    The trio side may set ``cancel_requested`` and ``on_settled``; the driver
+    writes the rest and sets ``finished`` (then ``settled``) on the trio thread.
+
+    Attributes:
+        local_dlist, remote_dlist: prepared descriptor lists (cleared when finished).
+        local_indices, remote_indices: descriptor indices to read.
+        agent_name: the remote agent (the notification's destination).
+        notification: delivered to the remote once everything is read.
+        deadline: ``time.monotonic()`` by which the job must be done.
+        chunk: descriptors per posted transfer.
+        descriptor_bytes: bytes per descriptor (at most).
+        outcome: how it ended (set before ``finished``).
+        error: the failure, when ``outcome`` is FAILED.
+        still_running: it finished with transfers NIXL could not stop;
+            ``settled`` is set once they really ended.
+        on_settled: called on the trio thread right after ``settled`` is set.
+    """
+
+    local_dlist: Any
+    remote_dlist: Any
+    local_indices: npt.NDArray[np.int32]
+    remote_indices: npt.NDArray[np.int32]
+    agent_name: str
+    notification: bytes
+    deadline: float
+    chunk: int
+    descriptor_bytes: int
+    finished: trio.Event = attrs.field(factory=trio.Event)
+    settled: trio.Event = attrs.field(factory=trio.Event)
+    cancel_requested: bool = False
+    outcome: Outcome | None = None
+    error: BackendError | None = None
+    still_running: bool = False
+    on_settled: Callable[[], None] | None = None
+    # When (``time.monotonic()``): handed to the driver, first posted, finished
+    # by the driver, and its task woken (for measurements: see job_observer).
+    submitted_at: float = 0.0
+    posted_at: float = 0.0
+    finished_at: float = 0.0
+    woken_at: float = 0.0
+    # A transfer the trio thread posted itself and handed over still running
+    # (see ``_inline``): the driver takes it as its own when it takes the job.
+    adopted: Any = None
+    # The driver's own bookkeeping.
+    posted: int = 0  # descriptors posted (-1: a notify-only job, sent)
+    running: int = 0  # its transfers still running
+    stopping: Outcome | None = None
+    stop_by: float = 0.0
+
+    @property
+    def size(self) -> int:
+        return len(self.local_indices)
+
+
+def wake(finished: list[Job], settled: list[Job]) -> None:
+    """On the trio thread: set the jobs' events (in this order)."""
+    for job in finished:
+        job.finished.set()
+    for job in settled:
+        job.settled.set()
+        if job.on_settled is not None:
+            job.on_settled()
+
+
+def job_for(
+    remote: RemoteAgent,
+    local_indices: npt.NDArray[np.int32],
+    remote_indices: npt.NDArray[np.int32],
+    notification: bytes,
+    config: ConnectorConfig,
+) -> Job:
+    """The job that reads ``remote_indices`` of ``remote`` into ``local_indices``
+    (none: a notification alone), chunked by the config's transfer limits, due
+    ``transfer_timeout`` from now."""
+    descriptor_bytes = max(remote.local_layout.block_lens)
+    chunk = max(
+        1,
+        min(
+            config.max_descriptors_per_transfer,
+            config.max_bytes_per_transfer // descriptor_bytes,
+        ),
+    )
+    return Job(
+        remote.local_handle,
+        remote.handle,
+        local_indices,
+        remote_indices,
+        remote.agent_name,
+        notification,
+        time.monotonic() + config.transfer_timeout,
+        chunk,
+        descriptor_bytes,
+    )
+
+
+def raise_for(job: Job) -> None:
+    """Raise what a finished job's outcome means for its caller (nothing if DONE)."""
+    if job.outcome is Outcome.DONE:
+        return
+    if job.outcome is Outcome.FAILED and job.error is not None:
+        raise job.error
+    if job.outcome is Outcome.TIMED_OUT:
+        raise TransferTimeout
+    if job.outcome is Outcome.CLOSING:
+        raise BackendClosing
+    raise BackendError(f"transfer ended {job.outcome}")  # (CANCELLED: cancel re-raised)
