@@ -51,7 +51,7 @@ from comparison import (
 
 import trio_pd
 from trio_pd._core._protocol import decode_notification
-from trio_pd._transfer._jobs import Job
+from trio_pd._transfer._nixl._jobs import Job
 from trio_pd.testing import (
     CapturedBackends,
     LoopStallMonitor,
@@ -1308,8 +1308,7 @@ async def bench_proxy_overhead(quick: bool) -> Result:
     from hypercorn.trio import serve
 
     from trio_pd._serve.asgi import read_json, send_json
-    from trio_pd._serve.proxy import Proxy
-    from trio_pd._serve.proxy_client import open_client
+    from trio_pd._serve.proxy import Proxy, open_client
 
     async def do_nothing(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":

@@ -33,7 +33,7 @@ import trio
 
 import trio_pd
 from trio_pd._consumer._handshakes import HANDSHAKES_PER_PULL
-from trio_pd._harness._payload import block_bytes
+from trio_pd._harness._seeded_blocks import block_bytes
 from trio_pd.testing import expected_blocks
 
 SENTINEL = 0xA5

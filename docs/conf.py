@@ -41,6 +41,7 @@ extensions = [
     "pd_shutdown",
     "pd_budget",
     "pd_facts_wire",
+    "pd_packages",
 ]
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
@@ -51,7 +52,7 @@ nitpicky = True
 # network at build time): torch and numpy.
 nitpick_ignore = [
     ("py:class", "torch.Tensor"),
-    ("py:class", "trio_pd._transfer._nixl._T"),
+    ("py:class", "trio_pd._transfer._nixl._backend._T"),
     # the backend seam's internal exceptions (see TransferBackend's docstring)
     ("py:exc", "TransferTimeout"),
     ("py:exc", "BackendClosing"),

@@ -9,8 +9,8 @@ import pytest
 import trio
 import trio.testing
 
-from trio_pd._consumer._attempts import AttemptQueue, AttemptRunner
-from trio_pd._consumer._remote_engines import _FIRST_COMPACTION, NO_ATTEMPT, AttemptDone
+from trio_pd._consumer._fetch_queue import AttemptQueue, AttemptRunner
+from trio_pd._consumer._remote_table import _FIRST_COMPACTION, NO_ATTEMPT, AttemptDone
 
 # --- AttemptQueue (no I/O) ---------------------------------------------------------------
 

@@ -6,7 +6,8 @@ import pytest
 import zmq
 import zmq.utils.z85
 
-from trio_pd._side_channel._auth import ANY_ENGINE, CurveAuth, generate_keypair, zap_verdict
+from trio_pd._curve_keys import ANY_ENGINE, CurveAuth, generate_keypair
+from trio_pd._side_channel._auth import zap_verdict
 
 Z85_ALPHABET = frozenset(
     "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"

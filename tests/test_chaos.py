@@ -98,7 +98,7 @@ from hypothesis.stateful import (
 from trio_util import AsyncValue
 
 import trio_pd
-from trio_pd._core._engines import EngineRecord
+from trio_pd._core._remote_engine import EngineRecord
 from trio_pd.testing import (
     LoopStallMonitor,
     MemoryFabric,
@@ -1721,7 +1721,7 @@ def small_kv() -> list[torch.Tensor]:
 
 
 # Fixed; found by this machine: bug 1: open_connector's exit destroys the ZeroMQ context under
-# an abandon still in flight in another task (_open_connector._release waits for pulls, not for
+# an abandon still in flight in another task (_connector._release waits for pulls, not for
 # _leases abandons): its sockets are closed without trio.lowlevel.notify_closing, their fd
 # numbers are reused by the next sockets of the process, and trio raises BusyResourceError in an
 # unrelated connector's task

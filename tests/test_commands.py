@@ -3,11 +3,9 @@ them: real processes, their ready files, exit statuses, messages and signals."""
 
 from __future__ import annotations
 
-import ast
 import functools
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -23,8 +21,8 @@ import trio
 
 from trio_pd._cli import main
 from trio_pd._serve.binding import bind_listener
+from trio_pd._serve.discovery import EngineAnnouncement, EngineSet
 from trio_pd._serve.engine import EngineSettings
-from trio_pd._serve.membership import EngineAnnouncement, EngineSet
 from trio_pd._serve.process import serve_engine
 
 from .test_serve import complete, stream
@@ -384,11 +382,11 @@ def test_the_serving_commands_never_load_the_testing_toolkit() -> None:
             "_prefill_worker",
             "_prefill_child",
             "_prefill_spec",
-            "_relay",
-            "_child",
+            "_delay_relay",
+            "_child_process",
             "_raw_nixl",
-            "_stall",
-            "_payload",
+            "_stall_monitor",
+            "_seeded_blocks",
         )
     )
     modules = ", ".join(f"trio_pd.{name}" for name in (*names, *harness))
@@ -401,95 +399,3 @@ def test_the_serving_commands_never_load_the_testing_toolkit() -> None:
 
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-TESTING_MODULE = re.compile(r"trio_pd\.testing(\.\w+)*")
-
-
-def _imported_modules(text: str, package: str) -> list[tuple[int, str]]:
-    """``(line, module)`` of every import in ``text``, a module of ``package``
-    (relative imports resolved; ``from m import n`` gives ``m`` and ``m.n``),
-    and of every string that is a ``trio_pd.testing`` module name (a module a
-    child process is told to run)."""
-    found = []
-    for node in ast.walk(ast.parse(text)):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            parts = package.split(".")
-            base = ".".join(parts[: len(parts) - node.level + 1]) if node.level else ""
-            module = ".".join(p for p in (base, node.module or "") if p)
-            found.append((node.lineno, module))
-            found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names]
-        elif (
-            isinstance(node, ast.Constant)
-            and isinstance(node.value, str)
-            and TESTING_MODULE.fullmatch(node.value)
-        ):
-            found.append((node.lineno, node.value))
-    return found
-
-
-def test_no_module_outside_the_testing_toolkit_imports_it() -> None:
-    """Production code (every module of ``src/trio_pd`` but ``trio_pd.testing``'s
-    own: the commands, ``trio-pd demo`` included, and what they run in child
-    processes) never imports ``trio_pd.testing``, even lazily inside a function."""
-    offenders = []
-    for path in sorted((SRC / "trio_pd").rglob("*.py")):
-        if (SRC / "trio_pd" / "testing") in path.parents:
-            continue
-        package = ".".join(path.relative_to(SRC).parts[:-1])
-        for line, module in _imported_modules(path.read_text(), package):
-            if module == "trio_pd.testing" or module.startswith("trio_pd.testing."):
-                offenders.append(f"{path.relative_to(SRC)}:{line}: {module}")
-    assert not offenders, offenders
-
-
-def test_the_import_check_sees_every_way_of_importing_the_toolkit() -> None:
-    """The check above is not vacuous: absolute, relative and lazy imports and a
-    module name handed to a child process are all found."""
-    planted = (
-        "import trio_pd.testing\n"
-        "from .. import testing\n"
-        "def f():\n"
-        "    from ..testing._memory import MemoryFabric\n"
-        "    return open_child('trio_pd.testing._etcd', '')\n"
-    )
-    found = {m for _, m in _imported_modules(planted, "trio_pd._cli")}
-    assert found == {
-        "trio_pd",
-        "trio_pd.testing",
-        "trio_pd.testing._memory",
-        "trio_pd.testing._memory.MemoryFabric",
-        "trio_pd.testing._etcd",
-    }, found
-
-
-def test_the_sans_io_core_imports_no_io_library() -> None:
-    """``trio_pd._core`` (the protocol, state machines and decisions) stays free
-    of ZeroMQ, NIXL, sockets and threads: the shells around it are the other
-    packages (trio for the types of public records, torch for tensor types)."""
-    offenders = []
-    for path in sorted((SRC / "trio_pd" / "_core").rglob("*.py")):
-        package = ".".join(path.relative_to(SRC).parts[:-1])
-        for line, module in _imported_modules(path.read_text(), package):
-            top = module.split(".")[0]
-            inside = module.startswith("trio_pd._core") or module == "trio_pd"
-            if top in ("zmq", "nixl", "socket", "threading", "httpx2") or (
-                top == "trio_pd" and not inside
-            ):
-                offenders.append(f"{path.relative_to(SRC)}:{line}: {module}")
-    assert not offenders, offenders
-
-
-def test_the_library_never_imports_the_harness() -> None:
-    """Only the CLI (the demo), the serving commands' tests' toolkit and the
-    harness itself import ``trio_pd._harness``."""
-    offenders = []
-    for path in sorted((SRC / "trio_pd").rglob("*.py")):
-        parts = path.relative_to(SRC / "trio_pd").parts
-        if parts[0] in ("_harness", "testing", "_cli"):
-            continue
-        package = ".".join(path.relative_to(SRC).parts[:-1])
-        for line, module in _imported_modules(path.read_text(), package):
-            if module.startswith("trio_pd._harness"):
-                offenders.append(f"{path.relative_to(SRC)}:{line}: {module}")
-    assert not offenders, offenders

@@ -25,7 +25,13 @@ import pytest
 import trio_pd
 import trio_pd._core._protocol as protocol
 import trio_pd.testing
-from trio_pd._core._engines import TRANSITIONS, EngineEvent, EngineRecord, EngineState, PullAction
+from trio_pd._core._remote_engine import (
+    TRANSITIONS,
+    EngineEvent,
+    EngineRecord,
+    EngineState,
+    PullAction,
+)
 
 from .conftest import run_doc_script
 
@@ -211,8 +217,8 @@ def test_the_shutdown_timeline_is_read_from_the_code_and_drift_fails_the_build(
     # A release that is no longer shielded fails the build.
     import trio
 
-    import trio_pd._open_connector as opening_module
-    from trio_pd._open_connector import _release
+    import trio_pd._connector as opening_module
+    from trio_pd._connector import _release
 
     @asynccontextmanager
     async def unshielded(config: Any, transfers: Any, connector: Any, *args: Any) -> Any:
@@ -352,7 +358,7 @@ def test_the_kv_transfer_params_table_is_what_the_parser_takes(
     """The keys the table shows are those the producer sends, and a key the
     table calls optional is one the consumer's parser lets go (with the default
     shown), a required one is one it refuses to go without."""
-    import trio_pd._core._records as records
+    import trio_pd._core._public_values as records
 
     rows = _wire().kv_param_rows()
     sent = trio_pd.RemoteBlocks("p", "h", 5, [1, 2], "r", "i", 2, "t").to_kv_transfer_params()
@@ -533,8 +539,9 @@ def test_the_docs_build_with_warnings_as_errors(tmp_path: Path) -> None:
     svgs = images("design.html")
     assert len(svgs) == 6, len(svgs)
     assert any("nursery.cancel_scope.cancel()" in svg for svg in svgs)
-    tp_svgs = images("internals.html")
-    assert len(tp_svgs) == 2, len(tp_svgs)
+    internals_svgs = images("internals.html")  # two TP mappings, the packages
+    assert len(internals_svgs) == 3, len(internals_svgs)
+    assert any("_transfer/_nixl/" in svg and "_remote_engine" in svg for svg in internals_svgs)
     assert any("HANDSHAKES_PER_PULL" in svg for svg in images("timeouts.html"))
     # The tables rendered from the code are on their pages.
     facts = _facts()
@@ -562,7 +569,7 @@ def test_the_docs_build_with_warnings_as_errors(tmp_path: Path) -> None:
             for name in row.exceptions:
                 assert f'<span class="pre">{name}</span>' in serving, name
     assert any(all(state.name in svg for state in EngineState) for svg in svgs)
-    assert any(all(f"decode rank {d}" in svg for d in range(4)) for svg in tp_svgs)
+    assert any(all(f"decode rank {d}" in svg for d in range(4)) for svg in internals_svgs)
 
 
 def _signature(page: str, object_id: str) -> str:

@@ -24,8 +24,8 @@ import trio
 import trio_pd
 from trio_pd._core._protocol import decode_notification, encode_notification
 from trio_pd._transfer._backend import BackendError
-from trio_pd._transfer._driver import TransferDriver
-from trio_pd._transfer._jobs import Job, Outcome
+from trio_pd._transfer._nixl._driver import TransferDriver
+from trio_pd._transfer._nixl._jobs import Job, Outcome
 from trio_pd.testing import WorkerSpec, mismatched_blocks, open_prefill_worker
 
 from .conftest import kv_cache

@@ -9,7 +9,9 @@ import attrs
 import msgspec
 import pytest
 
-from trio_pd._core._engines import (
+from trio_pd._core._errors import HandshakeError
+from trio_pd._core._protocol import EngineMetadata
+from trio_pd._core._remote_engine import (
     RETIRED_INCARNATIONS_KEPT,
     TRANSITIONS,
     Backoff,
@@ -20,8 +22,6 @@ from trio_pd._core._engines import (
     MetadataOutcome,
     PullAction,
 )
-from trio_pd._core._errors import HandshakeError
-from trio_pd._core._protocol import EngineMetadata
 
 S, E = EngineState, EngineEvent
 

@@ -66,8 +66,7 @@ from trio_pd._serve.errors import (
 )
 from trio_pd._serve.model import ModelConfig, TinyLlama
 from trio_pd._serve.pool import OutOfBlocks
-from trio_pd._serve.proxy import Proxy
-from trio_pd._serve.proxy_client import ProxyTimeouts
+from trio_pd._serve.proxy import Proxy, ProxyTimeouts
 
 from .test_openai import call, lifespan
 from .test_proxy import BODY, closed_port_url, engines, proxy_for

@@ -22,10 +22,10 @@ import trio
 
 import trio_pd
 from trio_pd._transfer._backend import BackendError
-from trio_pd._transfer._driver import TransferDriver
-from trio_pd._transfer._inline import InlineReads
-from trio_pd._transfer._jobs import Outcome
-from trio_pd._transfer._nixl_notifications import NotificationPoller
+from trio_pd._transfer._nixl._driver import TransferDriver
+from trio_pd._transfer._nixl._inline import InlineReads
+from trio_pd._transfer._nixl._jobs import Outcome
+from trio_pd._transfer._nixl._notifications import NotificationPoller
 from trio_pd.testing import CapturedBackends, WorkerSpec, mismatched_blocks, open_prefill_worker
 
 from .conftest import kv_cache, wait_until

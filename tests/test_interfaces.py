@@ -10,7 +10,7 @@ import pytest
 import trio
 
 import trio_pd
-from trio_pd._transfer._interfaces import interface_state, wait_for_interface
+from trio_pd._transfer._nixl._interfaces import interface_state, wait_for_interface
 
 QUICK = trio_pd.ConnectorConfig(interface_timeout=0.3)
 
@@ -23,7 +23,7 @@ def test_loopback_ipv6_and_names_are_not_checked() -> None:
 async def test_a_down_interface_is_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
     answers = iter([("veth-h1", False), ("veth-h1", False), ("veth-h1", True)])
     monkeypatch.setattr(
-        "trio_pd._transfer._interfaces.interface_state", lambda address: next(answers)
+        "trio_pd._transfer._nixl._interfaces.interface_state", lambda address: next(answers)
     )
     with trio.fail_after(5):
         await wait_for_interface("prefill", "198.18.0.2", trio_pd.ConnectorConfig())
@@ -31,7 +31,7 @@ async def test_a_down_interface_is_waited_for(monkeypatch: pytest.MonkeyPatch) -
 
 async def test_one_that_stays_down_fails_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
-        "trio_pd._transfer._interfaces.interface_state", lambda address: ("veth-h1", False)
+        "trio_pd._transfer._nixl._interfaces.interface_state", lambda address: ("veth-h1", False)
     )
     with trio.fail_after(5), pytest.raises(OSError, match="interface veth-h1, which holds") as info:
         await wait_for_interface("prefill", "198.18.0.2", QUICK)

@@ -13,7 +13,7 @@ import trio
 import trio.testing
 
 import trio_pd
-import trio_pd._transfer._nixl
+import trio_pd._transfer._nixl._backend
 
 from .conftest import FAST, kv_cache, live_threads, open_fds, wait_until
 
@@ -202,7 +202,7 @@ def assert_released(backend: trio_pd.NixlBackend, caplog: pytest.LogCaptureFixtu
     """The backend let go of its agent, remote agents and registrations; nothing was kept."""
     assert backend.agent is None
     assert backend.remote_agents_loaded == 0
-    assert backend not in trio_pd._transfer._nixl._KEPT_FOR_LIFE
+    assert backend not in trio_pd._transfer._nixl._backend._KEPT_FOR_LIFE
     assert "stay registered" not in caplog.text
     assert "abandoned at its handshake's deadline" not in caplog.text
 
@@ -302,7 +302,7 @@ async def test_a_load_still_in_nixl_after_close_timeout_is_kept_and_logged_as_ca
                 closed_after = trio.current_time() - cancelled_at
             # close waited close_timeout for the load, not longer, then kept the agent
             assert short.close_timeout <= closed_after < short.close_timeout + 1.0
-            assert made.backends[0] in trio_pd._transfer._nixl._KEPT_FOR_LIFE
+            assert made.backends[0] in trio_pd._transfer._nixl._backend._KEPT_FOR_LIFE
             kept = [r.getMessage() for r in caplog.records if "stay registered" in r.getMessage()]
             assert len(kept) == 1
             assert "still in add_remote_agent for agent 'p#" in kept[0]

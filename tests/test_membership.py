@@ -17,10 +17,7 @@ import pytest
 import trio
 
 from trio_pd._harness import _etcd_server
-from trio_pd._membership import _etcd as wire
-from trio_pd._membership._etcd_client import EtcdClient
-from trio_pd._membership._members import MemberTable
-from trio_pd._membership._membership import (
+from trio_pd._membership import (
     ClusterView,
     Member,
     MembershipConfig,
@@ -28,8 +25,11 @@ from trio_pd._membership._membership import (
     register,
     watch_members,
 )
+from trio_pd._membership import _etcd_wire as wire
+from trio_pd._membership._etcd_client import EtcdClient
+from trio_pd._membership._members import MemberTable
 from trio_pd.testing import EtcdServer, EtcdUnavailable, open_etcd
-from trio_pd.testing._etcd import open_registered_process
+from trio_pd.testing._registered_engine import open_registered_process
 
 from .conftest import wait_until
 

@@ -308,7 +308,7 @@ async def test_closing_while_a_load_is_stuck_keeps_the_agent_after_close_timeout
                 await consumer.aclose()
                 await consumer.aclose()  # (idempotent)
             assert trio.current_time() - began >= SHORT_CLOSE.close_timeout
-            assert consumer in trio_pd._transfer._nixl._KEPT_FOR_LIFE
+            assert consumer in trio_pd._transfer._nixl._backend._KEPT_FOR_LIFE
             assert agent.removed == []
         kept = [r.getMessage() for r in caplog.records if "stay registered" in r.getMessage()]
         assert len(kept) == 1
@@ -329,7 +329,7 @@ async def test_a_stuck_load_that_returns_while_close_waits_is_released_with_the_
                 assert consumer.agent is not None
                 agent.gates[a.agent_name].set()
             assert consumer.agent is None  # released
-            assert consumer not in trio_pd._transfer._nixl._KEPT_FOR_LIFE
+            assert consumer not in trio_pd._transfer._nixl._backend._KEPT_FOR_LIFE
             assert agent.removed == [a.agent_name]  # (by the load's thread, which loaded it)
 
 

@@ -33,7 +33,6 @@ from trio_pd._serve.openai import (
     GenerationRequest,
     chat_prompt,
     parse_chat_request,
-    parse_completion_request,
     parse_completions_request,
     request_id_from_headers,
 )
@@ -68,7 +67,9 @@ def test_a_completions_request_parses_to_its_tokens_and_defaults() -> None:
     assert request == GenerationRequest(list("hé".encode()), 16)
     assert parse_completions_request({"prompt": [104, 105]}).prompt == [104, 105]
     assert parse_completions_request({"prompt": ["hi"]}).prompt == [104, 105]  # (a batch of one)
-    assert parse_completion_request({"prompt": "hi", "max_tokens": 3}) == ([104, 105], 3, False, {})
+    assert parse_completions_request(
+        {"prompt": "hi", "max_tokens": 3, "stream": True}
+    ) == GenerationRequest([104, 105], 3, True)
     for prompt in ["", [], [256], [-1], [True], None, 7, {"a": 1}]:
         assert error_of(parse_completions_request, {"prompt": prompt})["param"] == "prompt"
     assert "no batches" in error_of(parse_completions_request, {"prompt": ["a", "b"]})["message"]

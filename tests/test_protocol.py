@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from trio_pd._core._errors import HandshakeError, IncompatibleEngineError, ProtocolError
 from trio_pd._core._layout import KVLayout
-from trio_pd._core._listener import Rejected, parse_request, serve_lease_request
+from trio_pd._core._listener_rules import Rejected, parse_request, serve_lease_request
 from trio_pd._core._protocol import (
     NOTIFICATION_PREFIX,
     PROTOCOL_VERSION,

@@ -28,8 +28,7 @@ from hypercorn.trio import serve
 
 from trio_pd._serve.asgi import read_json, send_json
 from trio_pd._serve.defaults import HOLD_MARGIN
-from trio_pd._serve.proxy import Proxy
-from trio_pd._serve.proxy_client import ProxyTimeouts, open_client
+from trio_pd._serve.proxy import Proxy, ProxyTimeouts, open_client
 from trio_pd._serve.timing import PhaseTimes, parse
 from trio_pd.testing import free_port_range
 
@@ -392,8 +391,8 @@ async def test_health_and_engine_sets_that_change() -> None:
 
 
 async def test_the_proxy_follows_engines_registered_on_etcd_and_outlives_etcd() -> None:
-    from trio_pd._membership._membership import Member, register, watch_members
-    from trio_pd._serve.cluster import follow_cluster
+    from trio_pd._membership import Member, register
+    from trio_pd._serve.discovery import EtcdMembership
     from trio_pd.testing import open_etcd
 
     with trio.fail_after(20):
@@ -410,10 +409,11 @@ async def test_the_proxy_follows_engines_registered_on_etcd_and_outlives_etcd() 
             async with (
                 register(etcd.url, member("prefill", urls[0]), ttl=2.0),
                 register(etcd.url, member("decode", urls[1]), ttl=2.0),
-                watch_members(etcd.url) as view,
                 trio.open_nursery() as nursery,
             ):
-                nursery.start_soon(follow_cluster, router, view)
+                router.follow(
+                    await nursery.start(EtcdMembership(etcd.url).watch_engines, router.follow)
+                )
                 await until(lambda: bool(router.engines("prefill") and router.engines("decode")))
                 assert (await client.post(f"{proxy}/v1/completions", json=BODY)).is_success
                 # A decode engine that registers later is used without a restart.

@@ -9,7 +9,7 @@ import attrs
 import pytest
 
 from trio_pd._config import ConnectorConfig
-from trio_pd._core._records import RemoteBlocks
+from trio_pd._core._public_values import RemoteBlocks
 
 BLOCKS = RemoteBlocks(
     engine_id="prefill-0", host="10.0.0.7", port=5600, block_ids=[4, 2, 9], request_id="cmpl-1"

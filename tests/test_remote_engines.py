@@ -1,4 +1,4 @@
-"""The consumer's table of remote engine records (``_remote_engines.RemoteEngines``): no I/O."""
+"""The consumer's table of remote engine records (``_remote_table.RemoteEngines``): no I/O."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ from collections.abc import ItemsView
 
 import pytest
 
-import trio_pd._consumer._remote_engines as remote_engines
+import trio_pd._consumer._remote_table as remote_engines
 from trio_pd import EngineState, RemoteBlocks
-from trio_pd._consumer._remote_engines import RemoteEngines
-from trio_pd._core._tp import PullPart
+from trio_pd._consumer._remote_table import RemoteEngines
+from trio_pd._core._tensor_parallel import PullPart
 
 
 def _remote(

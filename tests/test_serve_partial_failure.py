@@ -17,7 +17,7 @@ import httpx2
 import pytest
 import trio
 
-from trio_pd._serve.proxy_client import ProxyTimeouts
+from trio_pd._serve.proxy import ProxyTimeouts
 
 from .test_proxy import proxy_for, unanswered_url
 from .test_serve import INTERNAL_KEY, complete, deployment_client, open_deployment, scrape

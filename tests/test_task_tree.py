@@ -24,10 +24,10 @@ DRAWN_AS = {
     "ZAP handler": "trio_pd._side_channel._auth.serve_zap",
     "listener": "trio_pd._producer._producer.Producer.serve_listener",
     "notification task": "trio_pd._producer._producer.Producer.collect_notifications",
-    "handshake task": "trio_pd._consumer._consumer.Consumer.run_handshakes",
+    "handshake task": "trio_pd._consumer._pulls.Consumer.run_handshakes",
     "heartbeat task": "trio_pd._consumer._leases.Leases.run",
-    "fetch workers": "trio_pd._consumer._attempts.AttemptRunner._fetch_worker",
-    "watchdog": "trio_pd._consumer._attempts.AttemptRunner._watch_deadlines",
+    "fetch workers": "trio_pd._consumer._fetch_queue.AttemptRunner._fetch_worker",
+    "watchdog": "trio_pd._consumer._fetch_queue.AttemptRunner._watch_deadlines",
 }
 """Each task box of the picture (its bold first line) and the function its task runs."""
 

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trio_pd._core._layout import KVLayout, layout_of_tensors
-from trio_pd._core._tp import (
+from trio_pd._core._tensor_parallel import (
     HeadSlice,
     PullPart,
     check_tp,

@@ -16,16 +16,16 @@ from pd_diagrams import DocsDrift, _label, _quote
 from pd_drawing import CodeDiagram, left_label, require
 from sphinx.application import Sphinx
 
-import trio_pd._consumer._attempts as attempts
-import trio_pd._consumer._consumer as consumer
+import trio_pd._consumer._fetch_queue as attempts
+import trio_pd._consumer._pulls as consumer
 import trio_pd._consumer._handshakes as handshakes
-import trio_pd._core._engines as engines
-import trio_pd._groups as groups
+import trio_pd._core._remote_engine as engines
+import trio_pd._exception_groups as groups
 import trio_pd._side_channel._fetch as fetch
 import trio_pd._transfer._backend as backend
-import trio_pd._transfer._driver as driver
-import trio_pd._transfer._jobs as jobs
-import trio_pd._transfer._nixl_remotes as remotes
+import trio_pd._transfer._nixl._driver as driver
+import trio_pd._transfer._nixl._jobs as jobs
+import trio_pd._transfer._nixl._remotes as remotes
 from trio_pd._config import ConnectorConfig
 
 __all__ = ["Budget", "DocsDrift", "deadline_budget", "deadline_budget_dot"]

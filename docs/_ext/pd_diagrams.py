@@ -1,6 +1,6 @@
 """Sphinx extension: pictures and tables drawn from trio_pd's own code.
 
-The engine state diagram is generated from :data:`trio_pd._core._engines.TRANSITIONS`
+The engine state diagram is generated from :data:`trio_pd._core._remote_engine.TRANSITIONS`
 every time the docs are built (the idea of h11's ``make-state-diagrams.py``):
 the picture cannot drift from the table the connector actually runs.
 
@@ -12,9 +12,9 @@ Directives:
     The same table as text: state, event, next state.
 ``.. tp-mapping-diagram::`` with ``:prefill-tp:``, ``:decode-tp:``, ``:heads:``
     Which KV heads of which prefill rank land where in which decode rank,
-    drawn from :func:`trio_pd._core._tp.plan_pull` (the function pulls run).
+    drawn from :func:`trio_pd._core._tensor_parallel.plan_pull` (the function pulls run).
 ``.. failure-path-diagram::``
-    A handshake that fails, played on a real :class:`trio_pd._core._engines.EngineRecord`
+    A handshake that fails, played on a real :class:`trio_pd._core._remote_engine.EngineRecord`
     with a fake clock: every state, action and error in the picture is what
     the record returned (see :func:`failure_path`).
 ``.. fetch-load-diagram::``
@@ -41,10 +41,10 @@ from sphinx.pycode import ModuleAnalyzer
 from sphinx.util.docutils import SphinxDirective
 
 import trio_pd._consumer._handshakes as handshakes
-import trio_pd._core._engines as engines
-import trio_pd._core._tp as tp
+import trio_pd._core._remote_engine as engines
+import trio_pd._core._tensor_parallel as tp
 from trio_pd._config import ConnectorConfig
-from trio_pd._core._engines import (
+from trio_pd._core._remote_engine import (
     TRANSITIONS,
     Backoff,
     EngineEvent,
@@ -54,9 +54,9 @@ from trio_pd._core._engines import (
     PullAction,
 )
 from trio_pd._core._errors import HandshakeError
-from trio_pd._core._records import ConsumerStatistics
+from trio_pd._core._public_values import ConsumerStatistics
 
-SOURCE = "trio_pd._core._engines.TRANSITIONS"
+SOURCE = "trio_pd._core._remote_engine.TRANSITIONS"
 ANY = "any other state"
 
 _FILL = {
@@ -81,7 +81,7 @@ def _label(text: str) -> str:
 
 
 def _tooltip(state: EngineState) -> str:
-    """The state's attribute docstring in ``_engines.py``, on one line."""
+    """The state's attribute docstring in ``_remote_engine.py``, on one line."""
     docs = ModuleAnalyzer.for_module(EngineState.__module__).find_attr_docs()
     lines = docs.get(("EngineState", state.name), [state.name])
     return " ".join(" ".join(lines).split())
@@ -200,7 +200,7 @@ class EngineTransitionTable(SphinxDirective):
 def tp_mapping_dot(prefill_tp: int, decode_tp: int, total_heads: int) -> str:
     """Graphviz source: every head's way from its prefill rank to its decode rank.
 
-    Drawn from :func:`trio_pd._core._tp.plan_pull`: one edge per head, from the
+    Drawn from :func:`trio_pd._core._tensor_parallel.plan_pull`: one edge per head, from the
     head's slot in the prefill rank's block to its slot in the decode rank's.
     """
     per_prefill, per_decode = total_heads // prefill_tp, total_heads // decode_tp
@@ -256,7 +256,9 @@ class TPMappingDiagram(Graphviz):
         self.env.note_dependency(inspect.getsourcefile(tp) or "")
         prefill_tp, decode_tp = self.options["prefill-tp"], self.options["decode-tp"]
         dot = tp_mapping_dot(prefill_tp, decode_tp, self.options["heads"])
-        self.content = StringList(dot.splitlines(), source="trio_pd._core._tp.plan_pull")
+        self.content = StringList(
+            dot.splitlines(), source="trio_pd._core._tensor_parallel.plan_pull"
+        )
         self.options.setdefault(
             "alt", f"KV heads from prefill TP {prefill_tp} to decode TP {decode_tp}"
         )
@@ -472,7 +474,7 @@ def fetch_load_dot() -> str:
     the handshake task stops loading one at a time under the deadline, or a
     stuck load stops failing later loads fast.
     """
-    from trio_pd._transfer import _nixl_remotes as remotes
+    from trio_pd._transfer._nixl import _remotes as remotes
 
     hs = handshakes.Handshakes
     defaults = {f.name: f.default for f in attrs.fields(ConnectorConfig)}

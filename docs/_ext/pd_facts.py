@@ -55,7 +55,7 @@ import trio_pd._cli.engine as cli_engine
 import trio_pd._cli.proxy as cli_proxy
 import trio_pd._cli.serve as cli_serve
 import trio_pd._config as config
-import trio_pd._core._records as records
+import trio_pd._core._public_values as records
 import trio_pd._loggers as loggers
 import trio_pd._serve.engine as serve_engine
 import trio_pd._serve.metrics as serve_metrics

@@ -13,7 +13,7 @@ Directives (for MyST pages):
     ``protocol_version``. A message without ``protocol_version``, or one the
     envelope's ``type`` cannot name, is an error.
 ``kv-transfer-params``
-    The ``kv_transfer_params`` keys (``_records.KV_TRANSFER_PARAMS``): key,
+    The ``kv_transfer_params`` keys (``_public_values.KV_TRANSFER_PARAMS``): key,
     JSON type (optional, with what absence means, when the
     :class:`~trio_pd.RemoteBlocks` attribute it carries has a default), and
     the attribute's description.
@@ -38,7 +38,7 @@ from sphinx.application import Sphinx
 from sphinx.pycode import ModuleAnalyzer
 
 import trio_pd._core._protocol as protocol
-import trio_pd._core._records as records
+import trio_pd._core._public_values as records
 import trio_pd._serve.errors as serve_errors
 from trio_pd import RemoteBlocks
 

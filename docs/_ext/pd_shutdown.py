@@ -26,13 +26,13 @@ from pd_drawing import WRAP, CodeDiagram, left_label, plain, require, source_of,
 from sphinx.application import Sphinx
 
 import trio_pd._connector as connector
-import trio_pd._consumer._attempts as attempts
+import trio_pd._consumer._fetch_queue as attempts
 import trio_pd._consumer._handshakes as handshakes
-import trio_pd._open_connector as opening
-import trio_pd._transfer._driver as driver
-import trio_pd._transfer._nixl as nixl
-import trio_pd._transfer._nixl_notifications as notifications
-import trio_pd._transfer._nixl_remotes as remotes
+import trio_pd._connector as opening
+import trio_pd._transfer._nixl._driver as driver
+import trio_pd._transfer._nixl._backend as nixl
+import trio_pd._transfer._nixl._notifications as notifications
+import trio_pd._transfer._nixl._remotes as remotes
 from trio_pd._config import ConnectorConfig
 
 SCOPE_CALLS = frozenset(

@@ -4,14 +4,17 @@ The public API; the implementation lives in private packages named after
 what they hold: ``_core`` (sans-IO: protocol, state machines, decisions),
 ``_side_channel`` (ZeroMQ), ``_transfer`` (the backend seam and NIXL),
 ``_consumer`` and ``_producer`` (the two roles), ``_membership`` (etcd),
-``_serve`` and ``_cli`` (the commands), ``_harness`` (what the demo and the
-tests run around the library); ``open_connector`` is in ``_open_connector``.
-Testing tools are in :mod:`trio_pd.testing`.
+``_serve`` and ``_cli`` (the commands; ``__main__`` runs the latter),
+``_harness`` (what the demo and the tests run around the library).
+``open_connector`` and the :class:`Connector` facade are in ``_connector``;
+what every layer reads is beside it: ``_config`` (:class:`ConnectorConfig`),
+``_curve_keys`` (:class:`CurveAuth`), ``_exception_groups`` (one clear
+exception from a nursery's group) and ``_loggers`` (every logger and what it
+logs). Testing tools are in ``testing`` (:mod:`trio_pd.testing`).
 """
 
 from trio_pd._config import ConnectorConfig
-from trio_pd._connector import Connector
-from trio_pd._core._engines import EngineState, FailureCause
+from trio_pd._connector import Connector, open_connector
 from trio_pd._core._errors import (
     ExposureEndedError,
     HandshakeError,
@@ -22,15 +25,15 @@ from trio_pd._core._errors import (
 )
 from trio_pd._core._exposures import Released
 from trio_pd._core._layout import KVLayout
-from trio_pd._core._records import (
+from trio_pd._core._public_values import (
     ConnectorStatistics,
     ConsumerStatistics,
     ProducerStatistics,
     PullResult,
     RemoteBlocks,
 )
-from trio_pd._open_connector import open_connector
-from trio_pd._side_channel._auth import CurveAuth, generate_keypair
+from trio_pd._core._remote_engine import EngineState, FailureCause
+from trio_pd._curve_keys import CurveAuth, generate_keypair
 from trio_pd._transfer._backend import (
     BackendError,
     BackendFactory,
@@ -38,7 +41,7 @@ from trio_pd._transfer._backend import (
     RemoteAgent,
     TransferBackend,
 )
-from trio_pd._transfer._nixl import NixlBackend
+from trio_pd._transfer._nixl._backend import NixlBackend
 
 __version__ = "0.1.0"
 

@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 import attrs
 
-from trio_pd._core._engines import Backoff
-from trio_pd._side_channel._auth import CurveAuth
+from trio_pd._core._remote_engine import Backoff
+from trio_pd._curve_keys import CurveAuth
 
 NixlSyncMode = Literal["rw", "strict"]
 

@@ -42,12 +42,11 @@ from trio_pd._cli.common import (
     client_keys,
     internal_key,
 )
-from trio_pd._cli.demo import DemoOptions, run_demo
-from trio_pd._cli.demo_summary import format_summary
+from trio_pd._cli.demo import DemoOptions, format_summary, run_demo
 from trio_pd._cli.serve import ServeError, ServeOptions, run_serve
+from trio_pd._curve_keys import generate_keypair
 from trio_pd._harness._netns import TestHostsUnavailable
 from trio_pd._serve.keys import API_KEY_ENV
-from trio_pd._side_channel._auth import generate_keypair
 
 
 def _parser() -> argparse.ArgumentParser:

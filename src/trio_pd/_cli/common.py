@@ -12,10 +12,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from trio_pd._curve_keys import ANY_ENGINE, CurveAuth
+from trio_pd._serve.discovery import EtcdMembership, Membership
 from trio_pd._serve.engine import EXPOSURE_SECRET_ENV
 from trio_pd._serve.keys import API_KEY_ENV, INTERNAL_KEY_ENV, BearerKeys
-from trio_pd._serve.membership import EtcdMembership, Membership
-from trio_pd._side_channel._auth import ANY_ENGINE, CurveAuth
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # could not start, or an engine failed

@@ -21,6 +21,15 @@ Faults can be injected to watch the failure handling: a slow link in front of
 one engine's side channel (its handshake is slow; other engines are not
 held up), or an engine killed in the middle of the run (its requests fail
 with clear errors; the others go on).
+
+The module holds the run (:func:`run_demo`), then, measured in the same run
+after it, the comparison with raw NIXL (:func:`compare_with_raw_nixl`: the
+decoder's connector was opened with a :class:`~trio_pd.testing.CapturedBackends`
+factory, so its NIXL agent and prepared descriptor lists are at hand, and the
+same pull is made through trio_pd and as one READ with NIXL directly, on
+the same agent, between the same two processes, of the same blocks), and
+last the summary in words (:func:`format_summary`: what each figure
+measures, per run and per prefill engine; no I/O).
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import gc
 import math
 import os
 import random
+import statistics
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -41,15 +51,15 @@ import trio
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from trio_pd._cli.demo_raw import NOT_MEASURED, compare_with_raw_nixl
 from trio_pd._config import ConnectorConfig
-from trio_pd._connector import Connector
+from trio_pd._connector import Connector, open_connector
 from trio_pd._core._errors import TrioPdError
-from trio_pd._core._records import RemoteBlocks
-from trio_pd._groups import unwrapped_errors
+from trio_pd._core._protocol import encode_notification
+from trio_pd._core._public_values import RemoteBlocks
+from trio_pd._exception_groups import unwrapped_errors
 from trio_pd._harness._netns import TestHost, open_test_hosts
-from trio_pd._open_connector import open_connector
 from trio_pd._serve.ports import free_port_range
+from trio_pd._transfer._nixl._backend import NixlBackend
 
 if TYPE_CHECKING:
     from trio_pd._harness._prefill_worker import PrefillWorker
@@ -180,12 +190,13 @@ async def run_demo(options: DemoOptions) -> dict[str, Any]:
     """Run the deployment; return the summary (see :func:`format_summary`)."""
     import torch
 
+    from trio_pd._harness._delay_relay import open_delay_relays
+
     # (the harness, loaded here: the serving commands import this module)
     from trio_pd._harness._prefill_spec import WorkerSpec
     from trio_pd._harness._prefill_worker import open_prefill_workers
     from trio_pd._harness._raw_nixl import CapturedBackends
-    from trio_pd._harness._relay import open_delay_relays
-    from trio_pd._harness._stall import LoopStallMonitor
+    from trio_pd._harness._stall_monitor import LoopStallMonitor
 
     o = options
     o.check()
@@ -456,7 +467,7 @@ def _corrupt(
     seed: int,
 ) -> bool:
     """Whether any decode rank holds a byte other than the prefill ranks wrote."""
-    from trio_pd._harness._payload import mismatched_blocks, mismatched_heads
+    from trio_pd._harness._seeded_blocks import mismatched_blocks, mismatched_heads
 
     if not o.tensor_parallel:
         return bool(mismatched_blocks(decoders[0][1], local_ids, seed))
@@ -497,3 +508,200 @@ def _progress_bar(o: DemoOptions, tally: _Tally) -> Iterator[None]:
         task = progress.add_task("requests", total=o.requests, failed=0)
         tally.on_done = lambda: progress.update(task, completed=tally.done, failed=tally.failed)
         yield
+
+
+# ---- the comparison with raw NIXL ----------------------------------------
+
+REPETITIONS = 5
+
+
+async def compare_with_raw_nixl(
+    worker: PrefillWorker,
+    connector: Connector,
+    backend: NixlBackend,
+    blocks: int,
+    relay_port: int | None = None,
+) -> dict[str, Any]:
+    """Pull ``blocks`` blocks from ``worker`` one pull at a time, each way in
+    turn, :data:`REPETITIONS` times: through ``connector`` (its handshake with
+    ``worker`` long done) and as one READ posted and polled with NIXL directly
+    on ``backend`` (the connector's own) in a worker thread. Both read exposed
+    blocks and post the notification, so the producer does the same work.
+
+    ``relay_port``: the decoder reaches the producer's side channel through
+    the slow-link relay on this loopback port. Returns the bytes of one pull and
+    the medians, in GB/s, with their ratio.
+
+    Raises:
+        TrioPdError: a pull failed; WorkerError: the prefill worker died.
+    """
+    from trio_pd._harness._raw_nixl import raw_nixl_read
+
+    ids = list(range(blocks))
+    size = 0
+    rates: dict[str, list[float]] = {"trio_pd": [], "raw": []}
+    for rep in range(REPETITIONS):
+        rid = f"vs-raw-trio_pd-{rep}"
+        remote = await worker.expose(rid, ids, rep)
+        if relay_port is not None:
+            remote = attrs.evolve(remote, host="127.0.0.1", port=relay_port)
+        result = await connector.pull(rid, ids, remote)
+        size = result.bytes
+        rates["trio_pd"].append(size / (result.seconds - result.handshake_wait))
+        await worker.wait_released(rid)
+        rid = f"vs-raw-nixl-{rep}"
+        await worker.expose(rid, ids, rep)
+        seconds = await trio.to_thread.run_sync(
+            raw_nixl_read,
+            backend,
+            worker.engine_id,
+            np.arange(blocks, dtype=np.int64),
+            encode_notification(rid),
+        )
+        rates["raw"].append(size / seconds)
+        await worker.wait_released(rid)
+    trio_pd, raw = (statistics.median(rates[k]) for k in ("trio_pd", "raw"))
+    return {
+        "vs_raw_bytes": size,
+        "vs_raw_engine": worker.engine_id,
+        "vs_raw_trio_pd_gb_per_s": round(trio_pd / 1e9, 3),
+        "vs_raw_nixl_gb_per_s": round(raw / 1e9, 3),
+        "trio_pd_vs_raw": round(trio_pd / raw, 3),
+        "vs_raw_repetitions": REPETITIONS,
+    }
+
+
+NOT_MEASURED: dict[str, Any] = {
+    "vs_raw_bytes": 0,
+    "vs_raw_engine": None,
+    "vs_raw_trio_pd_gb_per_s": None,
+    "vs_raw_nixl_gb_per_s": None,
+    "trio_pd_vs_raw": None,
+    "vs_raw_repetitions": 0,
+}
+"""The summary's keys when the comparison was not made (tensor parallelism:
+a rank's heads are several strided READs, not one)."""
+
+
+# ---- the summary in words ------------------------------------------------
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The summary for a reader: under each figure, what it measures."""
+    s = summary
+    where = f"on {s['hosts']} test hosts, UCX over TCP" if s["hosts"] else "on this host"
+    rows = [
+        (
+            "deployment",
+            f"{s['prefill_engines']} prefill engines x TP {s['prefill_tp']} {where}; "
+            f"decode TP {s['decode_tp']}",
+            "",
+        ),
+        ("requests ok / failed", f"{s['requests_ok']} / {s['requests_failed']}", ""),
+        ("every byte verified", "yes" if s["requests_corrupt"] == 0 else "NO", ""),
+        (
+            "handshakes (max / mean)",
+            f"{s['handshakes']} ({s['handshake_ms_max']} / {s['handshake_ms_mean']} ms)",
+            "",
+        ),
+        (
+            "pull latency p50 / p99",
+            f"{s['pull_p50_ms']} / {s['pull_p99_ms']} ms",
+            f"up to {s['concurrency']} pulls at once, {_size(s['pull_bytes_min'])} to "
+            f"{_size(s['pull_bytes_max'])} each, mean {_size(s['pull_bytes_mean'])}; "
+            "handshake waits included",
+        ),
+        (
+            "pull throughput",
+            f"{s['pull_gb_per_s']} GB/s",
+            f"all pulls together: bytes over the {s['pull_seconds_in_flight']} s "
+            "with a pull in flight",
+        ),
+        (
+            "  one pull (p50)",
+            f"{s['per_pull_gb_per_s_p50']} GB/s",
+            "a pull's bytes over its own time, handshake wait left out",
+        ),
+        _vs_raw(s),
+        (
+            "run throughput",
+            f"{s['gb_per_s']} GB/s",
+            "bytes over the whole run: filling the prefill blocks and checking every "
+            "pulled byte included",
+        ),
+        ("bytes pulled", f"{s['bytes_pulled']:,}", ""),
+        (
+            "largest trio loop stall",
+            f"{s['largest_loop_stall_ms']} ms",
+            f"the trio thread ran {s['largest_loop_stall_cpu_ms']} ms of it; "
+            f"{s['processes']} processes, their NIXL threads and the byte checks "
+            f"share {s['cpu_cores']} cores",
+        ),
+        ("start-up / run", f"{s['startup_s']} s / {s['run_s']} s", ""),
+    ]
+    if s["faults_injected"]:
+        # per prefill engine: the healthy one must not be held up by the faulty one
+        for name, e in s["per_engine"].items():
+            rows.append(
+                (
+                    f"  {name}",
+                    f"{e['requests_ok']} ok / {e['requests_failed']} failed, "
+                    + (
+                        f"pull p50 / p99 {e['pull_p50_ms']} / {e['pull_p99_ms']} ms"
+                        if e["pull_p50_ms"] is not None
+                        else "no pull succeeded"
+                    ),
+                    "",
+                )
+            )
+        if s["errors_by_type"]:
+            kinds = ", ".join(f"{k} {v}" for k, v in sorted(s["errors_by_type"].items()))
+            causes = ", ".join(
+                f"{k} {v}" for k, v in sorted(s["handshake_failures_by_cause"].items())
+            )
+            rows.append(
+                (
+                    "errors by type",
+                    kinds,
+                    "HandshakeError, TransferError: trio_pd's own, naming the engine and "
+                    "cause; WorkerError: the demo's prefill step found its engine dead"
+                    + (f"; handshake failures by cause: {causes}" if causes else ""),
+                )
+            )
+    width = max(len(k) for k, _, _ in rows)
+    lines = []
+    for key, value, what in rows:
+        lines.append(f"{key:<{width}}  {value}")
+        if what:
+            lines.append(f"{'':<{width}}    ({what})")
+    if s["errors"]:
+        lines.append("first errors:")
+        lines += [f"  {e}" for e in s["errors"]]
+    return "\n".join(lines)
+
+
+def _vs_raw(s: dict[str, Any]) -> tuple[str, str, str]:
+    """The line that compares a pull with raw NIXL (measured after the run)."""
+    if s["trio_pd_vs_raw"] is None:
+        return (
+            "  vs raw NIXL",
+            "not measured in this run",
+            "with tensor parallelism a rank reads strided heads, not one READ; "
+            "see docs/performance.md, 'throughput vs raw NIXL'",
+        )
+    return (
+        "  vs raw NIXL",
+        f"x{s['trio_pd_vs_raw']}: {s['vs_raw_trio_pd_gb_per_s']} GB/s trio_pd, "
+        f"{s['vs_raw_nixl_gb_per_s']} GB/s raw NIXL",
+        f"after the run, one pull of {_size(s['vs_raw_bytes'])} from {s['vs_raw_engine']} "
+        f"at a time, median of {s['vs_raw_repetitions']} each, interleaved: through trio_pd, "
+        "and as one READ "
+        "with NIXL directly on the decoder's own agent and descriptors",
+    )
+
+
+def _size(count: int) -> str:
+    """A byte count in KiB or MiB, for a reader."""
+    if count < 1 << 20:
+        return f"{count / 1024:.0f} KiB"
+    return f"{count / (1 << 20):.1f} MiB"

@@ -1,7 +1,7 @@
 """``trio-pd proxy``: the P/D proxy in front of engines that run elsewhere.
 
 The engines are static (``--prefill URL... --decode URL...``) or, once
-wired, what a :class:`~trio_pd._serve.membership.Membership` reports
+wired, what a :class:`~trio_pd._serve.discovery.Membership` reports
 (``--etcd``). ``trio-pd serve`` runs the same :func:`serve_proxy` in its
 own process.
 
@@ -33,7 +33,7 @@ from trio_pd._cli.common import (
     internal_key,
     membership_from_args,
 )
-from trio_pd._groups import unwrapped_errors
+from trio_pd._exception_groups import unwrapped_errors
 from trio_pd._serve import defaults
 from trio_pd._serve.asgi import response_completes
 from trio_pd._serve.binding import (
@@ -47,11 +47,10 @@ from trio_pd._serve.binding import (
     remove_file,
     write_json_atomically,
 )
+from trio_pd._serve.discovery import EngineSet, Membership
 from trio_pd._serve.keys import API_KEY_ENV, BearerKeys
-from trio_pd._serve.membership import EngineSet, Membership
 from trio_pd._serve.openai import MAX_MODEL_LEN
-from trio_pd._serve.proxy import Proxy
-from trio_pd._serve.proxy_client import ProxyTimeouts, open_client
+from trio_pd._serve.proxy import Proxy, ProxyTimeouts, open_client
 from trio_pd._serve.stopping import StopRequest, stop_requests
 
 
@@ -135,11 +134,11 @@ async def serve_proxy(
         ):
             router = _Router(client, options)
             if membership is not None:
-                engines = await watching.start(membership.watch_engines, router.update)
+                engines = await watching.start(membership.watch_engines, router.proxy.follow)
             assert engines is not None
             if membership is None and (not engines.prefill or not engines.decode):
                 raise ProxyStartError(f"no engines to serve: {engines}")
-            router.update(engines)
+            router.proxy.follow(engines)
             app: Any = router.app
             async with trio.open_nursery() as serving:
                 await serving.start(
@@ -168,15 +167,6 @@ class _Router:
             internal_key=options.internal_key,
         )
         self.app = response_completes(self.proxy.app())
-
-    def update(self, engines: EngineSet) -> None:
-        """Route to ``engines`` from now on (an empty role keeps the last engines:
-        requests fail there as they would on none, and /health says why)."""
-        if engines.prefill:
-            self.proxy.set_engines("prefill", engines.prefill)
-        if engines.decode:
-            self.proxy.set_engines("decode", engines.decode)
-        self.proxy.membership_problem = engines.problem
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -56,7 +56,8 @@ from trio_pd._cli.engine_processes import (
     run_engine_process,
 )
 from trio_pd._cli.proxy import ProxyOptions, ProxyStartError, serve_proxy
-from trio_pd._groups import unwrapped_errors
+from trio_pd._curve_keys import generate_keypair
+from trio_pd._exception_groups import unwrapped_errors
 from trio_pd._harness._etcd_server import EtcdServer, EtcdUnavailable, open_etcd
 from trio_pd._harness._netns import TestHost, TestHostsUnavailable, open_test_hosts
 from trio_pd._serve import defaults
@@ -69,13 +70,12 @@ from trio_pd._serve.binding import (
     remove_file,
     write_json_atomically,
 )
+from trio_pd._serve.discovery import EngineSet, EtcdMembership, Membership
 from trio_pd._serve.engine import EXPOSURE_SECRET_ENV
 from trio_pd._serve.keys import API_KEY_ENV, INTERNAL_KEY_ENV, BearerKeys
-from trio_pd._serve.membership import EngineSet, EtcdMembership, Membership
 from trio_pd._serve.model import ModelConfig
 from trio_pd._serve.openai import MAX_MODEL_LEN
 from trio_pd._serve.stopping import StopRequest, stop_requests
-from trio_pd._side_channel._auth import generate_keypair
 
 
 class ServeError(Exception):

@@ -2,7 +2,7 @@
 
 What a pull must do about its remote engine -- handshake, wait, fail fast,
 retire a restarted engine's agent, refuse blocks of a gone incarnation -- is
-decided by ``_engines.EngineRecord.on_pull``; :class:`Handshakes` carries the
+decided by ``_remote_engine.EngineRecord.on_pull``; :class:`Handshakes` carries the
 actions out with trio, ZeroMQ and the transfer backend. Its tasks run in the
 connector's nursery:
 
@@ -10,15 +10,15 @@ connector's nursery:
   whose metadata arrived, one at a time, in order, each under its
   attempt's deadline (the loads queued together go to the backend in one call);
 * *fetch workers*, at most ``max_concurrent_fetches``, and one *watchdog*
-  (``_attempts.AttemptRunner``), there while attempts are: the workers
+  (``_fetch_queue.AttemptRunner``), there while attempts are: the workers
   fetch and check the queued attempts' metadata, in order, each within its
   deadline, and queue the load (not the whole reply), holding back at
   :data:`LOAD_BYTES_AHEAD`; the watchdog fails an attempt still queued for
   a fetch or its load at its deadline (``handshake_timeout`` after start).
 
-Each attempt has an event (``_remote_engines.AttemptDone``); its outcome is
+Each attempt has an event (``_remote_table.AttemptDone``); its outcome is
 in the engine's record (state, error), so every waiter reads the same
-answer. The records, their keys and their bound are ``_remote_engines``'s.
+answer. The records, their keys and their bound are ``_remote_table``'s.
 """
 
 from __future__ import annotations
@@ -31,26 +31,26 @@ import trio
 import zmq
 
 from trio_pd._config import ConnectorConfig
-from trio_pd._consumer._attempts import AttemptRunner
-from trio_pd._consumer._remote_engines import (
+from trio_pd._consumer._counters import ConsumerCounters
+from trio_pd._consumer._fetch_queue import AttemptRunner
+from trio_pd._consumer._remote_table import (
     NO_ATTEMPT,
     AttemptDone,
-    ConsumerCounters,
     RemoteEngine,
     RemoteEngines,
 )
 from trio_pd._core import _protocol as protocol
-from trio_pd._core._engines import (
+from trio_pd._core._errors import HandshakeError, TransferError
+from trio_pd._core._layout import BlockIds, KVLayout
+from trio_pd._core._public_values import RemoteBlocks
+from trio_pd._core._remote_engine import (
     EngineEvent,
     EngineState,
     FailureCause,
     MetadataOutcome,
     PullAction,
 )
-from trio_pd._core._errors import HandshakeError, TransferError
-from trio_pd._core._layout import BlockIds, KVLayout
-from trio_pd._core._records import RemoteBlocks
-from trio_pd._core._tp import PullPart, part_layouts
+from trio_pd._core._tensor_parallel import PullPart, part_layouts
 from trio_pd._side_channel._fetch import FetchFailure, fetch_engine_metadata, unsent_failure
 from trio_pd._transfer._backend import (
     BackendClosing,

@@ -3,7 +3,7 @@
 A *hold* (:meth:`trio_pd.Connector.hold`) says "this consumer means to read
 these blocks": while it lasts, the *heartbeat task* (:meth:`Leases.run`)
 renews the exposure's lease on every producer rank the pull would read (see
-``_tp.plan_pull``), so that the producer keeps the blocks however long the
+``_tensor_parallel.plan_pull``), so that the producer keeps the blocks however long the
 request waits in the decode engine's queue, up to the producer's
 ``abort_timeout``. Each round sends ONE lease request per producer rank,
 naming every request held there, to all ranks concurrently, each under its
@@ -23,7 +23,7 @@ concurrently, until ``close_timeout`` after :meth:`Leases.begin_close`.
 
 Every exchange is one request/reply on a fresh DEALER socket (``_fetch``'s
 rounds, CURVE included), closed on every exit path. What the producer
-decides is in ``_listener`` and ``_exposures``.
+decides is in ``_listener_rules`` and ``_exposures``.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from trio_util import AsyncValue
 from trio_pd._config import ConnectorConfig
 from trio_pd._core import _protocol as protocol
 from trio_pd._core._errors import IncompatibleEngineError, ProtocolError
-from trio_pd._core._records import RemoteBlocks
-from trio_pd._core._tp import plan_pull, readers_per_remote_rank, sizes_mismatch
+from trio_pd._core._public_values import RemoteBlocks
+from trio_pd._core._tensor_parallel import plan_pull, readers_per_remote_rank, sizes_mismatch
 from trio_pd._side_channel._fetch import ConnectionLog, FetchRefused, curve_client, fetch_reply
 
 logger = logging.getLogger("trio_pd")

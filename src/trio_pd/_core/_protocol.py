@@ -43,7 +43,7 @@ small pulls that arrive together as one transfer, and their notifications as
 one message of several entries. They are parsed exactly, never by substring.
 
 What the producer's listener does with a request is decided (without I/O)
-in ``_listener``.
+in ``_listener_rules``.
 
 Version 2 added the tensor-parallel fields of :class:`EngineMetadata`
 (``tp_rank``, ``tp_size``, ``kv_heads``) and the readers count; version 3

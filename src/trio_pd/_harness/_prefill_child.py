@@ -13,7 +13,7 @@ command on stdout (logs go to stderr)::
     {"id": 3, "op": "statistics"}  -> {"id": 3, "statistics": {...}}
 
 ``expose`` first fills the blocks with the contents ``seed`` stands for (see
-``_payload``), so the consumer can verify what it pulled. A failed command
+``_seeded_blocks``), so the consumer can verify what it pulled. A failed command
 replies ``{"id": N, "error": "...", "type": "ValueError"}``. End of input
 closes the connectors and exits 0.
 """
@@ -29,12 +29,16 @@ from typing import Any
 import attrs
 import trio
 
-from trio_pd._connector import Connector
-from trio_pd._core._records import RemoteBlocks
-from trio_pd._harness._child import read_lines
-from trio_pd._harness._payload import fill_blocks, fill_heads, mismatched_blocks, mismatched_heads
+from trio_pd._connector import Connector, open_connector
+from trio_pd._core._public_values import RemoteBlocks
+from trio_pd._harness._child_process import read_lines
 from trio_pd._harness._prefill_spec import WorkerSpec, config_from_overrides, jsonable
-from trio_pd._open_connector import open_connector
+from trio_pd._harness._seeded_blocks import (
+    fill_blocks,
+    fill_heads,
+    mismatched_blocks,
+    mismatched_heads,
+)
 
 
 async def _child_main(spec: WorkerSpec, protocol_fd: int) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 
 from trio_pd._config import ConnectorConfig
-from trio_pd._side_channel._auth import CurveAuth
+from trio_pd._curve_keys import CurveAuth
 
 
 def _shape(values: Sequence[int]) -> tuple[int, ...]:

@@ -21,9 +21,9 @@ import trio
 
 from trio_pd._config import ConnectorConfig
 from trio_pd._core._exposures import Released
-from trio_pd._core._records import RemoteBlocks
-from trio_pd._groups import unwrapped_errors
-from trio_pd._harness._child import open_child, read_lines
+from trio_pd._core._public_values import RemoteBlocks
+from trio_pd._exception_groups import unwrapped_errors
+from trio_pd._harness._child_process import open_child, read_lines
 from trio_pd._harness._prefill_spec import WorkerSpec, config_overrides
 
 _STARTUP_TIMEOUT = 60.0
@@ -218,7 +218,7 @@ async def open_prefill_worker(
 
     On exit the worker's stdin is closed (it closes its connectors and exits);
     if it has not exited within 10 s it is killed. The process is always
-    reaped (see ``trio_pd._harness._child.open_child``).
+    reaped (see ``trio_pd._harness._child_process.open_child``).
 
     Raises:
         WorkerError: the worker exited before it was ready.

@@ -15,7 +15,7 @@ from typing import Any
 
 from trio_pd._config import ConnectorConfig
 from trio_pd._core._layout import BlockIds, KVLayout
-from trio_pd._transfer._nixl import NixlBackend
+from trio_pd._transfer._nixl._backend import NixlBackend
 
 
 class CapturedBackends:

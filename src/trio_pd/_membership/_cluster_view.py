@@ -1,6 +1,6 @@
 """The proxy's view of the cluster: the members under a prefix, read then watched.
 
-See :mod:`trio_pd._membership._membership` for the whole picture.
+See :mod:`trio_pd._membership` for the whole picture.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
-from trio_pd._groups import unwrapped_errors
-from trio_pd._membership._etcd import MembershipError
+from trio_pd._exception_groups import unwrapped_errors
 from trio_pd._membership._etcd_client import EtcdClient, MembershipConfig
+from trio_pd._membership._etcd_wire import MembershipError
 from trio_pd._membership._members import DEFAULT_PREFIX, Member, MemberTable, check_prefix
 
 logger = logging.getLogger("trio_pd.membership")

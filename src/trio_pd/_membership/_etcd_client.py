@@ -3,7 +3,7 @@
 Only what membership needs: leases (grant, keepalive, revoke), put, delete,
 a prefix range, and a prefix watch. Every failure -- no connection, no
 answer in time, a broken stream, an error from etcd, an answer that is not
-etcd's -- is one :class:`~trio_pd._membership._etcd.MembershipError` naming its cause and
+etcd's -- is one :class:`~trio_pd._membership._etcd_wire.MembershipError` naming its cause and
 the endpoint, mapped here at the boundary (httpx2's exceptions never leak).
 
 Why not a client library: no maintained etcd v3 client for Python runs on
@@ -25,8 +25,8 @@ import attrs
 import httpx2
 import trio
 
-from trio_pd._membership import _etcd as wire
-from trio_pd._membership._etcd import MembershipError
+from trio_pd._membership import _etcd_wire as wire
+from trio_pd._membership._etcd_wire import MembershipError
 
 
 @attrs.frozen
@@ -131,7 +131,7 @@ class EtcdClient:
         """Set ``key``, attached to ``lease`` if not 0; the new store revision.
 
         A lease that no longer exists is a ``"rejected"`` error with code
-        :data:`~trio_pd._membership._etcd.NOT_FOUND`.
+        :data:`~trio_pd._membership._etcd_wire.NOT_FOUND`.
         """
         answer = await self._call("/v3/kv/put", wire.put_body(key, value, lease))
         return wire.header_revision(self.url, answer)

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 
 import attrs
 
-from trio_pd._membership._etcd import KeyValue, WatchEvent
+from trio_pd._membership._etcd_wire import KeyValue, WatchEvent
 
 DEFAULT_PREFIX = "/trio_pd/"
 DEFAULT_TTL = 10.0  # seconds

@@ -1,6 +1,6 @@
 """An engine's registration in etcd: a key under a lease, kept alive, withdrawn on exit.
 
-See :mod:`trio_pd._membership._membership` for the whole picture.
+See :mod:`trio_pd._membership` for the whole picture.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from trio_pd._groups import unwrapped_errors
-from trio_pd._membership._etcd import NOT_FOUND, MembershipError
+from trio_pd._exception_groups import unwrapped_errors
 from trio_pd._membership._etcd_client import EtcdClient, MembershipConfig
+from trio_pd._membership._etcd_wire import NOT_FOUND, MembershipError
 from trio_pd._membership._members import DEFAULT_PREFIX, DEFAULT_TTL, Member, check_prefix
 
 logger = logging.getLogger("trio_pd.membership")

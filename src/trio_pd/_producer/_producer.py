@@ -1,7 +1,7 @@
 """The producer role (prefill side): exposures, leases, the side-channel listener, notifications.
 
 The bookkeeping of exposures and their leases is in ``_exposures`` and the
-listener's decision for one request in ``_listener`` (both free of I/O); this
+listener's decision for one request in ``_listener_rules`` (both free of I/O); this
 module is the trio shell around them. Its tasks run in the connector's nursery:
 
 * the *listener* (:meth:`Producer.serve_listener`): a ROUTER socket that
@@ -23,11 +23,11 @@ import trio
 import zmq
 
 from trio_pd._config import ConnectorConfig
-from trio_pd._core import _listener as listener
+from trio_pd._core import _listener_rules as listener
 from trio_pd._core import _protocol as protocol
 from trio_pd._core._exposures import Confirmation, ExposureTable, Notice, Released, lease_window
 from trio_pd._core._layout import KVLayout, as_block_ids
-from trio_pd._core._records import ProducerStatistics, RemoteBlocks
+from trio_pd._core._public_values import ProducerStatistics, RemoteBlocks
 from trio_pd._core._tokens import exposure_token, token_matches
 from trio_pd._side_channel._zmq import TrioZmqSocket
 from trio_pd._transfer._backend import BackendError, TransferBackend

@@ -29,13 +29,13 @@ import trio
 from prometheus_client import generate_latest
 
 from trio_pd._config import ConnectorConfig
+from trio_pd._connector import open_connector
 from trio_pd._core._errors import (
     ExposureEndedError,
     HandshakeError,
     ParamsRejectedError,
     TransferError,
 )
-from trio_pd._open_connector import open_connector
 from trio_pd._serve.asgi import (
     Receive,
     Scope,

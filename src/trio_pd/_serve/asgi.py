@@ -17,7 +17,7 @@ from typing import Any
 
 import trio
 
-from trio_pd._groups import unwrapped_errors
+from trio_pd._exception_groups import unwrapped_errors
 from trio_pd._serve.errors import BodyNotJSON, HTTPError, http_error
 
 Scope = dict[str, Any]

@@ -24,8 +24,8 @@ import os
 import socket
 from typing import Any
 
-from trio_pd._core._records import unbracket
-from trio_pd._open_connector import WILDCARD_HOSTS
+from trio_pd._connector import WILDCARD_HOSTS
+from trio_pd._core._public_values import unbracket
 from trio_pd._serve import defaults
 
 SEND_TIMEOUT = defaults.SEND_TIMEOUT

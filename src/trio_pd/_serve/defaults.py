@@ -1,7 +1,7 @@
 """The serving deployment's default deadlines, chosen together (no I/O).
 
 The engines' (``trio-pd engine``, :class:`~.engine.EngineSettings`) and the
-proxy's (``trio-pd proxy``, :class:`~.proxy_client.ProxyTimeouts`) defaults
+proxy's (``trio-pd proxy``, :class:`~.proxy.ProxyTimeouts`) defaults
 depend on each other, so they live here, in one place, and
 ``docs/timeouts.md`` has them in one table (``tests/test_proxy.py`` checks
 that the table says what this module says, and that the rule below holds).

@@ -54,8 +54,9 @@ from trio_util import AsyncValue
 
 from trio_pd._connector import Connector
 from trio_pd._core._errors import IncompatibleEngineError, ParamsRejectedError
-from trio_pd._core._records import RemoteBlocks
-from trio_pd._groups import first_failure_wins
+from trio_pd._core._public_values import RemoteBlocks
+from trio_pd._curve_keys import CurveAuth
+from trio_pd._exception_groups import first_failure_wins
 from trio_pd._serve import defaults
 from trio_pd._serve.binding import SEND_TIMEOUT, check_send_timeout, is_wildcard
 from trio_pd._serve.errors import HTTPError, ParamsInUse
@@ -70,7 +71,6 @@ from trio_pd._serve.openai import (
 )
 from trio_pd._serve.pool import BlockPool
 from trio_pd._serve.timing import PhaseTimes
-from trio_pd._side_channel._auth import CurveAuth
 
 logger = logging.getLogger("trio_pd.serve")
 

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from trio_pd._connector import Connector
-from trio_pd._core._records import ConnectorStatistics
+from trio_pd._core._public_values import ConnectorStatistics
 
 BY_CAUSE = "handshake_failures_by_cause"
 

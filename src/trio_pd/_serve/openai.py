@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import attrs
 
-from trio_pd._core._records import RemoteBlocks
+from trio_pd._core._public_values import RemoteBlocks
 from trio_pd._serve.errors import HTTPError
 from trio_pd._serve.fields import (
     ANY,
@@ -125,13 +125,6 @@ def parse_chat_request(body: object) -> GenerationRequest:
     if fields.get("max_completion_tokens") is None:
         return _generation(fields, prompt, "max_tokens", CHAT, CHAT_NEUTRAL)
     return _generation(fields, prompt, "max_completion_tokens", CHAT, CHAT_NEUTRAL)
-
-
-def parse_completion_request(body: dict[str, Any]) -> tuple[list[int], int, bool, dict[str, Any]]:
-    """``(prompt tokens, max_tokens, stream, kv_transfer_params)`` of a completions
-    request (:func:`parse_completions_request`, as a tuple)."""
-    request = parse_completions_request(body)
-    return request.prompt, request.max_tokens, request.stream, request.kv_transfer_params
 
 
 def request_id_from_headers(headers: Iterable[tuple[bytes, bytes]]) -> str:

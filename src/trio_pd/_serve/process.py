@@ -16,6 +16,7 @@ import attrs
 import trio
 from prometheus_client import disable_created_metrics
 
+from trio_pd._curve_keys import CurveAuth
 from trio_pd._serve.app import build_app
 from trio_pd._serve.binding import (
     BindError,
@@ -25,12 +26,11 @@ from trio_pd._serve.binding import (
     remove_file,
     write_json_atomically,
 )
+from trio_pd._serve.discovery import EngineAnnouncement, Membership, Role
 from trio_pd._serve.engine import Engine, EngineSettings
 from trio_pd._serve.keys import BearerKeys
-from trio_pd._serve.membership import EngineAnnouncement, Membership, Role
 from trio_pd._serve.model import ModelConfig, TinyLlama
 from trio_pd._serve.stopping import StopRequest, stop_requests
-from trio_pd._side_channel._auth import CurveAuth
 
 logger = logging.getLogger("trio_pd.serve")
 

@@ -20,7 +20,7 @@ An operator can run it (see docs/serving.md):
   retried (the work may have been done) and does not mark the engine down
   (a busy engine is slow, not gone). A decode engine's 503 is not retried
   either: it abandoned the prefill's blocks when it gave up.
-* **Per-phase deadlines** (:class:`~.proxy_client.ProxyTimeouts`): connecting, the prefill,
+* **Per-phase deadlines** (:class:`ProxyTimeouts`): connecting, the prefill,
   the decode's first byte, and the gaps in the stream; each passes as a 504
   that names the phase and the engine.
 * **Request ids**: ``X-Request-Id`` is taken from the client (if printable
@@ -49,10 +49,12 @@ from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from typing import Any
 
+import attrs
 import httpx2
 import trio
 from prometheus_client import generate_latest
 
+from trio_pd._serve import defaults
 from trio_pd._serve.asgi import (
     Receive,
     Scope,
@@ -67,6 +69,7 @@ from trio_pd._serve.asgi import (
 )
 from trio_pd._serve.binding import SEND_TIMEOUT
 from trio_pd._serve.defaults import HOLD_MARGIN, LEASE_INITIAL, REPREFILLS
+from trio_pd._serve.discovery import EngineSet as RegisteredEngines
 from trio_pd._serve.errors import ExposureEnded, HTTPError, StreamStalled, error_status, http_error
 from trio_pd._serve.keys import BearerKeys, bearer_header
 from trio_pd._serve.metrics import ProxyMetrics
@@ -77,9 +80,40 @@ from trio_pd._serve.openai import (
     parse_completions_request,
     request_id_from_headers,
 )
-from trio_pd._serve.proxy_client import ProxyTimeouts
 from trio_pd._serve.routing import EngineSet
 from trio_pd._serve.timing import PhaseTimes
+
+
+@attrs.frozen(kw_only=True)
+class ProxyTimeouts:
+    """The proxy's per-phase deadlines, in seconds.
+
+    Attributes:
+        connect: connecting to an engine (a connection refused or not made
+            in time: the next engine is tried); a decode engine's is cut to
+            what the exposure's lease leaves (:mod:`.defaults`).
+        prefill: the whole prefill request, from sending it to its answer.
+        first_byte: a decode request, from sending it until its response
+            starts (for a request that does not stream, the whole answer).
+        idle: the longest gap between two chunks of a decode stream.
+    """
+
+    connect: float = defaults.CONNECT_TIMEOUT
+    prefill: float = defaults.PREFILL_TIMEOUT
+    first_byte: float = defaults.FIRST_BYTE_TIMEOUT
+    idle: float = defaults.IDLE_TIMEOUT
+
+
+def open_client(timeouts: ProxyTimeouts = ProxyTimeouts()) -> httpx2.AsyncClient:
+    """The proxy's HTTP client: no cap on connections (the engines' own
+    admission decides what they take). It bounds connecting and writing;
+    reads are bounded by the proxy per phase (prefill, first byte, each gap
+    in a stream), so no read timeout cuts a phase short."""
+    return httpx2.AsyncClient(
+        timeout=httpx2.Timeout(connect=timeouts.connect, read=None, write=timeouts.idle, pool=None),
+        limits=httpx2.Limits(max_connections=None, max_keepalive_connections=512),
+    )
+
 
 logger = logging.getLogger("trio_pd.proxy")
 
@@ -150,6 +184,18 @@ class Proxy:
 
     def engines(self, role: str) -> list[str]:
         return self._engines[role].engines
+
+    def follow(self, engines: RegisteredEngines) -> None:
+        """Route to the registered ``engines`` from now on (what
+        :meth:`~.discovery.Membership.watch_engines` reports). An empty role
+        keeps its last engines: requests fail there as they would on none,
+        and ``/health`` says why (``engines.problem``, as
+        :attr:`membership_problem`)."""
+        if engines.prefill:
+            self.set_engines("prefill", engines.prefill)
+        if engines.decode:
+            self.set_engines("decode", engines.decode)
+        self.membership_problem = engines.problem
 
     def app(self) -> Callable[[Scope, Receive, Send], Any]:
         async def app(scope: Scope, receive: Receive, send: Send) -> None:

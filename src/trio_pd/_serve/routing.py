@@ -74,6 +74,3 @@ class EngineSet:
     def refused(self, engine: str, now: float) -> None:
         """``engine`` refused a connection: try it last for :data:`DOWN_FOR` s."""
         self._down_until[engine] = now + DOWN_FOR
-
-    def is_down(self, engine: str, now: float) -> bool:
-        return self._down_until.get(engine, 0.0) > now

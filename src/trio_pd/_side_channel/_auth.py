@@ -1,4 +1,4 @@
-"""CURVE authentication of the side channel.
+"""CURVE authentication of the side channel: the ZAP handler.
 
 Without it, anyone who can reach a producer's side channel receives its KV
 cache's memory addresses and NIXL agent metadata, and can then read that
@@ -19,12 +19,8 @@ Keys are Z85 text, 40 characters, as :func:`generate_keypair` (or
 
 from __future__ import annotations
 
-import struct
-from collections.abc import Callable, Iterable, Mapping
-from types import MappingProxyType
-from typing import Any
+from collections.abc import Callable
 
-import attrs
 import trio
 import zmq
 import zmq.utils.z85
@@ -32,73 +28,6 @@ import zmq.utils.z85
 from trio_pd._side_channel._zmq import TrioZmqSocket
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
-ZAP_DOMAIN = b"trio_pd"
-ANY_ENGINE = "*"
-
-
-def generate_keypair() -> tuple[str, str]:
-    """A new CURVE key pair ``(public_key, secret_key)`` as Z85 text."""
-    public, secret = zmq.curve_keypair()
-    return public.decode(), secret.decode()
-
-
-def _check_key(what: str, key: str) -> None:
-    if not isinstance(key, str) or len(key) != 40:
-        raise ValueError(f"{what} must be a 40-character Z85 CURVE key")
-    try:
-        zmq.utils.z85.decode(key.encode())
-    except (ValueError, KeyError, IndexError, UnicodeEncodeError, struct.error):
-        raise ValueError(f"{what} is not valid Z85") from None
-
-
-def _frozen_keys(keys: Iterable[str]) -> frozenset[str]:
-    return frozenset(keys)
-
-
-def _frozen_mapping(keys: Mapping[str, str]) -> Mapping[str, str]:
-    return MappingProxyType(dict(keys))
-
-
-@attrs.frozen(kw_only=True)
-class CurveAuth:
-    """This engine's CURVE key pair and whom it trusts.
-
-    Attributes:
-        public_key: this engine's public key (Z85).
-        secret_key: this engine's secret key (Z85).
-        allowed_consumers: producer side: public keys of the consumers that
-            may fetch this engine's metadata. Empty: nobody may.
-        producer_keys: consumer side: the public key of each producer, by
-            engine id; the key ``"*"`` applies to engines not named.
-    """
-
-    public_key: str
-    secret_key: str = attrs.field(repr=False)
-    allowed_consumers: frozenset[str] = attrs.field(factory=frozenset, converter=_frozen_keys)
-    producer_keys: Mapping[str, str] = attrs.field(
-        factory=dict, converter=_frozen_mapping, eq=False
-    )
-
-    def __attrs_post_init__(self) -> None:
-        _check_key("public_key", self.public_key)
-        _check_key("secret_key", self.secret_key)
-        if zmq.curve_public(self.secret_key.encode()).decode() != self.public_key:
-            raise ValueError("public_key does not belong to secret_key")
-        for key in self.allowed_consumers:
-            _check_key("an allowed consumer key", key)
-        for engine_id, key in self.producer_keys.items():
-            _check_key(f"the producer key of {engine_id!r}", key)
-
-    def producer_key(self, engine_id: str) -> str | None:
-        """The public key to expect from ``engine_id``, or ``None`` if unknown."""
-        return self.producer_keys.get(engine_id, self.producer_keys.get(ANY_ENGINE))
-
-    def configure_server(self, socket: zmq.Socket[Any]) -> None:
-        """Make ``socket`` (the listener) a CURVE server that asks ZAP."""
-        socket.curve_server = True
-        socket.curve_publickey = self.public_key.encode()
-        socket.curve_secretkey = self.secret_key.encode()
-        socket.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
 
 
 def zap_verdict(frames: list[bytes], allowed: frozenset[str]) -> tuple[list[bytes], str | None]:

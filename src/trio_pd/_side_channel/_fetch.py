@@ -30,10 +30,10 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from trio_pd._core import _protocol as protocol
-from trio_pd._core._engines import EngineRecord, FailureCause
 from trio_pd._core._errors import HandshakeError, IncompatibleEngineError, ProtocolError
-from trio_pd._core._tp import tp_mismatch
-from trio_pd._groups import unwrapped_errors
+from trio_pd._core._remote_engine import EngineRecord, FailureCause
+from trio_pd._core._tensor_parallel import tp_mismatch
+from trio_pd._exception_groups import unwrapped_errors
 from trio_pd._side_channel._zmq import TrioZmqSocket
 
 if TYPE_CHECKING:

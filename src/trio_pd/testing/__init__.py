@@ -35,16 +35,9 @@
 """
 
 from trio_pd._core._protocol import encode_notification
+from trio_pd._harness._delay_relay import open_delay_relays, serve_delay_relay
 from trio_pd._harness._etcd_server import EtcdServer, EtcdUnavailable, open_etcd
 from trio_pd._harness._netns import TestHost, TestHostsUnavailable, open_test_hosts
-from trio_pd._harness._payload import (
-    expected_blocks,
-    expected_heads,
-    fill_blocks,
-    fill_heads,
-    mismatched_blocks,
-    mismatched_heads,
-)
 from trio_pd._harness._prefill_spec import WorkerSpec
 from trio_pd._harness._prefill_worker import (
     PrefillWorker,
@@ -53,8 +46,15 @@ from trio_pd._harness._prefill_worker import (
     open_prefill_workers,
 )
 from trio_pd._harness._raw_nixl import CapturedBackends, raw_nixl_read, raw_nixl_read_at_once
-from trio_pd._harness._relay import open_delay_relays, serve_delay_relay
-from trio_pd._harness._stall import LoopStallMonitor
+from trio_pd._harness._seeded_blocks import (
+    expected_blocks,
+    expected_heads,
+    fill_blocks,
+    fill_heads,
+    mismatched_blocks,
+    mismatched_heads,
+)
+from trio_pd._harness._stall_monitor import LoopStallMonitor
 from trio_pd._serve.ports import free_port_range
 from trio_pd.testing._memory import MemoryBackend, MemoryFabric, MemoryFaults
 

@@ -31,7 +31,7 @@ import trio
 
 from trio_pd._config import ConnectorConfig
 from trio_pd._core._layout import KVLayout
-from trio_pd._harness._payload import block_bytes
+from trio_pd._harness._seeded_blocks import block_bytes
 from trio_pd._transfer._backend import (
     NO_UNSETTLED,
     BackendClosing,

@@ -19,7 +19,7 @@ from contextlib import aclosing, asynccontextmanager
 
 import trio
 
-from trio_pd._harness._child import open_child, read_lines
+from trio_pd._harness._child_process import open_child, read_lines
 
 
 async def serve_delay_relay(
@@ -98,10 +98,10 @@ async def open_delay_relays(
     """Relay each target through a child process; yield the relay ports (same order).
 
     The child process ends when the block exits (see
-    ``trio_pd._harness._child.open_child``).
+    ``trio_pd._harness._child_process.open_child``).
     """
     argument = json.dumps({"targets": targets, "delay": delay})
-    async with open_child("trio_pd._harness._relay", argument) as process:
+    async with open_child("trio_pd._harness._delay_relay", argument) as process:
         assert process.stdout is not None
         with trio.fail_after(30):
             async with aclosing(read_lines(process.stdout)) as lines:

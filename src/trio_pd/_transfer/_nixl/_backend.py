@@ -5,7 +5,7 @@ NIXL calls can block for milliseconds to seconds (on one host a
 ms), so none of them runs on the trio thread but one bounded exception:
 
 * the data plane -- every READ, its polling and release, and notifications
-  sent -- belongs to one thread, the :class:`~trio_pd._transfer._driver.TransferDriver`
+  sent -- belongs to one thread, the :class:`~trio_pd._transfer._nixl._driver.TransferDriver`
   (see that module): pulls hand it jobs and wait on trio Events; the
   exception: a small READ posted while the driver, the loads and the loop
   are all idle runs on the trio thread itself, for at most one small copy
@@ -14,10 +14,10 @@ ms), so none of them runs on the trio thread but one bounded exception:
   preparing descriptor lists, ``make_connection``, ``remove_remote_agent`` --
   runs in a worker thread behind one limiter (one at a time; the loads
   queued together in one thread), in
-  :class:`~trio_pd._transfer._nixl_remotes.NixlRemotes`; a load past its deadline is
+  :class:`~trio_pd._transfer._nixl._remotes.NixlRemotes`; a load past its deadline is
   abandoned, not waited for;
 * the producer's notification polls run behind their own limiter (one
-  thread), in :class:`~trio_pd._transfer._nixl_notifications.NotificationPoller`; they
+  thread), in :class:`~trio_pd._transfer._nixl._notifications.NotificationPoller`; they
   also advance the agent (NIXL's own progress thread is off by default: it
   keeps a core busy per agent).
 
@@ -62,12 +62,12 @@ from trio_pd._transfer._backend import (
     TransferTimeout,
     UnsettledHook,
 )
-from trio_pd._transfer._driver import TransferDriver
-from trio_pd._transfer._inline import InlineReads
-from trio_pd._transfer._jobs import Job, job_for, raise_for
-from trio_pd._transfer._nixl_agent import create_agent, release_agent
-from trio_pd._transfer._nixl_notifications import NotificationPoller
-from trio_pd._transfer._nixl_remotes import NixlRemotes
+from trio_pd._transfer._nixl._agent import create_agent, release_agent
+from trio_pd._transfer._nixl._driver import TransferDriver
+from trio_pd._transfer._nixl._inline import InlineReads
+from trio_pd._transfer._nixl._jobs import Job, job_for, raise_for
+from trio_pd._transfer._nixl._notifications import NotificationPoller
+from trio_pd._transfer._nixl._remotes import NixlRemotes
 
 if TYPE_CHECKING:
     from contextlib import AbstractAsyncContextManager
@@ -318,7 +318,7 @@ class NixlBackend:
         same (see :meth:`RemoteAgents.revive`). A load in a NIXL call at its
         deadline (or when the caller is cancelled) is abandoned: the thread
         is reported in :attr:`stuck_call` until it returns, and later loads
-        fail fast (see ``_nixl_remotes``).
+        fail fast (see ``_nixl._remotes``).
         """
         await self._remotes.load_many(requests, loaded)
 

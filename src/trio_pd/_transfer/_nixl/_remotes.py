@@ -50,7 +50,7 @@ from trio_pd._transfer._backend import (
     RemoteAgent,
     RemoteAgents,
 )
-from trio_pd._transfer._nixl_errors import nixl_errors
+from trio_pd._transfer._nixl._errors import nixl_errors
 
 logger = logging.getLogger("trio_pd.nixl")
 

@@ -30,7 +30,6 @@ from trio_pd._core._errors import TrioPdError
 
 # gRPC status codes that etcd answers with and that callers act on
 NOT_FOUND = 5  # "etcdserver: requested lease not found"
-OUT_OF_RANGE = 11  # "mvcc: required revision has been compacted"
 
 Cause = Literal["unreachable", "timeout", "disconnected", "rejected", "bad_response"]
 

@@ -1,6 +1,6 @@
 """The consumer role (decode side): pulls.
 
-A pull finds the remote ranks it reads (``_tp.plan_pull``), has them made
+A pull finds the remote ranks it reads (``_tensor_parallel.plan_pull``), has them made
 ready by the handshakes (``_handshakes.Handshakes``, which own the remote
 engines' records and the handshake tasks), checks every part's block ids,
 then runs the parts' transfers concurrently, each holding a lease on its
@@ -22,11 +22,11 @@ import zmq
 from trio_util import AsyncValue
 
 from trio_pd._config import ConnectorConfig
+from trio_pd._consumer._counters import ConsumerCounters
 from trio_pd._consumer._handshakes import Handshakes
-from trio_pd._consumer._remote_engines import ConsumerCounters, RemoteEngine
+from trio_pd._consumer._remote_table import RemoteEngine
 from trio_pd._consumer._settlement import UnsettledBlocks
 from trio_pd._core import _protocol as protocol
-from trio_pd._core._engines import EngineState
 from trio_pd._core._errors import (
     ExposureEndedError,
     HandshakeError,
@@ -36,10 +36,16 @@ from trio_pd._core._errors import (
 )
 from trio_pd._core._exposures import blocks_digest
 from trio_pd._core._layout import BlockIds, KVLayout, as_block_ids
-from trio_pd._core._records import ConsumerStatistics, PullResult, RemoteBlocks
+from trio_pd._core._public_values import ConsumerStatistics, PullResult, RemoteBlocks
+from trio_pd._core._remote_engine import EngineState
+from trio_pd._core._tensor_parallel import (
+    PullPart,
+    plan_pull,
+    readers_per_remote_rank,
+    sizes_mismatch,
+)
 from trio_pd._core._tokens import exposure_token, token_matches
-from trio_pd._core._tp import PullPart, plan_pull, readers_per_remote_rank, sizes_mismatch
-from trio_pd._groups import first_failure_wins
+from trio_pd._exception_groups import first_failure_wins
 from trio_pd._side_channel._confirm import ConfirmChannels
 from trio_pd._transfer._backend import (
     BackendClosing,
@@ -116,7 +122,7 @@ class Consumer:
         """See :meth:`trio_pd.Connector.pull`.
 
         Three phases, so that nothing is transferred unless every part can
-        be: the remote ranks this rank reads (see ``_tp.plan_pull``) are made
+        be: the remote ranks this rank reads (see ``_tensor_parallel.plan_pull``) are made
         ready concurrently; every part's block ids are checked; then the
         parts transfer concurrently.
 

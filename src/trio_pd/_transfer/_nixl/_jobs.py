@@ -1,7 +1,7 @@
 """A pull's reads as the transfer driver sees them: jobs and how they end.
 
 A :class:`Job` is built on the trio thread, handed to
-:meth:`~trio_pd._transfer._driver.TransferDriver.submit`, and then written by the
+:meth:`~trio_pd._transfer._nixl._driver.TransferDriver.submit`, and then written by the
 driver thread only, except the two fields the trio side may set
 (``cancel_requested``, ``on_settled``). Its ``finished`` and ``settled``
 events are set on the trio thread by :func:`wake`, which the driver

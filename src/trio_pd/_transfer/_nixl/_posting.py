@@ -24,7 +24,7 @@ from typing import Literal
 
 import attrs
 
-from trio_pd._transfer._jobs import Job
+from trio_pd._transfer._nixl._jobs import Job
 
 CHUNKS_IN_FLIGHT_PER_JOB = 4
 """Chunks of one job running at once (on TCP, where ``transfer()`` returns

@@ -61,9 +61,9 @@ import trio
 
 from trio_pd._config import ConnectorConfig
 from trio_pd._transfer._backend import BackendError
-from trio_pd._transfer._driver import TransferDriver
-from trio_pd._transfer._jobs import Job, Outcome
-from trio_pd._transfer._nixl_errors import backend_error, release_or_keep
+from trio_pd._transfer._nixl._driver import TransferDriver
+from trio_pd._transfer._nixl._errors import backend_error, release_or_keep
+from trio_pd._transfer._nixl._jobs import Job, Outcome
 
 
 class InlineReads:

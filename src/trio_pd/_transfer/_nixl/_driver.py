@@ -69,10 +69,10 @@ import trio
 from trio_pd._config import ConnectorConfig
 from trio_pd._core._protocol import join_notifications
 from trio_pd._transfer._backend import BackendError
-from trio_pd._transfer._jobs import Job, Outcome, wake
-from trio_pd._transfer._nixl_errors import backend_error, describe, release_or_keep
-from trio_pd._transfer._posting import plan_turn
-from trio_pd._transfer._timer_slack import fine_timer_slack
+from trio_pd._transfer._nixl._errors import backend_error, describe, release_or_keep
+from trio_pd._transfer._nixl._jobs import Job, Outcome, wake
+from trio_pd._transfer._nixl._posting import plan_turn
+from trio_pd._transfer._nixl._timer_slack import fine_timer_slack
 
 logger = logging.getLogger("trio_pd.nixl")
 
@@ -292,7 +292,7 @@ class TransferDriver:
     # ---- posting --------------------------------------------------------
 
     def _post(self) -> bool:
-        """Post what :func:`~trio_pd._transfer._posting.plan_turn` plans; return
+        """Post what :func:`~trio_pd._transfer._nixl._posting.plan_turn` plans; return
         whether anything was."""
         posts = plan_turn(self._jobs, self._config.max_bytes_per_transfer)
         for post in posts:

@@ -1,25 +1,25 @@
-"""The consumer's state per remote engine rank, and its counters (no I/O).
+"""The consumer's table of remote engine ranks, and each one's attempt event.
 
 :class:`RemoteEngine` joins a remote engine rank's sans-IO record
-(``_engines.EngineRecord``) to the trio side of its handshakes (the current
+(``_remote_engine.EngineRecord``) to the trio side of its handshakes (the current
 attempt's Event and deadline, the loaded agent); :class:`RemoteEngines` is
 the table of them, keyed by where requests say each engine is, bounded, and
-asked which state an engine is in; :class:`ConsumerCounters` is what the
-handshakes and the pulls count into. ``_handshakes`` owns and changes all
-three.
+asked which state an engine is in; :class:`AttemptDone` is the event of one
+handshake attempt, which the engine's pulls wait on (a lighter
+``trio.Event`` that drops cancelled waiters). ``_handshakes`` owns and
+changes all of them.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterator, Mapping
 
 import attrs
 import trio
 
-from trio_pd._core._engines import EngineRecord, EngineState, FailureCause
-from trio_pd._core._records import RemoteBlocks
-from trio_pd._core._tp import PullPart
+from trio_pd._core._public_values import RemoteBlocks
+from trio_pd._core._remote_engine import EngineRecord, EngineState
+from trio_pd._core._tensor_parallel import PullPart
 from trio_pd._transfer._backend import RemoteAgent
 
 MAX_RECORDS = 4096
@@ -233,20 +233,3 @@ class RemoteEngines(Mapping[EngineKey, RemoteEngine]):
             for (eid, h, port, tp, rank), engine in self._by_key.items()
             if (eid, h, tp, port - rank) == (engine_id, host, tp_size, base_port)
         ]
-
-
-@attrs.define
-class ConsumerCounters:
-    """The consumer's counters (the handshakes and the pulls count into one)."""
-
-    handshakes_started: int = 0
-    handshakes_succeeded: int = 0
-    handshake_failures: Counter[FailureCause] = attrs.field(factory=Counter)
-    pulls_succeeded: int = 0
-    pulls_failed: int = 0
-    pulls_rejected: int = 0
-    pulls_exposure_ended: int = 0
-    pulls_rejected_in_backoff: int = 0
-    restarts_detected: int = 0
-    peers_disconnected: int = 0
-    bytes_pulled: int = 0

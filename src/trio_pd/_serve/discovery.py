@@ -12,7 +12,7 @@ changes. With one:
   serves the engines it reports (see ``trio_pd._cli.proxy``).
 
 :class:`EtcdMembership` is the one implementation: engines register on
-etcd under a lease, the proxy watches the prefix (``trio_pd._membership._membership``).
+etcd under a lease, the proxy watches the prefix (``trio_pd._membership``).
 The CLI's ``membership_from_args`` builds it from ``--etcd``.
 """
 
@@ -104,7 +104,7 @@ class EtcdMembership:
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        from trio_pd._membership._membership import Member, register
+        from trio_pd._membership import Member, register
 
         host = engine.url.split("://", 1)[1].rsplit(":", 1)[0]
         member = Member(
@@ -126,7 +126,7 @@ class EtcdMembership:
         *,
         task_status: trio.TaskStatus[EngineSet] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        from trio_pd._membership._membership import watch_members
+        from trio_pd._membership import watch_members
 
         async with watch_members(self.url, prefix=self.prefix) as view:
 

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import trio
 
-from trio_pd._harness._child import open_child, read_lines
+from trio_pd._harness._child_process import open_child, read_lines
 from trio_pd._harness._etcd_server import START_TIMEOUT
 from trio_pd._membership._members import Member
 
@@ -24,7 +24,7 @@ from trio_pd._membership._members import Member
 
 
 async def _registered_main(spec: dict[str, Any]) -> None:
-    from trio_pd._membership._membership import Member, register
+    from trio_pd._membership import Member, register
 
     stdin = trio.lowlevel.FdStream(os.dup(0))
     stdout = trio.lowlevel.FdStream(os.dup(1))
@@ -46,7 +46,7 @@ async def open_registered_process(
     """A process that registers ``member`` and keeps it registered until its stdin
     closes; yields it once registered (``process.kill()`` makes a crash)."""
     spec = {"etcd_url": etcd_url, "member": attrs.asdict(member), "prefix": prefix, "ttl": ttl}
-    async with open_child("trio_pd.testing._etcd", json.dumps(spec)) as process:
+    async with open_child("trio_pd.testing._registered_engine", json.dumps(spec)) as process:
         assert process.stdout is not None
         with trio.fail_after(START_TIMEOUT):
             async with aclosing(read_lines(process.stdout)) as lines:

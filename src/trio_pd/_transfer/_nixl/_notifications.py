@@ -21,9 +21,9 @@ from typing import Any
 import trio
 
 from trio_pd._config import ConnectorConfig
-from trio_pd._transfer._nixl_errors import nixl_errors
-from trio_pd._transfer._nixl_remotes import RunBlocking
-from trio_pd._transfer._timer_slack import fine_timer_slack
+from trio_pd._transfer._nixl._errors import nixl_errors
+from trio_pd._transfer._nixl._remotes import RunBlocking
+from trio_pd._transfer._nixl._timer_slack import fine_timer_slack
 
 READS_EXPECTED_FOR = 0.5
 """How long after blocks are exposed, or a notification arrives, the producer

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from trio_pd._transfer._backend import BackendError
-from trio_pd._transfer._nixl_errors import describe, nixl_errors
-from trio_pd._transfer._nixl_remotes import release_remote
+from trio_pd._transfer._nixl._errors import describe, nixl_errors
+from trio_pd._transfer._nixl._remotes import release_remote
 
 if TYPE_CHECKING:
     import torch
