@@ -62,6 +62,27 @@ def live_threads() -> int:
     return count
 
 
+async def assert_back_to(fds: int, threads: int | None = None) -> None:
+    """Assert that open file descriptors (and threads) are back to a baseline.
+
+    A thread or descriptor that a close has already let go of may take a
+    moment more to disappear: a trio worker thread is renamed back to
+    "Trio thread N" just after its caller was woken, UCX's and ZeroMQ's
+    threads exit after their contexts were told to. So the counts are read
+    until they match, for at most 5 s; a leak never goes back, and fails
+    with both numbers.
+    """
+    got = (-1, -1)
+    with trio.move_on_after(5.0):
+        while True:
+            got = (open_fds(), live_threads() if threads is not None else -1)
+            if got == (fds, threads if threads is not None else -1):
+                return
+            await trio.sleep(0.01)
+    assert got[0] == fds, f"file descriptors: {got[0]}, not {fds} as before"
+    assert got[1] == threads, f"threads: {got[1]}, not {threads} as before"
+
+
 FAST = trio_pd.ConnectorConfig(handshake_timeout=2.0, transfer_timeout=10.0, close_timeout=5.0)
 
 

@@ -13,7 +13,7 @@ import trio
 import trio_pd
 from trio_pd.testing import WorkerSpec, mismatched_blocks, open_prefill_worker
 
-from .conftest import FAST, kv_cache, live_threads, open_fds, wait_until
+from .conftest import FAST, assert_back_to, kv_cache, live_threads, open_fds, wait_until
 
 SMALL = {"regions": 2, "blocks": 32, "block_shape": (8, 64), "dtype": "float16"}
 # 8 regions x 2048 blocks x 16 KiB = 256 MiB: a pull that takes a while
@@ -183,8 +183,7 @@ async def test_closing_with_a_transfer_in_flight_is_bounded_and_leaks_nothing() 
                 nursery.start_soon(pull_outside, decoder, remote)  # noqa: ASYNC111
                 await wait_until(lambda: decoder.statistics().pulls_in_flight)
             assert len(outcome) == 1  # aborted (ClosedResourceError) or, if it won the race, done
-            assert open_fds() == fds
-            assert live_threads() == threads
+            await assert_back_to(fds, threads)
 
 
 async def test_exposures_expire_and_late_notifications_are_ignored(

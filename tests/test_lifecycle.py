@@ -15,7 +15,7 @@ import trio.testing
 import trio_pd
 import trio_pd._transfer._nixl._backend
 
-from .conftest import FAST, kv_cache, live_threads, open_fds, wait_until
+from .conftest import FAST, assert_back_to, kv_cache, live_threads, open_fds, wait_until
 
 
 async def _pull_once(producer_kv: list[torch.Tensor], consumer_kv: list[torch.Tensor]) -> None:
@@ -37,8 +37,7 @@ async def test_twenty_connectors_in_a_row_return_fds_and_threads_to_baseline() -
         fds, threads = open_fds(), live_threads()
         for _ in range(10):  # 10 pairs = 20 connectors
             await _pull_once(producer_kv, consumer_kv)
-            assert open_fds() == fds
-            assert live_threads() == threads
+            await assert_back_to(fds, threads)
 
 
 async def test_an_error_in_the_block_propagates_as_itself_and_releases_everything() -> None:
@@ -48,7 +47,7 @@ async def test_an_error_in_the_block_propagates_as_itself_and_releases_everythin
         with pytest.raises(KeyError, match="boom"):
             async with trio_pd.open_connector("e", kv_cache(blocks=4), config=FAST):
                 raise KeyError("boom")
-        assert open_fds() == fds
+        await assert_back_to(fds)
 
 
 async def test_outside_cancellation_during_a_handshake_releases_everything() -> None:
@@ -66,8 +65,7 @@ async def test_outside_cancellation_during_a_handshake_releases_everything() -> 
         assert scope.cancelled_caught
         for listener in silent:
             await listener.aclose()
-        assert open_fds() == fds
-        assert live_threads() == threads
+        await assert_back_to(fds, threads)
 
 
 async def test_calls_after_close_raise_closed_resource_error() -> None:
@@ -244,8 +242,7 @@ async def test_cancelling_while_a_remote_agent_loads_waits_for_the_load_and_rele
                 "abandoned when its caller was cancelled, still in add_remote_agent" in caplog.text
             )
         gated._agent = None  # (the gate, still reachable from d, holds the agent)
-        assert open_fds() == fds
-        assert live_threads() == threads
+        await assert_back_to(fds, threads)
 
 
 def _open_when(made: Made, gated: GatedLoads) -> None:
