@@ -23,7 +23,7 @@ from trio_pd._config import ConnectorConfig
 from trio_pd._core._exposures import Released
 from trio_pd._core._public_values import RemoteBlocks
 from trio_pd._exception_groups import unwrapped_errors
-from trio_pd._harness._child_process import open_child, read_lines
+from trio_pd._harness._child_process import ChildProcess, open_child, read_lines
 from trio_pd._harness._prefill_spec import WorkerSpec, config_overrides
 
 _STARTUP_TIMEOUT = 60.0
@@ -51,7 +51,7 @@ class _Pending:
 class PrefillWorker:
     """The parent's handle on a prefill worker process (see :func:`open_prefill_worker`)."""
 
-    def __init__(self, spec: WorkerSpec, process: trio.Process) -> None:
+    def __init__(self, spec: WorkerSpec, process: ChildProcess) -> None:
         self.spec = spec
         self.process = process
         self.host = ""

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import trio
 
-from trio_pd._harness._child_process import open_child, read_lines
+from trio_pd._harness._child_process import ChildProcess, open_child, read_lines
 from trio_pd._harness._etcd_server import START_TIMEOUT
 from trio_pd._membership._members import Member
 
@@ -42,7 +42,7 @@ async def _registered_main(spec: dict[str, Any]) -> None:
 @asynccontextmanager
 async def open_registered_process(
     etcd_url: str, member: Member, *, prefix: str, ttl: float
-) -> AsyncIterator[trio.Process]:
+) -> AsyncIterator[ChildProcess]:
     """A process that registers ``member`` and keeps it registered until its stdin
     closes; yields it once registered (``process.kill()`` makes a crash)."""
     spec = {"etcd_url": etcd_url, "member": attrs.asdict(member), "prefix": prefix, "ttl": ttl}
