@@ -23,9 +23,9 @@ import trio
 
 import trio_pd
 from trio_pd._core._protocol import decode_notification, encode_notification
-from trio_pd._transfer._backend import BackendError
+from trio_pd._transfer._backend import BackendClosing, BackendError, TransferTimeout
 from trio_pd._transfer._nixl._driver import TransferDriver
-from trio_pd._transfer._nixl._jobs import Job, Outcome
+from trio_pd._transfer._nixl._jobs import Job, JobCancelled
 from trio_pd.testing import WorkerSpec, mismatched_blocks, open_prefill_worker
 
 from .conftest import kv_cache
@@ -168,7 +168,7 @@ async def test_small_jobs_waiting_together_go_out_as_one_read_with_one_notificat
             transfers.start()
             for j in [*jobs, other]:
                 await j.finished.wait()
-    assert [j.outcome for j in jobs] == [Outcome.DONE] * 50
+    assert [(j.ended, j.error) for j in jobs] == [(True, None)] * 50
     # One READ per remote agent, each of at most one chunk (64 descriptors).
     by_engine = [h for h in agent.posted if h.local != [200]]
     assert [len(h.local) for h in by_engine] == [64, 36]
@@ -189,7 +189,7 @@ async def test_a_large_job_goes_in_chunks_and_notifies_after_the_last_one() -> N
     agent.script = lambda handle: setattr(handle, "polls", 3)
     large = job(list(range(10)), "large", chunk=3)
     await run_to_the_end(agent, large)
-    assert large.outcome is Outcome.DONE
+    assert (large.ended, large.error) == (True, None)
     assert [h.local for h in agent.posted] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
     assert all(h.notification == b"" for h in agent.posted)
     assert agent.notifications == [("producer", encode_notification("large"))]
@@ -228,7 +228,11 @@ async def test_a_transfer_that_cannot_be_stopped_is_kept_until_it_really_ends() 
             await cut_off.finished.wait()
             # It gave up waiting after close_timeout, but did not release it.
             assert trio.current_time() - started >= CONFIG.close_timeout - 0.05
-            assert cut_off.outcome is Outcome.CANCELLED
+            # The error says so (the task, cancelled, re-raises trio.Cancelled instead).
+            assert isinstance(cut_off.error, BackendError)
+            assert "did not stop within 0.5 s of being told to (cancelled;" in str(cut_off.error)
+            assert cut_off.error.peer_lost
+            assert cut_off.error.settled is cut_off.settled
             assert cut_off.still_running
             [handle] = agent.posted
             assert not handle.released
@@ -249,9 +253,9 @@ async def test_an_error_stops_the_job_once_its_running_chunks_have_ended() -> No
     agent.script = script
     failing = job(list(range(20)), "failing", chunk=2)
     await run_to_the_end(agent, failing)
-    assert failing.outcome is Outcome.FAILED
     assert isinstance(failing.error, BackendError)
-    assert "transfer state ERR" in str(failing.error)
+    assert str(failing.error) == "transfer state ERR"
+    assert not failing.error.peer_lost
     # At most 4 chunks run at once, so posting stopped long before the end,
     # and every posted transfer had ended (and was released) before it finished.
     assert len(agent.posted) <= 5
@@ -264,8 +268,57 @@ async def test_a_job_past_its_deadline_times_out() -> None:
     agent.script = lambda handle: setattr(handle, "polls", 10**9)  # (until released)
     late = job([1], "late", timeout=0.05)
     await run_to_the_end(agent, late)
-    assert late.outcome is Outcome.TIMED_OUT
-    assert late.still_running  # (a transfer that never ends: kept until stop)
+    # A transfer that never ends is kept until stop; the job's error says so.
+    assert late.still_running
+    assert isinstance(late.error, BackendError)
+    assert "(timed out;" in str(late.error)
+
+
+async def test_a_job_stopped_at_its_deadline_ends_with_transfer_timeout() -> None:
+    agent = ScriptedAgent()
+    agent.transfer_seconds = 0.1  # (past the deadline while it is posted)
+    agent.script = lambda handle: setattr(handle, "polls", 2)
+    late = job([1], "late", timeout=0.05)
+    await run_to_the_end(agent, late)
+    assert isinstance(late.error, TransferTimeout)  # (the task raises this very one)
+    assert not late.still_running
+    assert agent.posted[0].released
+
+
+async def test_a_job_its_task_cancelled_ends_with_job_cancelled_which_nobody_raises() -> None:
+    agent = ScriptedAgent()
+    cancelled = job([1], "cancelled")
+    cancelled.cancel_requested = True
+    await run_to_the_end(agent, cancelled)
+    assert isinstance(cancelled.error, JobCancelled)
+    assert agent.posted == []
+
+
+class nixlRemoteDisconnectError(Exception):
+    """A stand-in for NIXL's class (the driver knows it by its name)."""
+
+
+async def test_a_nixl_error_fails_each_job_of_a_batch_with_an_error_of_its_own() -> None:
+    agent = ScriptedAgent()
+    agent.crash = nixlRemoteDisconnectError("NIXL_ERR_REMOTE_DISCONNECT")  # (in check_xfer_state)
+    jobs = [job([i], f"req-{i}") for i in range(3)]
+    with trio.fail_after(5):
+        async with driver(agent, start=False) as transfers:
+            for j in jobs:
+                transfers.submit(j)  # (waiting together: one READ)
+            transfers.start()
+            for j in jobs:
+                await j.finished.wait()
+    assert len(agent.posted) == 1
+    errors = [j.error for j in jobs]
+    assert len({id(e) for e in errors}) == 3  # (each task raises its own)
+    for error in errors:
+        assert isinstance(error, BackendError)
+        assert (
+            str(error) == "check_xfer_state: nixlRemoteDisconnectError: NIXL_ERR_REMOTE_DISCONNECT"
+        )
+        assert error.peer_lost
+        assert (error.__cause__, error.__context__) == (None, None)
 
 
 async def test_a_bug_in_the_driver_fails_every_job_instead_of_hanging_it(
@@ -284,9 +337,10 @@ async def test_a_bug_in_the_driver_fails_every_job_instead_of_hanging_it(
             late = job([9], "late")  # submitted after the crash: fails at once
             transfers.submit(late)
             await late.finished.wait()
-    assert {j.outcome for j in [*jobs, late]} == {Outcome.FAILED}
-    assert "the transfer driver crashed: DriverCrash: boom" in str(jobs[0].error)
-    assert late.error is jobs[0].error
+    errors = [j.error for j in [*jobs, late]]
+    assert all(isinstance(e, BackendError) for e in errors)
+    assert {str(e) for e in errors} == {"the transfer driver crashed: DriverCrash: boom"}
+    assert len({id(e) for e in errors}) == 4  # (each task raises its own)
     assert "transfer driver crashed" in caplog.text
 
 
@@ -302,7 +356,7 @@ async def test_stopping_keeps_what_still_runs_unreleased_and_unsettled() -> None
             await trio.to_thread.run_sync(agent.first_post.wait)
         # (the driver stopped: closing, then close_timeout, then kept)
         await running.finished.wait()
-    assert running.outcome is Outcome.CLOSING
+    assert "(closing;" in str(running.error)
     assert running.still_running
     assert not running.settled.is_set()
     assert not agent.posted[0].released
@@ -317,7 +371,7 @@ async def test_a_job_submitted_after_the_driver_stopped_ends_at_once() -> None:
         transfers.submit(late)
         await late.finished.wait()
         await late.settled.wait()
-    assert late.outcome is Outcome.CLOSING
+    assert isinstance(late.error, BackendClosing)
 
 
 # ---- the real path --------------------------------------------------------------

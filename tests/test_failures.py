@@ -106,6 +106,10 @@ async def test_a_producer_killed_mid_transfer_fails_the_pull_and_others_go_on() 
                     await decoder.pull("big", list(range(2048)), remote)
             assert info.value.request_id == "big"
             assert sorted(info.value.failed_block_ids) == list(range(2048))
+            # The backend's error is the cause; it chains nothing of NIXL's.
+            cause = info.value.__cause__
+            assert isinstance(cause, trio_pd.BackendError)
+            assert (cause.__cause__, cause.__context__) == (None, None)
             assert decoder.statistics().pulls_in_flight == 0
             # The connector goes on serving other engines.
             await decoder.pull("other", [5, 6], await healthy.expose("o", [7, 8], seed=9))

@@ -24,7 +24,7 @@ import trio_pd
 from trio_pd._transfer._backend import BackendError
 from trio_pd._transfer._nixl._driver import TransferDriver
 from trio_pd._transfer._nixl._inline import InlineReads
-from trio_pd._transfer._nixl._jobs import Outcome
+from trio_pd._transfer._nixl._jobs import JobCancelled
 from trio_pd._transfer._nixl._notifications import NotificationPoller
 from trio_pd.testing import CapturedBackends, WorkerSpec, mismatched_blocks, open_prefill_worker
 
@@ -56,7 +56,7 @@ async def test_a_small_read_while_everything_is_idle_ends_on_the_trio_thread() -
         async with inline(agent) as (reads, transfers):
             one = job([1, 2], "r1")
             assert reads.read(one)
-            assert one.outcome is Outcome.DONE
+            assert (one.ended, one.error) == (True, None)
             assert one.finished.is_set()
             assert one.settled.is_set()
             [handle] = agent.posted
@@ -87,7 +87,7 @@ async def test_a_read_still_running_after_the_spin_is_adopted_by_the_driver() ->
             running.set()
             await one.finished.wait()
             await one.settled.wait()
-            assert one.outcome is Outcome.DONE
+            assert (one.ended, one.error) == (True, None)
             [handle] = agent.posted
             assert handle.released
             assert transfers.transfers_posted == 0  # (adopted, not posted again)
@@ -111,7 +111,7 @@ async def test_an_adopted_read_that_is_cancelled_ends_once_its_transfer_has_ende
             assert not one.finished.is_set()  # (its transfer still runs)
             running.set()
             await one.finished.wait()
-            assert one.outcome is Outcome.CANCELLED
+            assert isinstance(one.error, JobCancelled)  # (its task re-raises trio.Cancelled)
             assert agent.posted[0].released
 
 
@@ -139,7 +139,7 @@ async def test_a_read_goes_to_the_driver_unless_everything_is_idle(why: str) -> 
                     nursery.start_soon(trio.lowlevel.checkpoint)
                 assert not reads.read(one)
             assert reads.posted == 0
-            assert one.outcome is None
+            assert not one.ended
             assert one.posted == 0
             busy.set()
 
@@ -169,11 +169,14 @@ async def test_an_inline_read_that_fails_names_the_call_and_releases_its_handle(
         async with inline(agent) as (reads, transfers):
             one = job([1])
             assert reads.read(one)
-            assert one.outcome is Outcome.FAILED
+            assert one.ended
             assert one.settled.is_set()
             assert isinstance(one.error, BackendError)
-            expected = "transfer state ERR" if where == "ERR" else where
-            assert expected in str(one.error)
+            if where == "ERR":
+                assert str(one.error) == "transfer state ERR"
+            else:  # (NIXL's exception, mapped: see test_nixl_errors)
+                assert str(one.error) == f"{where}: Refuses: no route to the peer"
+                assert one.error.nixl_error == "Refuses: no route to the peer"
             assert all(handle.released for handle in agent.posted)
             assert transfers.idle
 
@@ -193,7 +196,7 @@ async def test_a_handle_that_cannot_be_released_is_kept_until_close(
         async with inline(agent) as (reads, _):
             one = job([1])
             assert reads.read(one)
-            assert one.outcome is Outcome.DONE
+            assert (one.ended, one.error) == (True, None)
             assert refused == agent.posted
             assert reads.take_stuck() == refused
             assert reads.take_stuck() == []
@@ -401,6 +404,14 @@ async def test_an_inline_read_from_a_killed_producer_fails_and_the_next_pull_han
                     await d.pull("r1", [1], remote)
                 assert (info.value.request_id, info.value.failed_block_ids) == ("r1", (1,))
                 assert backend.reads_inline == posted + 1  # (the failed READ was inline)
+                # NIXL's disconnect, mapped once (_nixl._errors): the TransferError
+                # chains the BackendError, which names NIXL's error and chains nothing.
+                cause = info.value.__cause__
+                assert isinstance(cause, trio_pd.BackendError)
+                assert cause.peer_lost
+                assert cause.nixl_error.startswith("nixlRemoteDisconnectError")
+                assert str(cause) in info.value.reason
+                assert (cause.__cause__, cause.__context__) == (None, None)
                 assert d.engine_state("prefill-killed") is trio_pd.EngineState.STALE
             async with open_prefill_worker(
                 WorkerSpec("prefill-killed", port=port, **SPEC)

@@ -117,6 +117,10 @@ async def test_an_unknown_nixl_backend_is_a_public_error() -> None:
             pass  # pragma: no cover
     assert isinstance(info.value, trio_pd.TrioPdError)
     assert "creating NIXL backend 'NO_SUCH_BACKEND'" in str(info.value)
+    # NIXL's own exception is named, not chained (see _transfer/_nixl/_errors.py).
+    assert info.value.nixl_error
+    assert info.value.nixl_error in str(info.value)
+    assert (info.value.__cause__, info.value.__context__) == (None, None)
 
 
 async def test_a_tensor_shared_by_two_regions_is_registered_once() -> None:

@@ -47,6 +47,7 @@ class GatedAgent:
         self.threads: set[int] = set()
         self.removing: threading.Event | None = None  # a gate for remove_remote_agent
         self.in_remove = threading.Event()
+        self.refusing: dict[str, Exception] = {}  # make_connection raises these (by agent)
 
     def gate(self, name: str) -> None:
         self.gates[name], self.entered[name] = threading.Event(), threading.Event()
@@ -61,6 +62,11 @@ class GatedAgent:
             if name in self.failing:
                 raise RuntimeError("NIXL_ERR_BACKEND: the peer never answered")
         return self._agent.add_remote_agent(metadata)
+
+    def make_connection(self, name: str) -> Any:
+        if name in self.refusing:
+            raise self.refusing[name]
+        return self._agent.make_connection(name)
 
     def remove_remote_agent(self, name: str | bytes) -> Any:
         self.removed.append(name if isinstance(name, str) else repr(name))
@@ -331,6 +337,31 @@ async def test_a_stuck_load_that_returns_while_close_waits_is_released_with_the_
             assert consumer.agent is None  # released
             assert consumer not in trio_pd._transfer._nixl._backend._KEPT_FOR_LIFE
             assert agent.removed == [a.agent_name]  # (by the load's thread, which loaded it)
+
+
+class nixlRemoteDisconnectError(Exception):
+    """Named as NIXL's (the backend knows NIXL's exceptions by class name)."""
+
+
+async def test_a_nixl_error_fails_its_load_with_the_mapped_error_and_leaves_nothing() -> None:
+    with trio.fail_after(60):
+        async with backends(2) as (consumer, agent, (a, b)):
+            agent.refusing[a.agent_name] = nixlRemoteDisconnectError("NIXL_ERR_REMOTE_DISCONNECT")
+            outcomes: dict[int, Outcome] = {}
+            await consumer.load_remotes(
+                [request(a, consumer, 30), request(b, consumer, 30)], outcomes.__setitem__
+            )
+            error = outcomes[0]
+            assert isinstance(error, BackendError)
+            assert (
+                str(error)
+                == "make_connection: nixlRemoteDisconnectError: NIXL_ERR_REMOTE_DISCONNECT"
+            )
+            assert error.peer_lost
+            assert (error.__cause__, error.__context__) == (None, None)  # (see _nixl._errors)
+            assert agent.removed == [a.agent_name]  # the half-loaded agent is removed
+            assert isinstance(outcomes[1], RemoteAgent)
+            assert consumer.stuck_call == ""
 
 
 async def test_metadata_of_a_loaded_agent_under_another_name_unloads_nothing() -> None:

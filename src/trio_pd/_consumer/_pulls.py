@@ -426,10 +426,16 @@ class Consumer:
         request_id: str,
         local_ids: BlockIds,
         reason: str,
-        cause: BaseException | None = None,
+        cause: BackendError | None = None,
         settled: trio.Event | None = None,
     ) -> NoReturn:
-        """Raise the pull's TransferError (``pull`` counts it)."""
+        """Raise the pull's TransferError (``pull`` counts it).
+
+        Chaining (see :class:`~trio_pd.TransferError`): ``cause``, the
+        backend's error, is its ``__cause__``; without one (a timeout, a
+        retired agent: trio_pd's own internal exceptions) it chains nothing
+        (``from None``: the internal exception being handled is not shown).
+        """
         raise TransferError(request_id, local_ids.tolist(), reason, settled=settled) from cause
 
     # ---- life cycle ------------------------------------------------------

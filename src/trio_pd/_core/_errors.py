@@ -51,6 +51,13 @@ class TransferError(TrioPdError):
     The local blocks named in ``failed_block_ids`` hold undefined data: the
     caller should recompute or fail the request.
 
+    When the transfer backend reported the failure, its
+    :class:`~trio_pd.BackendError` is chained as ``__cause__`` (with
+    ``peer_lost`` and, for NIXL, ``nixl_error``: NIXL's own exception as
+    text -- NIXL's exception object is never chained, see ``BackendError``).
+    A failure trio_pd decided itself (a timeout, a producer that no longer
+    holds the blocks, an exposure that ended) has no ``__cause__``.
+
     Attributes:
         request_id: the pulling request's id.
         failed_block_ids: the local block ids that did not receive their data.

@@ -55,27 +55,45 @@ class BackendError(TrioPdError):
     becomes a :class:`~trio_pd.HandshakeError` or
     :class:`~trio_pd.TransferError` that names the engine or request.
 
+    Chaining: the connector's error chains this one as its ``__cause__``
+    (``raise TransferError(...) from error``), so ``peer_lost``,
+    ``nixl_error`` and ``settled`` stay at hand. This one chains nothing:
+    NIXL's exception is never its ``__cause__`` or ``__context__`` (its
+    traceback holds the NIXL handles of the thread that made the call, and
+    they hold the agent); what NIXL said is in the message and in
+    ``nixl_error`` (see ``trio_pd._transfer._nixl._errors``).
+
     Attributes:
         peer_lost: the backend said the remote agent disconnected (the peer
             died, restarted or became unreachable).
         settled: ``None``, or -- for a transfer the backend could not stop --
             an event set once it really ended (see ``settled`` of
             :class:`~trio_pd.TransferError`).
+        nixl_error: NIXL's exception as text, ``"<type>: <message>"`` (``""``
+            when the error is not NIXL's own: a transfer that ended in an
+            error state, a transfer that could not be stopped, a backend
+            other than NIXL).
     """
 
     def __init__(
-        self, message: str, *, peer_lost: bool = False, settled: trio.Event | None = None
+        self,
+        message: str,
+        *,
+        peer_lost: bool = False,
+        settled: trio.Event | None = None,
+        nixl_error: str = "",
     ) -> None:
         super().__init__(message)
         self.peer_lost = peer_lost
         self.settled = settled
+        self.nixl_error = nixl_error
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_backend_error, (str(self), self.peer_lost))
+        return (_rebuild_backend_error, (str(self), self.peer_lost, self.nixl_error))
 
 
-def _rebuild_backend_error(message: str, peer_lost: bool) -> BackendError:
-    return BackendError(message, peer_lost=peer_lost)
+def _rebuild_backend_error(message: str, peer_lost: bool, nixl_error: str = "") -> BackendError:
+    return BackendError(message, peer_lost=peer_lost, nixl_error=nixl_error)
 
 
 UnsettledHook = Callable[[], Callable[[], None]]

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from trio_pd._transfer._backend import BackendError
-from trio_pd._transfer._nixl._errors import describe, nixl_errors
+from trio_pd._transfer._nixl._errors import nixl_call
 from trio_pd._transfer._nixl._remotes import release_remote
 
 if TYPE_CHECKING:
@@ -41,37 +41,41 @@ def create_agent(
         "rw": nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
         "strict": nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
     }[config.nixl_sync_mode]
-    with nixl_errors(f"creating NIXL agent {agent_name!r}"):
-        agent = nixl_agent(
-            agent_name,
-            nixl_agent_config(
-                enable_prog_thread=config.nixl_progress_thread, backends=[], sync_mode=sync
-            ),
+
+    def create() -> Any:
+        agent_config = nixl_agent_config(
+            enable_prog_thread=config.nixl_progress_thread, backends=[], sync_mode=sync
         )
+        return nixl_agent(agent_name, agent_config)
+
+    agent = nixl_call(f"creating NIXL agent {agent_name!r}", create)
     for backend in config.nixl_backends:
         params = dict(config.nixl_backend_params.get(backend, {}))
         if config.nixl_num_threads and "num_threads" not in params:
             params["num_threads"] = str(config.nixl_num_threads)
             if backend == "UCX":
                 params.setdefault("split_batch_size", "1")
-        with nixl_errors(f"creating NIXL backend {backend!r} of agent {agent_name!r}"):
-            agent.create_backend(backend, params)
-    registration = None
+        call = f"creating NIXL backend {backend!r} of agent {agent_name!r}"
+        nixl_call(call, agent.create_backend, backend, params)
     # A tensor passed for several regions (layers that share a KV cache) is
     # registered once: registering it twice crashes NIXL on deregistration.
     unique = list({int(t.data_ptr()): t for t in kv_caches}.values())
+    descriptors = layout.strided_descriptors()
+    registration = nixl_call("registering KV caches", agent.register_memory, unique)
     try:
-        registration = agent.register_memory(unique)
-        local_dlist = agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", layout.strided_descriptors(), layout.mem_type
+        local_dlist = nixl_call(
+            "registering KV caches",
+            agent.prep_xfer_dlist,
+            "NIXL_INIT_AGENT",
+            descriptors,
+            layout.mem_type,
         )
-    except Exception as exc:
-        if registration is not None:
-            try:
-                agent.deregister_memory(registration)
-            except Exception:
-                logger.exception("deregistering after a failed open")
-        raise BackendError(f"registering KV caches: {describe(exc)}") from exc
+    except BackendError:
+        try:
+            nixl_call("deregister_memory", agent.deregister_memory, registration)
+        except BackendError as exc:
+            logger.error("deregistering after a failed open: %s", exc)
+        raise
     return agent, registration, local_dlist
 
 
@@ -89,9 +93,9 @@ def release_agent(
 
     def attempt(what: str, fn: Callable[[], object]) -> None:
         try:
-            fn()
-        except Exception as exc:  # best effort: release the rest regardless
-            errors.append(f"{what}: {describe(exc)}")
+            nixl_call(what, fn)
+        except BackendError as exc:  # best effort: release the rest regardless
+            errors.append(f"{what}: {exc.nixl_error or exc}")
 
     for name, dlist in remotes:
         attempt(f"unload {name}", functools.partial(release_remote, agent, name, dlist))

@@ -64,8 +64,9 @@ from trio_pd._transfer._backend import (
 )
 from trio_pd._transfer._nixl._agent import create_agent, release_agent
 from trio_pd._transfer._nixl._driver import TransferDriver
+from trio_pd._transfer._nixl._errors import nixl_call
 from trio_pd._transfer._nixl._inline import InlineReads
-from trio_pd._transfer._nixl._jobs import Job, job_for, raise_for
+from trio_pd._transfer._nixl._jobs import Job, job_for
 from trio_pd._transfer._nixl._notifications import NotificationPoller
 from trio_pd._transfer._nixl._remotes import NixlRemotes
 
@@ -226,7 +227,7 @@ class NixlBackend:
         return self._remotes.stuck_call
 
     def agent_metadata(self) -> bytes:
-        data: bytes = self._live_agent().get_agent_metadata()
+        data: bytes = nixl_call("get_agent_metadata", self._live_agent().get_agent_metadata)
         return data
 
     def begin_close(self) -> None:
@@ -369,18 +370,8 @@ class NixlBackend:
                 self._hold_until_settled(remote, job, unsettled)
                 with trio.move_on_after(self._config.close_timeout, shield=True):
                     await self.retire(remote)
-        if job.still_running:
-            why = job.outcome.value if job.outcome else "?"
-            raise BackendError(
-                f"a transfer from {remote.agent_name!r} did not stop within "
-                f"{self._config.close_timeout:g} s of being told to ({why}; "
-                "its peer is unreachable?); the agent was given up, but NIXL cannot "
-                "cancel the transfer: its blocks may still be written until it ends "
-                "(see TransferError.settled)",
-                peer_lost=True,
-                settled=job.settled,
-            )
-        raise_for(job)
+        if job.error is not None:  # (the driver's, made for this job: see _jobs)
+            raise job.error
 
     async def notify(self, remote: RemoteAgent, message: bytes) -> None:
         """Post a notification without a transfer (a notify-only pull), via the driver.
@@ -396,7 +387,8 @@ class NixlBackend:
         empty = np.empty(0, dtype=np.int32)
         job = self._job(remote, empty, empty, message)
         await self._run_job(job)
-        raise_for(job)
+        if job.error is not None:
+            raise job.error
 
     def _job(
         self,

@@ -22,12 +22,15 @@ does every NIXL call of the data plane:
   that ended in it.
 
 Stopping a job (its task cancelled, ``transfer_timeout`` passed, the backend
-closing, or an error in one of its transfers): no further chunk is posted,
-and its running transfers (shared with the other jobs of a batch) are polled
-until they end, for at most ``close_timeout``. A transfer still running then
--- its peer is unreachable, and NIXL cannot cancel it (measured: its bytes
-land once the link is back, even after the handle is released and the agent
-removed) -- is *not* released: the job finishes with ``still_running`` set,
+closing, or an error in one of its transfers) decides the error it will end
+with (see ``_jobs``: ``JobCancelled``, ``TransferTimeout``,
+``BackendClosing``, or NIXL's exception as ``_errors`` maps it); no further
+chunk is posted, and its running transfers (shared with the other jobs of a
+batch) are polled until they end, for at most ``close_timeout``. A transfer
+still running then -- its peer is unreachable, and NIXL cannot cancel it
+(measured: its bytes land once the link is back, even after the handle is
+released and the agent removed) -- is *not* released: the job finishes with
+``still_running`` set and the error that says so (``_jobs.unstoppable``),
 the driver keeps polling that transfer (every :data:`LINGER_POLL` s when
 nothing else runs) until it really ends, and only then releases it and sets
 ``job.settled``. Until then the job's local blocks may still be
@@ -37,7 +40,10 @@ Threads: the driver thread touches NIXL, its jobs' driver-side fields and
 its own lists. The trio side writes only ``cancel_requested`` (a flag the
 driver reads) and ``on_settled``; ``finished`` and ``settled`` are trio
 Events set on the trio thread (through the trio token), so a task wakes
-only after the driver has written the job's outcome.
+only after the driver has written how the job ended (``job.error``: the
+exception the task raises, ``None`` if it ended well). NIXL's exceptions
+are mapped where they are caught (``_errors.nixl_error``) and never kept:
+the job holds the mapped error alone.
 
 Ownership: the driver owns every transfer handle from posting to release.
 The one exception is a small READ the trio thread posts itself while the
@@ -55,10 +61,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -68,9 +76,9 @@ import trio
 
 from trio_pd._config import ConnectorConfig
 from trio_pd._core._protocol import join_notifications
-from trio_pd._transfer._backend import BackendError
-from trio_pd._transfer._nixl._errors import backend_error, describe, release_or_keep
-from trio_pd._transfer._nixl._jobs import Job, Outcome, wake
+from trio_pd._transfer._backend import BackendClosing, BackendError, TransferTimeout
+from trio_pd._transfer._nixl._errors import describe, nixl_call, nixl_error, release_or_keep
+from trio_pd._transfer._nixl._jobs import Job, JobCancelled, stop_reason, unstoppable, wake
 from trio_pd._transfer._nixl._posting import plan_turn
 from trio_pd._transfer._nixl._timer_slack import fine_timer_slack
 
@@ -107,7 +115,7 @@ class TransferDriver:
         self._token: trio.lowlevel.TrioToken | None = None
         self.transfers_posted = 0  # (written by the thread; read anywhere)
         self.transfers_kept = 0  # still running at stop (written by the thread before it ends)
-        self._crash: BackendError | None = None  # set (once) if the thread crashed
+        self._crash: str | None = None  # what the thread crashed with (set once)
         self._ended = False  # set (once) when the thread stopped as asked
         self._unsettled_jobs = 0  # (trio thread only) submitted, not yet settled
         # Driver thread only:
@@ -126,17 +134,15 @@ class TransferDriver:
         """Hand ``job`` to the thread (never blocks).
 
         If the thread has crashed (a bug), the job fails at once instead; if
-        it has stopped, the job ends ``CLOSING`` at once.
+        it has stopped, the job ends with ``BackendClosing`` at once.
         """
         job.submitted_at = job.submitted_at or time.monotonic()  # (adopted: when posted)
         self._unsettled_jobs += 1
         self._inbox.put(job)
         if self._crash is not None or self._ended:  # (nobody else will answer it: do it here)
             for queued in self._drain_inbox():
-                if self._crash is not None:
-                    queued.outcome, queued.error = Outcome.FAILED, self._crash
-                else:
-                    queued.outcome = Outcome.CLOSING
+                queued.ended = True
+                queued.error = self._crashed() if self._crash is not None else BackendClosing()
                 queued.finished.set()
                 queued.settled.set()
 
@@ -164,7 +170,7 @@ class TransferDriver:
         self.submit(job)
 
     def begin_close(self) -> None:
-        """Stop every job (``Outcome.CLOSING``) at the thread's next turn."""
+        """Stop every job (``BackendClosing``) at the thread's next turn."""
         self._closing.set()
 
     async def stop(self) -> None:
@@ -185,7 +191,7 @@ class TransferDriver:
             self._loop()
             self._ended = True  # (from now on, submit() answers new jobs itself)
             for job in self._drain_inbox():  # submitted during the last turn
-                job.outcome = Outcome.CLOSING
+                job.ended, job.error = True, BackendClosing()
                 self._to_finish.append(job)
                 self._to_settle.append(job)
             self._deliver()
@@ -193,18 +199,21 @@ class TransferDriver:
         # cannot reach it): fail every job rather than hang its task.
         except BaseException as exc:  # noqa: ASYNC103
             logger.critical("transfer driver crashed: %s", describe(exc), exc_info=True)
-            error = BackendError(f"the transfer driver crashed: {describe(exc)}")
-            self._crash = error  # (from now on, submit() fails new jobs itself)
+            self._crash = describe(exc)  # (from now on, submit() fails new jobs itself)
             jobs = {id(job): job for job in self._jobs}
             for transfer in self._transfers:
                 jobs.update((id(job), job) for job in transfer.jobs)
             jobs.update((id(job), job) for job in self._drain_inbox())
             for job in jobs.values():
-                if job.outcome is None:
-                    job.outcome, job.error = Outcome.FAILED, error
+                if not job.ended:
+                    job.ended, job.error = True, self._crashed()
                     self._to_finish.append(job)
                 self._to_settle.append(job)
             self._deliver()
+
+    def _crashed(self) -> BackendError:
+        """A job's error once the thread crashed (a fresh one for each job)."""
+        return BackendError(f"the transfer driver crashed: {self._crash}")
 
     def _drain_inbox(self) -> list[Job]:
         jobs: list[Job] = []
@@ -283,9 +292,9 @@ class TransferDriver:
         finished = False
         for job in jobs:
             moved = self._finish_if_over(job, now) or moved
-            finished = finished or job.outcome is not None
+            finished = finished or job.ended
         if finished:
-            self._jobs = collections.deque(job for job in jobs if job.outcome is None)
+            self._jobs = collections.deque(job for job in jobs if not job.ended)
         self._deliver()
         return moved
 
@@ -338,14 +347,14 @@ class TransferDriver:
                 "READ", first.local_dlist, local, first.remote_dlist, remote, notification
             )
         except Exception as exc:
-            self._fail(jobs, backend_error("make_prepped_xfer", exc))
+            self._fail(jobs, functools.partial(nixl_error, "make_prepped_xfer", exc))
             return
         self.transfers_posted += 1
         try:
             state = self._agent.transfer(handle)
         except Exception as exc:
             self._release(handle)
-            self._fail(jobs, backend_error("transfer", exc))
+            self._fail(jobs, functools.partial(nixl_error, "transfer", exc))
             return
         if state == "PROC":
             for job in jobs:
@@ -354,14 +363,14 @@ class TransferDriver:
         else:
             self._release(handle)
             if state != "DONE":
-                self._fail(jobs, BackendError(f"transfer state {state}"))
+                self._fail(jobs, functools.partial(BackendError, f"transfer state {state}"))
 
     def _notify(self, job: Job) -> None:
         job.posted_at = job.posted_at or time.monotonic()
         try:
             self._agent.send_notif(job.agent_name, job.notification)
         except Exception as exc:
-            self._fail([job], backend_error("send_notif", exc))
+            self._fail([job], functools.partial(nixl_error, "send_notif", exc))
 
     # ---- polling and finishing ------------------------------------------
 
@@ -374,14 +383,16 @@ class TransferDriver:
             try:
                 state = self._agent.check_xfer_state(transfer.handle)
             except Exception as exc:
-                self._fail(transfer.jobs, backend_error("check_xfer_state", exc))
+                self._fail(transfer.jobs, functools.partial(nixl_error, "check_xfer_state", exc))
                 state = "ERR"
             if state == "PROC":
                 still.append(transfer)
                 continue
             self._release(transfer.handle)
             if state != "DONE":
-                self._fail(transfer.jobs, BackendError(f"transfer state {state}"))
+                self._fail(
+                    transfer.jobs, functools.partial(BackendError, f"transfer state {state}")
+                )
             for job in transfer.jobs:
                 job.running -= 1
                 if job.still_running and job.running == 0:
@@ -404,46 +415,52 @@ class TransferDriver:
                     self._notify(job)  # every chunk is done: the producer may hear of it
             elif job.posted != job.size or job.size == 0:
                 return False  # chunks still to post
-        self._finish(job, job.stopping or Outcome.DONE)
+        self._finish(job)
         return True
 
     def _check_stop(self, job: Job, now: float) -> None:
         if job.stopping is not None:
             return
+        error: Exception
         if job.cancel_requested:
-            reason = Outcome.CANCELLED
+            error = JobCancelled()
         elif self._closing.is_set():
-            reason = Outcome.CLOSING
+            error = BackendClosing()
         elif now >= job.deadline:
-            reason = Outcome.TIMED_OUT
+            error = TransferTimeout()
         else:
             return
-        job.stopping, job.stop_by = reason, now + self._config.close_timeout
+        job.stopping, job.stop_by = error, now + self._config.close_timeout
 
-    def _fail(self, jobs: list[Job], error: BackendError) -> None:
+    def _fail(self, jobs: list[Job], error: Callable[[], BackendError]) -> None:
+        """Stop ``jobs`` (those not stopping already), each to end with a fresh
+        ``error()``: the tasks of a batch's jobs each raise their own."""
         stop_by = time.monotonic() + self._config.close_timeout
         for job in jobs:
             if job.stopping is None:
-                job.error = error
-                job.stopping = Outcome.FAILED
+                job.stopping = error()
                 job.stop_by = stop_by
 
     def _abandon(self, job: Job) -> None:
-        """Finish ``job`` now; its transfers stay polled until they really end."""
+        """Finish ``job`` now, with the error that says a transfer still runs;
+        its transfers stay polled until they really end."""
         assert job.stopping is not None
+        reason = stop_reason(job.stopping)
         logger.error(
             "%d transfers from agent %s still run %g s after being told to stop (%s); "
             "polling them until they end: their blocks are not settled until then",
             job.running,
             job.agent_name,
             self._config.close_timeout,
-            job.stopping.value,
+            reason,
         )
         job.still_running = True
-        self._finish(job, job.stopping)
+        job.stopping = unstoppable(job, reason, self._config.close_timeout)
+        self._finish(job)
 
-    def _finish(self, job: Job, outcome: Outcome) -> None:
-        job.outcome = outcome
+    def _finish(self, job: Job) -> None:
+        """``job`` is over: it ends with the error it was stopped with (``None``: well)."""
+        job.ended, job.error = True, job.stopping
         job.finished_at = time.monotonic()
         job.local_dlist = job.remote_dlist = None  # (they keep the agent alive)
         self._to_finish.append(job)
@@ -468,9 +485,9 @@ class TransferDriver:
             )
         for handle in self._stuck:
             try:
-                handle.release()
-            except Exception as exc:
-                logger.warning("a stuck transfer handle could not be released: %s", describe(exc))
+                nixl_call("release", handle.release)
+            except BackendError as exc:
+                logger.warning("a stuck transfer handle could not be released: %s", exc.nixl_error)
         self._stuck.clear()
 
     def _release(self, handle: Any) -> None:

@@ -38,10 +38,11 @@ thread with no checkpoint between the check and the NIXL calls):
 What: ``make_prepped_xfer`` and ``transfer`` with the notification attached
 (as the driver does for a one-transfer job), then ``check_xfer_state`` until
 it ends or ``config.inline_read_spin`` passed. If it ended, the handle is
-released and the job's outcome set here; otherwise the driver *adopts* the
-running transfer (the handle goes through its queue, and from then on it
-owns it exactly as if it had posted it: stop, deadline and linger rules
-included). A handle NIXL refuses to release is kept here and released at
+released and the job ends here (``job.error``: ``None``, or NIXL's
+exception as ``_errors`` maps it, as in the driver); otherwise the driver
+*adopts* the running transfer (the handle goes through its queue, and from
+then on it owns it exactly as if it had posted it: stop, deadline and
+linger rules included). A handle NIXL refuses to release is kept here and released at
 close, after the driver has stopped.
 
 Owned: the handles of transfers it posted until they are released or
@@ -62,8 +63,8 @@ import trio
 from trio_pd._config import ConnectorConfig
 from trio_pd._transfer._backend import BackendError
 from trio_pd._transfer._nixl._driver import TransferDriver
-from trio_pd._transfer._nixl._errors import backend_error, release_or_keep
-from trio_pd._transfer._nixl._jobs import Job, Outcome
+from trio_pd._transfer._nixl._errors import nixl_error, release_or_keep
+from trio_pd._transfer._nixl._jobs import Job
 
 
 class InlineReads:
@@ -95,7 +96,7 @@ class InlineReads:
     def read(self, job: Job) -> bool:
         """Run ``job`` here if it may be; return whether it was taken.
 
-        Taken means: it ended here (``job.outcome`` set, its events set), or
+        Taken means: it ended here (``job.error`` set, its events set), or
         its transfer runs on and the driver adopted it (wait on
         ``job.finished`` as for any submitted job). Not taken: submit it.
 
@@ -126,7 +127,7 @@ class InlineReads:
                 job.notification,
             )
         except Exception as exc:
-            self._end(job, backend_error("make_prepped_xfer", exc))
+            self._end(job, nixl_error("make_prepped_xfer", exc))
             return
         self.posted += 1
         call = "transfer"
@@ -138,7 +139,7 @@ class InlineReads:
                 state = agent.check_xfer_state(handle)
         except Exception as exc:
             self._release(handle)
-            self._end(job, backend_error(call, exc))
+            self._end(job, nixl_error(call, exc))
             return
         if state == "PROC":
             self.adopted += 1
@@ -158,10 +159,7 @@ class InlineReads:
         )
 
     def _end(self, job: Job, error: BackendError | None) -> None:
-        if error is None:
-            job.outcome = Outcome.DONE
-        else:
-            job.outcome, job.error = Outcome.FAILED, error
+        job.ended, job.error = True, error
         job.finished_at = time.monotonic()
         job.local_dlist = job.remote_dlist = None  # (they keep the agent alive)
         job.finished.set()

@@ -6,12 +6,21 @@ driver thread only, except the two fields the trio side may set
 (``cancel_requested``, ``on_settled``). Its ``finished`` and ``settled``
 events are set on the trio thread by :func:`wake`, which the driver
 schedules through the trio token, so a task wakes only after the driver has
-written the job's outcome.
+written how the job ended.
+
+How it ended is one field, ``Job.error``: ``None`` when it ended well,
+otherwise the very exception its waiting task raises -- the
+:class:`BackendError` NIXL's exception was mapped to (``_errors``), the
+one that says a transfer could not be stopped (:func:`unstoppable`),
+:class:`TransferTimeout` or :class:`BackendClosing`. The driver (or an
+inline read) makes a fresh one for each job: an exception object is raised
+by one task only. A job stopped because its task was cancelled stores
+:class:`JobCancelled`, which nobody raises: that task re-raises
+``trio.Cancelled``.
 """
 
 from __future__ import annotations
 
-import enum
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,14 +34,22 @@ from trio_pd._config import ConnectorConfig
 from trio_pd._transfer._backend import BackendClosing, BackendError, RemoteAgent, TransferTimeout
 
 
-class Outcome(enum.Enum):
-    """How a job ended."""
+class JobCancelled(Exception):
+    """What a job stores when it stopped because its task was cancelled.
 
-    DONE = "done"
-    FAILED = "failed"  # ``Job.error`` says why
-    TIMED_OUT = "timed out"
-    CLOSING = "closing"
-    CANCELLED = "cancelled"
+    Never raised: the cancelled task re-raises ``trio.Cancelled``.
+    """
+
+
+def stop_reason(error: BaseException) -> str:
+    """Why a job that did not end well was stopped, in words (logs, messages)."""
+    if isinstance(error, JobCancelled):
+        return "cancelled"
+    if isinstance(error, TransferTimeout):
+        return "timed out"
+    if isinstance(error, BackendClosing):
+        return "closing"
+    return "failed"
 
 
 @attrs.define(eq=False)
@@ -51,10 +68,13 @@ class Job:
         deadline: ``time.monotonic()`` by which the job must be done.
         chunk: descriptors per posted transfer.
         descriptor_bytes: bytes per descriptor (at most).
-        outcome: how it ended (set before ``finished``).
-        error: the failure, when ``outcome`` is FAILED.
-        still_running: it finished with transfers NIXL could not stop;
-            ``settled`` is set once they really ended.
+        ended: the driver (or an inline read) finished it: ``error`` is final
+            (set before ``finished``).
+        error: how it ended: ``None`` if well, else the exception its task
+            raises (see the module docstring).
+        still_running: it finished with transfers NIXL could not stop
+            (``error`` is :func:`unstoppable`'s); ``settled`` is set once
+            they really ended.
         on_settled: called on the trio thread right after ``settled`` is set.
     """
 
@@ -70,8 +90,8 @@ class Job:
     finished: trio.Event = attrs.field(factory=trio.Event)
     settled: trio.Event = attrs.field(factory=trio.Event)
     cancel_requested: bool = False
-    outcome: Outcome | None = None
-    error: BackendError | None = None
+    ended: bool = False
+    error: BaseException | None = None
     still_running: bool = False
     on_settled: Callable[[], None] | None = None
     # When (``time.monotonic()``): handed to the driver, first posted, finished
@@ -86,7 +106,7 @@ class Job:
     # The driver's own bookkeeping.
     posted: int = 0  # descriptors posted (-1: a notify-only job, sent)
     running: int = 0  # its transfers still running
-    stopping: Outcome | None = None
+    stopping: BaseException | None = None  # told to stop: the error it will end with
     stop_by: float = 0.0
 
     @property
@@ -135,14 +155,17 @@ def job_for(
     )
 
 
-def raise_for(job: Job) -> None:
-    """Raise what a finished job's outcome means for its caller (nothing if DONE)."""
-    if job.outcome is Outcome.DONE:
-        return
-    if job.outcome is Outcome.FAILED and job.error is not None:
-        raise job.error
-    if job.outcome is Outcome.TIMED_OUT:
-        raise TransferTimeout
-    if job.outcome is Outcome.CLOSING:
-        raise BackendClosing
-    raise BackendError(f"transfer ended {job.outcome}")  # (CANCELLED: cancel re-raised)
+def unstoppable(job: Job, reason: str, close_timeout: float) -> BackendError:
+    """The error of ``job``, stopped (``reason``, see :func:`stop_reason`)
+    with a transfer still running ``close_timeout`` s later: its peer is
+    unreachable, and NIXL cannot cancel it. ``peer_lost`` is set (the backend
+    gives the agent up), and ``settled`` is the job's own event."""
+    return BackendError(
+        f"a transfer from {job.agent_name!r} did not stop within "
+        f"{close_timeout:g} s of being told to ({reason}; "
+        "its peer is unreachable?); the agent was given up, but NIXL cannot "
+        "cancel the transfer: its blocks may still be written until it ends "
+        "(see TransferError.settled)",
+        peer_lost=True,
+        settled=job.settled,
+    )

@@ -21,7 +21,7 @@ from typing import Any
 import trio
 
 from trio_pd._config import ConnectorConfig
-from trio_pd._transfer._nixl._errors import nixl_errors
+from trio_pd._transfer._nixl._errors import nixl_call
 from trio_pd._transfer._nixl._remotes import RunBlocking
 from trio_pd._transfer._nixl._timer_slack import fine_timer_slack
 
@@ -110,8 +110,8 @@ class NotificationPoller:
             if self._reads_expected.is_set():
                 self._reads_expected.clear()
                 expecting_until = now + READS_EXPECTED_FOR
-            with self.calls, nixl_errors("get_new_notifs"):
-                notifs: dict[str, list[bytes]] = agent.get_new_notifs()
+            with self.calls:
+                notifs: dict[str, list[bytes]] = nixl_call("get_new_notifs", agent.get_new_notifs)
             now = time.monotonic()
             if notifs:
                 return notifs, config.poll_interval, now + READS_EXPECTED_FOR

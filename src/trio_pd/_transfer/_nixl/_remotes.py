@@ -50,7 +50,7 @@ from trio_pd._transfer._backend import (
     RemoteAgent,
     RemoteAgents,
 )
-from trio_pd._transfer._nixl._errors import nixl_errors
+from trio_pd._transfer._nixl._errors import nixl_call
 
 logger = logging.getLogger("trio_pd.nixl")
 
@@ -305,7 +305,10 @@ class NixlRemotes:
             return  # (closed: the agent is destroyed with every remote agent in it)
         name, dlist = load.request.agent_name, load.progress.result
         with trio.move_on_after(self._config.close_timeout, shield=True):
-            await self._run_blocking(self._limiter, release_remote, agent, name, dlist)
+            try:
+                await self._run_blocking(self._limiter, release_remote, agent, name, dlist)
+            except BackendError as exc:  # (as in _unload: the agent is no use to anyone)
+                logger.warning("removing agent %s, loaded too late, failed: %s", name, exc)
 
     def _give_up(self, load: _Load, late: list[_Load], why: str) -> str:
         """Abandon ``load`` (``why``: its deadline passed, an earlier one is
@@ -383,10 +386,14 @@ class NixlRemotes:
         return dlist
 
     def _prep_local(self, view: KVLayout) -> Any:
-        with nixl_errors("prep_xfer_dlist (local view)"):
-            return self._agent().prep_xfer_dlist(
-                "NIXL_INIT_AGENT", view.strided_descriptors(), view.mem_type
-            )
+        agent = self._agent()
+        return nixl_call(
+            "prep_xfer_dlist (local view)",
+            agent.prep_xfer_dlist,
+            "NIXL_INIT_AGENT",
+            view.strided_descriptors(),
+            view.mem_type,
+        )
 
     def lease(self, remote: RemoteAgent) -> AbstractAsyncContextManager[RemoteAgent]:
         return self._remotes.lease(remote)
@@ -458,8 +465,7 @@ class NixlRemotes:
         """
         agent = self._agent()
         progress.call = "add_remote_agent"
-        with nixl_errors("add_remote_agent"):
-            loaded = agent.add_remote_agent(request.agent_metadata)
+        loaded = nixl_call("add_remote_agent", agent.add_remote_agent, request.agent_metadata)
         raw = loaded if isinstance(loaded, bytes) else str(loaded).encode()
         try:
             loaded_name: str | bytes = raw.decode()
@@ -472,26 +478,31 @@ class NixlRemotes:
                 raise BackendError(f"metadata names agent {named!r}, reply said {agent_name!r}")
             progress.call = "prep_xfer_dlist"
             layout = request.layout
-            with nixl_errors("prep_xfer_dlist"):
-                dlist = agent.prep_xfer_dlist(
-                    agent_name, layout.strided_descriptors(), layout.mem_type
-                )
+            dlist = nixl_call(
+                "prep_xfer_dlist",
+                agent.prep_xfer_dlist,
+                agent_name,
+                layout.strided_descriptors(),
+                layout.mem_type,
+            )
             try:
                 # Connect now (UCX wire-up) rather than in the first pull.
                 progress.call = "make_connection"
-                with nixl_errors("make_connection"):
-                    agent.make_connection(agent_name)
+                nixl_call("make_connection", agent.make_connection, agent_name)
                 if not progress.finish(dlist):  # abandoned by the trio side: nobody takes it
                     raise BackendError("abandoned")
             except BaseException:
-                dlist.release()
+                try:  # (best effort: the load's own error is what is raised)
+                    nixl_call("release", dlist.release)
+                except BackendError as exc:
+                    logger.error("could not release a half-loaded agent's descriptors: %s", exc)
                 raise
         except BaseException:
             if loaded_name not in keep:
                 try:
-                    agent.remove_remote_agent(loaded_name)
-                except Exception:
-                    logger.exception("could not remove half-loaded agent %r", loaded_name)
+                    nixl_call("remove_remote_agent", agent.remove_remote_agent, loaded_name)
+                except BackendError as exc:
+                    logger.error("could not remove half-loaded agent %r: %s", loaded_name, exc)
             raise
 
     def take_all(self) -> tuple[list[tuple[str, Any]], list[Any]]:
@@ -510,9 +521,13 @@ class NixlRemotes:
 
 
 def release_remote(agent: Any, agent_name: str, dlist: Any) -> None:
-    """Release a remote agent's descriptor list, then remove the agent (a worker thread)."""
+    """Release a remote agent's descriptor list, then remove the agent (a worker thread).
+
+    Raises:
+        BackendError: NIXL refused either (``_errors``' mapping).
+    """
     try:
         if dlist is not None:
-            dlist.release()
+            nixl_call("release", dlist.release)
     finally:
-        agent.remove_remote_agent(agent_name)
+        nixl_call("remove_remote_agent", agent.remove_remote_agent, agent_name)
