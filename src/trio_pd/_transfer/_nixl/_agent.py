@@ -45,7 +45,7 @@ def create_agent(
         agent = nixl_agent(
             agent_name,
             nixl_agent_config(
-                enable_prog_thread=config.nixl_progress_thread, backends=[], sync_mode=sync
+                enable_prog_thread=config._tuning.nixl_progress_thread, backends=[], sync_mode=sync
             ),
         )
     for backend in config.nixl_backends:

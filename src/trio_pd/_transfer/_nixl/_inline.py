@@ -37,7 +37,7 @@ thread with no checkpoint between the check and the NIXL calls):
 
 What: ``make_prepped_xfer`` and ``transfer`` with the notification attached
 (as the driver does for a one-transfer job), then ``check_xfer_state`` until
-it ends or ``config.inline_read_spin`` passed. If it ended, the handle is
+it ends or ``config._tuning.inline_read_spin`` passed. If it ended, the handle is
 released and the job's outcome set here; otherwise the driver *adopts* the
 running transfer (the handle goes through its queue, and from then on it
 owns it exactly as if it had posted it: stop, deadline and linger rules
@@ -133,7 +133,7 @@ class InlineReads:
         try:
             state = agent.transfer(handle)
             call = "check_xfer_state"
-            spin_until = time.monotonic() + self._config.inline_read_spin
+            spin_until = time.monotonic() + self._config._tuning.inline_read_spin
             while state == "PROC" and time.monotonic() < spin_until:
                 state = agent.check_xfer_state(handle)
         except Exception as exc:
