@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import inspect
 import math
+import re
 from typing import Any
 
 import attrs
 import pytest
 
 from trio_pd._config import ConnectorConfig, Tuning, tuned
-from trio_pd._core._public_values import RemoteBlocks
+from trio_pd._core._public_values import (
+    ConnectorStatistics,
+    ConsumerStatistics,
+    ProducerStatistics,
+    RemoteBlocks,
+)
 
 BLOCKS = RemoteBlocks(
     engine_id="prefill-0", host="10.0.0.7", port=5600, block_ids=[4, 2, 9], request_id="cmpl-1"
@@ -307,3 +314,51 @@ def test_vllm_style_nulls_mean_absent_and_a_token_must_be_a_string() -> None:
     assert RemoteBlocks.from_kv_transfer_params(signed.to_kv_transfer_params()) == signed
     with pytest.raises(ValueError, match="remote_token"):
         RemoteBlocks.from_kv_transfer_params({**PARAMS, "remote_token": 7})
+
+
+# --- statistics ------------------------------------------------------------------
+
+
+def _roles() -> tuple[ConsumerStatistics, ProducerStatistics]:
+    consumer = ConsumerStatistics(
+        **{
+            f.name: {"timeout": 2} if f.name == "handshake_failures_by_cause" else i + 1
+            for i, f in enumerate(attrs.fields(ConsumerStatistics))
+            if f.name != "backend_stuck_call"
+        },
+        backend_stuck_call="add_remote_agent",
+    )
+    producer = ProducerStatistics(
+        **{f.name: 100 + i for i, f in enumerate(attrs.fields(ProducerStatistics))}
+    )
+    return consumer, producer
+
+
+def test_connector_statistics_are_both_roles_counters_flat() -> None:
+    consumer, producer = _roles()
+    stats = ConnectorStatistics.of_roles(consumer, producer)
+    assert (stats.pulls_succeeded, stats.exposures_released) == (
+        consumer.pulls_succeeded,
+        producer.exposures_released,
+    )
+    assert stats.handshake_failures_by_cause == {"timeout": 2}
+    assert stats.backend_stuck_call == "add_remote_agent"
+    assert (stats.consumer, stats.producer) == (consumer, producer)
+    assert type(stats.consumer) is ConsumerStatistics
+    assert stats == ConnectorStatistics.of_roles(consumer, producer)
+    assert stats != ConnectorStatistics.of_roles(consumer, attrs.evolve(producer, confirmations=0))
+    assert stats != consumer  # (equal only to a ConnectorStatistics)
+    names = [f.name for f in attrs.fields(ConnectorStatistics)]
+    roles = [
+        f.name for role in (ConsumerStatistics, ProducerStatistics) for f in attrs.fields(role)
+    ]
+    assert names == roles  # each counter declared once, in its role; consumer first
+    with pytest.raises(TypeError):
+        ConsumerStatistics(*attrs.astuple(consumer, recurse=False))  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("cls", [ConsumerStatistics, ProducerStatistics, ConnectorStatistics])
+def test_every_counter_is_described_once_in_its_docstring(cls: type) -> None:
+    doc = inspect.getdoc(cls) or ""
+    described = re.findall(r"^    (\w+): ", doc[doc.index("Attributes:") :], re.M)
+    assert described == [f.name for f in attrs.fields(cls)]
