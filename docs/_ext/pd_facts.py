@@ -27,7 +27,8 @@ Directives (for MyST pages: the descriptions are parsed as Markdown):
 ``loggers``
     Every logger of :data:`trio_pd._loggers.LOGGERS` and what it logs; a
     ``logging.getLogger`` in the sources that names a logger not listed there,
-    or a listed logger that no code uses, is an error.
+    or a listed logger that no code uses, is an error (``pd_loggers`` reads
+    the sources).
 
 The wire protocol's tables and the servers' error answers are rendered by
 ``pd_facts_wire``, with this module's tables.
@@ -47,6 +48,7 @@ from typing import Any, ClassVar
 import attrs
 from docutils import nodes
 from docutils.statemachine import StringList
+from pd_loggers import unlisted_or_unused
 from sphinx.application import Sphinx
 from sphinx.util.docutils import SphinxDirective
 
@@ -459,7 +461,7 @@ def logger_rows() -> list[tuple[str, str]]:
         ValueError: the sources use a logger that is not listed, or a listed
             logger is used nowhere.
     """
-    problems = loggers.unlisted_or_unused()
+    problems = unlisted_or_unused()
     if problems:
         raise ValueError("; ".join(problems))
     return list(loggers.LOGGERS.items())
