@@ -50,6 +50,7 @@ from comparison import (
 )
 
 import trio_pd
+from trio_pd._config import tuned
 from trio_pd._core._protocol import decode_notification
 from trio_pd._transfer._nixl._jobs import Job
 from trio_pd.testing import (
@@ -677,12 +678,14 @@ def process_rss_bytes(pid: int) -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-SCALE_PRODUCER_CONFIG = trio_pd.ConnectorConfig(
-    poll_interval=0.05,
-    notification_poll_interval=2.0,
-    idle_notification_poll_interval=2.0,
-    lease_initial=900.0,  # (every storm's exposures are made up front: none expires before
-    abort_timeout=900.0,  # its storm, which would only flood the log with expiry warnings)
+SCALE_PRODUCER_CONFIG = tuned(
+    trio_pd.ConnectorConfig(
+        notification_poll_interval=2.0,
+        idle_notification_poll_interval=2.0,
+        lease_initial=900.0,  # (every storm's exposures are made up front: none expires before
+        abort_timeout=900.0,  # its storm, which would only flood the log with expiry warnings)
+    ),
+    poll_interval=0.05,  # (an internal knob: trio_pd._config.Tuning)
 )
 """The scale benchmark's producer engines poll lazily: each stands for an engine
 on a host of its own, and 1024 of them share this machine's cores with the

@@ -9,6 +9,7 @@ and Python are written by ``make_trio_inventory.py`` into the doctree folder.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -121,11 +122,15 @@ def _tidy_signature(
       what ``x`` is, so it is dropped (the docstring says what ``x`` is).
     * attrs fields with a ``factory`` default show ``NOTHING`` (attrs'
       sentinel) in the generated signature; show what the factory makes.
+    * A private attrs field (``ConnectorConfig._tuning``) is not shown.
     """
     if "async-with" in sniff_options(obj):
         return_annotation = None
     if signature is not None and isinstance(obj, type) and attrs.has(obj):
         for field in attrs.fields(obj):
+            if field.alias.startswith("_"):
+                signature = re.sub(rf",\s*{field.alias}: [^,()]*(?=[,)])", "", signature)
+                continue
             if isinstance(field.default, attrs.Factory) and not field.default.takes_self:
                 made = field.default.factory()
                 signature = signature.replace("= NOTHING", f"= {made!r}", 1)

@@ -5,8 +5,9 @@ and compares, wherever a page states one,
 
 * the side-channel protocol version with ``_protocol.PROTOCOL_VERSION``;
 * a ``ConnectorConfig`` default stated next to its field name ("`handshake_timeout`
-  (default 5 s)", "`max_bytes_per_transfer` (8 MiB)", "`lease_initial` 30 s",
-  "`poll_spin`, 100 us") with the field's default;
+  (default 5 s)", "`max_bytes_per_transfer` (8 MiB)", "`lease_initial` 30 s")
+  with the field's default, and the same for the internal knobs of
+  ``trio_pd._config.Tuning`` ("`poll_spin`, 100 us");
 * the flags named in prose (`` `--grace` ``, `` `trio-pd serve --hosts 2` ``)
   with the argparse parsers: every flag exists (in that command, when the
   span names one), and a default stated next to it ("`--idle-timeout`
@@ -33,6 +34,7 @@ import pytest
 
 from trio_pd import ConnectorConfig
 from trio_pd._cli import _parser
+from trio_pd._config import Tuning
 from trio_pd._core._protocol import PROTOCOL_VERSION
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,13 +111,15 @@ UNITS = {
 NUMBER = r"`?(\d+(?:\.\d+)?)`?(?:\s*(s|ms|us|µs|%|bytes|KiB|MiB|GiB)\b|\s*(%))?"
 
 
-def config_defaults() -> dict[str, float]:
-    """Each numeric field of ``ConnectorConfig`` and its default."""
+def config_defaults() -> dict[str, tuple[str, float]]:
+    """Each numeric field of ``ConnectorConfig`` and of the internal knobs it
+    carries (``Tuning``, which internals.md describes): its class and default."""
     defaults = {}
-    for field in attrs.fields(ConnectorConfig):
-        value = field.default
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            defaults[field.name] = float(value)
+    for cls in (ConnectorConfig, Tuning):
+        for field in attrs.fields(cls):
+            value = field.default
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                defaults[field.name] = (cls.__name__, float(value))
     return defaults
 
 
@@ -133,12 +137,9 @@ def config_problems(lines: Iterator[Line]) -> list[str]:
             for match in pattern.finditer(line[2]):
                 number, unit = float(match.group(1)), match.group(2) or match.group(3)
                 stated = number * UNITS[unit]
-                if not math.isclose(stated, defaults[name], rel_tol=1e-9):
-                    problems.append(
-                        _problem(
-                            line, match.group(0), f"ConnectorConfig.{name} = {defaults[name]:g}"
-                        )
-                    )
+                owner, default = defaults[name]
+                if not math.isclose(stated, default, rel_tol=1e-9):
+                    problems.append(_problem(line, match.group(0), f"{owner}.{name} = {default:g}"))
     return problems
 
 
@@ -314,6 +315,7 @@ def test_a_wrong_config_default_is_found_whatever_the_phrasing() -> None:
         "`handshake_timeout` (default 10 s) and `transfer_timeout` (30 s)\n"
         "`max_bytes_per_transfer` (4 MiB), `poll_spin`, 100 us, `lease_initial` 30 s\n"
         "`notification_poll_interval` (1 ms); `backoff_jitter` 20 % shorter\n"
+        "the internal `inline_read_spin`, 1 ms\n"
     )
     problems = config_problems(iter(page))
     assert problems == [
@@ -323,6 +325,8 @@ def test_a_wrong_config_default_is_found_whatever_the_phrasing() -> None:
         "but the code says ConnectorConfig.max_bytes_per_transfer = 8.38861e+06",
         "planted.md:3: '`notification_poll_interval` (1 ms', "
         "but the code says ConnectorConfig.notification_poll_interval = 0.002",
+        "planted.md:4: '`inline_read_spin`, 1 ms', "
+        "but the code says Tuning.inline_read_spin = 0.0005",
     ]
 
 

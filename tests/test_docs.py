@@ -25,6 +25,7 @@ import pytest
 import trio_pd
 import trio_pd._core._protocol as protocol
 import trio_pd.testing
+from trio_pd._config import Tuning
 from trio_pd._core._remote_engine import (
     TRANSITIONS,
     EngineEvent,
@@ -308,8 +309,9 @@ def test_the_fact_tables_have_every_flag_field_metric_and_key() -> None:
         } - hidden
         assert shown == every, command
     assert [row[0] for row in facts.config_rows()] == [
-        f.name for f in attrs.fields(trio_pd.ConnectorConfig)
+        f.name for f in attrs.fields(trio_pd.ConnectorConfig) if not f.name.startswith("_")
     ]
+    assert [row[0] for row in facts.config_rows(Tuning)] == [f.name for f in attrs.fields(Tuning)]
     engine = {row.name for row in facts.engine_metric_rows()}
     assert {"trio_pd_serve_requests_total", "trio_pd_pulls_succeeded_total"} <= engine
     assert "trio_pd_engines_ready" in engine  # a gauge: no _total
@@ -398,8 +400,14 @@ def test_the_error_tables_have_every_row_of_the_code() -> None:
 def test_the_logger_table_has_every_logger_the_sources_use() -> None:
     import trio_pd._loggers as loggers
 
-    assert [name for name, _ in _facts().logger_rows()] == sorted(
-        loggers.loggers_used(), key=list(loggers.LOGGERS).index
+    facts = _facts()
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        import pd_loggers  # (the check that reads the sources; pd_facts runs it)
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+    assert [name for name, _ in facts.logger_rows()] == sorted(
+        pd_loggers.loggers_used(), key=list(loggers.LOGGERS).index
     )
 
 

@@ -11,6 +11,7 @@ import torch
 import trio
 
 import trio_pd
+from trio_pd._config import tuned
 from trio_pd.testing import WorkerSpec, mismatched_blocks, open_prefill_worker
 
 from .conftest import FAST, assert_back_to, kv_cache, live_threads, open_fds, wait_until
@@ -121,7 +122,7 @@ async def test_a_cancelled_pull_leaves_no_transfer_writing_into_its_blocks(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     # 16384 descriptors in transfers of 1024: the cancel lands mid-pull.
-    config = trio_pd.ConnectorConfig(max_descriptors_per_transfer=1024)
+    config = tuned(trio_pd.ConnectorConfig(), max_descriptors_per_transfer=1024)
     with trio.fail_after(120):
         local = _large_kv()
         async with (
@@ -225,7 +226,9 @@ async def test_exposures_expire_and_late_notifications_are_ignored(
 async def test_a_transfer_over_its_deadline_fails_with_the_blocks_named() -> None:
     # 256 MiB cannot move in 5 ms here (memcpy alone takes over 15 ms); in
     # transfers of 256 descriptors the deadline is checked between them.
-    config = trio_pd.ConnectorConfig(transfer_timeout=0.005, max_descriptors_per_transfer=256)
+    config = tuned(
+        trio_pd.ConnectorConfig(transfer_timeout=0.005), max_descriptors_per_transfer=256
+    )
     with trio.fail_after(120):
         local = _large_kv()
         async with (

@@ -21,6 +21,7 @@ import pytest
 import trio
 
 import trio_pd
+from trio_pd._config import tuned
 from trio_pd._transfer._backend import BackendError
 from trio_pd._transfer._nixl._driver import TransferDriver
 from trio_pd._transfer._nixl._inline import InlineReads
@@ -75,7 +76,7 @@ async def test_a_read_still_running_after_the_spin_is_adopted_by_the_driver() ->
         handle.forever = running
 
     agent.script = script
-    config = attrs.evolve(CONFIG, inline_read_spin=0.001)
+    config = tuned(CONFIG, inline_read_spin=0.001)
     with trio.fail_after(5):
         async with inline(agent, config) as (reads, transfers):
             one = job([1], "r1")
@@ -101,7 +102,7 @@ async def test_an_adopted_read_that_is_cancelled_ends_once_its_transfer_has_ende
     agent = ScriptedAgent()
     running = threading.Event()
     agent.script = lambda handle: setattr(handle, "forever", running)
-    config = attrs.evolve(CONFIG, inline_read_spin=0.0)
+    config = tuned(CONFIG, inline_read_spin=0.0)
     with trio.fail_after(5):
         async with inline(agent, config) as (reads, _):
             one = job([1], "r1")

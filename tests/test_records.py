@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import inspect
 import math
+import re
 from typing import Any
 
 import attrs
 import pytest
 
-from trio_pd._config import ConnectorConfig
-from trio_pd._core._public_values import RemoteBlocks
+from trio_pd._config import ConnectorConfig, Tuning, tuned
+from trio_pd._core._public_values import (
+    ConnectorStatistics,
+    ConsumerStatistics,
+    ProducerStatistics,
+    RemoteBlocks,
+)
 
 BLOCKS = RemoteBlocks(
     engine_id="prefill-0", host="10.0.0.7", port=5600, block_ids=[4, 2, 9], request_id="cmpl-1"
@@ -156,29 +163,27 @@ def test_config_defaults() -> None:
         120.0,
         5.0,
     )
-    assert (c.max_concurrent_fetches, c.max_message_bytes, c.resolved_history) == (
-        8,
-        1 << 20,
-        4096,
-    )
-    assert (c.poll_interval, c.poll_spin) == (0.0001, 0.0001)
+    assert (c.max_concurrent_fetches, c.max_message_bytes) == (8, 1 << 20)
     assert (c.notification_poll_interval, c.idle_notification_poll_interval) == (0.002, 0.05)
     assert c.compatibility_key == ""
     assert c.nixl_backends == ("UCX",)
     assert dict(c.nixl_backend_params) == {}
     assert (c.nixl_sync_mode, c.nixl_num_threads) == ("rw", 0)
+    t = c._tuning
+    assert (t.poll_interval, t.poll_spin, t.inline_read_spin) == (0.0001, 0.0001, 0.0005)
+    assert (t.max_descriptors_per_transfer, t.resolved_history) == (8192, 4096)
+    assert t.nixl_progress_thread is False
 
 
 def test_config_accepts_valid_values() -> None:
     c = ConnectorConfig(
         handshake_timeout=1,
-        poll_spin=0,
         max_concurrent_fetches=1,
         nixl_backends=["UCX", "GDS"],
         nixl_sync_mode="strict",
         nixl_num_threads=4,
     )
-    assert (c.handshake_timeout, c.poll_spin, c.max_concurrent_fetches) == (1, 0, 1)
+    assert (c.handshake_timeout, c.max_concurrent_fetches) == (1, 1)
     assert c.nixl_backends == ("UCX", "GDS")
     assert (c.nixl_sync_mode, c.nixl_num_threads) == ("strict", 4)
 
@@ -195,7 +200,6 @@ POSITIVE = [
     "transfer_timeout",
     "abort_timeout",
     "close_timeout",
-    "poll_interval",
     "notification_poll_interval",
     "idle_notification_poll_interval",
 ]
@@ -208,15 +212,7 @@ def test_config_timeouts_must_be_finite_and_positive(name: str, value: object) -
         ConnectorConfig(**{name: value})
 
 
-@pytest.mark.parametrize("value", [-0.001, math.nan, math.inf, "0"])
-def test_config_poll_spin_must_be_finite_and_non_negative(value: object) -> None:
-    with pytest.raises(ValueError, match="poll_spin must be a finite number >= 0"):
-        ConnectorConfig(poll_spin=value)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize(
-    "name", ["max_concurrent_fetches", "max_message_bytes", "resolved_history"]
-)
+@pytest.mark.parametrize("name", ["max_concurrent_fetches", "max_message_bytes"])
 @pytest.mark.parametrize("value", [0, -1, True, False, 2.0, "8", None])
 def test_config_counts_must_be_ints_of_at_least_one(name: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
@@ -259,6 +255,56 @@ def test_config_nixl_num_threads_rejects_strings() -> None:
         ConnectorConfig(nixl_num_threads="2")  # type: ignore[arg-type]
 
 
+# --- Tuning: the internal knobs a config carries --------------------------------
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "poll_interval",
+        "poll_spin",
+        "inline_read_spin",
+        "max_descriptors_per_transfer",
+        "resolved_history",
+        "nixl_progress_thread",
+    ],
+)
+def test_the_tuning_knobs_are_not_public_config_fields(name: str) -> None:
+    assert name not in attrs.fields_dict(ConnectorConfig)
+    with pytest.raises(TypeError):
+        ConnectorConfig(**{name: attrs.fields_dict(Tuning)[name].default})
+
+
+def test_tuned_changes_only_the_knobs_named() -> None:
+    base = ConnectorConfig(handshake_timeout=2.0)
+    c = tuned(base, poll_spin=0, resolved_history=8)
+    assert (c._tuning.poll_spin, c._tuning.resolved_history) == (0, 8)
+    assert c._tuning.inline_read_spin == base._tuning.inline_read_spin
+    assert attrs.evolve(c, _tuning=base._tuning) == base
+    assert attrs.evolve(c, handshake_timeout=3.0)._tuning == c._tuning
+    assert c != base
+
+
+def test_tuning_interval_must_be_finite_and_positive() -> None:
+    for value in [0, -1.0, math.nan, math.inf, "5", None]:
+        with pytest.raises(ValueError, match="poll_interval must be a finite number > 0"):
+            Tuning(poll_interval=value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["poll_spin", "inline_read_spin"])
+@pytest.mark.parametrize("value", [-0.001, math.nan, math.inf, "0"])
+def test_tuning_spins_must_be_finite_and_non_negative(name: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"{name} must be a finite number >= 0"):
+        Tuning(**{name: value})
+
+
+@pytest.mark.parametrize("name", ["max_descriptors_per_transfer", "resolved_history"])
+@pytest.mark.parametrize("value", [0, -1, True, 2.0, None])
+def test_tuning_counts_must_be_ints_of_at_least_one(name: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
+        Tuning(**{name: value})
+
+
 def test_vllm_style_nulls_mean_absent_and_a_token_must_be_a_string() -> None:
     params = {**PARAMS, "remote_incarnation": None, "remote_token": None, "tp_size": None}
     parsed = RemoteBlocks.from_kv_transfer_params(params)
@@ -268,3 +314,51 @@ def test_vllm_style_nulls_mean_absent_and_a_token_must_be_a_string() -> None:
     assert RemoteBlocks.from_kv_transfer_params(signed.to_kv_transfer_params()) == signed
     with pytest.raises(ValueError, match="remote_token"):
         RemoteBlocks.from_kv_transfer_params({**PARAMS, "remote_token": 7})
+
+
+# --- statistics ------------------------------------------------------------------
+
+
+def _roles() -> tuple[ConsumerStatistics, ProducerStatistics]:
+    consumer = ConsumerStatistics(
+        **{
+            f.name: {"timeout": 2} if f.name == "handshake_failures_by_cause" else i + 1
+            for i, f in enumerate(attrs.fields(ConsumerStatistics))
+            if f.name != "backend_stuck_call"
+        },
+        backend_stuck_call="add_remote_agent",
+    )
+    producer = ProducerStatistics(
+        **{f.name: 100 + i for i, f in enumerate(attrs.fields(ProducerStatistics))}
+    )
+    return consumer, producer
+
+
+def test_connector_statistics_are_both_roles_counters_flat() -> None:
+    consumer, producer = _roles()
+    stats = ConnectorStatistics.of_roles(consumer, producer)
+    assert (stats.pulls_succeeded, stats.exposures_released) == (
+        consumer.pulls_succeeded,
+        producer.exposures_released,
+    )
+    assert stats.handshake_failures_by_cause == {"timeout": 2}
+    assert stats.backend_stuck_call == "add_remote_agent"
+    assert (stats.consumer, stats.producer) == (consumer, producer)
+    assert type(stats.consumer) is ConsumerStatistics
+    assert stats == ConnectorStatistics.of_roles(consumer, producer)
+    assert stats != ConnectorStatistics.of_roles(consumer, attrs.evolve(producer, confirmations=0))
+    assert stats != consumer  # (equal only to a ConnectorStatistics)
+    names = [f.name for f in attrs.fields(ConnectorStatistics)]
+    roles = [
+        f.name for role in (ConsumerStatistics, ProducerStatistics) for f in attrs.fields(role)
+    ]
+    assert names == roles  # each counter declared once, in its role; consumer first
+    with pytest.raises(TypeError):
+        ConsumerStatistics(*attrs.astuple(consumer, recurse=False))  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("cls", [ConsumerStatistics, ProducerStatistics, ConnectorStatistics])
+def test_every_counter_is_described_once_in_its_docstring(cls: type) -> None:
+    doc = inspect.getdoc(cls) or ""
+    described = re.findall(r"^    (\w+): ", doc[doc.index("Attributes:") :], re.M)
+    assert described == [f.name for f in attrs.fields(cls)]

@@ -10,9 +10,11 @@ Directives (for MyST pages: the descriptions are parsed as Markdown):
 ``cli-flags`` *COMMAND*
     ``trio-pd COMMAND``'s flags from its argparse parser (``trio_pd._cli``,
     built, not run): flag, default, and the ``--help`` text.
-``config-fields``
-    Every field of :class:`trio_pd.ConnectorConfig`: its default (from attrs)
-    and its description (the docstring's ``Attributes:`` entry).
+``config-fields`` [*Tuning*]
+    Every public field of :class:`trio_pd.ConnectorConfig` (or, with the
+    argument ``Tuning``, every internal knob of ``trio_pd._config.Tuning``):
+    its default (from attrs) and its description (the docstring's
+    ``Attributes:`` entry).
 ``prometheus-metrics`` *engine* | *proxy*
     The metrics an engine or the proxy exports at ``/metrics``: name as
     exposed, type, labels, help (for the connector's statistics, the
@@ -25,7 +27,8 @@ Directives (for MyST pages: the descriptions are parsed as Markdown):
 ``loggers``
     Every logger of :data:`trio_pd._loggers.LOGGERS` and what it logs; a
     ``logging.getLogger`` in the sources that names a logger not listed there,
-    or a listed logger that no code uses, is an error.
+    or a listed logger that no code uses, is an error (``pd_loggers`` reads
+    the sources).
 
 The wire protocol's tables and the servers' error answers are rendered by
 ``pd_facts_wire``, with this module's tables.
@@ -45,6 +48,7 @@ from typing import Any, ClassVar
 import attrs
 from docutils import nodes
 from docutils.statemachine import StringList
+from pd_loggers import unlisted_or_unused
 from sphinx.application import Sphinx
 from sphinx.util.docutils import SphinxDirective
 
@@ -244,7 +248,8 @@ _STATED_DEFAULT = re.compile(
 
 
 def config_rows(cls: type = ConnectorConfig) -> list[tuple[str, str, str]]:
-    """(field, default, description) of every field of ``cls`` (an attrs class).
+    """(field, default, description) of every public field of ``cls`` (an attrs
+    class; ``ConnectorConfig``'s private ``_tuning`` is :class:`Tuning`'s table).
 
     Raises:
         ValueError: a field with no description, or whose description states
@@ -253,6 +258,8 @@ def config_rows(cls: type = ConnectorConfig) -> list[tuple[str, str, str]]:
     docs = attribute_docs(cls)
     rows = []
     for field in attrs.fields(cls):
+        if field.name.startswith("_"):
+            continue
         if field.name not in docs:
             raise ValueError(f"{cls.__name__}.{field.name} has no entry in the docstring")
         default = field.default
@@ -295,15 +302,23 @@ def _shown(default: object) -> str:
 
 
 class ConfigFields(FactTable):
+    optional_arguments = 1
     widths = (3, 2, 8)
     modules = (config,)
+    RECORDS: ClassVar[dict[str, type]] = {
+        "ConnectorConfig": ConnectorConfig,
+        "Tuning": config.Tuning,
+    }
 
     def header(self) -> Sequence[str]:
         return ("field", "default", "what")
 
     def rows(self) -> Iterable[Sequence[Cell]]:
+        name = self.arguments[0] if self.arguments else "ConnectorConfig"
+        if name not in self.RECORDS:
+            raise self.error(f"no config record {name!r} ({', '.join(self.RECORDS)})")
         try:
-            rows = config_rows()
+            rows = config_rows(self.RECORDS[name])
         except ValueError as exc:
             raise self.error(str(exc)) from None
         for name, default, what in rows:
@@ -446,7 +461,7 @@ def logger_rows() -> list[tuple[str, str]]:
         ValueError: the sources use a logger that is not listed, or a listed
             logger is used nowhere.
     """
-    problems = loggers.unlisted_or_unused()
+    problems = unlisted_or_unused()
     if problems:
         raise ValueError("; ".join(problems))
     return list(loggers.LOGGERS.items())

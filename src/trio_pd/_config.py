@@ -1,4 +1,5 @@
-"""Deadlines, limits and NIXL options of a connector, in one frozen record."""
+"""Deadlines, limits and NIXL options of a connector, in one frozen record, and
+the internal knobs it carries privately (:class:`Tuning`)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,48 @@ def _freeze_backend_params(
 
 
 @attrs.frozen(kw_only=True)
+class Tuning:
+    """Internal pacing and sizing knobs of a connector, not part of the public API.
+
+    Each was a :class:`ConnectorConfig` field that no deployment set; they
+    stay adjustable for the tests and the benchmarks, which set them through
+    :func:`tuned` (a config's ``_tuning``). Names, defaults and meaning may
+    change in any release.
+
+    Attributes:
+        poll_interval: how long the transfer driver sleeps between checks of
+            running transfers when nothing moved for ``poll_spin``. Sleeping
+            leaves the core to the threads that drive the same transfers (on
+            a small machine, spinning delays the completion it waits for).
+            Default 0.0001.
+        poll_spin: how long the transfer driver checks running transfers
+            without sleeping after something moved. Default 0.0001.
+        inline_read_spin: how long the trio thread checks an inline read
+            before it hands the still-running transfer to the driver (so a
+            read to a far or stalled peer holds the loop no longer than
+            this). Default 0.0005.
+        max_descriptors_per_transfer: the most descriptors (blocks x regions)
+            in one posted NIXL transfer; a larger pull is posted in chunks.
+            Default 8192.
+        resolved_history: how many resolved exposures are remembered so that
+            :meth:`~trio_pd.Connector.wait_released` called after the fact still
+            sees the outcome. Default 4096.
+        nixl_progress_thread: start NIXL's own progress thread. It polls without
+            pause and keeps a whole core busy per agent even when idle
+            (measured: 1.0 core for one idle connector), so it is off by
+            default: trio_pd's transfer driver and the producer's
+            notification thread advance the agent instead. Default False.
+    """
+
+    poll_interval: float = attrs.field(default=0.0001, validator=_positive)
+    poll_spin: float = attrs.field(default=0.0001, validator=_non_negative)
+    inline_read_spin: float = attrs.field(default=0.0005, validator=_non_negative)
+    max_descriptors_per_transfer: int = attrs.field(default=8192, validator=_at_least_one)
+    resolved_history: int = attrs.field(default=4096, validator=_at_least_one)
+    nixl_progress_thread: bool = False
+
+
+@attrs.frozen(kw_only=True)
 class ConnectorConfig:
     """Every deadline, limit and NIXL option of a connector.
 
@@ -110,22 +153,12 @@ class ConnectorConfig:
             serialised, in the handshake task.) Default 8.
         max_message_bytes: the largest side-channel message accepted, in either
             direction; larger ones are dropped by ZeroMQ. Default 1 MiB.
-        max_descriptors_per_transfer: the most descriptors (blocks x regions)
-            in one posted NIXL transfer; a larger pull is posted in chunks.
-            Default 8192.
         max_bytes_per_transfer: the most bytes in one posted transfer, and
             what the transfer driver posts per turn before it polls and
             takes new pulls. On one host a transfer's bytes are copied while
             it is posted (about 2 ms for the default here), so this bounds
             how long a large pull holds up a small one. Cancellation and
             shutdown stop a pull between its chunks. Default 8 MiB.
-        poll_interval: how long the transfer driver sleeps between checks of
-            running transfers when nothing moved for ``poll_spin``. Sleeping
-            leaves the core to the threads that drive the same transfers (on
-            a small machine, spinning delays the completion it waits for).
-            Default 0.0001.
-        poll_spin: how long the transfer driver checks running transfers
-            without sleeping after something moved. Default 0.0001.
         inline_read_bytes: a pull's read of at most this many bytes (one
             transfer) is posted by the trio thread itself, without the
             transfer driver, when nothing else would run: the driver has no
@@ -134,14 +167,10 @@ class ConnectorConfig:
             wake-ups, most of a small pull's time. 0 turns it off. Default
             256 KiB (on one host ``transfer()`` is the copy: its time on the
             trio thread grows with the size).
-        inline_read_spin: how long the trio thread checks an inline read
-            before it hands the still-running transfer to the driver (so a
-            read to a far or stalled peer holds the loop no longer than
-            this). Default 0.0005.
         notification_poll_interval: while exposures are pending, the
             producer's notification thread checks for consumer notifications;
             each check also advances the NIXL agent, which consumers' READs
-            wait for. It checks every ``poll_interval`` while reads are
+            wait for. It checks every 100 us while reads are
             expected (for half a second after blocks are exposed or a
             notification arrives); beyond that -- exposures nobody reads --
             at doubling intervals up to this one, so that stale exposures
@@ -152,9 +181,6 @@ class ConnectorConfig:
             the longest the notification thread waits before it hands
             control back to the trio loop (expiry is checked then).
             Default 0.05.
-        resolved_history: how many resolved exposures are remembered so that
-            :meth:`~trio_pd.Connector.wait_released` called after the fact still
-            sees the outcome. Default 4096.
         backoff_initial: after a failed handshake the engine is in backoff:
             pulls fail fast with the same error until the delay passes, then
             the next pull retries. The n-th consecutive failure waits
@@ -197,11 +223,6 @@ class ConnectorConfig:
             failure tests) and twice aborted the consumer process (an
             assertion in ``arbiter.c``) when the agent was released; none of
             that in 22 runs without the pool.
-        nixl_progress_thread: start NIXL's own progress thread. It polls without
-            pause and keeps a whole core busy per agent even when idle
-            (measured: 1.0 core for one idle connector), so it is off by
-            default: trio_pd's transfer driver and the producer's
-            notification thread advance the agent instead. Default False.
     """
 
     handshake_timeout: float = attrs.field(default=5.0, validator=_positive)
@@ -214,15 +235,10 @@ class ConnectorConfig:
     interface_timeout: float = attrs.field(default=30.0, validator=_positive)
     max_concurrent_fetches: int = attrs.field(default=8, validator=_at_least_one)
     max_message_bytes: int = attrs.field(default=1 << 20, validator=_at_least_one)
-    max_descriptors_per_transfer: int = attrs.field(default=8192, validator=_at_least_one)
     max_bytes_per_transfer: int = attrs.field(default=8 << 20, validator=_at_least_one)
-    poll_interval: float = attrs.field(default=0.0001, validator=_positive)
-    poll_spin: float = attrs.field(default=0.0001, validator=_non_negative)
     inline_read_bytes: int = attrs.field(default=256 << 10, validator=_non_negative_int)
-    inline_read_spin: float = attrs.field(default=0.0005, validator=_non_negative)
     notification_poll_interval: float = attrs.field(default=0.002, validator=_positive)
     idle_notification_poll_interval: float = attrs.field(default=0.05, validator=_positive)
-    resolved_history: int = attrs.field(default=4096, validator=_at_least_one)
     backoff_initial: float = attrs.field(default=1.0, validator=_positive)
     backoff_max: float = attrs.field(default=30.0, validator=_positive)
     backoff_jitter: float = attrs.field(default=0.2, validator=_fraction)
@@ -239,7 +255,8 @@ class ConnectorConfig:
         default="rw", validator=attrs.validators.in_(("rw", "strict"))
     )
     nixl_num_threads: int = attrs.field(default=0, validator=_non_negative_int)
-    nixl_progress_thread: bool = False
+    _tuning: Tuning = attrs.field(factory=Tuning, alias="_tuning")
+    """The internal knobs (:class:`Tuning`); see :func:`tuned`."""
 
     def __attrs_post_init__(self) -> None:
         if self.heartbeat_interval >= self.lease_renewal:
@@ -251,3 +268,8 @@ class ConnectorConfig:
     @property
     def backoff(self) -> Backoff:
         return Backoff(self.backoff_initial, self.backoff_max, self.backoff_jitter)
+
+
+def tuned(config: ConnectorConfig, **changes: Any) -> ConnectorConfig:
+    """``config`` with these :class:`Tuning` fields changed (for tests and benchmarks)."""
+    return attrs.evolve(config, _tuning=attrs.evolve(config._tuning, **changes))

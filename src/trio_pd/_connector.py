@@ -367,7 +367,7 @@ class Connector:
         it will not read: the blocks are free at once) or
         :attr:`Released.EXPIRED` (the lease ran out); see :meth:`expose`.
         Returns at once if it already resolved (outcomes are remembered for
-        the last ``config.resolved_history`` exposures).
+        the last 4096 exposures resolved).
 
         Raises:
             KeyError: ``request_id`` was never exposed (or long forgotten).

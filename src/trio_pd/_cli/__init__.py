@@ -36,6 +36,7 @@ from trio_pd._cli.common import (
     EXIT_OK,
     EXIT_USAGE,
     UsageError,
+    add_address_arguments,
     add_internal_key_argument,
     add_lease_argument,
     add_send_timeout_argument,
@@ -178,19 +179,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="M",
         help="tensor-parallel size of each decode engine",
     )
-    serve.add_argument(
-        "--host",
-        default=serving.host,
-        help="where every server binds; may be a wildcard (0.0.0.0, ::)",
-    )
-    serve.add_argument(
-        "--advertise-host",
-        default="",
-        metavar="HOST",
-        help="the address the servers are dialled at (default: --host; 127.0.0.1 for a wildcard)",
-    )
-    serve.add_argument(
-        "--port", type=int, default=serving.port, help="the proxy's port (0: any free port)"
+    add_address_arguments(
+        serve,
+        host=serving.host,
+        binds="where every server binds",
+        advertise="the address the servers are dialled at (default: --host; 127.0.0.1 for a "
+        "wildcard)",
+        port=serving.port,
+        port_help="the proxy's port (0: any free port)",
     )
     serve.add_argument(
         "--ready-file",

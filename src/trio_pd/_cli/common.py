@@ -1,6 +1,7 @@
 """What ``trio-pd engine``, ``proxy`` and ``serve`` share: exit statuses,
-the etcd flags (and the one place a membership is built from them), the
-exposure secret, and the keys (client keys, the internal key, CURVE)."""
+the address flags, the etcd flags (and the one place a membership is built
+from them), the exposure secret, and the keys (client keys, the internal key,
+CURVE)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,24 @@ status the command can exit with; ``docs/serving.md`` renders it (the
 
 class UsageError(Exception):
     """A bad argument: the command prints it in one line and exits with status 2."""
+
+
+def add_address_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    host: str,
+    binds: str,
+    advertise: str,
+    port: int,
+    port_help: str,
+) -> None:
+    """``--host``, ``--advertise-host`` and ``--port``, with the command's defaults
+    (``host``, ``port``; ``--advertise-host`` defaults to ``--host``) and help:
+    ``binds`` says what binds to ``--host``, ``advertise`` and ``port_help`` are
+    the other two flags' help."""
+    parser.add_argument("--host", default=host, help=f"{binds}; may be a wildcard (0.0.0.0, ::)")
+    parser.add_argument("--advertise-host", default="", metavar="HOST", help=advertise)
+    parser.add_argument("--port", type=int, default=port, help=port_help)
 
 
 def add_etcd_arguments(parser: argparse.ArgumentParser, what: str, ttl: str) -> None:

@@ -26,6 +26,7 @@ from trio_pd._cli.common import (
     EXIT_FAILED,
     EXIT_OK,
     UsageError,
+    add_address_arguments,
     add_etcd_arguments,
     add_internal_key_argument,
     add_lease_argument,
@@ -57,23 +58,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="tensor-parallel size: N connectors (N must divide the model's 2 KV heads)",
     )
-    parser.add_argument(
-        "--host",
-        default=defaults.host,
-        help="where HTTP and the side channel bind; may be a wildcard (0.0.0.0, ::)",
-    )
-    parser.add_argument(
-        "--advertise-host",
-        default="",
-        metavar="HOST",
-        help="the address that peers and the proxy dial, in kv_transfer_params and the ready "
-        "file (default: --host); required with a wildcard --host",
-    )
-    parser.add_argument(
-        "--port",
-        type=int,
-        default=0,
-        help="HTTP port (0: any free port, the ready file says which)",
+    add_address_arguments(
+        parser,
+        host=defaults.host,
+        binds="where HTTP and the side channel bind",
+        advertise="the address that peers and the proxy dial, in kv_transfer_params and the "
+        "ready file (default: --host); required with a wildcard --host",
+        port=0,
+        port_help="HTTP port (0: any free port, the ready file says which)",
     )
     parser.add_argument(
         "--side-channel-port",

@@ -26,6 +26,7 @@ from trio_pd._cli.common import (
     EXIT_FAILED,
     EXIT_OK,
     UsageError,
+    add_address_arguments,
     add_etcd_arguments,
     add_internal_key_argument,
     add_send_timeout_argument,
@@ -171,17 +172,13 @@ class _Router:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = ProxyOptions()
-    parser.add_argument(
-        "--host", default=defaults.host, help="bind address; may be a wildcard (0.0.0.0, ::)"
-    )
-    parser.add_argument(
-        "--advertise-host",
-        default="",
-        metavar="HOST",
-        help="the address in the ready file's URL (default: --host; required with a wildcard)",
-    )
-    parser.add_argument(
-        "--port", type=int, default=defaults.port, help="the proxy's port (0: any free port)"
+    add_address_arguments(
+        parser,
+        host=defaults.host,
+        binds="bind address",
+        advertise="the address in the ready file's URL (default: --host; required with a wildcard)",
+        port=defaults.port,
+        port_help="the proxy's port (0: any free port)",
     )
     parser.add_argument(
         "--prefill",

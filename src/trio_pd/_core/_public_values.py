@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import textwrap
+from collections.abc import Callable, Mapping
 from typing import Any, Final, TypeVar
 
 import attrs
@@ -164,59 +165,12 @@ class PullResult:
     handshake_wait: float
 
 
-@attrs.frozen
+# A role's counters are keyword-only (ConnectorStatistics combines both roles'
+# fields, and no order of required and defaulted fields would hold for both) and
+# have no __slots__ (two slotted bases could not be combined).
+@attrs.frozen(kw_only=True, slots=False)
 class ConsumerStatistics:
-    """The consumer (decode) role's counters; see :class:`ConnectorStatistics`."""
-
-    handshakes_started: int
-    handshakes_succeeded: int
-    handshakes_failed: int
-    handshake_failures_by_cause: Mapping[str, int]
-    engines_ready: int
-    pulls_succeeded: int
-    pulls_failed: int
-    pulls_in_flight: int
-    pulls_rejected_in_backoff: int
-    restarts_detected: int
-    peers_disconnected: int
-    bytes_pulled: int
-    remote_agents_loaded: int
-    transfers_posted: int
-    transfers_unsettled: int
-    pulls_rejected: int = 0
-    blocks_unsettled: int = 0
-    backend_stuck_call: str = ""
-    holds_active: int = 0
-    heartbeats_sent: int = 0
-    abandons_sent: int = 0
-    abandons_failed: int = 0
-    pulls_exposure_ended: int = 0
-
-
-@attrs.frozen
-class ProducerStatistics:
-    """The producer (prefill) role's counters; see :class:`ConnectorStatistics`."""
-
-    exposures_pending: int
-    exposures_released: int
-    exposures_expired: int
-    exposures_abandoned: int
-    leases_renewed: int
-    leases_refused: int
-    notifications_ignored: int
-    listener_requests: int
-    listener_rejects: int
-    listener_auth_failures: int
-    confirmations: int = 0
-    confirmations_denied: int = 0
-
-
-@attrs.frozen
-class ConnectorStatistics:
-    """A snapshot of a connector's counters (see :meth:`~trio_pd.Connector.statistics`).
-
-    Every counter of both roles, flat; :attr:`consumer` and :attr:`producer`
-    give one role's counters alone.
+    """The consumer (decode) role's counters (:attr:`ConnectorStatistics.consumer`).
 
     Attributes:
         handshakes_started: handshake attempts started, consumer side.
@@ -226,14 +180,14 @@ class ConnectorStatistics:
             :class:`~trio_pd.FailureCause` (a ``str`` enum: ``"timeout"``,
             ``"refused"`` (authentication), ``"protocol"`` (bad reply),
             ``"incompatible"``, ``"nixl"`` (loading the remote agent)).
-        pulls_rejected_in_backoff: pulls that failed fast because their
-            engine was in backoff after a failed handshake.
-        restarts_detected: engines found running a new incarnation.
-        peers_disconnected: engines whose transfers reported a lost peer.
         engines_ready: remote engines ready for pulls now.
         pulls_succeeded: pulls that finished successfully.
         pulls_failed: pulls that failed (cancelled pulls count as neither).
         pulls_in_flight: pulls posted and not finished.
+        pulls_rejected_in_backoff: pulls that failed fast because their
+            engine was in backoff after a failed handshake.
+        restarts_detected: engines found running a new incarnation.
+        peers_disconnected: engines whose transfers reported a lost peer.
         bytes_pulled: bytes copied by successful pulls.
         remote_agents_loaded: remote agents loaded in the transfer backend
             now, retired ones included until they are unloaded.
@@ -265,6 +219,38 @@ class ConnectorStatistics:
         pulls_exposure_ended: pulls that failed with
             :class:`~trio_pd.ExposureEndedError` (also in ``pulls_failed``):
             their producer no longer held the blocks for them.
+    """
+
+    handshakes_started: int
+    handshakes_succeeded: int
+    handshakes_failed: int
+    handshake_failures_by_cause: Mapping[str, int]
+    engines_ready: int
+    pulls_succeeded: int
+    pulls_failed: int
+    pulls_in_flight: int
+    pulls_rejected_in_backoff: int
+    restarts_detected: int
+    peers_disconnected: int
+    bytes_pulled: int
+    remote_agents_loaded: int
+    transfers_posted: int
+    transfers_unsettled: int
+    pulls_rejected: int = 0
+    blocks_unsettled: int = 0
+    backend_stuck_call: str = ""
+    holds_active: int = 0
+    heartbeats_sent: int = 0
+    abandons_sent: int = 0
+    abandons_failed: int = 0
+    pulls_exposure_ended: int = 0
+
+
+@attrs.frozen(kw_only=True, slots=False)
+class ProducerStatistics:
+    """The producer (prefill) role's counters (:attr:`ConnectorStatistics.producer`).
+
+    Attributes:
         exposures_pending: producer side: exposures not resolved yet.
         exposures_released: exposures resolved ``READ``.
         exposures_expired: exposures resolved ``EXPIRED``.
@@ -283,41 +269,54 @@ class ConnectorStatistics:
             ended (the pull fails with :class:`~trio_pd.ExposureEndedError`).
     """
 
-    handshakes_started: int
-    handshakes_succeeded: int
-    handshakes_failed: int
-    handshake_failures_by_cause: Mapping[str, int]
-    engines_ready: int
-    pulls_succeeded: int
-    pulls_failed: int
-    pulls_in_flight: int
-    pulls_rejected_in_backoff: int
-    restarts_detected: int
-    peers_disconnected: int
-    bytes_pulled: int
     exposures_pending: int
     exposures_released: int
     exposures_expired: int
+    exposures_abandoned: int
+    leases_renewed: int
+    leases_refused: int
     notifications_ignored: int
     listener_requests: int
     listener_rejects: int
     listener_auth_failures: int
-    remote_agents_loaded: int = 0
-    transfers_posted: int = 0
-    transfers_unsettled: int = 0
-    pulls_rejected: int = 0
-    blocks_unsettled: int = 0
-    backend_stuck_call: str = ""
-    holds_active: int = 0
-    heartbeats_sent: int = 0
-    abandons_sent: int = 0
-    abandons_failed: int = 0
-    exposures_abandoned: int = 0
-    leases_renewed: int = 0
-    leases_refused: int = 0
-    pulls_exposure_ended: int = 0
     confirmations: int = 0
     confirmations_denied: int = 0
+
+
+_T = TypeVar("_T")
+
+
+def _documenting_the_counters_of(*roles: type) -> Callable[[type[_T]], type[_T]]:
+    """Append the ``Attributes:`` entries of ``roles``' docstrings to the
+    decorated class's (which ends with an ``Attributes:`` header), so that each
+    counter is described once, where its role declares it."""
+
+    def entries(role: type) -> str:
+        doc = role.__doc__ or ""
+        return textwrap.dedent(doc[doc.index("Attributes:\n") + len("Attributes:\n") :])
+
+    def document(cls: type[_T]) -> type[_T]:
+        listed = "".join(entries(role) for role in roles)
+        cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n" + textwrap.indent(listed, "        ")
+        return cls
+
+    return document
+
+
+# The bases in this order: attrs takes the fields of the last base first, so the
+# consumer's counters come first, as in the docstring.
+@_documenting_the_counters_of(ConsumerStatistics, ProducerStatistics)
+@attrs.frozen(kw_only=True)
+class ConnectorStatistics(ProducerStatistics, ConsumerStatistics):
+    """A snapshot of a connector's counters (see :meth:`~trio_pd.Connector.statistics`).
+
+    Every counter of both roles, flat: the fields of :class:`ConsumerStatistics`
+    and of :class:`ProducerStatistics` (each declared and described there
+    once), keyword-only; :attr:`consumer` and :attr:`producer` give one role's
+    counters alone, as that role's record.
+
+    Attributes:
+    """
 
     @classmethod
     def of_roles(

@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from trio_pd._config import ConnectorConfig
+from trio_pd._config import ConnectorConfig, Tuning
 from trio_pd._curve_keys import CurveAuth
 
 
@@ -75,7 +75,7 @@ class WorkerSpec:
 
 def jsonable(value: object) -> object:
     """``json.dumps``'s ``default``: ``value`` as JSON knows it (mappings, sets
-    and tuples, ``CurveAuth``, bytes as hex).
+    and tuples, ``CurveAuth`` and ``Tuning``, bytes as hex).
 
     Raises:
         TypeError: anything else.
@@ -84,7 +84,7 @@ def jsonable(value: object) -> object:
         return dict(value)
     if isinstance(value, frozenset | set | tuple):
         return sorted(value) if isinstance(value, frozenset | set) else list(value)
-    if isinstance(value, CurveAuth):
+    if isinstance(value, CurveAuth | Tuning):
         return attrs.asdict(value, recurse=False)
     if isinstance(value, bytes):  # exposure_secret: hex (see config_from_overrides)
         return value.hex()
@@ -108,6 +108,8 @@ def config_from_overrides(overrides: Mapping[str, Any]) -> ConnectorConfig:
     values = dict(overrides)
     if values.get("auth") is not None:
         values["auth"] = CurveAuth(**values["auth"])
+    if values.get("_tuning") is not None:
+        values["_tuning"] = Tuning(**values["_tuning"])
     if isinstance(values.get("exposure_secret"), str):
         values["exposure_secret"] = bytes.fromhex(values["exposure_secret"])
     return ConnectorConfig(**values)

@@ -87,7 +87,7 @@ class Producer:
         self._config = config
         self._address: tuple[str, int] | None = None
         self._closed = False
-        self._exposures = ExposureTable(history=config.resolved_history)
+        self._exposures = ExposureTable(history=config._tuning.resolved_history)
         self._release_events: dict[str, trio.Event] = {}
         self._exposure_added = trio.Event()
         self._counters = _Counters()

@@ -44,7 +44,7 @@ def create_agent(
 
     def create() -> Any:
         agent_config = nixl_agent_config(
-            enable_prog_thread=config.nixl_progress_thread, backends=[], sync_mode=sync
+            enable_prog_thread=config._tuning.nixl_progress_thread, backends=[], sync_mode=sync
         )
         return nixl_agent(agent_name, agent_config)
 

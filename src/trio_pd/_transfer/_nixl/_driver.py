@@ -240,8 +240,8 @@ class TransferDriver:
                     return
             if self._turn(time.monotonic()):
                 idle_since = time.monotonic()
-            elif time.monotonic() - idle_since >= self._config.poll_spin:
-                time.sleep(self._config.poll_interval)
+            elif time.monotonic() - idle_since >= self._config._tuning.poll_spin:
+                time.sleep(self._config._tuning.poll_interval)
 
     def _take(self, *, block: bool) -> bool:
         """Move submitted jobs to the front of the run queue; return True on stop.

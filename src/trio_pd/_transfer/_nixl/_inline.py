@@ -37,7 +37,7 @@ thread with no checkpoint between the check and the NIXL calls):
 
 What: ``make_prepped_xfer`` and ``transfer`` with the notification attached
 (as the driver does for a one-transfer job), then ``check_xfer_state`` until
-it ends or ``config.inline_read_spin`` passed. If it ended, the handle is
+it ends or ``config._tuning.inline_read_spin`` passed. If it ended, the handle is
 released and the job ends here (``job.error``: ``None``, or NIXL's
 exception as ``_errors`` maps it, as in the driver); otherwise the driver
 *adopts* the running transfer (the handle goes through its queue, and from
@@ -134,7 +134,7 @@ class InlineReads:
         try:
             state = agent.transfer(handle)
             call = "check_xfer_state"
-            spin_until = time.monotonic() + self._config.inline_read_spin
+            spin_until = time.monotonic() + self._config._tuning.inline_read_spin
             while state == "PROC" and time.monotonic() < spin_until:
                 state = agent.check_xfer_state(handle)
         except Exception as exc:

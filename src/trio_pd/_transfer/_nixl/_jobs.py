@@ -138,7 +138,7 @@ def job_for(
     chunk = max(
         1,
         min(
-            config.max_descriptors_per_transfer,
+            config._tuning.max_descriptors_per_transfer,
             config.max_bytes_per_transfer // descriptor_bytes,
         ),
     )

@@ -57,7 +57,7 @@ class NotificationPoller:
         takes NIXL's writer lock, so an inline read (``_inline``), which the trio
         thread must never make wait, runs only if it can take this at once."""
         self._trio_thread = threading.current_thread()
-        self._pause = config.poll_interval
+        self._pause = config._tuning.poll_interval
         self._expecting_until = 0.0
         self._reads_expected = threading.Event()
 
@@ -114,13 +114,13 @@ class NotificationPoller:
                 notifs: dict[str, list[bytes]] = nixl_call("get_new_notifs", agent.get_new_notifs)
             now = time.monotonic()
             if notifs:
-                return notifs, config.poll_interval, now + READS_EXPECTED_FOR
+                return notifs, config._tuning.poll_interval, now + READS_EXPECTED_FOR
             if self._closing.is_set() or now >= give_up:
                 return notifs, pause, expecting_until
             if threading.current_thread() is not self._trio_thread:
                 trio.from_thread.check_cancelled()
             if now < expecting_until:
-                pause = config.poll_interval
+                pause = config._tuning.poll_interval
             else:
                 pause = min(2 * pause, config.notification_poll_interval)
             time.sleep(min(pause, give_up - now))
