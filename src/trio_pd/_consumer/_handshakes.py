@@ -12,9 +12,11 @@ connector's nursery:
 * *fetch workers*, at most ``max_concurrent_fetches``, and one *watchdog*
   (``_fetch_queue.AttemptRunner``), there while attempts are: the workers
   fetch and check the queued attempts' metadata, in order, each within its
-  deadline, and queue the load (not the whole reply), holding back at
-  :data:`LOAD_BYTES_AHEAD`; the watchdog fails an attempt still queued for
-  a fetch or its load at its deadline (``handshake_timeout`` after start).
+  attempt's deadline, and queue the load (what it needs, not the whole
+  reply), holding back while the loads queued or running hold
+  :data:`LOAD_BYTES_AHEAD` bytes of agent metadata; the watchdog fails an
+  attempt still queued for a fetch or for its load at its deadline,
+  ``handshake_timeout`` after it started.
 
 Each attempt has an event (``_remote_table.AttemptDone``); its outcome is
 in the engine's record (state, error), so every waiter reads the same
@@ -68,7 +70,8 @@ HANDSHAKES_PER_PULL = 3
 _PENDING = (EngineState.FETCHING, EngineState.VERIFYING)  # (no metadata yet)
 
 _QueuedLoad = tuple[RemoteEngine, int, str, str, bytes, KVLayout]
-"""A queued load: engine, attempt, incarnation, agent name, metadata blob, layout."""
+"""A load in the queue: engine, attempt, and of the reply what the load needs (the
+incarnation, the agent's name and metadata blob, the layout); a storm queues a thousand."""
 
 LOADS_PER_BATCH = 32
 """The most queued loads the handshake task hands the backend in one call (NIXL:
@@ -76,8 +79,21 @@ one worker thread runs them back to back; an unload waits for the batch)."""
 
 LOAD_BYTES_AHEAD = 16 << 20
 """While the loads queued or running hold this many bytes of agent metadata, no
-fetch starts (deadlines run on): NIXL's own is 3.2 KiB for 64 regions, so only
-oversized replies (a hostile or broken side channel) pile up to here."""
+fetch starts (deadlines run on).
+
+Why a byte bound, and why this one. Fetches run in parallel (a few fetch
+workers) while loads run one at a time in the handshake task, so replies can
+arrive faster than they are loaded; each queued reply holds its agent
+metadata until its load. NIXL's own metadata is about 3.2 KiB for 64
+regions, so a legitimate storm of 1024 new engines queues about 3 MiB and
+never reaches the bound: the first storm is not slowed (an earlier bound on
+the *number* of queued loads did slow it, by holding fetches back that
+would have been ready in time). Only oversized replies pile up to it -- a
+hostile or broken side channel answering up to ``max_message_bytes`` each:
+80 forged replies of 512 KiB queued 39.5 MiB before this bound existed.
+16 MiB keeps that to a few times the largest legitimate storm's need while
+leaving every honest fetch unhindered; an attempt that expires while held
+back says how many MiB it waited behind."""
 
 
 class Handshakes:
