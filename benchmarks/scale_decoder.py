@@ -35,12 +35,12 @@ from typing import Any
 
 import torch
 import trio
-import zmq
 from comparison import OneLoadPerCall
 
 import trio_pd
 from trio_pd._core import _protocol as protocol
 from trio_pd._side_channel._fetch import fetch_engine_metadata
+from trio_pd._side_channel._zmq_channel import ZmqSideChannel
 from trio_pd.testing import CapturedBackends, mismatched_blocks
 
 
@@ -118,11 +118,11 @@ async def raw_nixl(job: dict[str, Any]) -> dict[str, Any]:
         config = trio_pd.ConnectorConfig()
         compat = protocol.compatibility_hash(config.compatibility_key)
         fetched: list[Any] = []
-        context = zmq.Context()
+        side_channel = ZmqSideChannel(config)
         try:
             for remote in storm:
                 metadata, layout = await fetch_engine_metadata(
-                    context,
+                    side_channel,
                     remote.engine_id,
                     remote.host,
                     remote.port,
@@ -138,7 +138,7 @@ async def raw_nixl(job: dict[str, Any]) -> dict[str, Any]:
                 notification = protocol.encode_notification(remote.request_id)
                 fetched.append((metadata, layout, notification))
         finally:
-            context.destroy(linger=0)
+            side_channel.close()
         gc.collect()
         before, cpu = rss_bytes(), cpu_seconds()
         producers = producers_cpu_seconds(job["producer_pids"])

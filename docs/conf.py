@@ -58,6 +58,10 @@ nitpick_ignore = [
     ("py:exc", "TransferTimeout"),
     ("py:exc", "BackendClosing"),
     ("py:exc", "RemoteRetired"),
+    # the side channel's testing seam: private types (open_connector's
+    # side_channel= and MemoryFabric.side_channel document them in words)
+    ("py:class", "SideChannelFactory"),
+    ("py:class", "trio_pd.testing._memory_side_channel.MemorySideChannel"),
 ]
 # no offline inventory of the standard library: its types stay unlinked
 nitpick_ignore_regex = [

@@ -207,9 +207,10 @@ def test_the_shutdown_timeline_is_read_from_the_code_and_drift_fails_the_build(
     close = attrs.fields(trio_pd.ConnectorConfig).close_timeout.default
     shield = f"2 * config.close_timeout = {2 * close:g} s from here"
     # The scopes nest as in the source: the release and ZeroMQ's end are inside the shield.
-    assert dot.index(shield) < dot.index("NixlBackend.aclose()") < dot.index("context.destroy")
+    assert dot.index(shield) < dot.index("NixlBackend.aclose()") < dot.index("channel.close")
     assert dot.count("shielded: the cancellation outside does not reach in") == 2
-    for task in ("serve_zap", "producer.serve_listener", "consumer.run_handshakes", "leases.run"):
+    tasks = ("channel.serve_auth", "producer.serve_listener", "consumer.run_handshakes")
+    for task in (*tasks, "leases.run"):
         assert task in dot, task
     assert "Leases.begin_close(): Refuse new holds and" in dot  # (its docstring)
     # Other deadlines, another picture: nothing is typed by hand.

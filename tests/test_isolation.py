@@ -7,7 +7,9 @@ producer (``_confirm``, ``_exposures.ExposureTable.confirm``) and raises
 :class:`trio_pd.ExposureEndedError` instead of returning such bytes: a late
 decode, a replay to the same or another engine, an exposure that ended during
 a long READ, a tensor-parallel producer whose ranks ended it. Real NIXL and
-ZeroMQ on loopback, except where the in-memory backend injects a slow READ.
+ZeroMQ on loopback, except where a READ must be slow or must not stop:
+there the fabric of ``trio_pd.testing`` plays both planes, on trio's mock
+clock (``autojump_clock``).
 """
 
 from __future__ import annotations
@@ -119,7 +121,9 @@ async def test_parameters_replayed_while_the_exposure_is_pending_read_its_own_by
             assert p.statistics().confirmations == 2
 
 
-async def test_an_exposure_that_expires_during_a_read_longer_than_its_pin_fails_the_pull() -> None:
+async def test_an_exposure_that_expires_during_a_read_longer_than_its_pin_fails_the_pull(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     # The pin is 0.2 s (the producer's lease_renewal); the READ takes 0.6 s:
     # the exposure expires under it, and the confirmation sent once the READ
     # ended says so.
@@ -128,9 +132,19 @@ async def test_an_exposure_that_expires_during_a_read_longer_than_its_pin_fails_
     prefill_kv = kv_cache(blocks=8)
     with trio.fail_after(30):
         async with (
-            trio_pd.open_connector("p", prefill_kv, config=short, backend=fabric.backend) as p,
             trio_pd.open_connector(
-                "d", kv_cache(blocks=8), config=FAST, backend=fabric.backend
+                "p",
+                prefill_kv,
+                config=short,
+                backend=fabric.backend,
+                side_channel=fabric.side_channel,
+            ) as p,
+            trio_pd.open_connector(
+                "d",
+                kv_cache(blocks=8),
+                config=FAST,
+                backend=fabric.backend,
+                side_channel=fabric.side_channel,
             ) as d,
         ):
             await d.pull("warm", [], p.expose("warm", []))  # (the handshake)
@@ -141,17 +155,27 @@ async def test_an_exposure_that_expires_during_a_read_longer_than_its_pin_fails_
             assert p.statistics().exposures_expired == 1
 
 
-async def test_a_read_longer_than_its_pin_is_kept_when_the_exposure_is_still_pending() -> None:
+async def test_a_read_longer_than_its_pin_is_kept_when_the_exposure_is_still_pending(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     fabric = MemoryFabric()
     prefill_kv = kv_cache(blocks=8)
     pinned_briefly = _config(None, lease_renewal=0.2, heartbeat_interval=0.1)
     with trio.fail_after(30):
         async with (
             trio_pd.open_connector(
-                "p", prefill_kv, config=pinned_briefly, backend=fabric.backend
+                "p",
+                prefill_kv,
+                config=pinned_briefly,
+                backend=fabric.backend,
+                side_channel=fabric.side_channel,
             ) as p,
             trio_pd.open_connector(
-                "d", local := kv_cache(blocks=8), config=FAST, backend=fabric.backend
+                "d",
+                local := kv_cache(blocks=8),
+                config=FAST,
+                backend=fabric.backend,
+                side_channel=fabric.side_channel,
             ) as d,
         ):
             fill_blocks(prefill_kv, [1], seed=4)
@@ -289,7 +313,9 @@ async def test_a_pull_cancelled_while_it_waits_for_its_confirmation_leaves_nothi
 # (found by a hostile review: a confirmation named an exposure by request id
 # and blocks digest only; exposures now carry their generation,
 # remote_exposure, and the confirmation names it)
-async def test_a_read_across_the_end_and_a_re_exposure_of_its_request_on_its_blocks_fails() -> None:
+async def test_a_read_across_the_end_and_a_re_exposure_of_its_request_on_its_blocks_fails(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     # v1 expires while its decode's READ runs; the block serves v2 meanwhile
     # (the READ copies v2's KV); v1 is then prefilled again, on the same
     # block (a LIFO pool), and exposed again before the READ's second
@@ -299,8 +325,20 @@ async def test_a_read_across_the_end_and_a_re_exposure_of_its_request_on_its_blo
     prefill_kv, decode_kv = kv_cache(blocks=8), kv_cache(blocks=8)
     with trio.fail_after(30):
         async with (
-            trio_pd.open_connector("p", prefill_kv, config=short, backend=fabric.backend) as p,
-            trio_pd.open_connector("d", decode_kv, config=FAST, backend=fabric.backend) as d,
+            trio_pd.open_connector(
+                "p",
+                prefill_kv,
+                config=short,
+                backend=fabric.backend,
+                side_channel=fabric.side_channel,
+            ) as p,
+            trio_pd.open_connector(
+                "d",
+                decode_kv,
+                config=FAST,
+                backend=fabric.backend,
+                side_channel=fabric.side_channel,
+            ) as d,
         ):
             await d.pull("warm", [], p.expose("warm", []))  # (the handshake)
             fill_blocks(prefill_kv, [1], seed=1)

@@ -1,12 +1,15 @@
 """Leases: exposures held by consumers' heartbeats, abandoned, expired, capped.
 
-The data plane is the in-memory one (``trio_pd.testing.MemoryFabric``); the
-side channel, where heartbeats and abandons travel, is real ZeroMQ on
-loopback. Durations are short (a lease of 1.2 s renewed by 1 s every 0.2 s)
-and every bound leaves room for a busy machine without hiding the behaviour:
-"at once" means well under one lease. (Busy: the suite runs on 2 pytest-xdist
-workers, and at half these durations a heartbeat's fresh connection, which
-must answer within the interval, missed it under that load.)
+Both planes are in memory (``trio_pd.testing.MemoryFabric``: its backend,
+and its side channel, where heartbeats and abandons travel) and the clock is
+trio's mock clock (``autojump_clock``): a lease of 1.2 s renewed by 1 s every
+0.2 s takes no time, and a bound cannot be missed because the machine is
+busy. "At once" means well under one lease.
+
+Three stay on the real ZeroMQ side channel, because the shell is what they
+test: CURVE on heartbeats and abandons, hostile frames on the listener's
+socket, and the close that waits for abandons to dead producers before the
+context goes (``_real`` below; no mock clock there).
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ import msgspec
 import pytest
 import torch
 import trio
+import trio.testing
 import zmq
 
 import trio_pd
 from trio_pd._core import _protocol as protocol
+from trio_pd._side_channel._fetch import ConnectionLog
 from trio_pd._side_channel._zmq import TrioZmqSocket
 from trio_pd.testing import MemoryFabric, fill_blocks, free_port_range, mismatched_blocks
 
@@ -50,11 +55,15 @@ async def engine(
     fabric: MemoryFabric,
     engine_id: str,
     config: trio_pd.ConnectorConfig = LEASES,
+    *,
+    real: bool = False,
     **kwargs: object,
 ) -> AsyncIterator[tuple[trio_pd.Connector, list[torch.Tensor]]]:
+    """A connector on the fabric; ``real``: on the ZeroMQ side channel."""
     kv = kv_cache(blocks=64)
+    side_channel = None if real else fabric.side_channel
     async with trio_pd.open_connector(
-        engine_id, kv, config=config, backend=fabric.backend, **kwargs
+        engine_id, kv, config=config, backend=fabric.backend, side_channel=side_channel, **kwargs
     ) as conn:
         yield conn, kv
 
@@ -71,8 +80,13 @@ def free_port() -> int:
     return free_port_range(1)
 
 
+GONE_PORT = 4000
+"""On the fabric, a port nobody listens on (its own start at 30000)."""
+
+
 async def test_an_exposure_nobody_holds_expires_after_the_initial_lease(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     with trio.fail_after(5):
         async with engine(memory_fabric, "p") as (p, _):
@@ -86,6 +100,7 @@ async def test_an_exposure_nobody_holds_expires_after_the_initial_lease(
 
 async def test_a_held_exposure_outlives_the_initial_lease_and_is_read_inside_the_hold(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     with trio.fail_after(10):
         async with engine(memory_fabric, "p") as (p, kv), engine(memory_fabric, "d") as (d, local):
@@ -107,6 +122,7 @@ async def test_a_held_exposure_outlives_the_initial_lease_and_is_read_inside_the
 
 async def test_a_hold_left_without_a_pull_abandons_its_exposure_at_once(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     with trio.fail_after(10):
         async with engine(memory_fabric, "p") as (p, _), engine(memory_fabric, "d") as (d, _):
@@ -139,6 +155,7 @@ async def test_a_hold_left_without_a_pull_abandons_its_exposure_at_once(
 
 async def test_abandon_resolves_the_exposure_abandoned_at_once(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     with trio.fail_after(10):
         async with engine(memory_fabric, "p") as (p, _), engine(memory_fabric, "d") as (d, _):
@@ -165,7 +182,9 @@ async def test_abandon_resolves_the_exposure_abandoned_at_once(
 
 
 async def test_a_hold_never_outlives_abort_timeout(
-    memory_fabric: MemoryFabric, caplog: pytest.LogCaptureFixture
+    memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     capped = attrs.evolve(LEASES, abort_timeout=2.0)
     with trio.fail_after(10):
@@ -187,6 +206,7 @@ async def test_a_hold_never_outlives_abort_timeout(
 
 async def test_heartbeats_are_batched_one_message_per_producer_per_interval(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     with trio.fail_after(15):
         async with engine(memory_fabric, "p") as (p, _), engine(memory_fabric, "d") as (d, _):
@@ -210,7 +230,10 @@ async def test_heartbeats_are_batched_one_message_per_producer_per_interval(
             await wait_until(lambda: p.statistics().exposures_abandoned == 50)
 
 
-async def test_a_batch_over_the_message_size_limit_is_split(memory_fabric: MemoryFabric) -> None:
+async def test_a_batch_over_the_message_size_limit_is_split(
+    memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     small = attrs.evolve(LEASES, max_message_bytes=2048)
     with trio.fail_after(15):
         async with (
@@ -235,50 +258,51 @@ async def test_a_batch_over_the_message_size_limit_is_split(memory_fabric: Memor
 
 
 async def test_a_dead_producer_does_not_delay_renewals_of_another(
-    memory_fabric: MemoryFabric, caplog: pytest.LogCaptureFixture
+    memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     # Two dead producers: a port nobody listens on, and a side channel that
     # accepts and never answers (each of its heartbeats waits the whole interval).
-    context = zmq.Context()
-    silent = TrioZmqSocket(context.socket(zmq.ROUTER))
-    try:
-        silent.zmq_socket.setsockopt(zmq.LINGER, 0)
-        silent.zmq_socket.bind("tcp://127.0.0.1:*")
-        silent_port = int(silent.zmq_socket.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":")[-1])
-        with trio.fail_after(15), caplog.at_level(logging.WARNING, logger="trio_pd"):
-            async with (
-                engine(memory_fabric, "p") as (p, kv),
-                engine(memory_fabric, "d") as (d, local),
-            ):
-                fill_blocks(kv, [5], seed=3)
-                alive = p.expose("r", [5])
-                refused = trio_pd.RemoteBlocks("gone", "127.0.0.1", free_port(), [1], "x")
-                hung = trio_pd.RemoteBlocks("hung", "127.0.0.1", silent_port, [1], "y")
-                async with d.hold(refused), d.hold(hung), d.hold(alive):
-                    started, renewed = trio.current_time(), p.statistics().leases_renewed
-                    await trio.sleep(3 * LEASES.lease_initial)
-                    rounds = (trio.current_time() - started) / LEASES.heartbeat_interval
-                    assert p.statistics().leases_renewed - renewed >= 0.5 * rounds
-                    assert p.statistics().exposures_pending == 1
-                    await d.pull("r", [0], alive)
-                    leaving = trio.current_time()
-                # Leaving the holds of dead producers does not wait for them.
-                assert trio.current_time() - leaving < AT_ONCE
-                assert mismatched_blocks(local, [0], seed=3) == []
-                assert await p.wait_released("r") is trio_pd.Released.READ
-                # The dead ones' abandons failed within their deadline, logged,
-                # counted -- in the background.
-                await wait_until(lambda: d.statistics().abandons_failed == 2)
-                assert d.statistics().abandons_sent == 2
-        assert "engine gone: lease heartbeat to 127.0.0.1" in caplog.text
-        assert "engine hung: could not abandon request 'y'" in caplog.text
-    finally:
-        silent.close()
-        context.destroy(linger=0)
+    with trio.fail_after(15), caplog.at_level(logging.WARNING, logger="trio_pd"):
+        async with (
+            engine(memory_fabric, "p") as (p, kv),
+            engine(memory_fabric, "hung") as (silent, _),
+            engine(memory_fabric, "d") as (d, local),
+        ):
+            memory_fabric.faults("hung").mute = True
+            fill_blocks(kv, [5], seed=3)
+            alive = p.expose("r", [5])
+            refused = trio_pd.RemoteBlocks("gone", "127.0.0.1", GONE_PORT, [1], "x")
+            hung = trio_pd.RemoteBlocks("hung", "127.0.0.1", silent.address[1], [1], "y")
+            async with d.hold(refused), d.hold(hung), d.hold(alive):
+                started, renewed = trio.current_time(), p.statistics().leases_renewed
+                await trio.sleep(3 * LEASES.lease_initial)
+                rounds = (trio.current_time() - started) / LEASES.heartbeat_interval
+                # (every round renewed it: none waited for the dead ones)
+                assert p.statistics().leases_renewed - renewed >= rounds - 1
+                assert p.statistics().exposures_pending == 1
+                await d.pull("r", [0], alive)
+                leaving = trio.current_time()
+            # Leaving the holds of dead producers does not wait for them.
+            assert trio.current_time() == leaving
+            assert mismatched_blocks(local, [0], seed=3) == []
+            assert await p.wait_released("r") is trio_pd.Released.READ
+            # The dead ones' abandons failed within their deadline, logged,
+            # counted -- in the background.
+            await wait_until(lambda: d.statistics().abandons_failed == 2)
+            assert trio.current_time() - leaving == pytest.approx(LEASES.handshake_timeout)
+            assert d.statistics().abandons_sent == 2
+    assert "engine gone: lease heartbeat to 127.0.0.1:4000 failed: no reply within 0.2 s: " in (
+        caplog.text
+    )
+    assert "engine hung: could not abandon request 'y'" in caplog.text
+    assert "connected, but the peer never replied" in caplog.text
 
 
 async def test_a_forged_abandon_is_refused_and_the_victim_still_reads(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     signed = attrs.evolve(LEASES, exposure_secret=SECRET)
     with trio.fail_after(10):
@@ -306,6 +330,7 @@ async def test_a_forged_abandon_is_refused_and_the_victim_still_reads(
 
 async def test_tensor_parallel_holds_renew_every_rank_read_with_rank_zeros_token(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     # Prefill TP 2, decode TP 1: the decode rank reads (and holds) both prefill
     # ranks, with the parameters (and the token) of rank 0 alone.
@@ -365,7 +390,10 @@ async def test_a_malformed_lease_frame_gets_an_error_reply_and_the_listener_keep
         b"\xc1 not msgpack",
     ]
     with trio.fail_after(10):
-        async with engine(memory_fabric, "p") as (p, kv), engine(memory_fabric, "d") as (d, local):
+        async with (
+            engine(memory_fabric, "p", real=True) as (p, kv),
+            engine(memory_fabric, "d", real=True) as (d, local),
+        ):
             fill_blocks(kv, [6], seed=8)
             remote = p.expose("r", [6])
             host, port = p.address
@@ -396,6 +424,7 @@ async def test_a_malformed_lease_frame_gets_an_error_reply_and_the_listener_keep
 
 async def test_hold_and_abandon_after_close_raise_closed_resource_error(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     with trio.fail_after(10):
         async with engine(memory_fabric, "p") as (p, _):
@@ -426,9 +455,12 @@ async def test_heartbeats_and_abandons_travel_over_curve_and_strangers_get_nowhe
     )
     with trio.fail_after(15):
         async with (
-            engine(memory_fabric, "p", attrs.evolve(LEASES, auth=producer_auth)) as (p, _),
-            engine(memory_fabric, "d", consumer_config(friend)) as (d, _),
-            engine(memory_fabric, "x", consumer_config(stranger)) as (x, _),
+            engine(memory_fabric, "p", attrs.evolve(LEASES, auth=producer_auth), real=True) as (
+                p,
+                _,
+            ),
+            engine(memory_fabric, "d", consumer_config(friend), real=True) as (d, _),
+            engine(memory_fabric, "x", consumer_config(stranger), real=True) as (x, _),
         ):
             remote = p.expose("r", [1])
             await x.abandon(remote)  # refused by CURVE: logged, counted, not raised
@@ -442,40 +474,37 @@ async def test_heartbeats_and_abandons_travel_over_curve_and_strangers_get_nowhe
 
 async def test_a_consumer_that_stops_heartbeating_frees_the_blocks_within_lease_renewal(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     # (issue 28, 6: a consumer held with a long first lease and died after a few
     # heartbeats; the producer kept the blocks until that first lease ran out.)
-    # The consumer here is a bare DEALER that sends two heartbeats, then goes
-    # silent as a SIGKILLed process does.
+    # The consumer here is a bare side channel that sends two heartbeats,
+    # then goes silent as a SIGKILLed process does.
     long_first = attrs.evolve(LEASES, lease_initial=30.0, lease_renewal=0.5, abort_timeout=60.0)
     with trio.fail_after(10):
-        async with trio_pd.open_connector(
-            "p", kv_cache(blocks=8), config=long_first, backend=memory_fabric.backend
-        ) as p:
+        async with engine(memory_fabric, "p", long_first) as (p, _):
             remote = p.expose("r", [3])
             entry = protocol.LeaseEntry(
                 request_id="r", token=remote.token, readers=1, abandon=False
             )
-            host, port = p.address
-            with zmq.Context() as context:
-                dealer = TrioZmqSocket(context.socket(zmq.DEALER))
-                async with dealer:
-                    dealer.zmq_socket.setsockopt(zmq.LINGER, 0)
-                    dealer.zmq_socket.connect(f"tcp://{host}:{port}")
-                    for _ in range(2):
-                        request = protocol.encode_lease_request("p", "d", "d#dead", [entry])
-                        await dealer.send_multipart([b"", request])
-                        await dealer.receive_multipart()
-                    last_heartbeat = trio.current_time()
+            dead = memory_fabric.side_channel("d#dead", long_first)
+            for beat in range(2):
+                await trio.sleep(0.1 * beat)
+                request = protocol.encode_lease_request("p", "d", "d#dead", [entry])
+                await dead.request(("p", *p.address), request, ConnectionLog(1 << 20))
+            last_heartbeat = trio.current_time()
             assert await p.wait_released("r") is trio_pd.Released.EXPIRED
-            # within lease_renewal (0.5 s, + a notification poll and a busy
-            # machine's slack), not when the 30 s first lease runs out
-            assert trio.current_time() - last_heartbeat < 5.0
+            # within lease_renewal (0.5 s, + a notification poll), not when
+            # the 30 s first lease runs out
+            waited = trio.current_time() - last_heartbeat
+            poll = long_first.idle_notification_poll_interval
+            assert long_first.lease_renewal - 1e-9 <= waited <= long_first.lease_renewal + poll
             assert p.statistics().leases_renewed == 2
 
 
 async def test_closing_right_after_leaving_holds_sends_their_abandons_first(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     # Issue 28: the abandons that leaving the holds queued were dropped by the
     # close, so the producer kept the blocks until their leases expired.
@@ -513,13 +542,13 @@ async def test_close_waits_for_abandons_to_dead_producers_at_most_close_timeout(
         silent_port = int(silent.zmq_socket.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":")[-1])
         slow = attrs.evolve(LEASES, handshake_timeout=30.0)  # (close_timeout: 1 s)
         with trio.fail_after(15), caplog.at_level(logging.INFO, logger="trio_pd"):
-            async with engine(memory_fabric, "p") as (p, _):
+            async with engine(memory_fabric, "p", real=True) as (p, _):
                 alive = [p.expose(f"r{n}", [n]) for n in range(3)]
                 dead = [
                     trio_pd.RemoteBlocks(f"gone{n}", "127.0.0.1", free_port(), [1], "x")
                     for n in range(3)
                 ] + [trio_pd.RemoteBlocks("hung", "127.0.0.1", silent_port, [1], "y")]
-                async with engine(memory_fabric, "d", slow) as (d, _):
+                async with engine(memory_fabric, "d", slow, real=True) as (d, _):
                     for remote in [*dead, *alive]:
                         async with d.hold(remote):
                             pass
@@ -539,11 +568,12 @@ async def test_close_waits_for_abandons_to_dead_producers_at_most_close_timeout(
 
 async def test_cancelling_a_close_that_waits_for_abandons_still_bounds_and_ends_it(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     with trio.fail_after(10):
         async with engine(memory_fabric, "p") as (p, _):
             remote = p.expose("r", [1])
-            gone = trio_pd.RemoteBlocks("gone", "127.0.0.1", free_port(), [1], "x")
+            gone = trio_pd.RemoteBlocks("gone", "127.0.0.1", GONE_PORT, [1], "x")
             with trio.CancelScope() as outside:
                 async with engine(
                     memory_fabric, "d", attrs.evolve(LEASES, handshake_timeout=30.0)
@@ -563,13 +593,14 @@ async def test_cancelling_a_close_that_waits_for_abandons_still_bounds_and_ends_
 
 async def test_more_abandons_to_a_dead_producer_than_run_at_once_still_end_by_close_timeout(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     # Past MAX_BACKGROUND_ABANDONS the queue waits for a slot: those that get
     # one only after the close's deadline fail at once, and close is not held up.
     from trio_pd._consumer._leases import MAX_BACKGROUND_ABANDONS
 
     many = MAX_BACKGROUND_ABANDONS + 6
-    port = free_port()
+    port = GONE_PORT
     slow = attrs.evolve(LEASES, handshake_timeout=30.0)
     with trio.fail_after(15):
         async with engine(memory_fabric, "d", slow) as (d, _), AsyncExitStack() as holds:

@@ -1,10 +1,11 @@
 """The connector's logic on the in-memory backend: handshakes, backoff, restarts,
 cancellation and close, with faults injected at the backend seam.
 
-The side channel is real (ZeroMQ on loopback); only the data plane is the
-in-memory one from ``trio_pd.testing``, so these tests need no UCX and run
-in milliseconds. The real-NIXL tests of the same behaviour stay in the other
-modules.
+Both planes are the in-memory ones from ``trio_pd.testing`` (the fabric's
+backend and side channel), and the clock is trio's mock clock
+(``autojump_clock``): no UCX, no sockets, and every deadline is met or
+missed exactly. The real-NIXL and real-ZeroMQ tests of the same behaviour
+stay in the other modules.
 """
 
 from __future__ import annotations
@@ -46,7 +47,12 @@ async def producer(
     """A producer engine on the fabric, and its KV cache."""
     kv = kv_cache(blocks=16)
     async with trio_pd.open_connector(
-        engine_id, kv, port=port, config=QUICK, backend=fabric.backend
+        engine_id,
+        kv,
+        port=port,
+        config=QUICK,
+        backend=fabric.backend,
+        side_channel=fabric.side_channel,
     ) as conn:
         yield conn, kv
 
@@ -56,7 +62,9 @@ async def consumer(
     fabric: MemoryFabric, config: trio_pd.ConnectorConfig = QUICK
 ) -> AsyncIterator[tuple[trio_pd.Connector, list[torch.Tensor]]]:
     local = kv_cache(blocks=16)
-    async with trio_pd.open_connector("d", local, config=config, backend=fabric.backend) as conn:
+    async with trio_pd.open_connector(
+        "d", local, config=config, backend=fabric.backend, side_channel=fabric.side_channel
+    ) as conn:
         yield conn, local
 
 
@@ -70,6 +78,7 @@ def seeded(
 
 async def test_pulls_move_the_right_bytes_and_release_the_exposure(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     with trio.fail_after(10):
         async with (
@@ -86,6 +95,7 @@ async def test_pulls_move_the_right_bytes_and_release_the_exposure(
 
 async def test_concurrent_pulls_to_a_new_engine_share_one_handshake(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     with trio.fail_after(10):
         async with producer(memory_fabric) as (p, _), consumer(memory_fabric) as (d, _):
@@ -101,6 +111,7 @@ async def test_concurrent_pulls_to_a_new_engine_share_one_handshake(
 
 async def test_a_failed_load_fails_every_waiter_backs_off_then_recovers(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     with trio.fail_after(10):
         async with producer(memory_fabric) as (p, _), consumer(memory_fabric) as (d, _):
@@ -133,6 +144,7 @@ async def test_a_failed_load_fails_every_waiter_backs_off_then_recovers(
 
 async def test_a_load_over_the_deadline_fails_its_waiters_and_its_late_agent_is_unloaded(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     with trio.fail_after(10):
         async with producer(memory_fabric) as (p, _), consumer(memory_fabric) as (d, _):
@@ -151,6 +163,7 @@ async def test_a_load_over_the_deadline_fails_its_waiters_and_its_late_agent_is_
 
 async def test_a_read_error_names_the_blocks_and_keeps_the_engine_ready(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     with trio.fail_after(10):
         async with producer(memory_fabric) as (p, _), consumer(memory_fabric) as (d, _local):
@@ -172,6 +185,7 @@ async def test_a_read_error_names_the_blocks_and_keeps_the_engine_ready(
 
 async def test_a_read_that_never_ends_times_out_and_writes_nothing(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     with trio.fail_after(10):
         async with (
@@ -192,6 +206,7 @@ async def test_a_read_that_never_ends_times_out_and_writes_nothing(
 
 async def test_a_cancelled_pull_copies_nothing_and_counts_neither_way(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     with trio.fail_after(10):
         async with producer(memory_fabric) as (p, _), consumer(memory_fabric) as (d, _local):
@@ -207,6 +222,7 @@ async def test_a_cancelled_pull_copies_nothing_and_counts_neither_way(
 
 async def test_a_restart_seen_in_a_request_retires_the_old_agent(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     with trio.fail_after(10):
         async with consumer(memory_fabric) as (d, _local):
@@ -229,14 +245,19 @@ async def test_a_restart_seen_in_a_request_retires_the_old_agent(
 
 async def test_two_incarnations_at_two_addresses_are_two_engines(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     # What a request claims about where an engine is (address, TP size)
     # picks the record it uses: both engines serve, neither retires the other.
     with trio.fail_after(10):
         old_kv, new_kv = kv_cache(blocks=16), kv_cache(blocks=16)
         async with (
-            trio_pd.open_connector("p", old_kv, backend=memory_fabric.backend) as old_p,
-            trio_pd.open_connector("p", new_kv, backend=memory_fabric.backend) as new_p,
+            trio_pd.open_connector(
+                "p", old_kv, backend=memory_fabric.backend, side_channel=memory_fabric.side_channel
+            ) as old_p,
+            trio_pd.open_connector(
+                "p", new_kv, backend=memory_fabric.backend, side_channel=memory_fabric.side_channel
+            ) as new_p,
             consumer(memory_fabric) as (d, local),
         ):
             await d.pull("a", [1], seeded(old_p, old_kv, "a", [1], seed=1))
@@ -251,6 +272,7 @@ async def test_two_incarnations_at_two_addresses_are_two_engines(
 
 async def test_after_a_lost_peer_the_next_pull_handshakes_and_reads_if_it_is_back(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     # A lost connection is not a restart: the incarnation is suspect, not gone.
     with trio.fail_after(10):
@@ -275,6 +297,7 @@ async def test_after_a_lost_peer_the_next_pull_handshakes_and_reads_if_it_is_bac
 
 async def test_after_a_producer_died_its_requests_fail_naming_the_cause_not_a_restart(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     with trio.fail_after(10):
         async with consumer(memory_fabric) as (d, _):
@@ -291,6 +314,7 @@ async def test_after_a_producer_died_its_requests_fail_naming_the_cause_not_a_re
 
 async def test_closing_wakes_waiters_stops_reads_and_keeps_statistics(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     with trio.fail_after(10):
         outcomes: list[BaseException] = []
@@ -342,6 +366,7 @@ async def test_the_prefill_engine_fixture_serves_real_pulls(
 
 async def test_an_agent_the_backend_gave_up_is_handshaken_again_by_the_next_pull(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     # What a NIXL transfer that cannot be stopped leads to: the backend
     # retires the agent on its own; the engine must not stay "ready" on it.
@@ -359,6 +384,7 @@ async def test_an_agent_the_backend_gave_up_is_handshaken_again_by_the_next_pull
 
 async def test_loads_queued_together_go_to_the_backend_in_one_call(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     config = attrs.evolve(QUICK, handshake_timeout=30.0)
     with trio.fail_after(20):
@@ -392,16 +418,18 @@ async def test_loads_queued_together_go_to_the_backend_in_one_call(
 
 
 async def test_an_attempt_that_never_got_a_fetch_slot_fails_at_its_own_deadline(
-    memory_fabric: MemoryFabric, mock_clock: trio.testing.MockClock
+    memory_fabric: MemoryFabric, autojump_clock: trio.testing.MockClock
 ) -> None:
     # One fetch slot, held by a mute engine's fetch; another attempt started
-    # at the same (frozen) instant waits for the slot, and at their deadline
-    # the watchdog fails it, saying that nothing was sent.
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")  # (accepts, never answers)
-    port = listeners[0].socket.getsockname()[1]
+    # at the same instant waits for the slot, and at their deadline the
+    # watchdog fails it, saying that nothing was sent.
     config = attrs.evolve(QUICK, max_concurrent_fetches=1)
     errors: dict[str, str] = {}
-    async with consumer(memory_fabric, config) as (d, _):
+    mute_engine = producer(memory_fabric, "mute")
+    async with mute_engine as (mute, _), consumer(memory_fabric, config) as (d, _):
+        memory_fabric.faults("mute").mute = True  # (takes requests, never answers)
+        port = mute.address[1]
+        started = trio.current_time()
 
         async def pull(engine_id: str) -> None:
             remote = trio_pd.RemoteBlocks(engine_id, "127.0.0.1", port, [0], "r")
@@ -409,24 +437,23 @@ async def test_an_attempt_that_never_got_a_fetch_slot_fails_at_its_own_deadline(
                 await d.pull(engine_id, [0], remote)
             errors[engine_id] = info.value.reason
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(pull, "mute-first")
-            await trio.testing.wait_all_tasks_blocked()  # (its fetch holds the slot)
-            nursery.start_soon(pull, "mute-queued")
-            await trio.testing.wait_all_tasks_blocked()
-            mock_clock.jump(QUICK.handshake_timeout)
-        assert "nothing was sent" not in errors["mute-first"]
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(pull, "mute-first")
+                await trio.testing.wait_all_tasks_blocked()  # (its fetch holds the slot)
+                nursery.start_soon(pull, "mute-queued")
+        assert trio.current_time() - started == pytest.approx(QUICK.handshake_timeout)
+        assert "connected, but the peer never replied" in errors["mute-first"]
         assert errors["mute-queued"] == (
             f"no reply from 127.0.0.1:{port} within 0.5 s: nothing was sent: every fetch "
             "slot (max_concurrent_fetches) stayed busy with other handshakes"
         )
         assert d.statistics().handshake_failures_by_cause == {"timeout": 2}
-    for listener in listeners:
-        await listener.aclose()
 
 
 async def test_a_finished_handshake_leaves_no_task_waiting_for_its_deadline(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     config = attrs.evolve(QUICK, handshake_timeout=60.0)
     with trio.fail_after(20):
@@ -450,6 +477,7 @@ def _tasks_named(fragment: str) -> list[trio.lowlevel.Task]:
 
 async def test_a_storm_of_forged_replies_with_huge_metadata_queues_a_bounded_number_of_bytes(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     # A hostile side channel answers for any engine id a request names, each
     # reply carrying 512 KiB of agent metadata (NIXL's own is ~3 KiB for 64
@@ -457,84 +485,86 @@ async def test_a_storm_of_forged_replies_with_huge_metadata_queues_a_bounded_num
     # fetch waits in the load queue; without a bound on its bytes, 79 of the
     # 80 replies (39.5 MiB) waited there. The workers hold back once the
     # queued and running loads hold LOAD_BYTES_AHEAD (16 MiB) of metadata.
-    import zmq
-
     from trio_pd._core import _protocol as protocol
-    from trio_pd._side_channel._zmq import TrioZmqSocket
 
     blob = b"\0" * (512 << 10)
     config = attrs.evolve(QUICK, handshake_timeout=5.0)
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
 
-    async def hostile(
-        layout: trio_pd.KVLayout, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
-    ) -> None:
-        socket = TrioZmqSocket(context.socket(zmq.ROUTER))
-        async with socket:
-            socket.zmq_socket.setsockopt(zmq.LINGER, 0)
-            task_status.started(socket.zmq_socket.bind_to_random_port("tcp://127.0.0.1"))
-            while True:
-                frames = await socket.receive_multipart()
-                request = protocol.decode_request(frames[-1], 1 << 20)
-                assert isinstance(request, protocol.MetadataRequest)
-                metadata = protocol.EngineMetadata(
-                    engine_id=request.engine_id,
-                    incarnation="0",
-                    agent_name=request.engine_id,
-                    agent_metadata=blob,
-                    num_blocks=layout.num_blocks,
-                    base_addrs=list(layout.base_addrs),
-                    block_lens=list(layout.block_lens),
-                    device_id=0,
-                    mem_type="DRAM",
-                    dtype=layout.dtype,
-                    kv_heads=layout.kv_heads,
-                    tp_rank=0,
-                    tp_size=1,
+    class Hostile:
+        """A listener on the fabric that answers as whatever engine is asked for."""
+
+        def __init__(self, layout: trio_pd.KVLayout) -> None:
+            self.layout = layout
+
+        def bound(self, address: tuple[str, int]) -> None:
+            pass
+
+        def dropped(self, why: str) -> None:
+            raise AssertionError(why)  # pragma: no cover
+
+        def auth_refused(self, reason: str) -> None:
+            raise AssertionError(reason)  # pragma: no cover
+
+        def answer(self, payload: bytes) -> bytes:
+            layout = self.layout
+            request = protocol.decode_request(payload, 1 << 20)
+            assert isinstance(request, protocol.MetadataRequest)
+            metadata = protocol.EngineMetadata(
+                engine_id=request.engine_id,
+                incarnation="0",
+                agent_name=request.engine_id,
+                agent_metadata=blob,
+                num_blocks=layout.num_blocks,
+                base_addrs=list(layout.base_addrs),
+                block_lens=list(layout.block_lens),
+                device_id=0,
+                mem_type="DRAM",
+                dtype=layout.dtype,
+                kv_heads=layout.kv_heads,
+                tp_rank=0,
+                tp_size=1,
+            )
+            reply = protocol.metadata_reply(metadata, protocol.compatibility_hash(""))
+            return protocol.encode_message(reply)
+
+    with trio.fail_after(20):
+        async with consumer(memory_fabric, config) as (d, _), trio.open_nursery() as nursery:
+            hostile = memory_fabric.side_channel("hostile#0", config)
+            _, port = await nursery.start(hostile.serve, "127.0.0.1", 0, Hostile(d.layout))
+            backend = memory_fabric.backends[-1]
+            gate = trio.Event()
+
+            async def gated(requests: Sequence[LoadRequest], loaded: Loaded) -> None:
+                await gate.wait()  # (the load thread is behind)
+                await load_remotes(requests, loaded)
+
+            load_remotes = backend.load_remotes
+            backend.load_remotes = gated  # type: ignore[method-assign]
+            handshakes = d._consumer._handshakes  # (white box: the load queue)
+
+            async def pull(i: int) -> None:
+                remote = trio_pd.RemoteBlocks(f"forged-{i}", "127.0.0.1", port, [0], "r")
+                with pytest.raises(trio_pd.HandshakeError):
+                    await d.pull(f"r{i}", [0], remote)
+
+            async with trio.open_nursery() as pulls:
+                for i in range(80):
+                    pulls.start_soon(pull, i)
+                attempts = handshakes._attempts
+                # (until every fetch worker waits for room: none fetches more)
+                await wait_until(
+                    lambda: attempts.workers_held_back == config.max_concurrent_fetches
                 )
-                reply = protocol.metadata_reply(metadata, protocol.compatibility_hash(""))
-                await socket.send_multipart([frames[0], b"", protocol.encode_message(reply)])
-
-    try:
-        with trio.fail_after(20):
-            async with consumer(memory_fabric, config) as (d, _), trio.open_nursery() as nursery:
-                port = await nursery.start(hostile, d.layout)
-                backend = memory_fabric.backends[-1]
-                gate = trio.Event()
-
-                async def gated(requests: Sequence[LoadRequest], loaded: Loaded) -> None:
-                    await gate.wait()  # (the load thread is behind)
-                    await load_remotes(requests, loaded)
-
-                load_remotes = backend.load_remotes
-                backend.load_remotes = gated  # type: ignore[method-assign]
-                handshakes = d._consumer._handshakes  # (white box: the load queue)
-
-                async def pull(i: int) -> None:
-                    remote = trio_pd.RemoteBlocks(f"forged-{i}", "127.0.0.1", port, [0], "r")
-                    with pytest.raises(trio_pd.HandshakeError):
-                        await d.pull(f"r{i}", [0], remote)
-
-                async with trio.open_nursery() as pulls:
-                    for i in range(80):
-                        pulls.start_soon(pull, i)
-                    attempts = handshakes._attempts
-                    # (until every fetch worker waits for room: none fetches more)
-                    await wait_until(
-                        lambda: attempts.workers_held_back == config.max_concurrent_fetches
-                    )
-                    loading = [
-                        i
-                        for i in range(80)
-                        if d.engine_state(f"forged-{i}") is trio_pd.EngineState.LOADING
-                    ]
-                    queued_bytes = handshakes._load_bytes
-                    gate.set()
-                nursery.cancel_scope.cancel()
-            # At most LOAD_BYTES_AHEAD, plus what the workers had in flight when
-            # it was reached (one reply each); the rest never left the producer.
-            most = LOAD_BYTES_AHEAD + config.max_concurrent_fetches * len(blob)
-            assert queued_bytes == len(loading) * len(blob) <= most
-            assert len(loading) < 80
-    finally:
-        context.destroy(linger=0)
+                loading = [
+                    i
+                    for i in range(80)
+                    if d.engine_state(f"forged-{i}") is trio_pd.EngineState.LOADING
+                ]
+                queued_bytes = handshakes._load_bytes
+                gate.set()
+            nursery.cancel_scope.cancel()
+        # At most LOAD_BYTES_AHEAD, plus what the workers had in flight when
+        # it was reached (one reply each); the rest never left the producer.
+        most = LOAD_BYTES_AHEAD + config.max_concurrent_fetches * len(blob)
+        assert queued_bytes == len(loading) * len(blob) <= most
+        assert len(loading) < 80

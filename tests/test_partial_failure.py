@@ -7,8 +7,10 @@
 * Every wait has its bound, queued time included (a load that never returns
   holds up no other engine's handshake; nothing escapes at close).
 
-The data plane is the in-memory one (``MemoryFaults.unstoppable_reads``
-plays a NIXL transfer to a partitioned peer); the side channel is real.
+Both planes are the in-memory ones (``MemoryFaults.unstoppable_reads``
+plays a NIXL transfer to a partitioned peer; the fabric's side channel
+carries handshakes, heartbeats and confirmations) and the clock is trio's
+mock clock (``autojump_clock``): nothing here waits on the real clock.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import attrs
 import pytest
 import torch
 import trio
+import trio.testing
 
 import trio_pd
 from trio_pd.testing import (
@@ -56,7 +59,14 @@ def connector(
 ) -> contextlib.AbstractAsyncContextManager[trio_pd.Connector]:
     """``open_connector`` on the fabric (16 blocks of the default shape unless ``kv``)."""
     kv = kv_cache(blocks=16) if kv is None else kv
-    return trio_pd.open_connector(engine_id, kv, config=config, backend=fabric.backend, **options)
+    return trio_pd.open_connector(
+        engine_id,
+        kv,
+        config=config,
+        backend=fabric.backend,
+        side_channel=fabric.side_channel,
+        **options,
+    )
 
 
 # ---- no block let go while a READ may still write it ------------------------------
@@ -64,6 +74,7 @@ def connector(
 
 async def test_a_cancelled_pull_keeps_its_blocks_unsettled_until_the_transfer_ends(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     # The repro: a READ that stays in progress, its pull cancelled after 0.2 s
     # (the client hung up). The caller sees Cancelled; the blocks must not be
@@ -107,6 +118,7 @@ async def test_a_cancelled_pull_keeps_its_blocks_unsettled_until_the_transfer_en
 
 async def test_a_failed_pull_reports_the_same_blocks_unsettled(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     config = attrs.evolve(QUICK, transfer_timeout=0.3)
     with trio.fail_after(10):
@@ -127,6 +139,7 @@ async def test_a_failed_pull_reports_the_same_blocks_unsettled(
 
 async def test_a_sibling_part_cancelled_by_another_parts_failure_keeps_its_blocks_unsettled(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     # A TP-1 decoder reads both ranks of a TP-2 engine: rank 1's read fails
     # at once, which cancels rank 0's part -- whose transfer cannot stop.
@@ -143,6 +156,7 @@ async def test_a_sibling_part_cancelled_by_another_parts_failure_keeps_its_block
                 tp_size=2,
                 config=QUICK,
                 backend=memory_fabric.backend,
+                side_channel=memory_fabric.side_channel,
             ) as rank0,
             trio_pd.open_connector(
                 "p",
@@ -152,12 +166,14 @@ async def test_a_sibling_part_cancelled_by_another_parts_failure_keeps_its_block
                 tp_size=2,
                 config=QUICK,
                 backend=memory_fabric.backend,
+                side_channel=memory_fabric.side_channel,
             ) as rank1,
             trio_pd.open_connector(
                 "d",
                 kv_cache(blocks=16, block_shape=(16, 64)),
                 config=QUICK,
                 backend=memory_fabric.backend,
+                side_channel=memory_fabric.side_channel,
             ) as d,
         ):
             warm = [rank.expose("warm", [0]) for rank in (rank0, rank1)]
@@ -175,6 +191,7 @@ async def test_a_sibling_part_cancelled_by_another_parts_failure_keeps_its_block
 
 async def test_closing_with_an_unsettled_transfer_keeps_its_blocks_unsettled(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     with trio.fail_after(10):
         async with connector(memory_fabric, "p") as p:
@@ -197,6 +214,7 @@ async def test_closing_with_an_unsettled_transfer_keeps_its_blocks_unsettled(
 
 async def test_forged_incarnations_never_fail_valid_requests_or_retire_the_agent(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     # The repro: valid requests from many clients while forged requests name
     # fake incarnations of the same live engine. Before: the live agent was
@@ -254,6 +272,7 @@ async def test_forged_incarnations_never_fail_valid_requests_or_retire_the_agent
 
 async def test_a_real_restart_at_the_same_address_is_still_detected(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     with trio.fail_after(10):
         async with connector(memory_fabric, "d") as d:
@@ -263,7 +282,12 @@ async def test_a_real_restart_at_the_same_address_is_still_detected(
                 stale = first.expose("stale", [1])
             new_kv = kv_cache(blocks=16)
             async with trio_pd.open_connector(
-                "p", new_kv, port=port, config=QUICK, backend=memory_fabric.backend
+                "p",
+                new_kv,
+                port=port,
+                config=QUICK,
+                backend=memory_fabric.backend,
+                side_channel=memory_fabric.side_channel,
             ) as second:
                 fill_blocks(new_kv, [2], seed=4)
                 await d.pull("b", [2], second.expose("b", [2]))
@@ -275,6 +299,7 @@ async def test_a_real_restart_at_the_same_address_is_still_detected(
 
 async def test_a_forged_address_or_tp_size_fails_only_its_request(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     with trio.fail_after(10):
         prefill_kv, local = kv_cache(blocks=16), kv_cache(blocks=16)
@@ -308,6 +333,7 @@ async def test_a_forged_address_or_tp_size_fails_only_its_request(
 
 async def test_remote_block_ids_out_of_range_are_rejected_naming_the_field(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     with trio.fail_after(10):
         async with (
@@ -328,7 +354,9 @@ async def test_remote_block_ids_out_of_range_are_rejected_naming_the_field(
 
 
 async def test_a_load_that_never_returns_holds_up_no_other_engines_handshake(
-    memory_fabric: MemoryFabric, caplog: pytest.LogCaptureFixture
+    memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     # The repro: engine A's remote-agent load never returns. Before: a pull
     # from healthy engine B queued behind it with no deadline (B stayed
@@ -379,6 +407,7 @@ async def test_a_load_that_never_returns_holds_up_no_other_engines_handshake(
 
 async def test_a_pull_waiting_on_a_queued_load_gets_its_error_within_the_timeout(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     # Many engines whose loads are slow (0.3 s each) queue behind each other:
     # each pull gets an answer within handshake_timeout of starting, success
@@ -398,7 +427,11 @@ async def test_a_pull_waiting_on_a_queued_load_gets_its_error_within_the_timeout
                         task_status: trio.TaskStatus[trio_pd.Connector] = trio.TASK_STATUS_IGNORED,
                     ) -> None:
                         async with trio_pd.open_connector(
-                            engine, kv_cache(blocks=16), config=QUICK, backend=memory_fabric.backend
+                            engine,
+                            kv_cache(blocks=16),
+                            config=QUICK,
+                            backend=memory_fabric.backend,
+                            side_channel=memory_fabric.side_channel,
                         ) as conn:
                             task_status.started(conn)
                             await trio.sleep_forever()
@@ -426,7 +459,9 @@ async def test_a_pull_waiting_on_a_queued_load_gets_its_error_within_the_timeout
 
 
 async def test_a_failing_notification_poll_is_retried_at_a_pace_not_in_a_busy_loop(
-    memory_fabric: MemoryFabric, caplog: pytest.LogCaptureFixture
+    memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     config = attrs.evolve(QUICK, idle_notification_poll_interval=0.05)
     with trio.fail_after(10):
@@ -462,6 +497,7 @@ async def open_tp2_producer(
                 tp_size=2,
                 config=QUICK,
                 backend=fabric.backend,
+                side_channel=fabric.side_channel,
             )
         )
         for rank in range(2)
@@ -478,6 +514,7 @@ def expose_all(
 
 async def test_a_stale_first_request_does_not_poison_another_ranks_record(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     # Requests prefilled before a TP-2 engine restarted reach the decoder
     # after it: they fail, and they must not make later valid requests fail
@@ -491,6 +528,7 @@ async def test_a_stale_first_request_does_not_poison_another_ranks_record(
             kv_cache(blocks=16, block_shape=(16, 64)),
             config=attrs.evolve(QUICK, handshake_timeout=5.0),
             backend=memory_fabric.backend,
+            side_channel=memory_fabric.side_channel,
         ) as d:
             async with contextlib.AsyncExitStack() as stack:
                 ranks = await open_tp2_producer(memory_fabric, base, stack)
@@ -516,12 +554,17 @@ async def test_a_stale_first_request_does_not_poison_another_ranks_record(
 # the same pull had just found the new incarnation
 async def test_the_first_pull_after_a_tp_engine_restarted_reads_every_rank(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     with trio.fail_after(10):
         base = free_port_range(2)
         local = kv_cache(blocks=16, block_shape=(16, 64))
         async with trio_pd.open_connector(
-            "d", local, config=QUICK, backend=memory_fabric.backend
+            "d",
+            local,
+            config=QUICK,
+            backend=memory_fabric.backend,
+            side_channel=memory_fabric.side_channel,
         ) as d:
             async with contextlib.AsyncExitStack() as stack:
                 ranks = await open_tp2_producer(memory_fabric, base, stack)
@@ -538,6 +581,7 @@ async def test_the_first_pull_after_a_tp_engine_restarted_reads_every_rank(
                             tp_size=2,
                             config=QUICK,
                             backend=memory_fabric.backend,
+                            side_channel=memory_fabric.side_channel,
                         )
                     )
                     for rank, kv in enumerate(kvs)
@@ -552,6 +596,7 @@ async def test_the_first_pull_after_a_tp_engine_restarted_reads_every_rank(
 
 async def test_a_replay_of_parameters_whose_exposure_is_over_reads_nothing(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     config = attrs.evolve(SIGNED, heartbeat_interval=0.05)
     with trio.fail_after(10):
@@ -575,7 +620,9 @@ async def test_a_replay_of_parameters_whose_exposure_is_over_reads_nothing(
 # Found by tests/test_chaos.py: the pull above, refused for a lost hold, was refused before the
 # consumer's pull began, and pulls_failed did not count it
 async def test_a_pull_refused_for_a_lost_hold_counts_as_failed(
-    memory_fabric: MemoryFabric, caplog: pytest.LogCaptureFixture
+    memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     config = attrs.evolve(QUICK, heartbeat_interval=0.1)
     with trio.fail_after(10), caplog.at_level(logging.WARNING, logger="trio_pd"):
@@ -596,7 +643,10 @@ async def test_a_pull_refused_for_a_lost_hold_counts_as_failed(
             assert (stats.pulls_succeeded, stats.pulls_failed, stats.pulls_rejected) == (1, 1, 0)
 
 
-async def test_a_forged_hold_is_refused_before_any_message(memory_fabric: MemoryFabric) -> None:
+async def test_a_forged_hold_is_refused_before_any_message(
+    memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     with trio.fail_after(10):
         async with (
             connector(memory_fabric, "p", config=SIGNED) as p,
@@ -612,7 +662,10 @@ async def test_a_forged_hold_is_refused_before_any_message(memory_fabric: Memory
             assert (stats.heartbeats_sent, stats.abandons_sent) == (0, 0)
 
 
-async def test_several_ranks_failing_at_once_is_one_error(memory_fabric: MemoryFabric) -> None:
+async def test_several_ranks_failing_at_once_is_one_error(
+    memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     # Every decode rank refuses a forged token before its first checkpoint:
     # serve got an ExceptionGroup (a 500); it is one ParamsRejectedError.
     from trio_pd._serve.engine import _pull_every_rank
@@ -620,7 +673,7 @@ async def test_several_ranks_failing_at_once_is_one_error(memory_fabric: MemoryF
     with trio.fail_after(10):
         async with trio_pd.open_connector(
             "p", kv_cache(blocks=16, block_shape=(16, 64)), config=SIGNED,
-            backend=memory_fabric.backend,
+            backend=memory_fabric.backend, side_channel=memory_fabric.side_channel,
         ) as p:  # fmt: skip
             base = free_port_range(2)
             forged = attrs.evolve(p.expose("x", [1]), token="0" * 32)
@@ -628,11 +681,15 @@ async def test_several_ranks_failing_at_once_is_one_error(memory_fabric: MemoryF
             async with (
                 trio_pd.open_connector(
                     "d", kv_cache(blocks=16, block_shape=(8, 64)), tp_rank=0,
-                    backend=memory_fabric.backend, **options,  # type: ignore[arg-type]
+                    backend=memory_fabric.backend,
+                    side_channel=memory_fabric.side_channel,
+                    **options,  # type: ignore[arg-type]
                 ) as d0,
                 trio_pd.open_connector(
                     "d", kv_cache(blocks=16, block_shape=(8, 64)), tp_rank=1,
-                    backend=memory_fabric.backend, **options,  # type: ignore[arg-type]
+                    backend=memory_fabric.backend,
+                    side_channel=memory_fabric.side_channel,
+                    **options,  # type: ignore[arg-type]
                 ) as d1,
             ):  # fmt: skip
                 with pytest.raises(trio_pd.ParamsRejectedError):
@@ -641,6 +698,7 @@ async def test_several_ranks_failing_at_once_is_one_error(memory_fabric: MemoryF
 
 async def test_closing_while_a_restart_retires_the_old_agent_raises_nothing(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     # A verification finds a restart and retires the old agent (NIXL: a
     # thread call); the connector closes meanwhile. Before: the handshake
@@ -655,12 +713,12 @@ async def test_closing_while_a_restart_retires_the_old_agent_raises_nothing(
         ):
             async with trio_pd.open_connector(
                 "p", kv_cache(blocks=16), port=port, config=QUICK,
-                backend=memory_fabric.backend,
+                backend=memory_fabric.backend, side_channel=memory_fabric.side_channel,
             ) as old:  # fmt: skip
                 await d.pull("a", [0], old.expose("a", [0]))
             async with trio_pd.open_connector(
                 "p", kv_cache(blocks=16), port=port, config=QUICK,
-                backend=memory_fabric.backend,
+                backend=memory_fabric.backend, side_channel=memory_fabric.side_channel,
             ) as new:  # fmt: skip
 
                 async def pull(remote: trio_pd.RemoteBlocks) -> None:

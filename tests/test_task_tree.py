@@ -21,7 +21,7 @@ from .conftest import kv_cache, wait_until
 TASK_TREE = Path(__file__).parent.parent / "docs" / "diagrams" / "task-tree.dot"
 
 DRAWN_AS = {
-    "ZAP handler": "trio_pd._side_channel._auth.serve_zap",
+    "ZAP handler": "trio_pd._side_channel._zmq_channel.ZmqSideChannel.serve_auth",
     "listener": "trio_pd._producer._producer.Producer.serve_listener",
     "notification task": "trio_pd._producer._producer.Producer.collect_notifications",
     "handshake task": "trio_pd._consumer._pulls.Consumer.run_handshakes",

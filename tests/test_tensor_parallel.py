@@ -14,6 +14,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import pytest
 import torch
 import trio
+import trio.testing
 
 import trio_pd
 from trio_pd.testing import (
@@ -48,11 +49,12 @@ async def ranks(
     engine_id: str,
     tp_size: int,
     *,
-    backend: trio_pd.BackendFactory | None = None,
+    fabric: MemoryFabric | None = None,
     config: trio_pd.ConnectorConfig = CONFIG,
     heads: int = TOTAL_HEADS,
 ) -> AsyncIterator[list[tuple[trio_pd.Connector, list[torch.Tensor]]]]:
-    """``tp_size`` connectors of one engine in this process, ranks 0 .. tp_size-1."""
+    """``tp_size`` connectors of one engine in this process, ranks 0 .. tp_size-1
+    (on ``fabric``'s backend and side channel if given, else NIXL and ZeroMQ)."""
     base = free_port_range(tp_size)
     async with AsyncExitStack() as stack:
         out = []
@@ -66,7 +68,8 @@ async def ranks(
                     config=config,
                     tp_rank=rank,
                     tp_size=tp_size,
-                    backend=backend,
+                    backend=None if fabric is None else fabric.backend,
+                    side_channel=None if fabric is None else fabric.side_channel,
                 )
             )
             out.append((conn, caches))
@@ -89,12 +92,15 @@ async def pull_everywhere(
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), COMBINATIONS)
 async def test_every_head_lands_in_its_decode_rank_in_memory(
-    memory_fabric: MemoryFabric, prefill_tp: int, decode_tp: int
+    memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
+    prefill_tp: int,
+    decode_tp: int,
 ) -> None:
     with trio.fail_after(20):
         async with (
-            ranks("p", prefill_tp, backend=memory_fabric.backend) as prefill,
-            ranks("d", decode_tp, backend=memory_fabric.backend) as decode,
+            ranks("p", prefill_tp, fabric=memory_fabric) as prefill,
+            ranks("d", decode_tp, fabric=memory_fabric) as decode,
         ):
             exposed = []
             for rank, (conn, caches) in enumerate(prefill):
@@ -111,14 +117,15 @@ async def test_every_head_lands_in_its_decode_rank_in_memory(
 
 async def test_a_prefill_rank_is_released_only_when_all_its_readers_notified(
     memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
     # Decode TP 2 reads prefill TP 1: both decode ranks read the one prefill
     # rank; one notification is half of the decode engine.
     config = trio_pd.ConnectorConfig(abort_timeout=0.5)
     with trio.fail_after(20):
         async with (
-            ranks("p", 1, backend=memory_fabric.backend, config=config) as prefill,
-            ranks("d", 2, backend=memory_fabric.backend) as decode,
+            ranks("p", 1, fabric=memory_fabric, config=config) as prefill,
+            ranks("d", 2, fabric=memory_fabric) as decode,
         ):
             [(producer, _)] = prefill
             first = producer.expose("full", [1])
@@ -139,12 +146,16 @@ async def test_a_prefill_rank_is_released_only_when_all_its_readers_notified(
     ],
 )
 async def test_engines_that_do_not_pair_fail_before_any_transfer(
-    memory_fabric: MemoryFabric, decode_tp: int, decode_heads: int, match: str
+    memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
+    decode_tp: int,
+    decode_heads: int,
+    match: str,
 ) -> None:
     with trio.fail_after(20):
         async with (
-            ranks("p", 2, backend=memory_fabric.backend) as prefill,
-            ranks("d", decode_tp, backend=memory_fabric.backend, heads=decode_heads) as decode,
+            ranks("p", 2, fabric=memory_fabric) as prefill,
+            ranks("d", decode_tp, fabric=memory_fabric, heads=decode_heads) as decode,
         ):
             remote = prefill[0][0].expose("r", SRC)
             conn, caches = decode[0]

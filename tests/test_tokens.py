@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 import pytest
 import trio
+import trio.testing
 
 import trio_pd
 from trio_pd._core._tokens import exposure_token, token_matches
@@ -65,14 +66,15 @@ def test_a_short_secret_is_refused_and_a_secret_never_shows() -> None:
     assert SECRET.decode() not in repr(trio_pd.ConnectorConfig(exposure_secret=SECRET))
 
 
-async def test_forged_parameters_fail_before_any_read(memory_fabric: MemoryFabric) -> None:
+async def test_forged_parameters_fail_before_any_read(
+    memory_fabric: MemoryFabric, autojump_clock: trio.testing.MockClock
+) -> None:
+    on_fabric = {"backend": memory_fabric.backend, "side_channel": memory_fabric.side_channel}
     with trio.fail_after(10):
         prefill_kv, local = kv_cache(blocks=16), kv_cache(blocks=16)
         async with (
-            trio_pd.open_connector(
-                "p", prefill_kv, config=SIGNED, backend=memory_fabric.backend
-            ) as p,
-            trio_pd.open_connector("d", local, config=SIGNED, backend=memory_fabric.backend) as d,
+            trio_pd.open_connector("p", prefill_kv, config=SIGNED, **on_fabric) as p,
+            trio_pd.open_connector("d", local, config=SIGNED, **on_fabric) as d,
         ):
             fill_blocks(prefill_kv, [3, 4], seed=1)
             remote = p.expose("r", [3, 4])
@@ -93,6 +95,7 @@ async def test_forged_parameters_fail_before_any_read(memory_fabric: MemoryFabri
                 assert isinstance(caught.value, ValueError)
             stats = d.statistics()
             assert (stats.handshakes_started, memory_fabric.reads) == (0, 0)
+            assert memory_fabric.side_channel_requests == 0  # (not a message sent)
             await d.pull("r", [0, 1], remote)  # the real one still reads
             assert mismatched_blocks(local, [0, 1], 1) == []
             assert await p.wait_released("r") is trio_pd.Released.READ

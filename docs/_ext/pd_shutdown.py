@@ -307,7 +307,9 @@ def shutdown_notes(config: ConnectorConfig) -> dict[str, str]:
             "abandons running in your tasks (each ending by close_timeout after "
             "begin_close) close their sockets"
         ),
-        "context.destroy": "the ZeroMQ context goes, after every socket is closed",
+        "channel.close": (
+            "the side channel goes (ZeroMQ: its context, after every socket is closed)"
+        ),
     }
 
 
@@ -321,7 +323,7 @@ def shutdown_timeline(config: ConnectorConfig | None = None) -> Scope:
 
     * every step the notes explain is still on the path, once;
     * the body, ``_begin_close`` and the cancellation run inside the nursery, in order;
-    * the release of the backend and of ZeroMQ run shielded, and the wait for
+    * the release of the backend and of the side channel run shielded, and the wait for
       pulls under ``close_timeout``;
     * the nursery's tasks end promptly: a stuck load is abandoned, the
       notification poll returns at ``begin_close``, the driver stops each job
@@ -351,7 +353,7 @@ def shutdown_timeline(config: ConnectorConfig | None = None) -> Scope:
     for key in body_and_cancel:
         if not any(_callee_of(s) == "trio.open_nursery" for s in walk.found[key]):
             raise DocsDrift(f"shutdown timeline: {key} is no longer inside the nursery")
-    for key in ("transfers.aclose", "context.destroy", "leases.wait_idle"):
+    for key in ("transfers.aclose", "channel.close", "leases.wait_idle"):
         if not any(s.shielded for s in walk.found[key]):
             raise DocsDrift(f"shutdown timeline: {key} no longer runs shielded")
     if walk.found["consumer.wait_pulls_done"][-1].seconds != config.close_timeout:

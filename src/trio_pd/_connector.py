@@ -1,6 +1,8 @@
 """The connector: one engine's end of P/D KV transfer, and how it runs.
 
-:func:`open_connector` creates the transfer backend, then opens one nursery
+:func:`open_connector` creates the side channel's transport (ZeroMQ, unless
+a test passes another: ``_side_channel._seam``) and the transfer backend,
+then opens one nursery
 for everything the connector runs, and runs the caller's ``async with`` body
 inside it as well::
 
@@ -20,7 +22,7 @@ holds, ``_leases.Leases``) with everything passed to constructors, and
 yields :class:`Connector`, the facade over them. The facade owns no task and
 no resource itself; its docstrings are the public contract of each call
 (what it waits for, what it raises, what cancelling it does). On exit,
-``_release`` frees the backend and ZeroMQ once no pull uses them. This
+``_release`` frees the backend and the side channel once no pull uses them. This
 module also owns the checks of the addresses it binds and advertises
 (:data:`WILDCARD_HOSTS`).
 """
@@ -28,7 +30,6 @@ module also owns the checks of the addresses it binds and advertises
 from __future__ import annotations
 
 import logging
-import resource
 import secrets
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -36,7 +37,6 @@ from typing import TYPE_CHECKING
 
 import attrs
 import trio
-import zmq
 
 from trio_pd._config import ConnectorConfig
 from trio_pd._consumer._leases import Leases
@@ -48,7 +48,8 @@ from trio_pd._core._remote_engine import EngineState
 from trio_pd._core._tensor_parallel import check_tp
 from trio_pd._exception_groups import unwrapped_errors
 from trio_pd._producer._producer import Producer
-from trio_pd._side_channel._auth import serve_zap
+from trio_pd._side_channel._seam import SideChannel, SideChannelFactory
+from trio_pd._side_channel._zmq_channel import ZmqSideChannel
 from trio_pd._transfer._backend import BackendFactory, TransferBackend
 from trio_pd._transfer._nixl._backend import NixlBackend
 from trio_pd._transfer._nixl._interfaces import wait_for_interface
@@ -60,15 +61,6 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger("trio_pd")
-
-
-def max_sockets() -> int:
-    """ZeroMQ sockets a connector's context may hold: the soft limit on open
-    files (every socket needs one), between 1024 and 65536."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return 65536
-    return min(max(soft, 1024), 65536)
 
 
 def bind_and_advertised_hosts(host: str, advertise_host: str | None) -> tuple[str, str]:
@@ -100,6 +92,7 @@ async def open_connector(
     tp_size: int = 1,
     advertise_host: str | None = None,
     backend: BackendFactory | None = None,
+    side_channel: SideChannelFactory | None = None,
 ) -> AsyncIterator[Connector]:
     """Open a connector for one engine and run its tasks for the block's duration.
 
@@ -139,6 +132,11 @@ async def open_connector(
             :meth:`NixlBackend.create` (NIXL with UCX); tests pass
             :meth:`trio_pd.testing.MemoryFabric.backend` to run the same
             connector logic on an in-memory data plane with injected faults.
+        side_channel: a testing seam: creates the side channel's transport.
+            Default ZeroMQ (with CURVE when ``config.auth`` is set); tests
+            pass :meth:`trio_pd.testing.MemoryFabric.side_channel` to run
+            the same connector logic with an in-memory control plane too,
+            on trio's clock alone (``autojump_clock``).
 
     Resource handling:
         On every exit -- normal, an exception in the block, or cancellation from
@@ -187,19 +185,14 @@ async def open_connector(
     config = ConnectorConfig() if config is None else config
     layout = layout_of_tensors(kv_caches)
     incarnation = secrets.token_hex(8)
+    agent_name = f"{engine_id}#{incarnation}"
     create = NixlBackend.create if backend is None else backend
     await wait_for_interface(engine_id, advertised, config)
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    # ZeroMQ's own cap (1023 sockets) is below what a decoder of many engines
-    # uses (a confirmation socket per producer rank pulled from at once): the
-    # process's file limit, which bounds them anyway, is the cap instead.
-    context.set(zmq.MAX_SOCKETS, max_sockets())
+    channel = (ZmqSideChannel.create if side_channel is None else side_channel)(agent_name, config)
     try:
-        transfers: TransferBackend = await create(
-            f"{engine_id}#{incarnation}", kv_caches, layout, config
-        )
+        transfers: TransferBackend = await create(agent_name, kv_caches, layout, config)
     except BaseException:
-        context.destroy(linger=0)
+        channel.close()
         raise
     consumer: Consumer | None = None
     leases: Leases | None = None
@@ -213,18 +206,17 @@ async def open_connector(
                 advertised,
                 layout,
                 transfers,
-                context,
+                channel,
                 config,
             )
             consumer = Consumer(
-                engine_id, tp_rank, tp_size, layout, transfers, context, config, nursery
+                engine_id, tp_rank, tp_size, layout, transfers, channel, config, nursery
             )
-            leases = Leases(engine_id, transfers.agent_name, tp_rank, tp_size, context, config)
+            leases = Leases(engine_id, transfers.agent_name, tp_rank, tp_size, channel, config)
             connector = Connector(engine_id, layout, producer, consumer, leases)
             try:
                 if config.auth is not None:
-                    allowed = config.auth.allowed_consumers
-                    await nursery.start(serve_zap, context, allowed, producer.auth_refused)
+                    await nursery.start(channel.serve_auth, producer)
                 rank_port = port + tp_rank if port else 0
                 address = await nursery.start(producer.serve_listener, host, rank_port)
                 nursery.start_soon(consumer.run_handshakes)
@@ -247,7 +239,7 @@ async def open_connector(
         transfers.begin_close()  # (again: the nursery may have failed to start)
         # close_timeout bounds the wait for pulls; the backend's releases take ms.
         with trio.move_on_after(2 * config.close_timeout, shield=True):
-            await _release(engine_id, transfers, consumer, leases, context, config)
+            await _release(engine_id, transfers, consumer, leases, channel, config)
 
 
 async def _release(
@@ -255,13 +247,13 @@ async def _release(
     transfers: TransferBackend,
     consumer: Consumer | None,
     leases: Leases | None,
-    context: zmq.Context[zmq.Socket[bytes]],
+    channel: SideChannel,
     config: ConnectorConfig,
 ) -> None:
-    """Wait (bounded) for pulls in other tasks, then release the backend and ZeroMQ.
+    """Wait (bounded) for pulls in other tasks, then release the backend and the side channel.
 
     Called once, shielded, when the nursery has exited: no task of ours
-    uses the backend or ZeroMQ any more (the abandon task sent what was
+    uses the backend or the side channel any more (the abandon task sent what was
     queued before it ended), only pulls and abandons in callers' tasks may
     (abandons end by ``close_timeout`` after ``begin_close``), and a
     remote-agent load abandoned in NIXL (``transfers.aclose`` waits for it).
@@ -284,7 +276,7 @@ async def _release(
         if leases is not None:
             with trio.move_on_after(config.close_timeout, shield=True):
                 await leases.wait_idle()
-        context.destroy(linger=0)
+        channel.close()
 
 
 class Connector:

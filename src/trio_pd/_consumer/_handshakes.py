@@ -30,7 +30,6 @@ import math
 import random
 
 import trio
-import zmq
 
 from trio_pd._config import ConnectorConfig
 from trio_pd._consumer._counters import ConsumerCounters
@@ -54,6 +53,7 @@ from trio_pd._core._remote_engine import (
 )
 from trio_pd._core._tensor_parallel import PullPart, part_layouts
 from trio_pd._side_channel._fetch import FetchFailure, fetch_engine_metadata, unsent_failure
+from trio_pd._side_channel._seam import SideChannel
 from trio_pd._transfer._backend import (
     BackendClosing,
     BackendError,
@@ -112,7 +112,7 @@ class Handshakes:
         tp_size: this (decode) engine's tensor-parallel size.
         layout: the local KV layout (remote layouts must pair with it).
         backend: the transfer backend (loads and retires remote agents).
-        zmq_context: for the fetches' sockets.
+        side_channel: where the metadata fetches go.
         config: deadlines and limits.
         nursery: where the fetch workers and the watchdog run.
         counters: the consumer's counters, which this counts into.
@@ -124,7 +124,7 @@ class Handshakes:
         tp_size: int,
         layout: KVLayout,
         backend: TransferBackend,
-        zmq_context: zmq.Context[zmq.Socket[bytes]],
+        side_channel: SideChannel,
         config: ConnectorConfig,
         nursery: trio.Nursery,
         counters: ConsumerCounters,
@@ -133,7 +133,7 @@ class Handshakes:
         self._tp_size = tp_size
         self._layout = layout
         self._backend = backend
-        self._zmq = zmq_context
+        self._side_channel = side_channel
         self._config = config
         self._counters = counters
         self._compat_hash = protocol.compatibility_hash(config.compatibility_key)
@@ -264,7 +264,7 @@ class Handshakes:
         record = engine.record
         try:
             metadata, layout = await fetch_engine_metadata(
-                self._zmq,
+                self._side_channel,
                 record.engine_id,
                 record.host,
                 record.port,

@@ -21,8 +21,9 @@ waiting up to ``handshake_timeout`` for a courtesy to a dead peer.
 connector does not drop them: the abandons queued and in flight go on,
 concurrently, until ``close_timeout`` after :meth:`Leases.begin_close`.
 
-Every exchange is one request/reply on a fresh DEALER socket (``_fetch``'s
-rounds, CURVE included), closed on every exit path. What the producer
+Every exchange is one request/reply over the side channel
+(``_side_channel._seam.SideChannel.request``; ZeroMQ: ``_fetch``'s rounds on
+fresh DEALER sockets, CURVE included, closed on every exit path). What the producer
 decides is in ``_listener_rules`` and ``_exposures``.
 """
 
@@ -35,7 +36,6 @@ from contextlib import asynccontextmanager
 
 import attrs
 import trio
-import zmq
 from trio_util import AsyncValue
 
 from trio_pd._config import ConnectorConfig
@@ -43,7 +43,8 @@ from trio_pd._core import _protocol as protocol
 from trio_pd._core._errors import IncompatibleEngineError, ProtocolError
 from trio_pd._core._public_values import RemoteBlocks
 from trio_pd._core._tensor_parallel import plan_pull, readers_per_remote_rank, sizes_mismatch
-from trio_pd._side_channel._fetch import ConnectionLog, FetchRefused, curve_client, fetch_reply
+from trio_pd._side_channel._fetch import ConnectionLog, FetchRefused
+from trio_pd._side_channel._seam import SideChannel
 
 logger = logging.getLogger("trio_pd")
 
@@ -78,15 +79,15 @@ class LeaseCounters:
 class Leases:
     """The consumer's holds, and the heartbeat task that renews their leases.
 
-    Owns the holds and (while a round or an abandon runs) its DEALER
-    sockets; :meth:`run` must run in the connector's nursery.
+    Owns the holds and (while a round or an abandon runs) its side-channel
+    exchanges; :meth:`run` must run in the connector's nursery.
 
     Args:
         engine_id: this (consumer) engine's id, named in lease requests.
         agent_name: this connector's transfer agent: the producer counts an
             abandon for it as it counts its notifications.
         tp_rank, tp_size: this rank of the consumer engine, and how many it has.
-        zmq_context: for the sockets.
+        side_channel: where heartbeats and abandons go.
         config: ``heartbeat_interval``, ``handshake_timeout`` (abandons),
             ``max_message_bytes``, ``auth``.
     """
@@ -97,14 +98,14 @@ class Leases:
         agent_name: str,
         tp_rank: int,
         tp_size: int,
-        zmq_context: zmq.Context[zmq.Socket[bytes]],
+        side_channel: SideChannel,
         config: ConnectorConfig,
     ) -> None:
         self._engine_id = engine_id
         self._agent_name = agent_name
         self._tp_rank = tp_rank
         self._tp_size = tp_size
-        self._zmq = zmq_context
+        self._side_channel = side_channel
         self._config = config
         self._holds: dict[RemoteBlocks, _Hold] = {}
         self._by_rank: dict[Rank, dict[RemoteBlocks, _Hold]] = {}
@@ -199,10 +200,11 @@ class Leases:
     async def wait_idle(self) -> None:
         """Until no abandon runs in a caller's task (their sockets are closed).
 
-        The connector waits for this before it destroys the ZeroMQ context:
-        destroying it under a socket in use closes that socket's fd behind
-        trio's back, and the fd number, reused by the next socket, then
-        confuses trio's I/O in another task (found by the chaos suite).
+        The connector waits for this before it closes the side channel
+        (ZeroMQ: destroys the context): destroying the context under a
+        socket in use closes that socket's fd behind trio's back, and the fd
+        number, reused by the next socket, then confuses trio's I/O in
+        another task (found by the chaos suite).
         """
         await self._abandons_in_flight.wait_value(lambda n: n == 0)
 
@@ -387,27 +389,18 @@ class Leases:
     ) -> protocol.LeaseReply | str:
         """Send ``request`` to ``rank`` and decode the reply (the caller bounds it).
 
-        Retries with fresh sockets until a reply arrives (see
-        ``_fetch.fetch_reply``); ``log`` records what the connection did, for
+        Retries until a reply arrives (see ``SideChannel.request``; ZeroMQ:
+        fresh sockets each round); ``log`` records what the connection did, for
         the caller's diagnosis on timeout.
 
         Returns:
             the reply, or why there is none (refused by CURVE, an error
             reply, a reply that does not decode).
         """
-        engine_id, host, port = rank
-        config = self._config
         try:
-            data = await fetch_reply(
-                self._zmq,
-                protocol.endpoint(host, port),
-                request,
-                log,
-                ipv6=":" in host,
-                curve=curve_client(config, engine_id),
-            )
-            return protocol.decode_lease_reply(data, config.max_message_bytes)
-        except (FetchRefused, ProtocolError, ValueError, zmq.ZMQError) as exc:
+            data = await self._side_channel.request(rank, request, log)
+            return protocol.decode_lease_reply(data, self._config.max_message_bytes)
+        except (FetchRefused, ProtocolError, ValueError) as exc:
             return str(exc)
 
     def _requests(self, rank: Rank, holds: list[_Hold]) -> list[tuple[bytes, list[_Hold]]]:

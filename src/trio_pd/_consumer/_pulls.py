@@ -18,7 +18,6 @@ from typing import NoReturn
 
 import numpy as np
 import trio
-import zmq
 from trio_util import AsyncValue
 
 from trio_pd._config import ConnectorConfig
@@ -46,7 +45,7 @@ from trio_pd._core._tensor_parallel import (
 )
 from trio_pd._core._tokens import exposure_token, token_matches
 from trio_pd._exception_groups import first_failure_wins
-from trio_pd._side_channel._confirm import ConfirmChannels
+from trio_pd._side_channel._seam import SideChannel
 from trio_pd._transfer._backend import (
     BackendClosing,
     BackendError,
@@ -69,7 +68,7 @@ class Consumer:
         tp_rank, tp_size: this rank of the (decode) engine, and how many it has.
         layout: the local KV layout (remote layouts must pair with it).
         backend: the transfer backend.
-        zmq_context: for the fetches' and the confirmations' sockets.
+        side_channel: where the metadata fetches and the confirmations go.
         config: deadlines and limits.
         nursery: where the fetch workers and the watchdog run.
     """
@@ -81,7 +80,7 @@ class Consumer:
         tp_size: int,
         layout: KVLayout,
         backend: TransferBackend,
-        zmq_context: zmq.Context[zmq.Socket[bytes]],
+        side_channel: SideChannel,
         config: ConnectorConfig,
         nursery: trio.Nursery,
     ) -> None:
@@ -93,9 +92,9 @@ class Consumer:
         self._config = config
         self._counters = ConsumerCounters()
         self._handshakes = Handshakes(
-            engine_id, tp_size, layout, backend, zmq_context, config, nursery, self._counters
+            engine_id, tp_size, layout, backend, side_channel, config, nursery, self._counters
         )
-        self._confirms = ConfirmChannels(engine_id, backend.agent_name, zmq_context, config)
+        self._confirms = side_channel.confirmations(engine_id, backend.agent_name)
         self._nonces = itertools.count(1)  # (names each READ in its notification)
         self.confirm_reads = True
         """Whether READs are confirmed (``_confirm``). Only the benchmarks turn

@@ -4,13 +4,16 @@ The bookkeeping of exposures and their leases is in ``_exposures`` and the
 listener's decision for one request in ``_listener_rules`` (both free of I/O); this
 module is the trio shell around them. Its tasks run in the connector's nursery:
 
-* the *listener* (:meth:`Producer.serve_listener`): a ROUTER socket that
-  answers every metadata request, and every lease request (consumers'
-  heartbeats and abandons) by renewing or abandoning exposures;
+* the *listener* (:meth:`Producer.serve_listener`): the side channel's
+  ``serve`` (``_side_channel._seam``; ZeroMQ: a ROUTER socket), which hands
+  every request to :meth:`Producer.answer`: the metadata, and lease
+  requests (consumers' heartbeats and abandons) that renew or abandon
+  exposures, and confirmations that pin them;
 * the *notification task* (:meth:`Producer.collect_notifications`): counts
   consumers' notifications, resolves exposures, expires overdue ones;
-* with CURVE auth, the ZAP handler (``_auth.serve_zap``), started by
-  :func:`~trio_pd.open_connector` before the listener binds.
+* with CURVE auth, the side channel's ``serve_auth`` (ZeroMQ: the ZAP
+  handler), started by :func:`~trio_pd.open_connector` before the listener
+  binds.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from collections.abc import Sequence
 
 import attrs
 import trio
-import zmq
 
 from trio_pd._config import ConnectorConfig
 from trio_pd._core import _listener_rules as listener
@@ -29,7 +31,7 @@ from trio_pd._core._exposures import Confirmation, ExposureTable, Notice, Releas
 from trio_pd._core._layout import KVLayout, as_block_ids
 from trio_pd._core._public_values import ProducerStatistics, RemoteBlocks
 from trio_pd._core._tokens import exposure_token, token_matches
-from trio_pd._side_channel._zmq import TrioZmqSocket
+from trio_pd._side_channel._seam import SideChannel
 from trio_pd._transfer._backend import BackendError, TransferBackend
 
 logger = logging.getLogger("trio_pd")
@@ -50,7 +52,7 @@ class Producer:
     """The prefill side of a connector: holds exposed blocks until they are read.
 
     Owns the exposure table, the release events of pending exposures, and
-    (while :meth:`serve_listener` runs) the ROUTER socket. The metadata reply
+    (while :meth:`serve_listener` runs) the side channel's listener. The metadata reply
     is encoded once, here, before the listener can receive a request.
 
     Args:
@@ -60,7 +62,7 @@ class Producer:
         advertise_host: the host exposures name (consumers connect to it).
         layout: the local KV layout (described in the reply).
         backend: the transfer backend (its agent's metadata, notifications).
-        zmq_context: for the listener's socket.
+        side_channel: where the listener serves.
         config: deadlines and limits.
     """
 
@@ -73,7 +75,7 @@ class Producer:
         advertise_host: str,
         layout: KVLayout,
         backend: TransferBackend,
-        zmq_context: zmq.Context[zmq.Socket[bytes]],
+        side_channel: SideChannel,
         config: ConnectorConfig,
     ) -> None:
         self._engine_id = engine_id
@@ -83,7 +85,7 @@ class Producer:
         self._advertise_host = advertise_host
         self._layout = layout
         self._backend = backend
-        self._zmq = zmq_context
+        self._side_channel = side_channel
         self._config = config
         self._address: tuple[str, int] | None = None
         self._closed = False
@@ -214,61 +216,45 @@ class Producer:
         *,
         task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Bind the ROUTER socket, report the address, answer requests until cancelled.
+        """Bind the side channel's listener, report the address, answer requests
+        until cancelled (the transport's ``serve``, with this producer as its
+        :class:`~trio_pd._side_channel._seam.Listener`).
 
-        Every request gets a reply: the metadata; for a lease request, the
-        lease reply, once its entries are applied (see :meth:`_serve_leases`);
-        or an error reply saying why not (counted in ``listener_rejects``).
-        Messages without a request envelope
-        are dropped and counted. Messages over ``max_message_bytes`` never
-        reach us: ZeroMQ closes that connection. With CURVE auth, consumers
-        the ZAP handler refuses never reach us either. Sends never block:
-        ROUTER drops replies to peers that are gone.
+        Every request gets a reply (see :meth:`answer`); messages without a
+        request envelope are dropped and counted (:meth:`dropped`).
 
         Raises:
             OSError: ``host:port`` cannot be bound (before ``started``).
         """
-        socket = TrioZmqSocket(self._zmq.socket(zmq.ROUTER))
-        async with socket:
-            raw = socket.zmq_socket
-            raw.setsockopt(zmq.LINGER, 0)
-            raw.setsockopt(zmq.MAXMSGSIZE, self._config.max_message_bytes)
-            if ":" in host:
-                raw.setsockopt(zmq.IPV6, 1)
-            if self._config.auth is not None:
-                self._config.auth.configure_server(raw)
-            try:
-                raw.bind(protocol.endpoint(host, port or "*"))
-            except zmq.ZMQError as exc:
-                raise OSError(
-                    exc.errno, f"cannot bind the side channel to {host}:{port}: {exc}"
-                ) from exc
-            endpoint = raw.getsockopt_string(zmq.LAST_ENDPOINT)
-            self._address = (host, int(endpoint.rsplit(":", 1)[1]))
-            task_status.started(self._address)
-            while True:
-                frames = await socket.receive_multipart()
-                if len(frames) != 3 or frames[1] != b"":
-                    self._counters.listener_rejects += 1
-                    logger.debug("listener: dropped a message of %d frames", len(frames))
-                    continue
-                request = listener.parse_request(
-                    frames[2],
-                    engine_id=self._engine_id,
-                    max_bytes=self._config.max_message_bytes,
-                )
-                if isinstance(request, listener.Rejected):
-                    self._counters.listener_rejects += 1
-                    logger.debug("listener: rejected a request: %s", request.reason)
-                    reply = request.reply
-                elif isinstance(request, protocol.LeaseRequest):
-                    reply = self._serve_leases(request)
-                elif isinstance(request, protocol.ConfirmRequest):
-                    reply = self._serve_confirm(request)
-                else:
-                    self._counters.listener_requests += 1
-                    reply = self._encoded_reply
-                await socket.send_multipart([frames[0], b"", reply])
+        await self._side_channel.serve(host, port, self, task_status=task_status)
+
+    def bound(self, address: tuple[str, int]) -> None:
+        """The listener is bound (``Listener.bound``): expose() can name it."""
+        self._address = address
+
+    def answer(self, payload: bytes) -> bytes:
+        """The reply to one request (``Listener.answer``): the metadata; for a
+        lease request, the lease reply, once its entries are applied (see
+        :meth:`_serve_leases`); for a confirmation, its answers; or an
+        error reply saying why not (counted in ``listener_rejects``)."""
+        request = listener.parse_request(
+            payload, engine_id=self._engine_id, max_bytes=self._config.max_message_bytes
+        )
+        if isinstance(request, listener.Rejected):
+            self._counters.listener_rejects += 1
+            logger.debug("listener: rejected a request: %s", request.reason)
+            return request.reply
+        if isinstance(request, protocol.LeaseRequest):
+            return self._serve_leases(request)
+        if isinstance(request, protocol.ConfirmRequest):
+            return self._serve_confirm(request)
+        self._counters.listener_requests += 1
+        return self._encoded_reply
+
+    def dropped(self, why: str) -> None:
+        """A message without a request envelope (``Listener.dropped``): counted."""
+        self._counters.listener_rejects += 1
+        logger.debug("listener: dropped %s", why)
 
     def _entry_is_ours(self, entry: protocol.LeaseEntry) -> bool:
         """Whether a lease entry is for this incarnation's exposure.
@@ -391,7 +377,7 @@ class Producer:
         return token_matches(expected, entry.token)
 
     def auth_refused(self, reason: str) -> None:
-        """The ZAP handler refused a consumer (its callback)."""
+        """The side channel's authentication refused a consumer (``Listener.auth_refused``)."""
         self._counters.listener_auth_failures += 1
         logger.warning("engine %s: side channel refused a consumer: %s", self._engine_id, reason)
 

@@ -1,4 +1,4 @@
-"""Pulls' confirmations: long-lived DEALER sockets to producer ranks (trio shell).
+"""Pulls' confirmations: what a pull concludes, and long-lived DEALER sockets to producer ranks.
 
 A pull's bytes are kept only if the producer still held them for its
 request for the whole READ (see ``_exposures``: the producer pins the
@@ -8,6 +8,12 @@ a READ longer than one side-channel round trip waits for nothing more (the
 producer's work to answer still takes CPU: on a small machine it competes
 with the copy, see the performance page); a tiny READ waits for at most
 the rest of that round trip.
+
+What a pull sends and concludes from the answer is :class:`Confirmations`,
+shared by every side channel (``_seam``); how a confirmation travels is its
+subclass's. :class:`ConfirmChannels` is ZeroMQ's (the trio shell below);
+``trio_pd.testing``'s in-memory side channel answers each confirmation at
+once.
 
 A fresh socket per confirmation (as the handshakes and heartbeats use)
 would cost a TCP and ZMTP handshake (and a CURVE one) per pull, so each
@@ -47,6 +53,7 @@ timeout) -- :meth:`ConfirmChannels.check` turns that into
 
 from __future__ import annotations
 
+import abc
 import itertools
 import logging
 from collections import OrderedDict
@@ -155,35 +162,30 @@ _ENDED_REASONS = {
 }
 
 
-class ConfirmChannels:
-    """The consumer's confirmation sockets, one per producer rank.
+class Confirmations(abc.ABC):
+    """The consumer's confirmations of READs: what a pull sends and checks.
+
+    The decisions are here, shared by every side channel: what a pull
+    sends (:meth:`send`) and what it concludes from the answer
+    (:meth:`check`: the pin covered the READ, confirm once more, or
+    :class:`~trio_pd.ExposureEndedError`). How a confirmation travels and
+    how its answer is awaited is the transport's (:meth:`_post`,
+    :meth:`_wait`): :class:`ConfirmChannels` over ZeroMQ, batching; the
+    in-memory side channel of ``trio_pd.testing`` answers each at once.
 
     Args:
         engine_id: this (consumer) engine's id, named in requests.
         agent_name: this connector's transfer agent: the pin is its own.
-        zmq_context: for the sockets.
         config: ``handshake_timeout`` (how long a reply is awaited),
             ``max_message_bytes``, ``auth``.
     """
 
-    def __init__(
-        self,
-        engine_id: str,
-        agent_name: str,
-        zmq_context: zmq.Context[zmq.Socket[bytes]],
-        config: ConnectorConfig,
-    ) -> None:
+    def __init__(self, engine_id: str, agent_name: str, config: ConnectorConfig) -> None:
         self._engine_id = engine_id
         self._agent_name = agent_name
-        self._zmq = zmq_context
         self._config = config
-        self._channels: OrderedDict[Rank, _Channel] = OrderedDict()
         self._seq = itertools.count()
         self._closed = False
-
-    @property
-    def open_channels(self) -> int:
-        return len(self._channels)
 
     def send(
         self,
@@ -250,6 +252,96 @@ class ConfirmChannels:
         if again.reply.state not in ("held", "read"):
             self._ended(again, again.reply.state, request_id, local_ids)
 
+    @property
+    @abc.abstractmethod
+    def open_channels(self) -> int:
+        """Connections kept open for confirmations now."""
+
+    @abc.abstractmethod
+    def discard(self, pending: Pending) -> None:
+        """Stop waiting for ``pending``'s answer (its READ failed)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Refuse new confirmations, release what the transport holds, and
+        wake the pulls that wait for an answer (they raise
+        :class:`trio.ClosedResourceError`). Idempotent; called by the
+        consumer's close, before the side channel is closed."""
+
+    @abc.abstractmethod
+    def _post(self, pending: Pending) -> None:
+        """Send ``pending`` (or queue it to be sent): a new ``seq`` and
+        ``sent_at`` (from now), or ``finish`` it with the failure that
+        keeps it from being sent. Never waits."""
+
+    @abc.abstractmethod
+    async def _wait(self, pending: Pending, deadline: float) -> None:
+        """Until ``pending`` is answered (or will not be), at most until
+        ``deadline``; always a checkpoint.
+
+        Raises:
+            trio.ClosedResourceError: closed and ``pending`` got no answer.
+        """
+
+    def _entry(self, pending: Pending) -> protocol.ConfirmEntry:
+        return protocol.ConfirmEntry(
+            pending.seq,
+            pending.request_id,
+            pending.token,
+            pending.incarnation,
+            pending.digest,
+            pending.nonce,
+            pending.exposure,
+        )
+
+    def _next_seq(self, pending: Pending) -> None:
+        """Number ``pending`` and stamp it sent from now (the pin counts from no earlier)."""
+        pending.seq = next(self._seq)
+        pending.sent_at = trio.current_time()
+
+    def _ended(self, pending: Pending, state: str, request_id: str, local_ids: list[int]) -> None:
+        why = _ENDED_REASONS.get(state, state)
+        raise ExposureEndedError(
+            request_id,
+            local_ids,
+            f"engine {pending.rank[0]!r} no longer held the blocks of request "
+            f"{pending.request_id!r}: {why}; what was read is not returned",
+            outcome=state,
+        )
+
+
+def refusal(reply: protocol.ErrorReply) -> str:
+    """Why no confirmation of a request answered by ``reply`` comes (it names
+    no ``seq``: every confirmation of the request gets it)."""
+    return f"the producer refused ({reply.code}): {reply.reason}"
+
+
+class ConfirmChannels(Confirmations):
+    """The consumer's confirmation sockets, one per producer rank (ZeroMQ).
+
+    Args:
+        engine_id: this (consumer) engine's id, named in requests.
+        agent_name: this connector's transfer agent: the pin is its own.
+        zmq_context: for the sockets.
+        config: ``handshake_timeout`` (how long a reply is awaited),
+            ``max_message_bytes``, ``auth``.
+    """
+
+    def __init__(
+        self,
+        engine_id: str,
+        agent_name: str,
+        zmq_context: zmq.Context[zmq.Socket[bytes]],
+        config: ConnectorConfig,
+    ) -> None:
+        super().__init__(engine_id, agent_name, config)
+        self._zmq = zmq_context
+        self._channels: OrderedDict[Rank, _Channel] = OrderedDict()
+
+    @property
+    def open_channels(self) -> int:
+        return len(self._channels)
+
     def discard(self, pending: Pending) -> None:
         """Stop waiting for ``pending``'s answer (its READ failed)."""
         if pending.channel is not None:
@@ -265,16 +357,6 @@ class ConfirmChannels:
             self._drop(channel, "the connector closed")
 
     # ---- internals -------------------------------------------------------
-
-    def _ended(self, pending: Pending, state: str, request_id: str, local_ids: list[int]) -> None:
-        why = _ENDED_REASONS.get(state, state)
-        raise ExposureEndedError(
-            request_id,
-            local_ids,
-            f"engine {pending.rank[0]!r} no longer held the blocks of request "
-            f"{pending.request_id!r}: {why}; what was read is not returned",
-            outcome=state,
-        )
 
     async def _wait(self, pending: Pending, deadline: float) -> None:
         """Until ``pending`` is answered (or will not be), at most until ``deadline``.
@@ -345,8 +427,7 @@ class ConfirmChannels:
         at once if no request of that channel waits for its answer, else
         queued for the next one (the pulls that arrive while one request is
         in flight travel together: one message, and one answer, for many)."""
-        pending.seq = next(self._seq)
-        pending.sent_at = trio.current_time()  # (the pin counts from no earlier)
+        self._next_seq(pending)
         if self._closed:  # (a confirmation sent again: no socket the close will not close)
             pending.finish(failure="the connector closed")
             return
@@ -366,17 +447,6 @@ class ConfirmChannels:
         channel.queued.append(pending)
         if not channel.unanswered:
             self._flush(channel)
-
-    def _entry(self, pending: Pending) -> protocol.ConfirmEntry:
-        return protocol.ConfirmEntry(
-            pending.seq,
-            pending.request_id,
-            pending.token,
-            pending.incarnation,
-            pending.digest,
-            pending.nonce,
-            pending.exposure,
-        )
 
     def _size(self, pending: Pending) -> int:
         """The bytes ``pending``'s entry adds to a request (and room for the
@@ -509,7 +579,7 @@ class ConfirmChannels:
         if isinstance(reply, protocol.ErrorReply):
             # (names no seq: every confirmation waiting here gets it)
             for pending in channel.waiting.values():
-                pending.finish(failure=f"the producer refused ({reply.code}): {reply.reason}")
+                pending.finish(failure=refusal(reply))
             channel.waiting.clear()
             channel.queued.clear()
             channel.unanswered.clear()

@@ -39,6 +39,7 @@ from trio_pd._side_channel._zmq import TrioZmqSocket
 if TYPE_CHECKING:
     from trio_pd._config import ConnectorConfig
     from trio_pd._core._layout import KVLayout
+    from trio_pd._side_channel._seam import SideChannel
 
 RETRY_DELAY = 0.1
 """Pause between rounds after the peer dropped the connection."""
@@ -270,13 +271,13 @@ def _failures(engine_id: str, where: str, log: ConnectionLog, timeout: float) ->
         raise FetchFailure(FailureCause.INCOMPATIBLE, exc) from None
     except HandshakeError as exc:
         raise FetchFailure(FailureCause.PROTOCOL, exc) from None
-    except (ValueError, zmq.ZMQError) as exc:
+    except ValueError as exc:
         error = HandshakeError(engine_id, f"{where}: {exc}")
         raise FetchFailure(FailureCause.PROTOCOL, error) from None
 
 
 async def fetch_engine_metadata(
-    context: zmq.Context[zmq.Socket[bytes]],
+    side_channel: SideChannel,
     engine_id: str,
     host: str,
     port: int,
@@ -292,8 +293,9 @@ async def fetch_engine_metadata(
 ) -> tuple[protocol.EngineMetadata, KVLayout]:
     """Fetch rank ``tp_rank`` of ``engine_id``'s metadata from ``host:port`` and check it.
 
-    The fetch must end by ``deadline`` (trio's clock: the handshake's start
-    plus ``config.handshake_timeout``); then the reply is decoded and
+    The request goes over ``side_channel`` and must be answered by
+    ``deadline`` (trio's clock: the handshake's start plus
+    ``config.handshake_timeout``); then the reply is decoded and
     checked (version, compatibility hash, engine id, rank and TP size, then
     the layout against ours, ``local_tp`` being our TP size).
 
@@ -305,13 +307,8 @@ async def fetch_engine_metadata(
     where = _where(host, port, tp_rank, tp_size)
     with _failures(engine_id, where, log, config.handshake_timeout):
         with trio.fail_at(deadline):
-            data = await fetch_reply(
-                context,
-                protocol.endpoint(host, port),
-                protocol.encode_request(engine_id, consumer_engine_id),
-                log,
-                ipv6=":" in host,
-                curve=curve_client(config, engine_id),
+            data = await side_channel.request(
+                (engine_id, host, port), protocol.encode_request(engine_id, consumer_engine_id), log
             )
         metadata = protocol.decode_reply(
             data,

@@ -1,10 +1,21 @@
 """trio_pd.testing: tools for testing code that uses trio_pd (like ``trio.testing``).
 
 * :class:`MemoryFabric`, :class:`MemoryBackend`, :class:`MemoryFaults`: an
-  in-memory transfer backend for ``open_connector(..., backend=fabric.backend)``,
-  with injectable faults (slow, failing or endless reads and agent loads, a
-  cut data plane). The connector logic is the real one; only the data plane
-  is replaced. No UCX, no threads: fast, and usable with ``autojump_clock``.
+  in-memory data plane and control plane for ``open_connector(...,
+  backend=fabric.backend, side_channel=fabric.side_channel)``, with
+  injectable faults: slow, failing or endless reads and agent loads, a cut
+  data plane; side-channel requests (metadata, heartbeats, abandons,
+  confirmations) that are slow, never answered, refused or cannot reach
+  their producer (a partition); a producer restarted at the same address
+  is a new connector on the same port. The connector logic is the real one
+  (the producer's listener answers every request, the consumer's checks,
+  deadlines and diagnoses are its own); only the transports are replaced.
+  No UCX, no sockets, no threads: nothing waits but on trio's clock, so
+  tests run under ``autojump_clock`` (``trio.testing.MockClock``) in
+  milliseconds, timeouts, backoff and leases included. With
+  ``backend=fabric.backend`` alone the side channel is real ZeroMQ (then
+  give a mock clock an autojump threshold, so that its sockets get time to
+  answer). CURVE is ZeroMQ's alone: test it on the real side channel.
 * :func:`open_prefill_worker`, :func:`open_prefill_workers`,
   :class:`PrefillWorker`, :class:`WorkerSpec`: a real prefill engine (real
   NIXL agent, real side channel) in its own process, driven over pipes;

@@ -4,14 +4,17 @@ Connectors in one process that share a :class:`MemoryFabric` move bytes
 between their CPU tensors directly: a READ copies the remote blocks into the
 local ones, a notification lands in the producer's inbox. Everything runs on
 the trio thread and waits with trio's clock, so tests of handshake, backoff,
-restart, cancellation and close logic are fast and can use
-``autojump_clock`` (the ZeroMQ side channel is still real; give the
-autojump clock a threshold so that its sockets get time to answer).
+restart, cancellation and close logic are fast. With the fabric's side
+channel too (``_memory_side_channel``: ``side_channel=fabric.side_channel``)
+nothing is real but trio's clock, and ``autojump_clock`` works; with the
+real ZeroMQ side channel, give the autojump clock a threshold so that its
+sockets get time to answer.
 
 Faults are set per producer engine (:meth:`MemoryFabric.faults`) and apply to
 every consumer's calls that target that engine: slow or failing reads, reads
-that never end, slow or failing agent loads. :meth:`MemoryFabric.cut` cuts
-an engine's data plane (loads fail, reads fail with a lost peer) until
+that never end, slow or failing agent loads; on the fabric's side channel,
+slow, unanswered, refused or unreachable requests. :meth:`MemoryFabric.cut`
+cuts an engine's data plane (loads fail, reads fail with a lost peer) until
 :meth:`MemoryFabric.restore`; a producer whose connector closed is gone the
 same way, for good.
 """
@@ -44,6 +47,7 @@ from trio_pd._transfer._backend import (
     UnsettledHook,
     load_one_by_one,
 )
+from trio_pd.testing._memory_side_channel import Addresses, BoundListener, MemorySideChannel
 
 if TYPE_CHECKING:
     import torch
@@ -55,7 +59,8 @@ _PREFIX = b"trio_pd.memory:"
 class MemoryFaults:
     """Faults injected into calls that target one producer engine.
 
-    Change the fields at any time; each call reads them when it starts.
+    Change the fields at any time; each call reads them when it starts (a
+    side-channel request, each time it tries).
 
     Attributes:
         read_delay: a READ waits this long (trio's clock) before copying.
@@ -79,6 +84,21 @@ class MemoryFaults:
         notification_error: if set, the engine's *own* polls for
             notifications fail with :class:`~trio_pd.BackendError` carrying
             this message (a producer whose agent misbehaves).
+
+    On the fabric's side channel (:meth:`MemoryFabric.side_channel`; metadata
+    fetches, heartbeats, abandons, confirmations):
+
+    Attributes:
+        reply_delay: each request to the engine is answered this long after
+            it was sent (a slow link, a busy producer), by whichever listener
+            is at its address then.
+        mute: the engine's listener takes requests and never answers ("connected,
+            but the peer never replied").
+        refuse: connections to the engine's side channel are refused, as by a
+            closed port (retried, as ZeroMQ does, until the caller's deadline).
+        unreachable: the engine's side channel cannot be reached at all (a
+            partition): nothing connects, nothing is refused, requests wait
+            until their deadline, or until this is cleared.
     """
 
     read_delay: float = 0.0
@@ -90,6 +110,10 @@ class MemoryFaults:
     unstoppable_reads: bool = False
     notification_error: str | None = None
     unload_delay: float = 0.0
+    reply_delay: float = 0.0
+    mute: bool = False
+    refuse: bool = False
+    unreachable: bool = False
 
 
 @attrs.define(eq=False)
@@ -101,11 +125,16 @@ class _UnstoppableRead:
     on_done: list[Callable[[], None]] = attrs.field(factory=list)
 
 
+_NO_FAULTS = MemoryFaults()
+
+
 class MemoryFabric:
-    """The shared "network" of in-memory backends, and the fault switchboard.
+    """The shared "network" of in-memory backends and side channels, and the
+    fault switchboard.
 
     Use :meth:`backend` as ``open_connector(..., backend=fabric.backend)`` for
-    every connector that should reach the others.
+    every connector that should reach the others, and :meth:`side_channel`
+    (``side_channel=fabric.side_channel``) to replace ZeroMQ as well.
     """
 
     def __init__(self) -> None:
@@ -117,6 +146,30 @@ class MemoryFabric:
         self.backends: list[MemoryBackend] = []
         """Every backend this fabric made, in order (closed ones included)."""
         self._unstoppable: dict[str, list[_UnstoppableRead]] = defaultdict(list)
+        self._addresses = Addresses()
+        self.side_channel_requests = 0
+        """Requests sent on the fabric's side channel, over its life (a
+        confirmation counts one; each request once, however often it is tried)."""
+
+    def side_channel(self, agent_name: str, config: ConnectorConfig) -> MemorySideChannel:
+        """A side-channel factory (``open_connector(..., side_channel=fabric.side_channel)``):
+        a new in-memory side channel on this fabric, for the connector whose
+        agent is ``agent_name``. Listeners bound with ``port=0`` get ports of
+        the fabric's own (from 30000); an address in use raises
+        :class:`OSError`, as a real bind does. No CURVE: a ``config.auth``
+        raises :class:`ValueError`.
+        """
+        return MemorySideChannel(self, agent_name, config)
+
+    def _side_channel_faults(self, bound: BoundListener | None, engine_id: str) -> MemoryFaults:
+        """The faults of the listener at an address (its agent's, else its
+        engine's), or of ``engine_id`` when nobody listens there."""
+        keys = [engine_id] if bound is None else [bound.agent_name, bound.engine_id]
+        for key in keys:
+            faults = self._faults.get(key)
+            if faults is not None:
+                return faults
+        return _NO_FAULTS
 
     async def backend(
         self,

@@ -7,7 +7,9 @@ Enable them in a ``conftest.py``::
 They need pytest-trio (``trio_mode = true``, or mark the tests ``@pytest.mark.trio``).
 
 * ``memory_fabric``: a fresh :class:`~trio_pd.testing.MemoryFabric`; open
-  connectors with ``backend=memory_fabric.backend`` and inject faults with
+  connectors with ``backend=memory_fabric.backend`` (and
+  ``side_channel=memory_fabric.side_channel`` to leave ZeroMQ out too, and
+  run under pytest-trio's ``autojump_clock``) and inject faults with
   ``memory_fabric.faults(engine_id)`` or ``memory_fabric.cut(engine_id)``.
 * ``prefill_engine``: a running prefill engine in its own process (real NIXL,
   real side channel): a :class:`~trio_pd.testing.PrefillWorker` with the
