@@ -138,6 +138,7 @@ def _test_hosts_run_alone(
         yield
 
 
+@pytest.hookimpl(tryfirst=True)  # (before pytest-xdist reads the groups)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Deselect the exercises that need root and test hosts, unless asked for;
     then put the tests marked ``test_hosts`` first, in one pytest-xdist group.

@@ -350,6 +350,7 @@ async def test_tensor_parallel_holds_renew_every_rank_read_with_rank_zeros_token
                         tp_rank=rank,
                         tp_size=2,
                         backend=memory_fabric.backend,
+                        side_channel=memory_fabric.side_channel,
                     )
                 )
                 ranks.append((conn, kv))
@@ -357,7 +358,13 @@ async def test_tensor_parallel_holds_renew_every_rank_read_with_rank_zeros_token
             assert exposed[0].token != exposed[1].token  # each rank signs its incarnation
             local = [torch.zeros((16, 4, 8), dtype=torch.float16) for _ in range(2)]
             d = await stack.enter_async_context(
-                trio_pd.open_connector("d", local, config=signed, backend=memory_fabric.backend)
+                trio_pd.open_connector(
+                    "d",
+                    local,
+                    config=signed,
+                    backend=memory_fabric.backend,
+                    side_channel=memory_fabric.side_channel,
+                )
             )
             async with d.hold(exposed[0]):
                 await trio.sleep(2 * LEASES.lease_initial)

@@ -293,3 +293,29 @@ async def test_what_the_producer_rejects_it_rejects_here_too(
         data = await channel.request(("p", *p.address), b"\xc1 junk", ConnectionLog(1 << 20))
         assert msgspec.msgpack.decode(data, type=protocol.ErrorReply).code == "bad_request"
         assert p.statistics().listener_rejects == 1
+
+
+def test_every_test_on_the_mock_clock_opens_its_connectors_on_the_fabric() -> None:
+    """A test that asks for ``autojump_clock`` and opens a connector on real
+    ZeroMQ jumps virtual time while a real socket waits (a heartbeat "times
+    out" before its TCP handshake could end): it passes or fails with the
+    machine's speed. So each such ``open_connector`` call names its
+    ``side_channel`` (or passes its keywords on, as the tests' helpers do)."""
+    import ast
+    from pathlib import Path
+
+    offenders = []
+    for path in sorted(Path(__file__).parent.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.AsyncFunctionDef):
+                continue
+            if not any(arg.arg == "autojump_clock" for arg in node.args.args):
+                continue
+            for call in ast.walk(node):
+                if (
+                    isinstance(call, ast.Call)
+                    and ast.unparse(call.func).endswith("open_connector")
+                    and not any(k.arg in ("side_channel", None) for k in call.keywords)
+                ):
+                    offenders.append(f"{path.name}:{call.lineno} ({node.name})")
+    assert not offenders, offenders
