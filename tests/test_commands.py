@@ -399,3 +399,33 @@ def test_the_serving_commands_never_load_the_testing_toolkit() -> None:
 
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+async def test_an_engine_id_that_a_live_engine_holds_exits_2_in_one_line(tmp_path: Path) -> None:
+    from trio_pd._membership import Member, register, signing_key
+    from trio_pd.testing import open_etcd
+
+    key = "an-internal-key-for-this-test-0123456789"
+    held = Member(
+        "decode", "decode-7", "http://127.0.0.1:8107", "127.0.0.1:5607", incarnation="live"
+    )
+    ready = tmp_path / "ready.json"
+    env = {**ENV, "TRIO_PD_INTERNAL_KEY": key, "TRIO_PD_EXPOSURE_SECRET": SECRET}
+    with trio.fail_after(60):
+        async with (
+            open_etcd() as etcd,
+            register(etcd.url, held, ttl=5, signing_key=signing_key(key)),
+        ):
+            command = ["engine", "--role", "decode", "--engine-id", "decode-7", "--etcd", etcd.url]
+            result = await trio.run_process(
+                [*TRIO_PD, *command, "--ready-file", str(ready)],
+                check=False,
+                env=env,
+                capture_stderr=True,
+            )
+    assert result.returncode == 2
+    assert one_line_error(result.stderr.decode()) == (
+        "trio-pd engine decode-7: could not start: engine id 'decode-7' is held by a live "
+        "engine (http://127.0.0.1:8107, incarnation 'live'); it is free once that engine leaves"
+    )
+    assert not ready.exists()

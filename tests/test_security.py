@@ -3,6 +3,7 @@ CURVE on serve's side channels, and no key in any log."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -253,3 +254,43 @@ def test_serve_refuses_a_client_key_that_is_the_internal_key() -> None:
     with pytest.raises(ValueError, match="must not be the engines' internal key"):
         ServeOptions(api_keys=keys, internal_key=CLIENT_KEY).check()
     ServeOptions(api_keys=keys, internal_key=INTERNAL_KEY).check()
+
+
+async def test_a_forged_registration_in_etcd_gets_no_request_and_no_key() -> None:
+    """Fault 1 end to end: whoever writes etcd without the internal key announces
+    a prefill and a decode engine at its own server; the proxy sends it nothing."""
+    from trio_pd._cli.proxy import ProxyOptions, serve_proxy
+    from trio_pd._membership import Member
+    from trio_pd._membership._etcd_client import EtcdClient
+    from trio_pd._serve.discovery import EtcdMembership
+    from trio_pd.testing import open_etcd
+
+    received: list[bytes] = []
+
+    async def attacker(stream: trio.SocketStream) -> None:
+        async with stream:
+            received.append(await stream.receive_some())
+            await stream.send_all(b"HTTP/1.1 500 Owned\r\ncontent-length: 0\r\n\r\n")
+
+    with trio.fail_after(30):
+        async with open_etcd() as etcd, trio.open_nursery() as nursery:
+            listeners = await nursery.start(
+                functools.partial(trio.serve_tcp, attacker, 0, host="127.0.0.1")
+            )
+            url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+            async with EtcdClient(etcd.url) as client:
+                for role in ("prefill", "decode"):
+                    forged = Member(role, f"{role}-0", url, "127.0.0.1:5600", incarnation="x")
+                    await client.put(forged.key("/trio_pd/"), forged.to_json())
+            stop = trio.Event()
+            options = ProxyOptions(port=0, internal_key=INTERNAL_KEY)
+            membership = EtcdMembership(etcd.url, internal_key=INTERNAL_KEY)
+            proxy_url = await nursery.start(
+                functools.partial(serve_proxy, options, None, stop.wait, membership=membership)
+            )
+            async with httpx2.AsyncClient(timeout=10) as http:
+                answer = await http.post(f"{proxy_url}/v1/completions", json=BODY)
+            assert answer.status_code >= 500  # (no engine of the deployment)
+            stop.set()
+            nursery.cancel_scope.cancel()
+    assert received == []  # (not even a connection: no prompt, no internal key)

@@ -27,7 +27,10 @@ EXIT_STATUSES: Mapping[str, Mapping[int, str]] = MappingProxyType(
         "engine": {
             EXIT_OK: "drained after SIGTERM/SIGINT (or start-up abandoned on one)",
             EXIT_FAILED: "could not start: its address, its connectors; one line on stderr",
-            EXIT_USAGE: "bad arguments",
+            EXIT_USAGE: (
+                "bad arguments, or its ``--engine-id`` is held by a live engine in etcd "
+                "(one line on stderr)"
+            ),
         },
         "proxy": {
             EXIT_OK: "drained",
@@ -95,11 +98,14 @@ def add_etcd_arguments(parser: argparse.ArgumentParser, what: str, ttl: str) -> 
     parser.add_argument("--etcd-ttl", type=float, default=10.0, metavar="SECONDS", help=ttl)
 
 
-def membership_from_args(args: argparse.Namespace) -> Membership | None:
+def membership_from_args(
+    args: argparse.Namespace, internal_key: str | None = None
+) -> Membership | None:
     """The membership the flags ask for (``None``: static URLs).
 
     This is where etcd plugs in: build it from ``args.etcd``,
-    ``args.etcd_prefix`` and ``args.etcd_ttl``.
+    ``args.etcd_prefix`` and ``args.etcd_ttl``; registrations are signed
+    and verified with a key derived from ``internal_key``.
 
     Raises:
         UsageError: a bad etcd flag.
@@ -111,7 +117,7 @@ def membership_from_args(args: argparse.Namespace) -> Membership | None:
     if args.etcd:
         if not args.etcd.startswith(("http://", "https://")):
             raise UsageError(f"--etcd {args.etcd!r} is not an http(s) URL")
-        return EtcdMembership(args.etcd, args.etcd_prefix, args.etcd_ttl)
+        return EtcdMembership(args.etcd, args.etcd_prefix, args.etcd_ttl, internal_key)
     return None
 
 

@@ -9,7 +9,7 @@ or SIGINT drains it (at most ``--grace`` s) and removes the ready file. See
 
 Exit status: 0 after a drain (or a start-up abandoned on a signal), 1 when
 the engine could not start (one line on stderr says why), 2 for bad
-arguments.
+arguments or an ``--engine-id`` that a live engine holds in etcd.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import trio
 from trio_pd._cli.common import (
     EXIT_FAILED,
     EXIT_OK,
+    EXIT_USAGE,
     UsageError,
     add_address_arguments,
     add_etcd_arguments,
@@ -182,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
         UsageError: a bad flag.
     """
     settings = settings_from_args(args)
-    membership = membership_from_args(args)
+    key = internal_key(args.internal_key_file)
+    membership = membership_from_args(args, key)
     secret = exposure_secret(args.exposure_secret_file)
     if secret is None:
         print(
@@ -193,7 +195,6 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-    key = internal_key(args.internal_key_file)
     if key is None:
         print(
             f"trio-pd engine: WARNING: no internal key (${INTERNAL_KEY_ENV} or "
@@ -220,5 +221,5 @@ def run(args: argparse.Namespace) -> int:
     except EngineStartError as exc:
         name = settings.engine_id or args.role
         print(f"trio-pd engine {name}: could not start: {exc}", file=sys.stderr, flush=True)
-        return EXIT_FAILED
+        return EXIT_USAGE if exc.status == EXIT_USAGE else EXIT_FAILED
     return EXIT_OK

@@ -296,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
     engines = EngineSet(
         _engine_urls("--prefill", args.prefill), _engine_urls("--decode", args.decode)
     )
-    membership = membership_from_args(args)
+    membership = membership_from_args(args, options.internal_key)
     if membership is None and not (engines.prefill and engines.decode):
         raise UsageError("give the engines: --prefill URL... and --decode URL... (or --etcd URL)")
     if membership is not None and (engines.prefill or engines.decode):

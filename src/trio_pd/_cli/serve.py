@@ -256,7 +256,11 @@ async def _deploy(
                         failures.append(f"{late} did not start within {options.start_timeout:g} s")
                     if not failures:
                         membership = (
-                            EtcdMembership(etcd.url, ttl=options.etcd_ttl) if etcd else None
+                            EtcdMembership(
+                                etcd.url, ttl=options.etcd_ttl, internal_key=options.internal_key
+                            )
+                            if etcd
+                            else None
                         )
                         await _serve_proxy(
                             options, sock, board, stop, failures, console, membership

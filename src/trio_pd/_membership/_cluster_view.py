@@ -30,15 +30,16 @@ class ViewStatistics:
     last_error: str | None
     outages: int  # times etcd was lost
     reloads: int  # full reads of the prefix
+    unverified: int = 0  # values left out: their signature did not verify (once per revision)
 
 
 class ClusterView:
     """The live members under a prefix, as :func:`watch_members` keeps them."""
 
-    def __init__(self, client: EtcdClient, prefix: str) -> None:
+    def __init__(self, client: EtcdClient, prefix: str, signing_key: bytes | None = None) -> None:
         self._client = client
         self._prefix = prefix.encode()
-        self._table = MemberTable(prefix)
+        self._table = MemberTable(prefix, signing_key)
         self._revision = 0
         self._healthy = False
         self._last_error: MembershipError | None = None
@@ -79,6 +80,7 @@ class ClusterView:
             last_error=None if self._last_error is None else str(self._last_error),
             outages=self._outages,
             reloads=self._reloads,
+            unverified=self._table.unverified,
         )
 
     def _notify(self) -> None:
@@ -214,9 +216,18 @@ class ClusterView:
 
 @asynccontextmanager
 async def watch_members(
-    etcd_url: str, *, prefix: str = DEFAULT_PREFIX, config: MembershipConfig | None = None
+    etcd_url: str,
+    *,
+    prefix: str = DEFAULT_PREFIX,
+    config: MembershipConfig | None = None,
+    signing_key: bytes | None = None,
 ) -> AsyncIterator[ClusterView]:
     """Keep a :class:`ClusterView` of the members under ``prefix`` while the block runs.
+
+    With ``signing_key`` (:func:`~trio_pd._membership._members.signing_key`),
+    only members whose value is signed with it are in the view; the others
+    are left out, logged once per version of their key, and counted
+    (``statistics().unverified``).
 
     On entry the prefix is read and watched: the view is complete and
     healthy. Later, if etcd goes away, the view keeps its members, turns
@@ -232,7 +243,7 @@ async def watch_members(
     """
     check_prefix(prefix)
     async with EtcdClient(etcd_url, config) as client:
-        view = ClusterView(client, prefix)
+        view = ClusterView(client, prefix, signing_key)
         await view._reload()
         async with unwrapped_errors(), trio.open_nursery() as nursery:
             await nursery.start(view._keep_watching)

@@ -1,7 +1,8 @@
 """A small etcd v3 client over the JSON gateway, on trio, with httpx2.
 
 Only what membership needs: leases (grant, keepalive, revoke), put, delete,
-a prefix range, and a prefix watch. Every failure -- no connection, no
+a conditional put (a transaction), a key and a prefix range, and a prefix
+watch. Every failure -- no connection, no
 answer in time, a broken stream, an error from etcd, an answer that is not
 etcd's -- is one :class:`~trio_pd._membership._etcd_wire.MembershipError` naming its cause and
 the endpoint, mapped here at the boundary (httpx2's exceptions never leak).
@@ -135,6 +136,21 @@ class EtcdClient:
         """
         answer = await self._call("/v3/kv/put", wire.put_body(key, value, lease))
         return wire.header_revision(self.url, answer)
+
+    async def claim(
+        self, key: bytes, value: bytes, *, lease: int, mod_revision: int
+    ) -> tuple[int, wire.KeyValue | None]:
+        """Put ``key`` under ``lease`` only if it is absent (``mod_revision`` 0) or
+        unchanged since ``mod_revision`` (one transaction); see
+        :func:`~trio_pd._membership._etcd_wire.parse_claim` for the answer."""
+        answer = await self._call("/v3/kv/txn", wire.claim_body(key, value, lease, mod_revision))
+        return wire.parse_claim(self.url, answer)
+
+    async def get(self, key: bytes) -> tuple[int, wire.KeyValue | None]:
+        """``key`` (``None`` if absent), and the store revision it was read at."""
+        answer = await self._call("/v3/kv/range", {"key": wire.b64(key)})
+        revision, kvs = wire.parse_range(self.url, answer)
+        return revision, kvs[0] if kvs else None
 
     async def delete(self, key: bytes) -> int:
         """Delete ``key`` (if it exists); the store revision after."""

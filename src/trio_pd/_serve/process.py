@@ -26,7 +26,7 @@ from trio_pd._serve.binding import (
     remove_file,
     write_json_atomically,
 )
-from trio_pd._serve.discovery import EngineAnnouncement, Membership, Role
+from trio_pd._serve.discovery import EngineAnnouncement, EngineIdTaken, Membership, Role
 from trio_pd._serve.engine import Engine, EngineSettings
 from trio_pd._serve.keys import BearerKeys
 from trio_pd._serve.model import ModelConfig, TinyLlama
@@ -36,7 +36,15 @@ logger = logging.getLogger("trio_pd.serve")
 
 
 class EngineStartError(Exception):
-    """The engine could not start; the message says why, in one line."""
+    """The engine could not start; the message says why, in one line.
+
+    ``status``: the command's exit status (2 when its engine id is held by
+    a live engine, 1 otherwise).
+    """
+
+    def __init__(self, message: str, status: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 async def serve_engine(
@@ -149,6 +157,9 @@ async def serve_engine(
         if engine.startup_failure:
             raise EngineStartError(engine.startup_failure) from None
         if not stop.ready and not stop.requested.is_set():
+            taken = _lone_error(exc)
+            if isinstance(taken, EngineIdTaken):
+                raise EngineStartError(str(taken), status=2) from None
             raise EngineStartError(_one_line(exc)) from exc
         raise
     finally:
@@ -172,11 +183,17 @@ async def _held(  # noqa: ASYNC128  (hold_registration calls started)
         withdrawn.set()
 
 
-def _one_line(exc: BaseException) -> str:
-    """A start-up error in one line (the lone real error of a group, if that is what it is)."""
+def _lone_error(exc: BaseException) -> BaseException:
+    """The lone real error of a group, if that is what ``exc`` is; else ``exc``."""
     while isinstance(exc, BaseExceptionGroup):
         real = exc.split(trio.Cancelled)[1]
         if real is None or len(real.exceptions) != 1:
             break
         exc = real.exceptions[0]
+    return exc
+
+
+def _one_line(exc: BaseException) -> str:
+    """A start-up error in one line (the lone real error of a group, if that is what it is)."""
+    exc = _lone_error(exc)
     return f"{type(exc).__name__}: {exc}".splitlines()[0]
