@@ -467,7 +467,7 @@ async def test_an_engine_whose_id_was_taken_meanwhile_comes_back_when_the_other_
             EtcdClient(etcd.url, FAST) as client,
         ):
             await wait_for(view, lambda: view.members() == (first,))
-            lease = await client.grant(2)
+            lease = await client.grant(10)
             await client.put(second.key(PREFIX), second.to_json(KEY), lease=lease.id)
             await wait_for(view, lambda: view.members() == (second,))
             await trio.sleep(TTL)  # first's renewals see the id held, and leave it

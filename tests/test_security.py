@@ -294,3 +294,46 @@ async def test_a_forged_registration_in_etcd_gets_no_request_and_no_key() -> Non
             stop.set()
             nursery.cancel_scope.cancel()
     assert received == []  # (not even a connection: no prompt, no internal key)
+
+
+async def test_a_cluster_from_the_internal_key_has_curve_and_a_foreign_connector_reads_nothing(
+    tmp_path: Path,
+) -> None:
+    """Fault 2: engines started the documented way (--etcd, the internal key, no
+    CURVE files) make their own pairs and publish them signed; the deployment
+    serves, and a foreign connector (no keys) reads no block and is counted."""
+    from trio_pd.testing import open_etcd
+
+    from .test_commands import ENV, SECRET, running
+    from .test_serve import complete
+
+    env = {**ENV, "TRIO_PD_EXPOSURE_SECRET": SECRET, "TRIO_PD_INTERNAL_KEY": INTERNAL_KEY}
+    p, d, x = (tmp_path / f"{name}.json" for name in ("prefill", "decode", "proxy"))
+    with trio.fail_after(90):
+        async with open_etcd() as etcd:
+            engine = ["engine", "--port", "0", "--num-blocks", "16", "--etcd", etcd.url]
+            async with (
+                running(
+                    ([*engine, "--role", "prefill"], p), ([*engine, "--role", "decode"], d), env=env
+                ) as [(_, prefill), _],
+                running((["proxy", "--port", "0", "--etcd", etcd.url], x), env=env) as [(_, proxy)],
+                httpx2.AsyncClient(timeout=30) as client,
+            ):
+                answer = await complete(client, proxy["url"], prompt="hello", max_tokens=4)
+                assert len(answer["choices"][0]["token_ids"]) == 4
+                health = (await client.get(f"{prefill['url']}/health")).json()
+                assert health["curve_public_key"]
+                params = {
+                    "remote_engine_id": "prefill-0",
+                    "remote_host": "127.0.0.1",
+                    "remote_port": health["side_channel_port"],
+                    "remote_block_ids": [0],
+                    "remote_request_id": "spy",
+                }
+                foreign = trio_pd.ConnectorConfig(handshake_timeout=1.0)  # (no keys at all)
+                async with trio_pd.open_connector("spy", kv_cache(blocks=4), config=foreign) as spy:
+                    remote = trio_pd.RemoteBlocks.from_kv_transfer_params(params)
+                    with pytest.raises(trio_pd.HandshakeError):
+                        await spy.pull("spy", [0], remote)
+                counted = metrics((await client.get(f"{prefill['url']}/metrics")).text)
+                assert counted["trio_pd_listener_auth_failures_total"] >= 1

@@ -223,7 +223,7 @@ async def open_connector(
             connector = Connector(engine_id, layout, producer, consumer, leases)
             try:
                 if config.auth is not None:
-                    allowed = config.auth.allowed_consumers
+                    allowed = config.auth.allowed()
                     await nursery.start(serve_zap, context, allowed, producer.auth_refused)
                 rank_port = port + tp_rank if port else 0
                 address = await nursery.start(producer.serve_listener, host, rank_port)

@@ -401,7 +401,7 @@ def _engine_command(
         flags["--etcd"] = etcd.url
         flags["--etcd-ttl"] = options.etcd_ttl
     command = [sys.executable, "-m", "trio_pd", "engine", *(f"{k}={v}" for k, v in flags.items())]
-    command += curve_files.get(engine.name, [])
+    command += curve_files.get(engine.name, []) if options.curve else ["--no-curve"]
     if engine.host is not None:
         # (ip execs the command: the engine is this command's child, and its signals reach it)
         return ["ip", "netns", "exec", engine.host.netns, *command]

@@ -174,6 +174,10 @@ class Registration:
             await self._step_locked()
 
     async def _step_locked(self) -> None:
+        # (a lease kept while another engine held the key: renewed, or a new one)
+        renew = self._lease is not None and not self._stored
+        if renew and self._lease is not None and await self._client.keepalive(self._lease) <= 0:
+            self._lease = None
         if self._lease is None:
             lease = await self._client.grant(self._ttl)
             self._lease, self._interval = lease.id, max(lease.ttl, 1) / 3
@@ -251,6 +255,10 @@ class Registration:
             return
         if kv.mod_revision < self._put_revision:
             return  # (an event from before the key was last put)
+        if deleted:  # (a delete event carries no revision of its own: is the key ours now?)
+            _, current = await self._client.get(kv.key)
+            if current is not None and current.value == self._value:
+                return
         other = None if deleted else self._holder(kv)
         if other is not None:  # another engine with this id registered (our lease had lapsed)
             self._stored = False  # (the renewal claims the key once that engine left)

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import attrs
 import trio
 import zmq
+import zmq.utils.monitor
 
 from trio_pd._config import ConnectorConfig
 from trio_pd._core import _listener_rules as listener
@@ -31,6 +32,10 @@ from trio_pd._core._public_values import ProducerStatistics, RemoteBlocks
 from trio_pd._core._tokens import exposure_token, token_matches
 from trio_pd._side_channel._zmq import TrioZmqSocket
 from trio_pd._transfer._backend import BackendError, TransferBackend
+
+# A handshake that failed before ZAP was asked, or without a ZAP verdict
+# (ZAP's own refusals are EVENT_HANDSHAKE_FAILED_AUTH, counted by the handler).
+_FAILED_HANDSHAKES = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
 logger = logging.getLogger("trio_pd")
 
@@ -245,30 +250,48 @@ class Producer:
                 ) from exc
             endpoint = raw.getsockopt_string(zmq.LAST_ENDPOINT)
             self._address = (host, int(endpoint.rsplit(":", 1)[1]))
-            task_status.started(self._address)
+            async with trio.open_nursery() as nursery:
+                if self._config.auth is not None:
+                    monitor = raw.get_monitor_socket(_FAILED_HANDSHAKES)
+                    nursery.start_soon(self._count_failed_handshakes, TrioZmqSocket(monitor))
+                task_status.started(self._address)
+                await self._answer_requests(socket)
+
+    async def _count_failed_handshakes(self, monitor: TrioZmqSocket) -> None:
+        """Count the peers refused before ZAP is asked (a plain-text peer at a CURVE
+        listener, a broken handshake) as the ZAP handler counts its refusals."""
+        async with monitor:
+            monitor.zmq_socket.setsockopt(zmq.LINGER, 0)
             while True:
-                frames = await socket.receive_multipart()
-                if len(frames) != 3 or frames[1] != b"":
-                    self._counters.listener_rejects += 1
-                    logger.debug("listener: dropped a message of %d frames", len(frames))
-                    continue
-                request = listener.parse_request(
-                    frames[2],
-                    engine_id=self._engine_id,
-                    max_bytes=self._config.max_message_bytes,
-                )
-                if isinstance(request, listener.Rejected):
-                    self._counters.listener_rejects += 1
-                    logger.debug("listener: rejected a request: %s", request.reason)
-                    reply = request.reply
-                elif isinstance(request, protocol.LeaseRequest):
-                    reply = self._serve_leases(request)
-                elif isinstance(request, protocol.ConfirmRequest):
-                    reply = self._serve_confirm(request)
-                else:
-                    self._counters.listener_requests += 1
-                    reply = self._encoded_reply
-                await socket.send_multipart([frames[0], b"", reply])
+                event = zmq.utils.monitor.parse_monitor_message(await monitor.receive_multipart())
+                if event["event"] & _FAILED_HANDSHAKES:
+                    what = zmq.Event(event["event"]).name
+                    self.auth_refused(f"a handshake failed ({what}, {event['value']:#x})")
+
+    async def _answer_requests(self, socket: TrioZmqSocket) -> None:
+        while True:
+            frames = await socket.receive_multipart()
+            if len(frames) != 3 or frames[1] != b"":
+                self._counters.listener_rejects += 1
+                logger.debug("listener: dropped a message of %d frames", len(frames))
+                continue
+            request = listener.parse_request(
+                frames[2],
+                engine_id=self._engine_id,
+                max_bytes=self._config.max_message_bytes,
+            )
+            if isinstance(request, listener.Rejected):
+                self._counters.listener_rejects += 1
+                logger.debug("listener: rejected a request: %s", request.reason)
+                reply = request.reply
+            elif isinstance(request, protocol.LeaseRequest):
+                reply = self._serve_leases(request)
+            elif isinstance(request, protocol.ConfirmRequest):
+                reply = self._serve_confirm(request)
+            else:
+                self._counters.listener_requests += 1
+                reply = self._encoded_reply
+            await socket.send_multipart([frames[0], b"", reply])
 
     def _entry_is_ours(self, entry: protocol.LeaseEntry) -> bool:
         """Whether a lease entry is for this incarnation's exposure.

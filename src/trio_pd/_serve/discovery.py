@@ -57,6 +57,8 @@ class EngineSet:
     decode: tuple[str, ...] = ()
     problem: str | None = None
     """Why this view may be out of date (etcd unreachable: the last view), or ``None``."""
+    members: tuple[EngineAnnouncement, ...] = ()
+    """The registrations behind the URLs (with a membership: only verified ones)."""
 
 
 class Membership(Protocol):
@@ -165,10 +167,24 @@ class EtcdMembership:
                 if not view.healthy:
                     why = view.last_error or "not connected yet"
                     problem = f"etcd unreachable ({why}): routing by the last view"
+                members = tuple(
+                    EngineAnnouncement(
+                        m.engine_id,
+                        "prefill" if m.role == "prefill" else "decode",
+                        m.url,
+                        m.tp_size,
+                        m.side_channel,
+                        m.incarnation,
+                        m.curve_public_key,
+                    )
+                    for m in view.members()
+                    if m.role in ("prefill", "decode")
+                )
                 return EngineSet(
                     tuple(m.url for m in view.members("prefill")),
                     tuple(m.url for m in view.members("decode")),
                     problem,
+                    members,
                 )
 
             task_status.started(engines())
