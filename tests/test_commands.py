@@ -435,3 +435,37 @@ async def test_an_engine_id_that_a_live_engine_holds_exits_2_in_one_line(tmp_pat
         "engine (http://127.0.0.1:8107, incarnation 'live'); it is free once that engine leaves"
     )
     assert not ready.exists()
+
+
+async def test_the_proxy_reaches_an_etcd_with_tls_and_authentication_or_says_why(
+    tmp_path: Path,
+) -> None:
+    from trio_pd.testing import open_etcd
+
+    password = "etcd-root-password-0123"
+    (tmp_path / "wrong").write_text("not-the-password\n")
+    ready = tmp_path / "proxy.json"
+    with trio.fail_after(60):
+        async with open_etcd(tls=True, password=password) as etcd:
+            proxy = ["proxy", "--port", "0", "--etcd", etcd.url, "--etcd-user", "root"]
+            env = {**ENV, "TRIO_PD_INTERNAL_KEY": INTERNAL_KEY, "TRIO_PD_ETCD_PASSWORD": password}
+            for flags, words in [
+                (["--etcd-ca-file", etcd.ca_file, "--etcd-password-file", str(tmp_path / "wrong")],
+                 "rejected: etcdserver: authentication failed, invalid user ID or password"),
+                ([], "unreachable: TLS: unable to get local issuer certificate"),
+            ]:  # fmt: skip
+                result = await trio.run_process(
+                    [*TRIO_PD, *proxy, *flags], check=False, env=env, capture_stderr=True
+                )
+                assert result.returncode == 1
+                line = one_line_error(result.stderr.decode())
+                assert line.startswith(f"trio-pd proxy: could not start: etcd at {etcd.url}/")
+                assert line.endswith(words) or words in line, line
+            async with running(([*proxy, "--etcd-ca-file", etcd.ca_file], ready), env=env) as [
+                (process, ready_file)
+            ]:
+                async with httpx2.AsyncClient(timeout=10) as client:
+                    health = await client.get(f"{ready_file['url']}/health")
+                assert "status" in health.json()  # (it serves, watching etcd: no engines yet)
+                process.send_signal(signal.SIGTERM)
+                assert await process.wait() == 0

@@ -14,12 +14,14 @@ import pickle
 import shutil
 from collections.abc import AsyncIterator, Callable
 
+import attrs
 import pytest
 import trio
 
 from trio_pd._harness import _etcd_server
 from trio_pd._membership import (
     ClusterView,
+    EtcdAccess,
     Member,
     MembershipConfig,
     MembershipError,
@@ -478,3 +480,45 @@ async def test_an_engine_whose_id_was_taken_meanwhile_comes_back_when_the_other_
             await wait_until(lambda: registration.registrations == 2, 0.01)
             await trio.sleep(0.2)
             assert registration.restorations == 0  # (the other's delete was no attack)
+
+
+ETCD_PASSWORD = "etcd-root-password-for-the-test"
+
+
+async def test_etcd_with_tls_and_its_own_authentication(etcd: EtcdServer) -> None:
+    """etcd as operators run it: HTTPS (a CA made by the test) and users; a token
+    that expired is renewed; a wrong password or CA says so on entry."""
+    del etcd  # (this test runs its own)
+    with trio.fail_after(30):
+        async with open_etcd(tls=True, password=ETCD_PASSWORD) as secure:
+            assert secure.url.startswith("https://")
+            access = EtcdAccess(ca_file=secure.ca_file, user="root", password=ETCD_PASSWORD)
+            membership = EtcdMembership(
+                secure.url,
+                ttl=TTL,
+                internal_key=INTERNAL_KEY,
+                ca_file=secure.ca_file,
+                user="root",
+                password=ETCD_PASSWORD,
+            )
+            real = EngineAnnouncement("decode-0", "decode", "http://127.0.0.1:8101", 1)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(membership.hold_registration, real)
+                engines = await nursery.start(membership.watch_engines, lambda _: None)
+                assert engines.decode == (real.url,)
+                nursery.cancel_scope.cancel()
+            async with EtcdClient(secure.url, FAST, access) as client:
+                await client.put(b"/trio_pd/x", b"1")
+                await trio.sleep(2.5)  # the token expires unused
+                await client.put(b"/trio_pd/x", b"2")  # renewed
+            for bad, cause, words in [
+                (attrs.evolve(access, password="wrong"), "rejected", "authentication failed"),
+                (EtcdAccess(user="root", password=ETCD_PASSWORD), "unreachable", "TLS: "),
+                (EtcdAccess(ca_file=secure.ca_file), "rejected", "user name is empty"),
+            ]:
+                with pytest.raises(MembershipError) as caught:
+                    async with register(secure.url, member("decode", 1), config=FAST, access=bad):
+                        pass  # pragma: no cover
+                assert caught.value.cause == cause
+                assert words in str(caught.value)
+                assert "\n" not in str(caught.value)

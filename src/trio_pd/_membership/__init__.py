@@ -34,7 +34,7 @@ their names. It may import ``_core``; the serving layer plugs it in through
 """
 
 from trio_pd._membership._cluster_view import ClusterView, ViewStatistics, watch_members
-from trio_pd._membership._etcd_client import MembershipConfig
+from trio_pd._membership._etcd_client import EtcdAccess, MembershipConfig
 from trio_pd._membership._etcd_wire import MembershipError
 from trio_pd._membership._members import DEFAULT_PREFIX, DEFAULT_TTL, Member, signing_key
 from trio_pd._membership._registration import Registration, register
@@ -43,6 +43,7 @@ __all__ = [
     "DEFAULT_PREFIX",
     "DEFAULT_TTL",
     "ClusterView",
+    "EtcdAccess",
     "Member",
     "MembershipConfig",
     "MembershipError",

@@ -13,7 +13,7 @@ import attrs
 import trio
 
 from trio_pd._exception_groups import unwrapped_errors
-from trio_pd._membership._etcd_client import EtcdClient, MembershipConfig
+from trio_pd._membership._etcd_client import EtcdAccess, EtcdClient, MembershipConfig
 from trio_pd._membership._etcd_wire import MembershipError
 from trio_pd._membership._members import DEFAULT_PREFIX, Member, MemberTable, check_prefix
 
@@ -221,6 +221,7 @@ async def watch_members(
     prefix: str = DEFAULT_PREFIX,
     config: MembershipConfig | None = None,
     signing_key: bytes | None = None,
+    access: EtcdAccess | None = None,
 ) -> AsyncIterator[ClusterView]:
     """Keep a :class:`ClusterView` of the members under ``prefix`` while the block runs.
 
@@ -234,6 +235,8 @@ async def watch_members(
     unhealthy and reconnects (``config.retry_initial`` doubling to
     ``config.retry_max``); back, it reads the prefix again and watches on.
 
+    ``access``: TLS files and etcd's user (:class:`EtcdAccess`).
+
     Raises:
         MembershipError: etcd could not be read or watched on entry.
         ValueError: a bad ``prefix`` (non-empty, ending in ``/``).
@@ -242,7 +245,7 @@ async def watch_members(
     the block.
     """
     check_prefix(prefix)
-    async with EtcdClient(etcd_url, config) as client:
+    async with EtcdClient(etcd_url, config, access) as client:
         view = ClusterView(client, prefix, signing_key)
         await view._reload()
         async with unwrapped_errors(), trio.open_nursery() as nursery:

@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 import trio
 
 from trio_pd._exception_groups import unwrapped_errors
-from trio_pd._membership._etcd_client import EtcdClient, MembershipConfig
+from trio_pd._membership._etcd_client import EtcdAccess, EtcdClient, MembershipConfig
 from trio_pd._membership._etcd_wire import NOT_FOUND, KeyValue, MembershipError
 from trio_pd._membership._members import DEFAULT_PREFIX, DEFAULT_TTL, Member, check_prefix
 
@@ -288,6 +288,7 @@ async def register(
     ttl: float = DEFAULT_TTL,
     config: MembershipConfig | None = None,
     signing_key: bytes | None = None,
+    access: EtcdAccess | None = None,
 ) -> AsyncIterator[Registration]:
     """Register ``member`` in etcd while the block runs.
 
@@ -302,6 +303,8 @@ async def register(
     overwrites it with a value that is not a registration (not signed with
     ``signing_key``), it puts it back at once (``restorations`` counts it).
 
+    ``access``: TLS files and etcd's user (:class:`EtcdAccess`).
+
     Raises:
         MembershipError: the first registration failed (etcd unreachable,
             or it refused; ``"conflict"``: another live engine holds the
@@ -315,7 +318,7 @@ async def register(
     check_prefix(prefix)
     if not ttl > 0:
         raise ValueError(f"ttl must be > 0, not {ttl!r}")
-    async with EtcdClient(etcd_url, config) as client:
+    async with EtcdClient(etcd_url, config, access) as client:
         registration = Registration(client, member, prefix, ttl, signing_key)
         try:
             await registration._register()

@@ -21,12 +21,15 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import attrs
 import trio
 
 from trio_pd._serve.openai import MODEL_NAME
+
+if TYPE_CHECKING:
+    from trio_pd._membership import EtcdAccess
 
 Role = Literal["prefill", "decode"]
 
@@ -107,12 +110,25 @@ class EtcdMembership:
             with a key derived from it, and the proxy routes only to engines
             whose registration verifies (``None``: unsigned, anyone who can
             write etcd can announce an engine).
+        ca_file, cert_file, key_file: TLS to etcd (an ``https://`` URL): the
+            CA its certificate chains to, a client certificate and key.
+        user, password: etcd's authentication (``""``: none).
     """
 
     url: str
     prefix: str = "/trio_pd/"
     ttl: float = 10.0
     internal_key: str | None = attrs.field(default=None, repr=False)
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    user: str = ""
+    password: str = attrs.field(default="", repr=False)
+
+    def _access(self) -> EtcdAccess:
+        from trio_pd._membership import EtcdAccess
+
+        return EtcdAccess(self.ca_file, self.cert_file, self.key_file, self.user, self.password)
 
     def _signing_key(self) -> bytes | None:
         from trio_pd._membership import signing_key
@@ -141,7 +157,12 @@ class EtcdMembership:
         )
         try:
             async with register(
-                self.url, member, prefix=self.prefix, ttl=self.ttl, signing_key=self._signing_key()
+                self.url,
+                member,
+                prefix=self.prefix,
+                ttl=self.ttl,
+                signing_key=self._signing_key(),
+                access=self._access(),
             ):
                 task_status.started()
                 await trio.sleep_forever()
@@ -159,7 +180,7 @@ class EtcdMembership:
         from trio_pd._membership import watch_members
 
         async with watch_members(
-            self.url, prefix=self.prefix, signing_key=self._signing_key()
+            self.url, prefix=self.prefix, signing_key=self._signing_key(), access=self._access()
         ) as view:
 
             def engines() -> EngineSet:
