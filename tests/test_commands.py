@@ -461,6 +461,28 @@ async def test_the_proxy_reaches_an_etcd_with_tls_and_authentication_or_says_why
                 line = one_line_error(result.stderr.decode())
                 assert line.startswith(f"trio-pd proxy: could not start: etcd at {etcd.url}/")
                 assert line.endswith(words) or words in line, line
+            engine = ["engine", "--role", "decode", "--engine-id", "decode-9", "--etcd", etcd.url]
+            result = await trio.run_process(
+                [
+                    *TRIO_PD,
+                    *engine,
+                    "--etcd-ca-file",
+                    etcd.ca_file,
+                    "--etcd-user",
+                    "root",
+                    "--etcd-password-file",
+                    str(tmp_path / "wrong"),
+                ],
+                check=False,
+                env=env,
+                capture_stderr=True,
+            )
+            assert result.returncode == 1
+            assert one_line_error(result.stderr.decode()) == (
+                "trio-pd engine decode-9: could not start: MembershipError: etcd at "
+                f"{etcd.url}/v3/auth/authenticate: rejected: etcdserver: authentication failed, "
+                "invalid user ID or password (HTTP 400)"
+            )
             async with running(([*proxy, "--etcd-ca-file", etcd.ca_file], ready), env=env) as [
                 (process, ready_file)
             ]:
