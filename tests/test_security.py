@@ -337,3 +337,16 @@ async def test_a_cluster_from_the_internal_key_has_curve_and_a_foreign_connector
                         await spy.pull("spy", [0], remote)
                 counted = metrics((await client.get(f"{prefill['url']}/metrics")).text)
                 assert counted["trio_pd_listener_auth_failures_total"] >= 1
+
+
+def test_serve_no_curve_is_passed_to_its_engines_which_refuse_plain_text_otherwise() -> None:
+    from trio_pd._cli.engine_processes import EngineProcess
+    from trio_pd._cli.serve import ServeOptions, _engine_command
+
+    engine = EngineProcess("prefill", 0, "/tmp/ready.json")
+    plain = _engine_command(ServeOptions(curve=False), engine, None, {})
+    assert "--no-curve" in plain
+    files = {"prefill-0": ["--curve-key-file=k", "--curve-peers-file=p"]}
+    curved = _engine_command(ServeOptions(), engine, None, files)
+    assert "--no-curve" not in curved
+    assert "--curve-key-file=k" in curved
