@@ -62,6 +62,8 @@ nitpick_ignore = [
     # side_channel= and MemoryFabric.side_channel document them in words)
     ("py:class", "SideChannelFactory"),
     ("py:class", "trio_pd.testing._memory_side_channel.MemorySideChannel"),
+    # CurveAuth.peers: the keys membership publishes, kept by trio-pd engine (internal)
+    ("py:class", "trio_pd._curve_keys.PeerKeys"),
 ]
 # no offline inventory of the standard library: its types stay unlinked
 nitpick_ignore_regex = [

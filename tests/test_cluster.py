@@ -25,7 +25,7 @@ import trio
 
 from trio_pd.testing import TestHost, open_etcd, open_test_hosts
 
-from .test_commands import ENV, SECRET, running
+from .test_commands import ENV, INTERNAL_KEY, SECRET, running
 from .test_openai import chat
 from .test_serve import complete, deployment_client, open_deployment, prompts, scrape, stream
 
@@ -195,7 +195,8 @@ async def cluster(tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
             args += ["--etcd", etcd.url_at(host.root_address), "--etcd-ttl", str(TTL)]
             return args, tmp_path / f"{name}.json", host.netns
 
-        env = {**ENV, "TRIO_PD_EXPOSURE_SECRET": SECRET}
+        # (the internal key: signed registrations, and CURVE with each engine's own pair)
+        env = {**ENV, "TRIO_PD_EXPOSURE_SECRET": SECRET, "TRIO_PD_INTERNAL_KEY": INTERNAL_KEY}
         proxy_args = ["proxy", "--port", "0", "--etcd", etcd.url, "--etcd-ttl", str(TTL)]
         proxy_args += ["--connect-timeout", "1", "--first-byte-timeout", "3"]
         async with (
@@ -205,7 +206,7 @@ async def cluster(tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
                 engine(hosts[2], "decode", "decode-b"),
                 env=env,
             ) as [(_, prefill), (_, decode_a), (decode_b_process, decode_b)],
-            running((proxy_args, tmp_path / "proxy.json")) as [(_, proxy)],
+            running((proxy_args, tmp_path / "proxy.json"), env=env) as [(_, proxy)],
         ):
             yield {
                 "hosts": hosts,

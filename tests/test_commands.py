@@ -32,6 +32,7 @@ pytestmark = pytest.mark.slow
 TRIO_PD = [sys.executable, "-m", "trio_pd"]
 ENV = {**os.environ, "NIXL_LOG_LEVEL": "WARN"}
 SECRET = "5e" * 32  # (hex, as an operator would put it in the environment)
+INTERNAL_KEY = "an-internal-key-for-the-commands-0123456789"
 
 
 @asynccontextmanager
@@ -90,7 +91,8 @@ def one_line_error(stderr: str) -> str:
 async def test_engines_and_a_proxy_started_as_separate_commands_serve_what_one_engine_serves(
     tmp_path: Path,
 ) -> None:
-    env = {**ENV, "TRIO_PD_EXPOSURE_SECRET": SECRET}
+    # (the internal key: CURVE on the side channel, from a pair derived from it)
+    env = {**ENV, "TRIO_PD_EXPOSURE_SECRET": SECRET, "TRIO_PD_INTERNAL_KEY": INTERNAL_KEY}
     engine = ["engine", "--port", "0", "--num-blocks", "64"]
     p, d, x = (tmp_path / f"{name}.json" for name in ("prefill", "decode", "proxy"))
     with trio.fail_after(90):
@@ -98,13 +100,16 @@ async def test_engines_and_a_proxy_started_as_separate_commands_serve_what_one_e
             running(
                 ([*engine, "--role", "prefill"], p), ([*engine, "--role", "decode"], d), env=env
             ) as [(prefill_process, prefill), (decode_process, decode)],
-            httpx2.AsyncClient(timeout=30) as client,
+            # (the engines answer only the deployment: the test calls one directly)
+            httpx2.AsyncClient(
+                timeout=30, headers={"authorization": f"Bearer {INTERNAL_KEY}"}
+            ) as client,
         ):
             # A ready file appears only once its engine accepts requests.
             for url in (prefill["url"], decode["url"]):
                 assert (await client.get(f"{url}/health")).json()["status"] == "ok"
             proxy_args = ["proxy", "--port", "0", "--prefill", prefill["url"]]
-            async with running(([*proxy_args, "--decode", decode["url"]], x)) as [
+            async with running(([*proxy_args, "--decode", decode["url"]], x), env=env) as [
                 (proxy_process, proxy)
             ]:
                 for i, prompt in enumerate(["a", "y" * 17, "three separate commands " * 4]):
@@ -140,6 +145,7 @@ async def test_engines_and_a_proxy_started_as_separate_commands_serve_what_one_e
             "--idle-timeout must be > 0",
         ),
         (["engine", "--role", "decode", "--send-timeout", "0"], 2, "--send-timeout must be > 0"),
+        (["engine", "--role", "prefill"], 2, "the side channel would be plain text"),
         (
             ["proxy", "--prefill", "http://a:1", "--decode", "http://b:1", "--send-timeout", "nan"],
             2,
@@ -179,7 +185,7 @@ def test_accepted_connections_inherit_the_listeners_send_timeout(
 async def test_an_engine_that_cannot_start_says_why_in_one_line(tmp_path: Path) -> None:
     ready = tmp_path / "ready.json"
     ready.write_text('{"url": "http://127.0.0.1:9"}')  # (stale: left by a killed engine)
-    command = [*TRIO_PD, "engine", "--role", "prefill", "--host", "192.0.2.1"]
+    command = [*TRIO_PD, "engine", "--role", "prefill", "--host", "192.0.2.1", "--no-curve"]
     with trio.fail_after(30):
         result = await trio.run_process(
             [*command, "--ready-file", str(ready)], check=False, env=ENV, capture_stderr=True
@@ -399,3 +405,89 @@ def test_the_serving_commands_never_load_the_testing_toolkit() -> None:
 
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+async def test_an_engine_id_that_a_live_engine_holds_exits_2_in_one_line(tmp_path: Path) -> None:
+    from trio_pd._membership import Member, register, signing_key
+    from trio_pd.testing import open_etcd
+
+    key = "an-internal-key-for-this-test-0123456789"
+    held = Member(
+        "decode", "decode-7", "http://127.0.0.1:8107", "127.0.0.1:5607", incarnation="live"
+    )
+    ready = tmp_path / "ready.json"
+    env = {**ENV, "TRIO_PD_INTERNAL_KEY": key, "TRIO_PD_EXPOSURE_SECRET": SECRET}
+    with trio.fail_after(60):
+        async with (
+            open_etcd() as etcd,
+            register(etcd.url, held, ttl=5, signing_key=signing_key(key)),
+        ):
+            command = ["engine", "--role", "decode", "--engine-id", "decode-7", "--etcd", etcd.url]
+            result = await trio.run_process(
+                [*TRIO_PD, *command, "--ready-file", str(ready)],
+                check=False,
+                env=env,
+                capture_stderr=True,
+            )
+    assert result.returncode == 2
+    assert one_line_error(result.stderr.decode()) == (
+        "trio-pd engine decode-7: could not start: engine id 'decode-7' is held by a live "
+        "engine (http://127.0.0.1:8107, incarnation 'live'); it is free once that engine leaves"
+    )
+    assert not ready.exists()
+
+
+async def test_the_proxy_reaches_an_etcd_with_tls_and_authentication_or_says_why(
+    tmp_path: Path,
+) -> None:
+    from trio_pd.testing import open_etcd
+
+    password = "etcd-root-password-0123"
+    (tmp_path / "wrong").write_text("not-the-password\n")
+    ready = tmp_path / "proxy.json"
+    with trio.fail_after(60):
+        async with open_etcd(tls=True, password=password) as etcd:
+            proxy = ["proxy", "--port", "0", "--etcd", etcd.url, "--etcd-user", "root"]
+            env = {**ENV, "TRIO_PD_INTERNAL_KEY": INTERNAL_KEY, "TRIO_PD_ETCD_PASSWORD": password}
+            for flags, words in [
+                (["--etcd-ca-file", etcd.ca_file, "--etcd-password-file", str(tmp_path / "wrong")],
+                 "rejected: etcdserver: authentication failed, invalid user ID or password"),
+                ([], "unreachable: TLS: unable to get local issuer certificate"),
+            ]:  # fmt: skip
+                result = await trio.run_process(
+                    [*TRIO_PD, *proxy, *flags], check=False, env=env, capture_stderr=True
+                )
+                assert result.returncode == 1
+                line = one_line_error(result.stderr.decode())
+                assert line.startswith(f"trio-pd proxy: could not start: etcd at {etcd.url}/")
+                assert line.endswith(words) or words in line, line
+            engine = ["engine", "--role", "decode", "--engine-id", "decode-9", "--etcd", etcd.url]
+            result = await trio.run_process(
+                [
+                    *TRIO_PD,
+                    *engine,
+                    "--etcd-ca-file",
+                    etcd.ca_file,
+                    "--etcd-user",
+                    "root",
+                    "--etcd-password-file",
+                    str(tmp_path / "wrong"),
+                ],
+                check=False,
+                env=env,
+                capture_stderr=True,
+            )
+            assert result.returncode == 1
+            assert one_line_error(result.stderr.decode()) == (
+                "trio-pd engine decode-9: could not start: MembershipError: etcd at "
+                f"{etcd.url}/v3/auth/authenticate: rejected: etcdserver: authentication failed, "
+                "invalid user ID or password (HTTP 400)"
+            )
+            async with running(([*proxy, "--etcd-ca-file", etcd.ca_file], ready), env=env) as [
+                (process, ready_file)
+            ]:
+                async with httpx2.AsyncClient(timeout=10) as client:
+                    health = await client.get(f"{ready_file['url']}/health")
+                assert "status" in health.json()  # (it serves, watching etcd: no engines yet)
+                process.send_signal(signal.SIGTERM)
+                assert await process.wait() == 0

@@ -8,26 +8,31 @@ outage tests kill and start again on the same ports and data.
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import pickle
 import shutil
 from collections.abc import AsyncIterator, Callable
 
+import attrs
 import pytest
 import trio
 
 from trio_pd._harness import _etcd_server
 from trio_pd._membership import (
     ClusterView,
+    EtcdAccess,
     Member,
     MembershipConfig,
     MembershipError,
     register,
+    signing_key,
     watch_members,
 )
 from trio_pd._membership import _etcd_wire as wire
 from trio_pd._membership._etcd_client import EtcdClient
-from trio_pd._membership._members import MemberTable
+from trio_pd._membership._members import MemberTable, UnverifiedError
+from trio_pd._serve.discovery import EngineAnnouncement, EngineSet, EtcdMembership
 from trio_pd.testing import EtcdServer, EtcdUnavailable, open_etcd
 from trio_pd.testing._registered_engine import open_registered_process
 
@@ -324,3 +329,196 @@ async def test_etcd_unreachable_on_entry_is_a_membership_error(etcd: EtcdServer)
         with pytest.raises(MembershipError, match="unreachable"):
             async with register(url, member("prefill", 0), config=FAST):
                 pass  # pragma: no cover
+
+
+# ---- registrations that prove themselves (issue 29) -------------------------------
+
+INTERNAL_KEY = "the-deployments-internal-key-0123456789"
+KEY = signing_key(INTERNAL_KEY)
+
+
+def test_a_signed_value_verifies_and_any_change_or_another_key_does_not() -> None:
+    m = member("decode", 0, curve_public_key="k" * 40, timestamp=1764700000.5)
+    signed = m.to_json(KEY)
+    assert Member.from_json(signed, KEY) == m
+    assert Member.from_json(signed) == m  # (a reader without the key ignores the signature)
+    forged = signed.replace(b"127.0.0.1:8100", b"203.0.113.9:8100")  # the URL changed
+    for bad, why in [
+        (m.to_json(), "not signed"),
+        (forged, "does not verify"),
+        (signed.replace(b'"tp_size": 1', b'"tp_size": 2'), "does not verify"),
+        (signed.replace(b'"role"', b'"extra": 1, "role"'), "does not verify"),  # unknown, too
+        (m.to_json(signing_key("another deployment's key 0123456789")), "does not verify"),
+    ]:
+        with pytest.raises(UnverifiedError, match=why):
+            Member.from_json(bad, KEY)
+    table = MemberTable(PREFIX, KEY)
+    kv = wire.KeyValue
+    assert table.load([kv(m.key(PREFIX), signed, 3), kv(b"/trio_pd/decode/evil", forged, 4)])
+    assert table.members() == (m,)
+    assert not table.load([kv(m.key(PREFIX), signed, 3), kv(b"/trio_pd/decode/evil", forged, 4)])
+    assert table.unverified == 1  # (once per version)
+    assert table.apply([wire.WatchEvent("put", kv(m.key(PREFIX), forged, 5))])
+    assert table.members() == ()
+    assert table.unverified == 2
+    assert "does not verify" in table.take_problems()[-1]
+
+
+async def test_a_forged_or_overwritten_registration_is_never_routed_to_and_is_put_back(
+    etcd: EtcdServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Fault 1: whoever writes etcd (without the internal key) cannot announce an
+    engine, nor redirect a real one; the real engine puts its key back at once."""
+    caplog.set_level(logging.WARNING, logger="trio_pd.membership")
+    membership = EtcdMembership(etcd.url, ttl=TTL, internal_key=INTERNAL_KEY)
+    real = EngineAnnouncement("decode-0", "decode", "http://127.0.0.1:8101", 1, "127.0.0.1:5601")
+    attacker = "http://203.0.113.66:8100"
+    seen: list[EngineSet] = []
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(membership.hold_registration, real)
+            first = await nursery.start(membership.watch_engines, seen.append)
+            seen.append(first)
+            assert first.decode == (real.url,)
+            async with (
+                EtcdClient(etcd.url, FAST) as client,
+                watch_members(etcd.url, config=FAST, signing_key=KEY) as view,
+            ):
+                _, kv = await client.get(b"/trio_pd/decode/decode-0")
+                assert kv is not None
+                value = kv.value
+                forged = value.replace(real.url.encode(), attacker.encode())
+                # A copy of the real value with the URL changed, under a key of its own ...
+                copy = forged.replace(b'"decode-0"', b'"decode-evil"')
+                await client.put(b"/trio_pd/decode/decode-evil", copy)
+                # ... and unsigned, as an attacker without the internal key writes it.
+                plain = json.loads(value)
+                del plain["signature"]
+                plain.update(engine_id="decode-plain", url=attacker)
+                await client.put(b"/trio_pd/decode/decode-plain", json.dumps(plain).encode())
+                await wait_for(view, lambda: view.statistics().unverified == 2)
+                # Overwriting the real engine's key: it is put back at once.
+                await client.put(b"/trio_pd/decode/decode-0", forged)
+                await wait_for(view, lambda: view.statistics().unverified == 3)
+                await until_value(client, b"/trio_pd/decode/decode-0", value)
+                await wait_for(view, lambda: ids(view) == {"decode-0"})
+                # Deleting it: put back too.
+                await client.delete(b"/trio_pd/decode/decode-0")
+                await until_value(client, b"/trio_pd/decode/decode-0", value)
+                await wait_for(view, lambda: ids(view) == {"decode-0"})
+                assert [m.url for m in view.members()] == [real.url]
+            nursery.cancel_scope.cancel()
+    assert all(attacker not in engines.decode + engines.prefill for engines in seen), seen
+    assert seen[-1].decode == (real.url,)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert sum("putting it back" in w for w in warnings) == 2
+    # Once per bad version, in each of the two views (the proxy's and the test's).
+    assert sum("does not verify" in w or "not signed" in w for w in warnings) == 2 * 3
+
+
+async def until_value(client: EtcdClient, key: bytes, value: bytes | None) -> None:
+    """Until ``key`` holds ``value`` (``None``: absent)."""
+    while True:
+        _, kv = await client.get(key)
+        if (kv.value if kv else None) == value:
+            return
+        await trio.sleep(0.02)
+
+
+async def test_an_engine_id_that_a_live_engine_holds_cannot_register(etcd: EtcdServer) -> None:
+    """Fault 3: a second engine with the same id fails at start (etcd transaction);
+    the first keeps its key, and a forged value squatting an id does not block it."""
+    first = member("prefill", 0, incarnation="first")
+    second = member("prefill", 0, incarnation="second", url="http://127.0.0.1:9999")
+    with trio.fail_after(15):
+        async with (
+            watch_members(etcd.url, config=FAST, signing_key=KEY) as view,
+            register(etcd.url, first, ttl=TTL, config=FAST, signing_key=KEY) as registration,
+        ):
+            with pytest.raises(MembershipError) as caught:
+                async with register(etcd.url, second, ttl=TTL, config=FAST, signing_key=KEY):
+                    pass  # pragma: no cover
+            assert caught.value.cause == "conflict"
+            assert "'prefill-0' is held by a live engine (http://127.0.0.1:8100" in str(
+                caught.value
+            )
+            await trio.sleep(0.2)
+            assert view.members() == (first,)
+            assert (registration.registrations, registration.restorations) == (1, 0)
+        # A value that is no registration of the deployment does not hold the id.
+        async with EtcdClient(etcd.url, FAST) as client:
+            await client.put(first.key(PREFIX), first.to_json())  # (unsigned)
+            async with (
+                watch_members(etcd.url, config=FAST, signing_key=KEY) as view,
+                register(etcd.url, second, ttl=TTL, config=FAST, signing_key=KEY),
+            ):
+                await wait_for(view, lambda: view.members() == (second,))
+
+
+async def test_an_engine_whose_id_was_taken_meanwhile_comes_back_when_the_other_leaves(
+    etcd: EtcdServer,
+) -> None:
+    """Fault 3, the other way round: another engine registered the id (say our lease
+    lapsed in a partition); ours waits, and is back once that one's key is gone."""
+    first = member("decode", 0, incarnation="first")
+    second = member("decode", 0, incarnation="second", url="http://127.0.0.1:9999")
+    with trio.fail_after(15):
+        async with (
+            watch_members(etcd.url, config=FAST, signing_key=KEY) as view,
+            register(etcd.url, first, ttl=TTL, config=FAST, signing_key=KEY) as registration,
+            EtcdClient(etcd.url, FAST) as client,
+        ):
+            await wait_for(view, lambda: view.members() == (first,))
+            lease = await client.grant(10)
+            await client.put(second.key(PREFIX), second.to_json(KEY), lease=lease.id)
+            await wait_for(view, lambda: view.members() == (second,))
+            await trio.sleep(TTL)  # first's renewals see the id held, and leave it
+            assert view.members() == (second,)
+            assert registration.restorations == 0
+            await client.revoke(lease.id)  # the other engine dies
+            await wait_for(view, lambda: view.members() == (first,))
+            await wait_until(lambda: registration.registrations == 2, 0.01)
+            await trio.sleep(0.2)
+            assert registration.restorations == 0  # (the other's delete was no attack)
+
+
+ETCD_PASSWORD = "etcd-root-password-for-the-test"
+
+
+async def test_etcd_with_tls_and_its_own_authentication(etcd: EtcdServer) -> None:
+    """etcd as operators run it: HTTPS (a CA made by the test) and users; a token
+    that expired is renewed; a wrong password or CA says so on entry."""
+    del etcd  # (this test runs its own)
+    with trio.fail_after(30):
+        async with open_etcd(tls=True, password=ETCD_PASSWORD) as secure:
+            assert secure.url.startswith("https://")
+            access = EtcdAccess(ca_file=secure.ca_file, user="root", password=ETCD_PASSWORD)
+            membership = EtcdMembership(
+                secure.url,
+                ttl=TTL,
+                internal_key=INTERNAL_KEY,
+                ca_file=secure.ca_file,
+                user="root",
+                password=ETCD_PASSWORD,
+            )
+            real = EngineAnnouncement("decode-0", "decode", "http://127.0.0.1:8101", 1)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(membership.hold_registration, real)
+                engines = await nursery.start(membership.watch_engines, lambda _: None)
+                assert engines.decode == (real.url,)
+                nursery.cancel_scope.cancel()
+            async with EtcdClient(secure.url, FAST, access) as client:
+                await client.put(b"/trio_pd/x", b"1")
+                await trio.sleep(2.5)  # the token expires unused
+                await client.put(b"/trio_pd/x", b"2")  # renewed
+            for bad, cause, words in [
+                (attrs.evolve(access, password="wrong"), "rejected", "authentication failed"),
+                (EtcdAccess(user="root", password=ETCD_PASSWORD), "unreachable", "TLS: "),
+                (EtcdAccess(ca_file=secure.ca_file), "rejected", "user name is empty"),
+            ]:
+                with pytest.raises(MembershipError) as caught:
+                    async with register(secure.url, member("decode", 1), config=FAST, access=bad):
+                        pass  # pragma: no cover
+                assert caught.value.cause == cause
+                assert words in str(caught.value)
+                assert "\n" not in str(caught.value)

@@ -3,6 +3,7 @@ CURVE on serve's side channels, and no key in any log."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -253,3 +254,99 @@ def test_serve_refuses_a_client_key_that_is_the_internal_key() -> None:
     with pytest.raises(ValueError, match="must not be the engines' internal key"):
         ServeOptions(api_keys=keys, internal_key=CLIENT_KEY).check()
     ServeOptions(api_keys=keys, internal_key=INTERNAL_KEY).check()
+
+
+async def test_a_forged_registration_in_etcd_gets_no_request_and_no_key() -> None:
+    """Fault 1 end to end: whoever writes etcd without the internal key announces
+    a prefill and a decode engine at its own server; the proxy sends it nothing."""
+    from trio_pd._cli.proxy import ProxyOptions, serve_proxy
+    from trio_pd._membership import Member
+    from trio_pd._membership._etcd_client import EtcdClient
+    from trio_pd._serve.discovery import EtcdMembership
+    from trio_pd.testing import open_etcd
+
+    received: list[bytes] = []
+
+    async def attacker(stream: trio.SocketStream) -> None:
+        async with stream:
+            received.append(await stream.receive_some())
+            await stream.send_all(b"HTTP/1.1 500 Owned\r\ncontent-length: 0\r\n\r\n")
+
+    with trio.fail_after(30):
+        async with open_etcd() as etcd, trio.open_nursery() as nursery:
+            listeners = await nursery.start(
+                functools.partial(trio.serve_tcp, attacker, 0, host="127.0.0.1")
+            )
+            url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+            async with EtcdClient(etcd.url) as client:
+                for role in ("prefill", "decode"):
+                    forged = Member(role, f"{role}-0", url, "127.0.0.1:5600", incarnation="x")
+                    await client.put(forged.key("/trio_pd/"), forged.to_json())
+            stop = trio.Event()
+            options = ProxyOptions(port=0, internal_key=INTERNAL_KEY)
+            membership = EtcdMembership(etcd.url, internal_key=INTERNAL_KEY)
+            proxy_url = await nursery.start(
+                functools.partial(serve_proxy, options, None, stop.wait, membership=membership)
+            )
+            async with httpx2.AsyncClient(timeout=10) as http:
+                answer = await http.post(f"{proxy_url}/v1/completions", json=BODY)
+            assert answer.status_code >= 500  # (no engine of the deployment)
+            stop.set()
+            nursery.cancel_scope.cancel()
+    assert received == []  # (not even a connection: no prompt, no internal key)
+
+
+async def test_a_cluster_from_the_internal_key_has_curve_and_a_foreign_connector_reads_nothing(
+    tmp_path: Path,
+) -> None:
+    """Fault 2: engines started the documented way (--etcd, the internal key, no
+    CURVE files) make their own pairs and publish them signed; the deployment
+    serves, and a foreign connector (no keys) reads no block and is counted."""
+    from trio_pd.testing import open_etcd
+
+    from .test_commands import ENV, SECRET, running
+    from .test_serve import complete
+
+    env = {**ENV, "TRIO_PD_EXPOSURE_SECRET": SECRET, "TRIO_PD_INTERNAL_KEY": INTERNAL_KEY}
+    p, d, x = (tmp_path / f"{name}.json" for name in ("prefill", "decode", "proxy"))
+    with trio.fail_after(90):
+        async with open_etcd() as etcd:
+            engine = ["engine", "--port", "0", "--num-blocks", "16", "--etcd", etcd.url]
+            async with (
+                running(
+                    ([*engine, "--role", "prefill"], p), ([*engine, "--role", "decode"], d), env=env
+                ) as [(_, prefill), _],
+                running((["proxy", "--port", "0", "--etcd", etcd.url], x), env=env) as [(_, proxy)],
+                httpx2.AsyncClient(timeout=30) as client,
+            ):
+                answer = await complete(client, proxy["url"], prompt="hello", max_tokens=4)
+                assert len(answer["choices"][0]["token_ids"]) == 4
+                health = (await client.get(f"{prefill['url']}/health")).json()
+                assert health["curve_public_key"]
+                params = {
+                    "remote_engine_id": "prefill-0",
+                    "remote_host": "127.0.0.1",
+                    "remote_port": health["side_channel_port"],
+                    "remote_block_ids": [0],
+                    "remote_request_id": "spy",
+                }
+                foreign = trio_pd.ConnectorConfig(handshake_timeout=1.0)  # (no keys at all)
+                async with trio_pd.open_connector("spy", kv_cache(blocks=4), config=foreign) as spy:
+                    remote = trio_pd.RemoteBlocks.from_kv_transfer_params(params)
+                    with pytest.raises(trio_pd.HandshakeError):
+                        await spy.pull("spy", [0], remote)
+                counted = metrics((await client.get(f"{prefill['url']}/metrics")).text)
+                assert counted["trio_pd_listener_auth_failures_total"] >= 1
+
+
+def test_serve_no_curve_is_passed_to_its_engines_which_refuse_plain_text_otherwise() -> None:
+    from trio_pd._cli.engine_processes import EngineProcess
+    from trio_pd._cli.serve import ServeOptions, _engine_command
+
+    engine = EngineProcess("prefill", 0, "/tmp/ready.json")
+    plain = _engine_command(ServeOptions(curve=False), engine, None, {})
+    assert "--no-curve" in plain
+    files = {"prefill-0": ["--curve-key-file=k", "--curve-peers-file=p"]}
+    curved = _engine_command(ServeOptions(), engine, None, files)
+    assert "--no-curve" not in curved
+    assert "--curve-key-file=k" in curved

@@ -10,8 +10,10 @@ for its key functions and socket options only; opens no socket.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -27,6 +29,39 @@ def generate_keypair() -> tuple[str, str]:
     """A new CURVE key pair ``(public_key, secret_key)`` as Z85 text."""
     public, secret = zmq.curve_keypair()
     return public.decode(), secret.decode()
+
+
+def deployment_keypair(internal_key: str) -> tuple[str, str]:
+    """The CURVE key pair ``(public_key, secret_key)`` derived from the deployment's
+    internal key: the same on every engine that holds that key (for deployments
+    without etcd, where no engine can publish a pair of its own)."""
+    secret = hmac.new(internal_key.encode(), b"trio_pd curve v1", hashlib.sha256).digest()
+    secret_z85 = zmq.utils.z85.encode(secret)
+    return zmq.curve_public(secret_z85).decode(), secret_z85.decode()
+
+
+class PeerKeys:
+    """The deployment's public keys as membership reports them (mutable, no I/O):
+    the decode engines' (the consumers a prefill engine lets in) and each
+    prefill engine's (what a decode engine expects from it), replaced whole at
+    every change of the verified members."""
+
+    def __init__(self) -> None:
+        self.consumers: frozenset[str] = frozenset()
+        self.producers: Mapping[str, str] = MappingProxyType({})
+
+    def update(self, consumers: Iterable[str], producers: Mapping[str, str]) -> None:
+        self.consumers = frozenset(consumers)
+        self.producers = MappingProxyType(dict(producers))
+
+
+class _Allowed(Container[str]):
+    def __init__(self, auth: CurveAuth) -> None:
+        self._auth = auth
+
+    def __contains__(self, key: object) -> bool:
+        peers = self._auth.peers
+        return key in self._auth.allowed_consumers or (peers is not None and key in peers.consumers)
 
 
 def _check_key(what: str, key: str) -> None:
@@ -57,6 +92,8 @@ class CurveAuth:
             may fetch this engine's metadata. Empty: nobody may.
         producer_keys: consumer side: the public key of each producer, by
             engine id; the key ``"*"`` applies to engines not named.
+        peers: the keys that membership reports, as they change (the
+            consumers are allowed too; a producer's key there comes first).
     """
 
     public_key: str
@@ -65,6 +102,7 @@ class CurveAuth:
     producer_keys: Mapping[str, str] = attrs.field(
         factory=dict, converter=_frozen_mapping, eq=False
     )
+    peers: PeerKeys | None = attrs.field(default=None, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         _check_key("public_key", self.public_key)
@@ -78,7 +116,14 @@ class CurveAuth:
 
     def producer_key(self, engine_id: str) -> str | None:
         """The public key to expect from ``engine_id``, or ``None`` if unknown."""
+        if self.peers is not None and engine_id in self.peers.producers:
+            return self.peers.producers[engine_id]
         return self.producer_keys.get(engine_id, self.producer_keys.get(ANY_ENGINE))
+
+    def allowed(self) -> Container[str]:
+        """The consumer keys a prefill engine lets in now (``allowed_consumers``
+        and those of ``peers``), for the ZAP handler."""
+        return _Allowed(self)
 
     def configure_server(self, socket: zmq.Socket[Any]) -> None:
         """Make ``socket`` (the listener) a CURVE server that asks ZAP."""

@@ -18,6 +18,8 @@ from trio_pd._serve.discovery import EtcdMembership, Membership
 from trio_pd._serve.engine import EXPOSURE_SECRET_ENV
 from trio_pd._serve.keys import API_KEY_ENV, INTERNAL_KEY_ENV, BearerKeys
 
+ETCD_PASSWORD_ENV = "TRIO_PD_ETCD_PASSWORD"
+
 EXIT_OK = 0
 EXIT_FAILED = 1  # could not start, or an engine failed
 EXIT_USAGE = 2  # bad arguments (as argparse)
@@ -27,11 +29,17 @@ EXIT_STATUSES: Mapping[str, Mapping[int, str]] = MappingProxyType(
         "engine": {
             EXIT_OK: "drained after SIGTERM/SIGINT (or start-up abandoned on one)",
             EXIT_FAILED: "could not start: its address, its connectors; one line on stderr",
-            EXIT_USAGE: "bad arguments",
+            EXIT_USAGE: (
+                "bad arguments, or its ``--engine-id`` is held by a live engine in etcd "
+                "(one line on stderr)"
+            ),
         },
         "proxy": {
             EXIT_OK: "drained",
-            EXIT_FAILED: "could not bind its address",
+            EXIT_FAILED: (
+                "could not start: its address, or etcd (unreachable, a wrong password or CA); "
+                "one line on stderr"
+            ),
             EXIT_USAGE: "bad arguments",
         },
         "serve": {
@@ -93,13 +101,41 @@ def add_etcd_arguments(parser: argparse.ArgumentParser, what: str, ttl: str) -> 
         "--etcd-prefix", default="/trio_pd/", metavar="PREFIX", help="key prefix in etcd"
     )
     parser.add_argument("--etcd-ttl", type=float, default=10.0, metavar="SECONDS", help=ttl)
+    parser.add_argument(
+        "--etcd-ca-file",
+        default="",
+        metavar="PATH",
+        help="CA certificates (PEM) that an https:// etcd's certificate must chain to "
+        "(default: the system's)",
+    )
+    parser.add_argument(
+        "--etcd-cert-file",
+        default="",
+        metavar="PATH",
+        help="a client certificate (PEM) for an etcd that asks for one",
+    )
+    parser.add_argument(
+        "--etcd-key-file", default="", metavar="PATH", help="the client certificate's key (PEM)"
+    )
+    parser.add_argument(
+        "--etcd-user", default="", metavar="NAME", help="etcd's authentication: the user"
+    )
+    parser.add_argument(
+        "--etcd-password-file",
+        default="",
+        metavar="PATH",
+        help=f"the --etcd-user's password (default: ${ETCD_PASSWORD_ENV})",
+    )
 
 
-def membership_from_args(args: argparse.Namespace) -> Membership | None:
+def membership_from_args(
+    args: argparse.Namespace, internal_key: str | None = None
+) -> Membership | None:
     """The membership the flags ask for (``None``: static URLs).
 
     This is where etcd plugs in: build it from ``args.etcd``,
-    ``args.etcd_prefix`` and ``args.etcd_ttl``.
+    ``args.etcd_prefix`` and ``args.etcd_ttl``; registrations are signed
+    and verified with a key derived from ``internal_key``.
 
     Raises:
         UsageError: a bad etcd flag.
@@ -111,7 +147,36 @@ def membership_from_args(args: argparse.Namespace) -> Membership | None:
     if args.etcd:
         if not args.etcd.startswith(("http://", "https://")):
             raise UsageError(f"--etcd {args.etcd!r} is not an http(s) URL")
-        return EtcdMembership(args.etcd, args.etcd_prefix, args.etcd_ttl)
+        tls = [f"--etcd-{n}-file" for n in ("ca", "cert", "key") if getattr(args, f"etcd_{n}_file")]
+        if tls and not args.etcd.startswith("https://"):
+            raise UsageError(f"{tls[0]} needs an https:// --etcd URL")
+        if bool(args.etcd_cert_file) != bool(args.etcd_key_file):
+            raise UsageError("--etcd-cert-file and --etcd-key-file go together")
+        for flag in tls:
+            _read(flag, getattr(args, flag.removeprefix("--").replace("-", "_")))
+        password = ""
+        if args.etcd_user:
+            if args.etcd_password_file:
+                password = _read("--etcd-password-file", args.etcd_password_file)
+            else:
+                password = os.environ.get(ETCD_PASSWORD_ENV, "").strip()
+            if not password:
+                raise UsageError(
+                    f"--etcd-user needs a password: --etcd-password-file or ${ETCD_PASSWORD_ENV}"
+                )
+        elif args.etcd_password_file:
+            raise UsageError("--etcd-password-file needs --etcd-user")
+        return EtcdMembership(
+            args.etcd,
+            args.etcd_prefix,
+            args.etcd_ttl,
+            internal_key,
+            ca_file=args.etcd_ca_file,
+            cert_file=args.etcd_cert_file,
+            key_file=args.etcd_key_file,
+            user=args.etcd_user,
+            password=password,
+        )
     return None
 
 

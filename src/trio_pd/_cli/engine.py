@@ -9,7 +9,7 @@ or SIGINT drains it (at most ``--grace`` s) and removes the ready file. See
 
 Exit status: 0 after a drain (or a start-up abandoned on a signal), 1 when
 the engine could not start (one line on stderr says why), 2 for bad
-arguments.
+arguments or an ``--engine-id`` that a live engine holds in etcd.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import trio
 from trio_pd._cli.common import (
     EXIT_FAILED,
     EXIT_OK,
+    EXIT_USAGE,
     UsageError,
     add_address_arguments,
     add_etcd_arguments,
@@ -35,6 +36,13 @@ from trio_pd._cli.common import (
     exposure_secret,
     internal_key,
     membership_from_args,
+)
+from trio_pd._curve_keys import (
+    ANY_ENGINE,
+    CurveAuth,
+    PeerKeys,
+    deployment_keypair,
+    generate_keypair,
 )
 from trio_pd._serve.engine import EXPOSURE_SECRET_ENV, EngineSettings
 from trio_pd._serve.keys import INTERNAL_KEY_ENV, BearerKeys
@@ -136,6 +144,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='public keys: {"consumers": [...]} a prefill engine lets in, '
         '{"producers": {"ENGINE_ID or *": key}} a decode engine expects',
     )
+    parser.add_argument(
+        "--no-curve",
+        action="store_true",
+        help="a plain-text side channel: anyone who reaches it may read every KV block (the "
+        "default is CURVE: with the internal key, a key pair made at start and published in "
+        "the signed etcd registration, or, without --etcd, one derived from the internal key; "
+        "or the pair and peers of --curve-key-file/--curve-peers-file)",
+    )
     add_etcd_arguments(
         parser,
         "register there once the engine accepts requests, withdraw first when it drains",
@@ -175,6 +191,38 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
     return settings
 
 
+def engine_curve(args: argparse.Namespace, key: str | None, etcd: bool) -> CurveAuth | None:
+    """The side channel's CURVE keys: from the key files if given; else, with the
+    internal key, a pair made now whose peers etcd's verified members publish
+    (``etcd``), or the pair derived from the internal key; ``None`` only with
+    ``--no-curve``.
+
+    Raises:
+        UsageError: no way to CURVE and no ``--no-curve``; or bad key files.
+    """
+    curve = curve_auth(args.curve_key_file, args.curve_peers_file, args.role)
+    if curve is not None or args.no_curve:
+        if curve is not None and args.no_curve:
+            raise UsageError("--no-curve and --curve-key-file/--curve-peers-file contradict")
+        return curve
+    if key is None:
+        raise UsageError(
+            "the side channel would be plain text, open to anyone who reaches it: give the "
+            f"internal key (--internal-key-file or ${INTERNAL_KEY_ENV}), or "
+            "--curve-key-file/--curve-peers-file, or --no-curve"
+        )
+    if etcd:
+        public, secret = generate_keypair()
+        return CurveAuth(public_key=public, secret_key=secret, peers=PeerKeys())
+    public, secret = deployment_keypair(key)
+    return CurveAuth(
+        public_key=public,
+        secret_key=secret,
+        allowed_consumers={public},
+        producer_keys={ANY_ENGINE: public},
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """``trio-pd engine``: the exit status.
 
@@ -182,7 +230,9 @@ def run(args: argparse.Namespace) -> int:
         UsageError: a bad flag.
     """
     settings = settings_from_args(args)
-    membership = membership_from_args(args)
+    key = internal_key(args.internal_key_file)
+    membership = membership_from_args(args, key)
+    curve = engine_curve(args, key, membership is not None)
     secret = exposure_secret(args.exposure_secret_file)
     if secret is None:
         print(
@@ -193,7 +243,6 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-    key = internal_key(args.internal_key_file)
     if key is None:
         print(
             f"trio-pd engine: WARNING: no internal key (${INTERNAL_KEY_ENV} or "
@@ -202,7 +251,6 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-    curve = curve_auth(args.curve_key_file, args.curve_peers_file, args.role)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     torch.set_num_threads(1)
     serving = functools.partial(
@@ -220,5 +268,5 @@ def run(args: argparse.Namespace) -> int:
     except EngineStartError as exc:
         name = settings.engine_id or args.role
         print(f"trio-pd engine {name}: could not start: {exc}", file=sys.stderr, flush=True)
-        return EXIT_FAILED
+        return EXIT_USAGE if exc.status == EXIT_USAGE else EXIT_FAILED
     return EXIT_OK

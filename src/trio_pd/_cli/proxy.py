@@ -35,6 +35,7 @@ from trio_pd._cli.common import (
     membership_from_args,
 )
 from trio_pd._exception_groups import unwrapped_errors
+from trio_pd._membership import MembershipError
 from trio_pd._serve import defaults
 from trio_pd._serve.asgi import response_completes
 from trio_pd._serve.binding import (
@@ -296,14 +297,14 @@ def run(args: argparse.Namespace) -> int:
     engines = EngineSet(
         _engine_urls("--prefill", args.prefill), _engine_urls("--decode", args.decode)
     )
-    membership = membership_from_args(args)
+    membership = membership_from_args(args, options.internal_key)
     if membership is None and not (engines.prefill and engines.decode):
         raise UsageError("give the engines: --prefill URL... and --decode URL... (or --etcd URL)")
     if membership is not None and (engines.prefill or engines.decode):
         raise UsageError("give either --prefill/--decode URLs or --etcd, not both")
     try:
         trio.run(_main, options, engines, membership, args.ready_file)
-    except ProxyStartError as exc:
+    except (ProxyStartError, MembershipError) as exc:  # (etcd refused: a password, a CA)
         print(f"trio-pd proxy: could not start: {exc}", file=sys.stderr, flush=True)
         return EXIT_FAILED
     return EXIT_OK

@@ -18,7 +18,8 @@ run on N test hosts (network namespaces joined by veth links, routed to each
 other through this one, see :mod:`trio_pd._harness._netns`), engine ``k`` on host
 ``k mod N`` (prefill engines first), each bound to its host's address; an
 etcd runs on one more test host of its own (reachable through the links
-only, as on a cluster network); every engine registers on it and the proxy
+only, as on a cluster network; HTTPS with a CA made for the run, and its
+authentication on); every engine registers on it and the proxy
 (here) routes to what it finds there,
 as ``trio-pd engine --etcd`` and ``trio-pd proxy --etcd`` do across
 machines. The hosts and etcd outlive the engines' drain and are removed
@@ -49,6 +50,7 @@ import trio
 from rich.console import Console
 from rich.table import Table
 
+from trio_pd._cli.common import ETCD_PASSWORD_ENV
 from trio_pd._cli.engine_processes import (
     EngineBoard,
     EngineProcess,
@@ -187,8 +189,15 @@ async def run_serve(options: ServeOptions, console: Console) -> None:
                             open_test_hosts(options.hosts + 1, routed=True)
                         )
                         *hosts, etcd_host = hosts
+                        # (as operators run it: HTTPS with a CA of this run, and users)
+                        env[ETCD_PASSWORD_ENV] = secrets.token_urlsafe(24)
                         etcd = await stack.enter_async_context(
-                            open_etcd(addresses=[etcd_host.address], netns=etcd_host.netns)
+                            open_etcd(
+                                addresses=[etcd_host.address],
+                                netns=etcd_host.netns,
+                                tls=True,
+                                password=env[ETCD_PASSWORD_ENV],
+                            )
                         )
                     if setting_up.cancelled_caught or stop.requested.is_set():
                         return
@@ -256,7 +265,16 @@ async def _deploy(
                         failures.append(f"{late} did not start within {options.start_timeout:g} s")
                     if not failures:
                         membership = (
-                            EtcdMembership(etcd.url, ttl=options.etcd_ttl) if etcd else None
+                            EtcdMembership(
+                                etcd.url,
+                                ttl=options.etcd_ttl,
+                                internal_key=options.internal_key,
+                                ca_file=etcd.ca_file,
+                                user=etcd.user,
+                                password=etcd.password,
+                            )
+                            if etcd
+                            else None
                         )
                         await _serve_proxy(
                             options, sock, board, stop, failures, console, membership
@@ -396,8 +414,12 @@ def _engine_command(
     if engine.host is not None and etcd is not None:
         flags["--etcd"] = etcd.url
         flags["--etcd-ttl"] = options.etcd_ttl
+        if etcd.ca_file:
+            flags["--etcd-ca-file"] = etcd.ca_file
+        if etcd.user:  # (its password in the environment)
+            flags["--etcd-user"] = etcd.user
     command = [sys.executable, "-m", "trio_pd", "engine", *(f"{k}={v}" for k, v in flags.items())]
-    command += curve_files.get(engine.name, [])
+    command += curve_files.get(engine.name, []) if options.curve else ["--no-curve"]
     if engine.host is not None:
         # (ip execs the command: the engine is this command's child, and its signals reach it)
         return ["ip", "netns", "exec", engine.host.netns, *command]

@@ -8,8 +8,15 @@ restart keeps the ports and the data directory, so keys and leases survive
 it as they would on a real deployment.
 
 ``trio-pd serve --hosts N`` runs one for its test hosts (listening on each
-link's root address too); the tests run one per test (``trio_pd.testing``
-re-exports it).
+link's root address too), with TLS and authentication on; the tests run one
+per test (``trio_pd.testing`` re-exports it).
+
+``open_etcd(tls=True)`` serves HTTPS only, with certificates made for the run
+(``openssl``, in the temporary directory: a CA, and the server's for its
+addresses); ``password=...`` turns etcd's authentication on, user ``root`` (its tokens
+last 2 s unused, so that clients renew them).
+(It asks no client certificate: etcd's JSON gateway refuses a request whose
+client certificate names a CommonName.)
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import tempfile
 from collections.abc import AsyncIterator, Sequence
@@ -64,6 +72,10 @@ class EtcdServer:
         addresses: the addresses it listens on (127.0.0.1 first, outside a
             namespace), all on ``url``'s port.
         data_dir: its data directory (kept across :meth:`start`).
+        tls: whether it serves HTTPS only.
+        ca_file: the CA of its certificate (with ``tls``).
+        user: its authentication's user (``""``: off).
+        password: that user's password.
 
     It runs with a 10 ms heartbeat and a 100 ms election timeout, so that
     it starts and restarts in a fraction of a second (etcd's minimum lease
@@ -78,6 +90,9 @@ class EtcdServer:
         peer_port: int,
         addresses: Sequence[str] = (),
         netns: str = "",
+        *,
+        tls: bool = False,
+        password: str = "",
     ) -> None:
         if netns and not addresses:
             raise ValueError("etcd in a network namespace needs its address there")
@@ -86,6 +101,12 @@ class EtcdServer:
         self.addresses = tuple(addresses)
         self._port = client_port
         self._netns = netns
+        self.tls = tls
+        self.user = "root" if password else ""
+        self.password = password
+        self.ca_file = str(directory / "ca.pem") if tls else ""
+        self._directory = directory
+        self._auth_enabled = False
         self.url = self.url_at(self.addresses[0])
         self.data_dir = directory / "data"
         self._binary = binary
@@ -97,7 +118,7 @@ class EtcdServer:
         """Its client URL at ``address`` (one of :attr:`addresses`)."""
         if address not in self.addresses:
             raise ValueError(f"etcd does not listen on {address} (only {self.addresses})")
-        return f"http://{address}:{self._port}"
+        return f"{'https' if self.tls else 'http'}://{address}:{self._port}"
 
     @property
     def running(self) -> bool:
@@ -133,7 +154,15 @@ class EtcdServer:
             "--election-timeout=100",
             "--logger=zap",
             "--log-level=warn",
+            "--auth-token-ttl=2",  # (seconds: clients must renew their tokens)
         ]
+        if self.tls:
+            if not await trio.Path(self.ca_file).exists():
+                await _make_certificates(self._directory, self.addresses)
+            command += [
+                f"--cert-file={self._directory / 'server.pem'}",
+                f"--key-file={self._directory / 'server.key'}",
+            ]
         log = os.open(self._log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             self._process = await trio.lowlevel.open_process(
@@ -158,26 +187,49 @@ class EtcdServer:
                 await self.kill()
             raise
         else:
+            if self.password and not self._auth_enabled:
+                await self._enable_auth()
             return
         await self.kill()
         raise EtcdUnavailable(
             f"etcd did not start at {self.url} ({reason}); its log ends:\n{self.log_tail()}"
         )
 
+    def http_client(self) -> httpx2.AsyncClient:
+        """An HTTP client for it (with the CA and client certificate under TLS)."""
+        verify: ssl.SSLContext | bool = True
+        if self.tls:
+            verify = ssl.create_default_context(cafile=self.ca_file)
+        return httpx2.AsyncClient(trust_env=False, timeout=2.0, verify=verify)
+
     async def _wait_answering(self) -> None:
-        async with httpx2.AsyncClient(trust_env=False, timeout=1.0) as client:
+        async with self.http_client() as client:
             while True:
                 assert self._process is not None
                 if self._process.returncode is not None:
                     raise EtcdUnavailable(f"it exited with status {self._process.returncode}")
                 try:
-                    response = await client.post(f"{self.url}/v3/kv/range", json={"key": "AA=="})
+                    response = await client.post(f"{self.url}/v3/maintenance/status", json={})
                 except httpx2.TransportError:
                     pass
                 else:
                     if response.status_code == 200:
                         return
                 await trio.sleep(0.02)
+
+    async def _enable_auth(self) -> None:
+        """User ``root`` with the password, and etcd's authentication on."""
+        async with self.http_client() as client:
+            for path, body in (
+                ("/v3/auth/user/add", {"name": "root", "password": self.password}),
+                ("/v3/auth/role/add", {"name": "root"}),
+                ("/v3/auth/user/grant", {"user": "root", "role": "root"}),
+                ("/v3/auth/enable", {}),
+            ):
+                response = await client.post(f"{self.url}{path}", json=body)
+                if response.status_code != 200:
+                    raise EtcdUnavailable(f"{path}: {response.status_code} {response.text}")
+        self._auth_enabled = True
 
     async def kill(self) -> None:
         """SIGKILL etcd (a crash) and reap it. Nothing if it is not running."""
@@ -198,12 +250,49 @@ class EtcdServer:
         await self.kill()
 
 
+async def _make_certificates(directory: Path, addresses: Sequence[str]) -> None:
+    """A CA and a server certificate for ``addresses`` (EC P-256, valid two days),
+    in ``directory``."""
+
+    async def openssl(*args: str) -> None:
+        try:
+            await trio.run_process(["openssl", *args], capture_stdout=True, capture_stderr=True)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            raise EtcdUnavailable(
+                f"cannot make etcd's TLS certificates with openssl: {exc}"
+            ) from exc
+
+    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    await openssl(
+        "req", "-x509", *key, "-keyout", f"{directory}/ca.key", "-out", f"{directory}/ca.pem",
+        "-days", "2", "-subj", "/CN=trio-pd test CA",
+    )  # fmt: skip
+    sans = ",".join(f"IP:{address}" for address in addresses)
+    for name, cn, usage, extra in (("server", "etcd", "serverAuth", f"subjectAltName={sans}\n"),):
+        extensions = directory / f"{name}.ext"
+        await trio.Path(extensions).write_text(f"{extra}extendedKeyUsage={usage}\n")
+        await openssl(
+            "req", *key, "-keyout", f"{directory}/{name}.key", "-out", f"{directory}/{name}.csr",
+            "-subj", f"/CN={cn}",
+        )  # fmt: skip
+        await openssl(
+            "x509", "-req", "-in", f"{directory}/{name}.csr", "-CA", f"{directory}/ca.pem",
+            "-CAkey", f"{directory}/ca.key", "-CAcreateserial", "-days", "2",
+            "-out", f"{directory}/{name}.pem", "-extfile", str(extensions),
+        )  # fmt: skip
+
+
 @asynccontextmanager
-async def open_etcd(*, addresses: Sequence[str] = (), netns: str = "") -> AsyncIterator[EtcdServer]:
+async def open_etcd(
+    *, addresses: Sequence[str] = (), netns: str = "", tls: bool = False, password: str = ""
+) -> AsyncIterator[EtcdServer]:
     """Run a fresh etcd on free loopback ports while the block runs; it also
     listens on each of ``addresses`` (of this host: a test host link's root
     end, say) on the same port. With ``netns`` it runs in that network
     namespace (a test host), listening on ``addresses`` there (at least one).
+    ``tls``: HTTPS only, certificates made for the run (the server's
+    ``ca_file`` is the CA); ``password``: etcd's
+    authentication on, user ``root`` (the server's ``user``).
 
     Raises:
         EtcdUnavailable: no ``etcd`` binary (not a skip: install it), or it
@@ -217,7 +306,16 @@ async def open_etcd(*, addresses: Sequence[str] = (), netns: str = "") -> AsyncI
         server = None
         for attempt in range(3):  # free ports can be taken before etcd binds them
             base = free_port_range(2)
-            server = EtcdServer(binary, Path(directory), base, base + 1, addresses, netns)
+            server = EtcdServer(
+                binary,
+                Path(directory),
+                base,
+                base + 1,
+                addresses,
+                netns,
+                tls=tls,
+                password=password,
+            )
             try:
                 await server.start()
                 break

@@ -14,6 +14,13 @@
   backoff; when etcd is back it reads the prefix again (nothing missed) and
   watches on.
 
+With the deployment's internal key (:func:`signing_key` derives the key
+that signs), every value is signed and every reader leaves out (counts, and
+logs once) a value that does not verify; a registration puts its key back
+at once when someone else deletes it or overwrites it with such a value,
+and refuses to start when another live engine holds its key (a
+``"conflict"``).
+
 A member disappears when its key is deleted: at once when the engine exits
 cleanly, within its TTL when it dies (its lease is no longer renewed).
 
@@ -27,20 +34,22 @@ their names. It may import ``_core``; the serving layer plugs it in through
 """
 
 from trio_pd._membership._cluster_view import ClusterView, ViewStatistics, watch_members
-from trio_pd._membership._etcd_client import MembershipConfig
+from trio_pd._membership._etcd_client import EtcdAccess, MembershipConfig
 from trio_pd._membership._etcd_wire import MembershipError
-from trio_pd._membership._members import DEFAULT_PREFIX, DEFAULT_TTL, Member
+from trio_pd._membership._members import DEFAULT_PREFIX, DEFAULT_TTL, Member, signing_key
 from trio_pd._membership._registration import Registration, register
 
 __all__ = [
     "DEFAULT_PREFIX",
     "DEFAULT_TTL",
     "ClusterView",
+    "EtcdAccess",
     "Member",
     "MembershipConfig",
     "MembershipError",
     "Registration",
     "ViewStatistics",
     "register",
+    "signing_key",
     "watch_members",
 ]

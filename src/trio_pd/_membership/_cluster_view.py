@@ -13,7 +13,7 @@ import attrs
 import trio
 
 from trio_pd._exception_groups import unwrapped_errors
-from trio_pd._membership._etcd_client import EtcdClient, MembershipConfig
+from trio_pd._membership._etcd_client import EtcdAccess, EtcdClient, MembershipConfig
 from trio_pd._membership._etcd_wire import MembershipError
 from trio_pd._membership._members import DEFAULT_PREFIX, Member, MemberTable, check_prefix
 
@@ -30,15 +30,16 @@ class ViewStatistics:
     last_error: str | None
     outages: int  # times etcd was lost
     reloads: int  # full reads of the prefix
+    unverified: int = 0  # values left out: their signature did not verify (once per revision)
 
 
 class ClusterView:
     """The live members under a prefix, as :func:`watch_members` keeps them."""
 
-    def __init__(self, client: EtcdClient, prefix: str) -> None:
+    def __init__(self, client: EtcdClient, prefix: str, signing_key: bytes | None = None) -> None:
         self._client = client
         self._prefix = prefix.encode()
-        self._table = MemberTable(prefix)
+        self._table = MemberTable(prefix, signing_key)
         self._revision = 0
         self._healthy = False
         self._last_error: MembershipError | None = None
@@ -79,6 +80,7 @@ class ClusterView:
             last_error=None if self._last_error is None else str(self._last_error),
             outages=self._outages,
             reloads=self._reloads,
+            unverified=self._table.unverified,
         )
 
     def _notify(self) -> None:
@@ -214,14 +216,26 @@ class ClusterView:
 
 @asynccontextmanager
 async def watch_members(
-    etcd_url: str, *, prefix: str = DEFAULT_PREFIX, config: MembershipConfig | None = None
+    etcd_url: str,
+    *,
+    prefix: str = DEFAULT_PREFIX,
+    config: MembershipConfig | None = None,
+    signing_key: bytes | None = None,
+    access: EtcdAccess | None = None,
 ) -> AsyncIterator[ClusterView]:
     """Keep a :class:`ClusterView` of the members under ``prefix`` while the block runs.
+
+    With ``signing_key`` (:func:`~trio_pd._membership._members.signing_key`),
+    only members whose value is signed with it are in the view; the others
+    are left out, logged once per version of their key, and counted
+    (``statistics().unverified``).
 
     On entry the prefix is read and watched: the view is complete and
     healthy. Later, if etcd goes away, the view keeps its members, turns
     unhealthy and reconnects (``config.retry_initial`` doubling to
     ``config.retry_max``); back, it reads the prefix again and watches on.
+
+    ``access``: TLS files and etcd's user (:class:`EtcdAccess`).
 
     Raises:
         MembershipError: etcd could not be read or watched on entry.
@@ -231,8 +245,8 @@ async def watch_members(
     the block.
     """
     check_prefix(prefix)
-    async with EtcdClient(etcd_url, config) as client:
-        view = ClusterView(client, prefix)
+    async with EtcdClient(etcd_url, config, access) as client:
+        view = ClusterView(client, prefix, signing_key)
         await view._reload()
         async with unwrapped_errors(), trio.open_nursery() as nursery:
             await nursery.start(view._keep_watching)

@@ -1,7 +1,8 @@
 """A small etcd v3 client over the JSON gateway, on trio, with httpx2.
 
 Only what membership needs: leases (grant, keepalive, revoke), put, delete,
-a prefix range, and a prefix watch. Every failure -- no connection, no
+a conditional put (a transaction), a key and a prefix range, and a prefix
+watch. Every failure -- no connection, no
 answer in time, a broken stream, an error from etcd, an answer that is not
 etcd's -- is one :class:`~trio_pd._membership._etcd_wire.MembershipError` naming its cause and
 the endpoint, mapped here at the boundary (httpx2's exceptions never leak).
@@ -17,6 +18,7 @@ on trio through anyio; the handful of calls below is the whole protocol.
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -63,21 +65,67 @@ class MembershipConfig:
             raise ValueError("MembershipConfig.retry_max must be >= retry_initial")
 
 
+@attrs.frozen
+class EtcdAccess:
+    """How to reach an etcd that runs as operators run it: TLS and its own users.
+
+    Attributes:
+        ca_file: the CA certificates (PEM) that etcd's server certificate must
+            chain to (``""``: the system's), for an ``https://`` URL.
+        cert_file, key_file: a client certificate and its key (PEM), for an
+            etcd that asks for one (``--client-cert-auth``).
+        user, password: etcd's authentication (``""``: none): every request
+            carries a token from ``/v3/auth/authenticate``, renewed when etcd
+            says it is no longer valid.
+    """
+
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    user: str = ""
+    password: str = attrs.field(default="", repr=False)
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The TLS context for an ``https://`` etcd.
+
+        Raises:
+            ValueError: a file that cannot be read or is not PEM of its kind.
+        """
+        try:
+            context = ssl.create_default_context(cafile=self.ca_file or None)
+            if self.cert_file:
+                context.load_cert_chain(self.cert_file, self.key_file or None)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"etcd TLS files: {exc}") from None
+        return context
+
+
+_UNAUTHENTICATED = 16  # gRPC: "etcdserver: invalid auth token" (expired, say)
+
+
 class EtcdClient:
-    """Requests to one etcd endpoint (``http://host:port``).
+    """Requests to one etcd endpoint (``http://host:port`` or ``https://``).
 
     Use as ``async with EtcdClient(url, config) as client:``; it owns its
     HTTP connection pool, closed on exit. Proxy variables of the
-    environment are ignored: etcd is reached directly.
+    environment are ignored: etcd is reached directly. ``access``: TLS
+    files and etcd's user and password.
     """
 
-    def __init__(self, url: str, config: MembershipConfig | None = None) -> None:
+    def __init__(
+        self, url: str, config: MembershipConfig | None = None, access: EtcdAccess | None = None
+    ) -> None:
         self.url = url.rstrip("/")
         self.config = config or MembershipConfig()
+        self.access = access or EtcdAccess()
         self._timeout = httpx2.Timeout(
             self.config.request_timeout, connect=self.config.connect_timeout
         )
-        self._http = httpx2.AsyncClient(timeout=self._timeout, trust_env=False)
+        verify: ssl.SSLContext | bool = True
+        if self.url.startswith("https://"):
+            verify = self.access.ssl_context()
+        self._http = httpx2.AsyncClient(timeout=self._timeout, trust_env=False, verify=verify)
+        self._token: str | None = None
 
     async def __aenter__(self) -> EtcdClient:
         return self
@@ -92,10 +140,37 @@ class EtcdClient:
 
     # ---- unary calls ---------------------------------------------------------
 
+    async def _headers(self, *, renew: bool = False) -> dict[str, str]:
+        """The token header, authenticating first if needed (none without a user)."""
+        if not self.access.user:
+            return {}
+        if self._token is None or renew:
+            self._token = None
+            answer = await self._post(
+                "/v3/auth/authenticate",
+                {"name": self.access.user, "password": self.access.password},
+                {},
+            )
+            token = answer.get("token") if isinstance(answer, dict) else None
+            if not isinstance(token, str) or not token:
+                raise MembershipError(
+                    f"{self.url}/v3/auth/authenticate", "bad_response", "no token"
+                )
+            self._token = token
+        return {"Authorization": self._token}
+
     async def _call(self, path: str, body: dict[str, Any]) -> Any:
+        try:
+            return await self._post(path, body, await self._headers())
+        except MembershipError as exc:
+            if exc.code != _UNAUTHENTICATED or not self.access.user:
+                raise
+        return await self._post(path, body, await self._headers(renew=True))
+
+    async def _post(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
         endpoint = f"{self.url}{path}"
         try:
-            response = await self._http.post(endpoint, json=body)
+            response = await self._http.post(endpoint, json=body, headers=headers)
         except httpx2.HTTPError as exc:
             raise _transport_error(endpoint, exc) from exc
         try:
@@ -136,6 +211,21 @@ class EtcdClient:
         answer = await self._call("/v3/kv/put", wire.put_body(key, value, lease))
         return wire.header_revision(self.url, answer)
 
+    async def claim(
+        self, key: bytes, value: bytes, *, lease: int, mod_revision: int
+    ) -> tuple[int, wire.KeyValue | None]:
+        """Put ``key`` under ``lease`` only if it is absent (``mod_revision`` 0) or
+        unchanged since ``mod_revision`` (one transaction); see
+        :func:`~trio_pd._membership._etcd_wire.parse_claim` for the answer."""
+        answer = await self._call("/v3/kv/txn", wire.claim_body(key, value, lease, mod_revision))
+        return wire.parse_claim(self.url, answer)
+
+    async def get(self, key: bytes) -> tuple[int, wire.KeyValue | None]:
+        """``key`` (``None`` if absent), and the store revision it was read at."""
+        answer = await self._call("/v3/kv/range", {"key": wire.b64(key)})
+        revision, kvs = wire.parse_range(self.url, answer)
+        return revision, kvs[0] if kvs else None
+
     async def delete(self, key: bytes) -> int:
         """Delete ``key`` (if it exists); the store revision after."""
         answer = await self._call("/v3/kv/deleterange", wire.delete_body(key))
@@ -169,8 +259,11 @@ class EtcdClient:
         timeout = httpx2.Timeout(
             self.config.request_timeout, connect=self.config.connect_timeout, read=None
         )
+        headers = await self._headers()
         try:
-            async with self._http.stream("POST", endpoint, json=body, timeout=timeout) as response:
+            async with self._http.stream(
+                "POST", endpoint, json=body, timeout=timeout, headers=headers
+            ) as response:
                 if response.status_code != 200:
                     text = (await response.aread()).decode(errors="replace")
                     try:
@@ -219,6 +312,12 @@ class _WatchStream:
 
 def _transport_error(endpoint: str, exc: httpx2.HTTPError) -> MembershipError:
     reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, ssl.SSLError):
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, ssl.SSLError):  # (a wrong CA, say: say so, in one line)
+        detail = getattr(cause, "verify_message", None) or cause.reason or str(cause)
+        reason = f"TLS: {detail}"
     if isinstance(exc, httpx2.TimeoutException):
         return MembershipError(endpoint, "timeout", reason)
     if isinstance(exc, httpx2.ConnectError):

@@ -31,7 +31,7 @@ from trio_pd._core._errors import TrioPdError
 # gRPC status codes that etcd answers with and that callers act on
 NOT_FOUND = 5  # "etcdserver: requested lease not found"
 
-Cause = Literal["unreachable", "timeout", "disconnected", "rejected", "bad_response"]
+Cause = Literal["unreachable", "timeout", "disconnected", "rejected", "bad_response", "conflict"]
 
 
 class MembershipError(TrioPdError):
@@ -42,7 +42,8 @@ class MembershipError(TrioPdError):
         cause: ``"unreachable"`` (no connection), ``"timeout"`` (no answer
             in time), ``"disconnected"`` (the connection broke, or a watch
             stream ended, mid-answer), ``"rejected"`` (etcd answered with
-            an error), or ``"bad_response"`` (an answer that is not etcd's).
+            an error), ``"bad_response"`` (an answer that is not etcd's), or
+            ``"conflict"`` (an engine id that a live engine holds).
         detail: a one-line description (etcd's own message when it sent one).
         code: the gRPC status code etcd answered with (``"rejected"`` only).
     """
@@ -96,6 +97,21 @@ def put_body(key: bytes, value: bytes, lease: int = 0) -> dict[str, Any]:
 
 def delete_body(key: bytes) -> dict[str, Any]:
     return {"key": b64(key)}
+
+
+def claim_body(key: bytes, value: bytes, lease: int, mod_revision: int) -> dict[str, Any]:
+    """A transaction that puts ``key`` only if it is still as seen: absent
+    (``mod_revision`` 0) or last modified at ``mod_revision``; else reads it."""
+    compare: dict[str, Any] = {"key": b64(key), "result": "EQUAL"}
+    if mod_revision:
+        compare.update(target="MOD", mod_revision=str(mod_revision))
+    else:
+        compare.update(target="CREATE", create_revision="0")
+    return {
+        "compare": [compare],
+        "success": [{"request_put": put_body(key, value, lease)}],
+        "failure": [{"request_range": {"key": b64(key)}}],
+    }
 
 
 def prefix_range_body(prefix: bytes, *, count_only: bool = False) -> dict[str, Any]:
@@ -211,6 +227,26 @@ def parse_range(endpoint: str, answer: Any) -> tuple[int, list[KeyValue]]:
     if not isinstance(kvs, list):
         raise _bad(endpoint, f"kvs is {type(kvs).__name__}, not a list")
     return header_revision(endpoint, answer), [parse_key_value(endpoint, kv) for kv in kvs]
+
+
+def parse_claim(endpoint: str, answer: Any) -> tuple[int, KeyValue | None]:
+    """A :func:`claim_body` transaction's answer: the revision it put the key at
+    (0 if it did not), and the key as it is when it did not (``None``: it
+    vanished meanwhile)."""
+    obj = _object(endpoint, answer, "answer")
+    if obj.get("succeeded", False):
+        return header_revision(endpoint, answer), None
+    responses = obj.get("responses", [])
+    if not isinstance(responses, list) or len(responses) != 1:
+        raise _bad(endpoint, "a failed transaction without its one range answer")
+    found = _object(
+        endpoint,
+        _object(endpoint, responses[0], "response").get("response_range", {}),
+        "response_range",
+    ).get("kvs", [])
+    if not isinstance(found, list):
+        raise _bad(endpoint, f"kvs is {type(found).__name__}, not a list")
+    return 0, parse_key_value(endpoint, found[0]) if found else None
 
 
 def parse_lease(endpoint: str, answer: Any) -> Lease:

@@ -6,18 +6,30 @@ Value: the member as a JSON object::
 
     {"role": "prefill", "engine_id": "prefill-0", "url": "http://10.1.4.17:8100",
      "side_channel": "10.1.4.17:5600", "tp_size": 1, "model": "tiny-llama",
-     "incarnation": "3f9c..."}
+     "incarnation": "3f9c...", "curve_public_key": "...", "timestamp": 1764700000.0,
+     "signature": "5be1..."}
 
 Fields this version does not know are ignored (a newer engine may add some);
 a value that is not such an object, or whose role and engine id disagree
 with its key, is *malformed*: the table leaves it out and says why, once per
 version of the key.
+
+**Signatures.** With the deployment's internal key, every value carries
+``signature``: HMAC-SHA256, under a key derived from the internal key
+(:func:`signing_key`), of the value's canonical JSON without ``signature``
+(sorted keys, no spaces) -- every field, the unknown ones too. A reader
+with the key leaves out (and counts) a value whose signature is missing or
+wrong: whoever can write etcd but lacks the internal key cannot announce an
+engine, nor change a field of a real one.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import attrs
 
@@ -25,6 +37,26 @@ from trio_pd._membership._etcd_wire import KeyValue, WatchEvent
 
 DEFAULT_PREFIX = "/trio_pd/"
 DEFAULT_TTL = 10.0  # seconds
+SIGNATURE = "signature"
+
+
+def signing_key(internal_key: str) -> bytes:
+    """The key that signs and verifies registrations, derived from the internal key
+    (so that a registration's signature says nothing usable about the key itself)."""
+    return hmac.new(internal_key.encode(), b"trio_pd membership v1", hashlib.sha256).digest()
+
+
+def _canonical(obj: Mapping[str, Any]) -> bytes:
+    fields = {name: value for name, value in obj.items() if name != SIGNATURE}
+    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _sign(key: bytes, obj: Mapping[str, Any]) -> str:
+    return hmac.new(key, _canonical(obj), hashlib.sha256).hexdigest()
+
+
+class UnverifiedError(ValueError):
+    """A value whose signature is missing or does not verify."""
 
 
 def _name(_: object, attribute: attrs.Attribute[str], value: str) -> None:
@@ -52,6 +84,11 @@ def _tp_size(_: object, attribute: attrs.Attribute[int], value: int) -> None:
         raise ValueError(f"tp_size {value!r} is not a positive integer")
 
 
+def _timestamp(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ValueError(f"timestamp {value!r} is not a time")
+
+
 def _text(_: object, attribute: attrs.Attribute[str], value: str) -> None:
     if not isinstance(value, str):
         raise ValueError(f"{attribute.name} {value!r} is not a string")
@@ -71,6 +108,9 @@ class Member:
         model: the model it serves.
         incarnation: changes every time the engine starts (a restarted
             engine is a new incarnation under the same key).
+        curve_public_key: the engine's CURVE public key for its side
+            channel (Z85), or ``""``.
+        timestamp: when the engine registered (seconds since the epoch).
     """
 
     role: str = attrs.field(validator=_name)
@@ -80,19 +120,27 @@ class Member:
     tp_size: int = attrs.field(default=1, validator=_tp_size)
     model: str = attrs.field(default="", validator=_text)
     incarnation: str = attrs.field(default="", validator=_text)
+    curve_public_key: str = attrs.field(default="", validator=_text)
+    timestamp: float = attrs.field(default=0.0, validator=_timestamp)
 
     def key(self, prefix: str) -> bytes:
         """``{prefix}{role}/{engine_id}``, as etcd's key."""
         return f"{prefix}{self.role}/{self.engine_id}".encode()
 
-    def to_json(self) -> bytes:
-        return json.dumps(attrs.asdict(self), sort_keys=True).encode()
+    def to_json(self, key: bytes | None = None) -> bytes:
+        """The value to store: signed (``signature``) when a :func:`signing_key` is given."""
+        obj: dict[str, Any] = attrs.asdict(self)
+        if key is not None:
+            obj[SIGNATURE] = _sign(key, obj)
+        return json.dumps(obj, sort_keys=True).encode()
 
     @classmethod
-    def from_json(cls, data: bytes) -> Member:
-        """The member in ``data``.
+    def from_json(cls, data: bytes, key: bytes | None = None) -> Member:
+        """The member in ``data``; with ``key`` (a :func:`signing_key`), only if its
+        signature verifies.
 
         Raises:
+            UnverifiedError: ``key`` is given and the signature is missing or wrong.
             ValueError: ``data`` is not a member's JSON object (the message says why).
         """
         try:
@@ -101,6 +149,12 @@ class Member:
             raise ValueError(f"not JSON ({exc})") from None
         if not isinstance(obj, Mapping):
             raise ValueError(f"a JSON {type(obj).__name__}, not an object")
+        if key is not None:
+            signature = obj.get(SIGNATURE)
+            if not isinstance(signature, str) or not signature:
+                raise UnverifiedError("not signed (no signature)")
+            if not hmac.compare_digest(signature, _sign(key, obj)):
+                raise UnverifiedError("its signature does not verify")
         names = [field.name for field in attrs.fields(cls)]
         missing = [name for name in names[:4] if name not in obj]
         if missing:
@@ -120,12 +174,16 @@ class MemberTable:
 
     Pure bookkeeping: :meth:`load` and :meth:`apply` say whether the members
     changed; :meth:`take_problems` returns what was ignored, and why, for
-    the caller to log (each malformed key once per revision of it).
+    the caller to log (each malformed key once per revision of it). With
+    ``key`` (a :func:`signing_key`), a value whose signature does not verify
+    is left out too, and counted in :attr:`unverified` (once per revision).
     """
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, key: bytes | None = None) -> None:
         self.prefix = check_prefix(prefix)
         self._prefix = prefix.encode()
+        self._key = key
+        self.unverified = 0  # values left out because their signature did not verify
         self._members: dict[bytes, Member] = {}
         self._reported: dict[bytes, int] = {}  # malformed key -> its revision reported
         self._problems: list[str] = []
@@ -174,12 +232,14 @@ class MemberTable:
 
     def _decode(self, kv: KeyValue) -> Member | None:
         try:
-            member = Member.from_json(kv.value)
+            member = Member.from_json(kv.value, self._key)
             if kv.key != member.key(self.prefix):
                 raise ValueError(f"its role and engine_id make the key {member.key(self.prefix)!r}")
         except (ValueError, TypeError) as exc:
             if self._reported.get(kv.key) != kv.mod_revision:
                 self._reported[kv.key] = kv.mod_revision
+                if isinstance(exc, UnverifiedError):
+                    self.unverified += 1
                 self._problems.append(
                     f"ignoring {kv.key.decode(errors='replace')!r} "
                     f"(revision {kv.mod_revision}): {exc}"

@@ -16,7 +16,7 @@ import attrs
 import trio
 from prometheus_client import disable_created_metrics
 
-from trio_pd._curve_keys import CurveAuth
+from trio_pd._curve_keys import CurveAuth, PeerKeys
 from trio_pd._serve.app import build_app
 from trio_pd._serve.binding import (
     BindError,
@@ -26,7 +26,13 @@ from trio_pd._serve.binding import (
     remove_file,
     write_json_atomically,
 )
-from trio_pd._serve.discovery import EngineAnnouncement, Membership, Role
+from trio_pd._serve.discovery import (
+    EngineAnnouncement,
+    EngineIdTaken,
+    EngineSet,
+    Membership,
+    Role,
+)
 from trio_pd._serve.engine import Engine, EngineSettings
 from trio_pd._serve.keys import BearerKeys
 from trio_pd._serve.model import ModelConfig, TinyLlama
@@ -36,7 +42,15 @@ logger = logging.getLogger("trio_pd.serve")
 
 
 class EngineStartError(Exception):
-    """The engine could not start; the message says why, in one line."""
+    """The engine could not start; the message says why, in one line.
+
+    ``status``: the command's exit status (2 when its engine id is held by
+    a live engine, 1 otherwise).
+    """
+
+    def __init__(self, message: str, status: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 async def serve_engine(
@@ -71,7 +85,12 @@ async def serve_engine(
 
     ``exposure_secret`` signs and checks ``kv_transfer_params``;
     ``internal_keys``: only callers presenting one may use ``/v1/*`` (the
-    deployment's proxy); ``curve``: the side channel's CURVE keys.
+    deployment's proxy); ``curve``: the side channel's CURVE keys. When
+    ``curve.peers`` is set, the engine follows ``membership``'s verified
+    members before it accepts requests, and keeps ``curve.peers`` to what
+    they publish: a prefill engine lets in exactly the decode engines'
+    keys, a decode engine expects each prefill engine's own; its own public
+    key goes into its registration.
 
     ``report`` gets the engine's one-line status messages (stderr by default).
 
@@ -111,9 +130,12 @@ async def serve_engine(
     stop = StopRequest(f"engine {settings.engine_id}", report)
     drain = trio.Event()  # (hypercorn's shutdown trigger: set once the engine withdrew)
     withdraw, withdrawn = trio.CancelScope(), trio.Event()
+    following = trio.CancelScope()
     try:
         async with stop_requests(stop, parent_pid), trio.open_nursery() as nursery:
             with stop.starting:
+                if membership is not None and curve is not None and curve.peers is not None:
+                    await nursery.start(_follow_peers, membership, curve.peers, following)
                 binds = await nursery.start(
                     functools.partial(serve, app, config, shutdown_trigger=drain.wait)
                 )
@@ -127,7 +149,12 @@ async def serve_engine(
                     host = settings.advertise_host or settings.host
                     side_channel = f"[{host}]:{side_port}" if ":" in host else f"{host}:{side_port}"
                     announcement = EngineAnnouncement(
-                        settings.engine_id, role, url, settings.tp_size, side_channel
+                        settings.engine_id,
+                        role,
+                        url,
+                        settings.tp_size,
+                        side_channel,
+                        curve_public_key=curve.public_key if curve is not None else "",
                     )
                     await nursery.start(_held, membership, announcement, withdraw, withdrawn)
                 if settings.ready_file:
@@ -144,17 +171,43 @@ async def serve_engine(
             # One deadline for the whole drain: requests get what the withdrawal left.
             config.graceful_timeout = max(0.0, engine.drain_deadline - trio.current_time())
             drain.set()
+            following.cancel()  # (the peers' keys stay as last seen)
             # hypercorn stops accepting and drains; leaving the nursery waits for it.
     except Exception as exc:
         if engine.startup_failure:
             raise EngineStartError(engine.startup_failure) from None
         if not stop.ready and not stop.requested.is_set():
+            taken = _lone_error(exc)
+            if isinstance(taken, EngineIdTaken):
+                raise EngineStartError(str(taken), status=2) from None
             raise EngineStartError(_one_line(exc)) from exc
         raise
     finally:
         sock.close()
         remove_file(settings.ready_file)
     report(f"{stop.name}: stopped" if stop.ready else f"{stop.name}: stopped before it was ready")
+
+
+async def _follow_peers(
+    membership: Membership,
+    peers: PeerKeys,
+    scope: trio.CancelScope,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Keep ``peers`` to the CURVE keys of the verified members until ``scope`` is
+    cancelled; started once the first view is in."""
+
+    def update(engines: EngineSet) -> None:
+        peers.update(
+            (m.curve_public_key for m in engines.members if m.role == "decode"),
+            {m.engine_id: m.curve_public_key for m in engines.members if m.role == "prefill"},
+        )
+
+    with scope:
+        async with trio.open_nursery() as nursery:
+            update(await nursery.start(membership.watch_engines, update))
+            task_status.started()
 
 
 async def _held(  # noqa: ASYNC128  (hold_registration calls started)
@@ -172,11 +225,17 @@ async def _held(  # noqa: ASYNC128  (hold_registration calls started)
         withdrawn.set()
 
 
-def _one_line(exc: BaseException) -> str:
-    """A start-up error in one line (the lone real error of a group, if that is what it is)."""
+def _lone_error(exc: BaseException) -> BaseException:
+    """The lone real error of a group, if that is what ``exc`` is; else ``exc``."""
     while isinstance(exc, BaseExceptionGroup):
         real = exc.split(trio.Cancelled)[1]
         if real is None or len(real.exceptions) != 1:
             break
         exc = real.exceptions[0]
+    return exc
+
+
+def _one_line(exc: BaseException) -> str:
+    """A start-up error in one line (the lone real error of a group, if that is what it is)."""
+    exc = _lone_error(exc)
     return f"{type(exc).__name__}: {exc}".splitlines()[0]

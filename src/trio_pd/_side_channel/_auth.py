@@ -19,7 +19,7 @@ Keys are Z85 text, 40 characters, as :func:`generate_keypair` (or
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 import trio
 import zmq
@@ -30,7 +30,7 @@ from trio_pd._side_channel._zmq import TrioZmqSocket
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 
 
-def zap_verdict(frames: list[bytes], allowed: frozenset[str]) -> tuple[list[bytes], str | None]:
+def zap_verdict(frames: list[bytes], allowed: Container[str]) -> tuple[list[bytes], str | None]:
     """Decide one ZAP request (no I/O).
 
     Returns:
@@ -59,7 +59,7 @@ def zap_verdict(frames: list[bytes], allowed: frozenset[str]) -> tuple[list[byte
 
 async def serve_zap(
     context: zmq.Context[zmq.Socket[bytes]],
-    allowed: frozenset[str],
+    allowed: Container[str],
     on_refusal: Callable[[str], None],
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,

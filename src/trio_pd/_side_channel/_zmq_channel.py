@@ -25,6 +25,7 @@ import resource
 
 import trio
 import zmq
+import zmq.utils.monitor
 
 from trio_pd._config import ConnectorConfig
 from trio_pd._core import _protocol as protocol
@@ -100,20 +101,24 @@ class ZmqSideChannel:
             endpoint = raw.getsockopt_string(zmq.LAST_ENDPOINT)
             address = (host, int(endpoint.rsplit(":", 1)[1]))
             listener.bound(address)
-            task_status.started(address)
-            while True:
-                frames = await socket.receive_multipart()
-                if len(frames) != 3 or frames[1] != b"":
-                    listener.dropped(f"a message of {len(frames)} frames")
-                    continue
-                await socket.send_multipart([frames[0], b"", listener.answer(frames[2])])
+            async with trio.open_nursery() as nursery:
+                if self._config.auth is not None:
+                    monitor = TrioZmqSocket(raw.get_monitor_socket(_FAILED_HANDSHAKES))
+                    nursery.start_soon(_count_failed_handshakes, monitor, listener)
+                task_status.started(address)
+                while True:
+                    frames = await socket.receive_multipart()
+                    if len(frames) != 3 or frames[1] != b"":
+                        listener.dropped(f"a message of {len(frames)} frames")
+                        continue
+                    await socket.send_multipart([frames[0], b"", listener.answer(frames[2])])
 
     async def serve_auth(
         self, listener: Listener, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """The ZAP handler (``_auth.serve_zap``) for ``config.auth``'s allowed consumers."""
         assert self._config.auth is not None
-        allowed = self._config.auth.allowed_consumers
+        allowed = self._config.auth.allowed()
         await serve_zap(self._context, allowed, listener.auth_refused, task_status=task_status)
 
     async def request(self, peer: Peer, payload: bytes, log: ConnectionLog) -> bytes:
@@ -138,3 +143,21 @@ class ZmqSideChannel:
     def close(self) -> None:
         """Destroy the context (every socket of ours is closed by then)."""
         self._context.destroy(linger=0)
+
+
+_FAILED_HANDSHAKES = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+"""A handshake that failed before ZAP was asked, or without a ZAP verdict (ZAP's
+own refusals are ``EVENT_HANDSHAKE_FAILED_AUTH``, counted by the handler)."""
+
+
+async def _count_failed_handshakes(monitor: TrioZmqSocket, listener: Listener) -> None:
+    """Count the peers refused before ZAP is asked (a plain-text peer at a CURVE
+    listener, a broken handshake) as the ZAP handler counts its refusals
+    (``listener.auth_refused``), until cancelled; owns ``monitor``."""
+    async with monitor:
+        monitor.zmq_socket.setsockopt(zmq.LINGER, 0)
+        while True:
+            event = zmq.utils.monitor.parse_monitor_message(await monitor.receive_multipart())
+            if event["event"] & _FAILED_HANDSHAKES:
+                what = zmq.Event(event["event"]).name
+                listener.auth_refused(f"a handshake failed ({what}, {event['value']:#x})")
