@@ -134,6 +134,8 @@ async def test_engines_and_a_proxy_started_as_separate_commands_serve_what_one_e
         (["engine", "--role", "prefill", "--host", "0.0.0.0"], 2, "--advertise-host"),
         (["engine", "--role", "decode", "--etcd", "127.0.0.1:2379"], 2, "not an http(s) URL"),
         (["proxy", "--prefill", "http://127.0.0.1:1"], 2, "--decode URL"),
+        (["proxy", "--prefill", "http://a:1", "--decode", "http://[::1"], 2, "--decode 'http://"),
+        (["proxy", "--prefill", "http://a:99999", "--decode", "http://b:1"], 2, "not a port"),
         (
             ["proxy", "--prefill", "http://a:1", "--decode", "http://b:1", "--idle-timeout", "nan"],
             2,

@@ -52,6 +52,7 @@ from trio_pd._serve.discovery import EngineSet, Membership
 from trio_pd._serve.keys import API_KEY_ENV, BearerKeys
 from trio_pd._serve.openai import MAX_MODEL_LEN
 from trio_pd._serve.proxy import Proxy, ProxyTimeouts, open_client
+from trio_pd._serve.routing import url_problem
 from trio_pd._serve.stopping import StopRequest, stop_requests
 
 
@@ -265,8 +266,9 @@ def _timeout_flags(timeouts: ProxyTimeouts) -> dict[str, float]:
 
 def _engine_urls(flag: str, urls: Sequence[str]) -> tuple[str, ...]:
     for url in urls:
-        if not url.startswith(("http://", "https://")):
-            raise UsageError(f"{flag} {url!r}: an engine's URL starts with http:// or https://")
+        problem = url_problem(url)
+        if problem is not None:
+            raise UsageError(f"{flag} {url!r}: {problem}")
     return tuple(url.rstrip("/") for url in urls)
 
 

@@ -70,7 +70,15 @@ from trio_pd._serve.asgi import (
 from trio_pd._serve.binding import SEND_TIMEOUT
 from trio_pd._serve.defaults import HOLD_MARGIN, LEASE_INITIAL, REPREFILLS
 from trio_pd._serve.discovery import EngineSet as RegisteredEngines
-from trio_pd._serve.errors import ExposureEnded, HTTPError, StreamStalled, error_status, http_error
+from trio_pd._serve.errors import (
+    DeploymentFault,
+    ExposureEnded,
+    HTTPError,
+    MalformedAnswer,
+    StreamStalled,
+    error_status,
+    http_error,
+)
 from trio_pd._serve.keys import BearerKeys, bearer_header
 from trio_pd._serve.metrics import ProxyMetrics
 from trio_pd._serve.openai import (
@@ -80,7 +88,7 @@ from trio_pd._serve.openai import (
     parse_completions_request,
     request_id_from_headers,
 )
-from trio_pd._serve.routing import EngineSet
+from trio_pd._serve.routing import EngineSet, url_problem
 from trio_pd._serve.timing import PhaseTimes
 
 
@@ -167,7 +175,7 @@ class Proxy:
     ):
         self._max_model_len = max_model_len
         self._hold_margin = hold_margin
-        self._engines = {"prefill": EngineSet(prefill), "decode": EngineSet(decode)}
+        self._engines = {"prefill": EngineSet(), "decode": EngineSet()}
         self._client = client
         self._timeouts = timeouts
         self._send_timeout = send_timeout
@@ -177,10 +185,20 @@ class Proxy:
         self.accepting = True
         self.membership_problem: str | None = None
         """Set by whoever keeps the engine sets (etcd): shown by /health."""
+        self.set_engines("prefill", prefill)
+        self.set_engines("decode", decode)
 
     def set_engines(self, role: str, engines: Sequence[str]) -> None:
-        """Route ``role``'s requests to ``engines`` from now on."""
-        self._engines[role].update(engines)
+        """Route ``role``'s requests to ``engines`` from now on (a URL the
+        HTTP client could not build a request to is left out, and logged)."""
+        usable = []
+        for engine in engines:
+            problem = url_problem(engine)
+            if problem is None:
+                usable.append(engine.rstrip("/"))
+            else:
+                logger.warning("%s engine %r left out: %s", role, engine, problem)
+        self._engines[role].update(usable)
 
     def engines(self, role: str) -> list[str]:
         return self._engines[role].engines
@@ -207,11 +225,18 @@ class Proxy:
             method, path = scope["method"], scope["path"]
             request_id = request_id_from_headers(scope.get("headers", []))
             headers = [(REQUEST_ID_HEADER.encode(), request_id.encode())]
+            started = False
+
+            async def sending(message: dict[str, Any]) -> None:
+                nonlocal started
+                started = started or message["type"] == "http.response.start"
+                await send(message)
+
             try:
                 if self._api_keys is not None and self._api_keys.guards(path):
                     self._api_keys.check(scope.get("headers", []))
                 if method == "POST" and path in ROUTES:
-                    await self._generate(path, request_id, receive, send)
+                    await self._generate(path, request_id, receive, sending)
                 elif (method, path) == ("GET", "/health"):
                     await self._health(send)
                 elif (method, path) == ("GET", "/metrics"):
@@ -227,7 +252,16 @@ class Proxy:
                 else:
                     raise HTTPError(404, f"no route {scope['method']} {scope['path']}", "not_found")
             except HTTPError as exc:
-                await send_json(send, exc.status, exc.body, [*exc.headers, *headers])
+                if not started:
+                    await send_json(send, exc.status, exc.body, [*exc.headers, *headers])
+            except Exception as exc:
+                # A bug: answered in the same JSON shape (never hypercorn's bare 500).
+                logger.exception("request %s: internal error", request_id)
+                error = http_error(exc, row_of=Exception, request_id=request_id)
+                if not started:
+                    await send_json(send, error.status, error.body, [*error.headers, *headers])
+                else:  # (a stream had started: its last event says so)
+                    await send_event(send, json.dumps(error.body), last=True)
 
         return app
 
@@ -294,6 +328,12 @@ class Proxy:
             outcome = _outcome(exc.status)
             logger.warning("request %s: %d %s", request_id, exc.status, exc)
             raise
+        except _EndedInStream as exc:  # (answered: the stream's last event)
+            outcome = _outcome(exc.error.status)
+            logger.warning("request %s: %d mid-stream: %s", request_id, exc.error.status, exc)
+        except Exception:
+            outcome = "server_error"
+            raise
         finally:
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(outcome).inc()
@@ -318,11 +358,11 @@ class Proxy:
         """
         deadline = math.inf
         for round_ in range(1 + REPREFILLS):
-            kv, expires = await self._prefill(path, request_id, body, times, deadline)
+            kv, expires, prefilled = await self._prefill(path, request_id, body, times, deadline)
             decoding = {**body, KV_PARAMS: kv}
             try:
                 await self._decode(
-                    path, request_id, decoding, send, started, times, expires, deadline
+                    path, request_id, decoding, send, started, times, expires, deadline, prefilled
                 )
                 return
             except _PrefillAgain as again:
@@ -341,10 +381,10 @@ class Proxy:
         body: dict[str, Any],
         times: PhaseTimes,
         deadline: float = math.inf,
-    ) -> tuple[dict[str, Any], float]:
+    ) -> tuple[dict[str, Any], float, str]:
         """The KV of ``body``'s prompt, from a prefill engine that answers,
-        and when its exposure's lease runs out (``trio.current_time()``'s
-        clock: counted from the answer, see :func:`_lease_of`).
+        when its exposure's lease runs out (``trio.current_time()``'s
+        clock: counted from the answer, see :func:`_lease_of`), and that engine.
 
         An engine that refuses the connection, or answers 503 (it did no
         work), is passed over for the next; any other failure is this
@@ -389,9 +429,12 @@ class Proxy:
                 self._count_status("prefill", engine, response.status_code)
                 raise _relayed("prefill", engine, response.status_code, response.text)
             answered = trio.current_time()
-            kv: dict[str, Any] = response.json()[KV_PARAMS]
+            try:
+                kv = _kv_of(response)
+            except MalformedAnswer as exc:
+                raise self._engine_error("prefill", engine, exc) from None
             times.relay("prefill.", response.headers.get("server-timing"))
-            return kv, answered + _lease_of(kv)
+            return kv, answered + _lease_of(kv), engine
         raise failure or HTTPError(503, "no prefill engine", "unavailable", retry_after=1)
 
     async def _decode(
@@ -404,8 +447,10 @@ class Proxy:
         times: PhaseTimes,
         expires: float,
         deadline: float = math.inf,
+        prefilled: str = "",
     ) -> None:
-        """Relay ``body``'s decoding from a decode engine that can be reached.
+        """Relay ``body``'s decoding from a decode engine that can be reached
+        (``prefilled``: the prefill engine that issued its parameters).
 
         One that refuses the connection (it died, say) is passed over for
         the next: it never saw the request, and the prefill engine's
@@ -440,7 +485,16 @@ class Proxy:
             with engines.attempt(engine):
                 try:
                     await self._decode_on(
-                        engine, path, request_id, body, send, started, times, connect, deadline
+                        engine,
+                        path,
+                        request_id,
+                        body,
+                        send,
+                        started,
+                        times,
+                        connect,
+                        deadline,
+                        prefilled,
                     )
                 except _Refused as exc:
                     engines.refused(engine, trio.current_time())
@@ -460,6 +514,7 @@ class Proxy:
         times: PhaseTimes,
         connect: float,
         deadline: float,
+        prefilled: str,
     ) -> None:
         streaming = False
         timeouts = self._timeouts
@@ -472,6 +527,7 @@ class Proxy:
             timeout=httpx2.Timeout(connect=connect, read=None, write=timeouts.idle, pool=None),
         )
         response: httpx2.Response | None = None
+        ended: HTTPError | None = None  # (an error after the 200 was sent)
         first_byte = max(min(timeouts.first_byte, deadline - trio.current_time()), 0)
         try:
             with times.phase("decode"), trio.fail_after(first_byte):
@@ -486,6 +542,11 @@ class Proxy:
                         f"its {response.status_code} answer stalled for {timeouts.idle:g} s"
                     ) from None
                 relayed = _relayed("decode", engine, response.status_code, text)
+                param = relayed.body["error"].get("param")
+                if response.status_code == 400 and str(param).startswith(f"{KV_PARAMS}."):
+                    # (the proxy set them, from the prefill's answer: not the client's fault)
+                    message = str(relayed).removeprefix(f"decode engine {engine}: ")
+                    raise DeploymentFault(f"{message} ({param})")
                 if response.status_code == 409 and _code(relayed) == EXPOSURE_ENDED:
                     # (the exposure is gone: no other decode engine can read it)
                     message = str(relayed).removeprefix(f"decode engine {engine}: ")
@@ -497,7 +558,10 @@ class Proxy:
                     "type": "http.response.start",
                     "status": 200,
                     "headers": [
-                        (b"content-type", response.headers["content-type"].encode()),
+                        (
+                            b"content-type",
+                            response.headers.get("content-type", "application/json").encode(),
+                        ),
                         (REQUEST_ID_HEADER.encode(), request_id.encode()),
                         times.header(),
                     ],
@@ -523,6 +587,8 @@ class Proxy:
             await send({"type": "http.response.body", "body": b""})
         except (httpx2.ConnectError, httpx2.ConnectTimeout) as exc:
             raise _Refused(self._engine_error("decode", engine, exc)) from None
+        except DeploymentFault as exc:
+            raise self._engine_error("decode", engine, exc, prefill_engine=prefilled) from None
         except trio.TooSlowError as exc:
             raise self._engine_error(
                 "decode",
@@ -535,12 +601,15 @@ class Proxy:
             error = self._engine_error("decode", engine, exc)
             if not streaming:
                 raise error from None
-            # Mid-stream: the status is sent; end the stream with an error event.
-            await send_event(send, json.dumps(error.body), last=True)
+            ended = error
         finally:
             if response is not None:
                 with trio.CancelScope(shield=True):
                     await response.aclose()
+        if ended is not None:
+            # Mid-stream: the status is sent; end the stream with an error event.
+            await send_event(send, json.dumps(ended.body), last=True)
+            raise _EndedInStream(ended)
 
     def _engine_error(self, role: str, engine: str, exc: BaseException, **fields: Any) -> HTTPError:
         """The answer to ``exc`` from ``role``'s ``engine`` (its row of
@@ -571,6 +640,15 @@ class _PrefillAgain(Exception):
         self.error = error
 
 
+class _EndedInStream(Exception):
+    """A decode answer failed after its 200 was sent: the stream's last event
+    was ``error`` (the request is answered; counted by ``error``'s status)."""
+
+    def __init__(self, error: HTTPError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class _Refused(Exception):
     """A decode engine refused the connection (``error`` says so, for the client)."""
 
@@ -591,6 +669,22 @@ def _lease_of(kv: dict[str, Any]) -> float:
     return LEASE_INITIAL
 
 
+def _kv_of(response: httpx2.Response) -> dict[str, Any]:
+    """The ``kv_transfer_params`` of a prefill engine's 200 answer.
+
+    Raises:
+        MalformedAnswer: the body is not JSON, or has no such object.
+    """
+    try:
+        answer = json.loads(response.content)
+    except (ValueError, RecursionError) as exc:
+        raise MalformedAnswer(f"not JSON ({type(exc).__name__})") from None
+    kv = answer.get(KV_PARAMS) if isinstance(answer, dict) else None
+    if not isinstance(kv, dict):
+        raise MalformedAnswer(f"no {KV_PARAMS} object in {response.content[:200]!r}")
+    return kv
+
+
 def _code(error: HTTPError) -> object:
     """The ``code`` of an error answer."""
     return error.body["error"].get("code")
@@ -606,6 +700,10 @@ def _outcome(status: int) -> str:
     return "engine_error"
 
 
+_NOT_RELAYED = frozenset({"message", "type", "status", "kind", "retry_after"})
+"""Keys of an engine's error body that the relay sets itself."""
+
+
 def _relayed(role: str, engine: str, status: int, text: str) -> HTTPError:
     """An engine's error answer, for the client.
 
@@ -619,8 +717,10 @@ def _relayed(role: str, engine: str, status: int, text: str) -> HTTPError:
     try:
         error = json.loads(text)["error"]
         message = str(error["message"])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         error, message = {}, text
+    if not isinstance(error, dict):
+        error = {}
     if status in (401, 403):
         return HTTPError(
             502,
@@ -630,7 +730,7 @@ def _relayed(role: str, engine: str, status: int, text: str) -> HTTPError:
             engine=engine,
         )
     if 400 <= status < 500 or status == 503:
-        extra = {k: v for k, v in error.items() if k not in ("message", "type")}
+        extra = {k: v for k, v in error.items() if k not in _NOT_RELAYED}
         return HTTPError(
             status,
             f"{role} engine {engine}: {message}",

@@ -19,8 +19,31 @@ import itertools
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
+import httpx2
+
 DOWN_FOR = 5.0
 """Seconds an engine that refused a connection is tried only after all others."""
+
+
+def url_problem(url: str) -> str | None:
+    """Why ``url`` is not an engine's base URL (``None``: it is one): an
+    ``http://`` or ``https://`` URL with a host, a port in range if any,
+    and no spaces, query or fragment -- what the proxy's HTTP client can
+    build a request to."""
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        return "an engine's URL starts with http:// or https://"
+    if any(c.isspace() for c in url) or "?" in url or "#" in url:
+        return "an engine's URL has no spaces, query or fragment"
+    try:
+        parsed = httpx2.URL(url)
+        port = parsed.port
+    except (httpx2.InvalidURL, ValueError, TypeError) as exc:
+        return f"not a URL ({exc})"
+    if not parsed.host:
+        return "an engine's URL names a host"
+    if port is not None and not 1 <= port <= 65535:
+        return f"port {port} is not a port"
+    return None
 
 
 class EngineSet:
