@@ -44,6 +44,7 @@ class Scripted:
     delay: float = 0.0
     gate: trio.Event | None = None  # (if set: each answer waits for it, not delay)
     status: int = 200
+    param: str | None = None  # (the error body's param, when status is not 200)
     seen: list[dict[str, Any]] = attrs.field(factory=list)
     request_ids: list[str] = attrs.field(factory=list)
     authorizations: list[str] = attrs.field(factory=list)
@@ -81,7 +82,14 @@ class Scripted:
         timing = [(b"server-timing", self.server_timing.encode())] if self.server_timing else []
         status, code = self.answers.pop(0) if self.answers else (self.status, None)
         if status != 200:
-            error = {"error": {"message": f"scripted {status}", "type": "scripted", "code": code}}
+            error = {
+                "error": {
+                    "message": f"scripted {status}",
+                    "type": "scripted",
+                    "code": code,
+                    "param": self.param,
+                }
+            }
             await send_json(send, status, error)
         elif body.get("kv_transfer_params", {}).get("do_remote_decode"):
             await send_json(send, 200, {"kv_transfer_params": self.kv}, timing)
@@ -659,3 +667,154 @@ def test_the_defaults_table_is_the_defaults_module() -> None:
     assert defaults.decode_attempts(5.0, 2.0, 1.0) == 2
     assert ProxyTimeouts().connect == defaults.CONNECT_TIMEOUT
     assert EngineSettings("e", 0).lease_initial == defaults.LEASE_INITIAL
+
+
+# ---- what the proxy saw: /health, memory of failed engines (issue 30) ---------------
+
+
+async def test_health_says_failing_when_every_engine_of_a_role_failed_its_last_request() -> None:
+    # Issue 30, fault 3: a role whose only engine refuses: every request a 5xx,
+    # and /health said 200 ok.
+    refusing = closed_port_url()
+    with trio.fail_after(30):
+        async with (
+            engines(2) as ([prefill, decode], urls),
+            proxy_for(urls[:1], [refusing]) as (router, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            assert (await client.get(f"{proxy}/health")).status_code == 200  # (untried)
+            response = await client.post(f"{proxy}/v1/completions", json=BODY)
+            assert response.status_code == 502, response.text
+            health = await client.get(f"{proxy}/health")
+            assert health.status_code == 503
+            assert (health.json()["status"], health.json()["failing"]) == ("failing", ["decode"])
+            # Within its backoff the engine is not tried, nor is any prefill made.
+            response = await client.post(f"{proxy}/v1/completions", json=BODY)
+            assert response.status_code == 503, response.text
+            assert int(response.headers["retry-after"]) >= 1
+            error = response.json()["error"]
+            assert (error["type"], error["role"]) == ("unavailable", "decode")
+            assert response.headers["x-request-id"]
+            assert len(prefill.seen) == 1
+            assert sample(router, "trio_pd_proxy_requests_total", outcome="overloaded") == 1
+            # The engine comes back (here: the set changes to a live one): healthy again.
+            router.set_engines("decode", urls[1:])
+            assert (await client.post(f"{proxy}/v1/completions", json=BODY)).status_code == 200
+            assert (await client.get(f"{proxy}/health")).json()["status"] == "ok"
+            assert len(decode.seen) == 1
+
+
+async def test_an_exposure_secret_mismatch_is_a_deployment_fault_and_health_degraded() -> None:
+    # Issue 30, fault 4: it was a 400 invalid_request_error naming
+    # kv_transfer_params.remote_token (which the client never sent), counted
+    # as client_error, /health ok.
+    with trio.fail_after(30):
+        async with (
+            engines(2) as ([_, decode], urls),
+            proxy_for(urls[:1], urls[1:]) as (router, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            decode.status, decode.param = 400, "kv_transfer_params.remote_token"
+            response = await client.post(f"{proxy}/v1/completions", json=BODY)
+            assert response.status_code == 502, response.text
+            error = response.json()["error"]
+            assert error["type"] == "deployment_error"
+            assert (error["engine"], error["prefill_engine"]) == (urls[1], urls[0])
+            health = await client.get(f"{proxy}/health")
+            assert (health.status_code, health.json()["status"]) == (503, "degraded")
+            [fault] = health.json()["faults"]
+            assert (fault["prefill"], fault["decode"]) == (urls[0], urls[1])
+            assert "remote_token" in fault["error"]
+            labels = {"role": "decode", "engine": urls[1], "kind": "deployment"}
+            assert sample(router, "trio_pd_proxy_engine_errors_total", **labels) == 1
+            assert sample(router, "trio_pd_proxy_requests_total", outcome="client_error") == 0
+            # Fixed (the engines agree again): the next request clears it.
+            decode.status, decode.param = 200, None
+            assert (await client.post(f"{proxy}/v1/completions", json=BODY)).status_code == 200
+            assert (await client.get(f"{proxy}/health")).json()["status"] == "ok"
+
+
+async def test_a_role_with_no_live_engine_is_a_503_naming_it_not_a_502_to_a_dead_url() -> None:
+    from trio_pd._serve.discovery import EngineSet as Registered
+
+    with trio.fail_after(30):
+        async with (
+            engines(2) as ([prefill, _], urls),
+            proxy_for([], []) as (router, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            router.follow(Registered((urls[0],), (urls[1],)))
+            assert (await client.post(f"{proxy}/v1/completions", json=BODY)).status_code == 200
+            # The decode engine's key is deleted (or its lease expired): none is left.
+            router.follow(Registered((urls[0],), ()))
+            assert router.engines("decode") == []
+            response = await client.post(f"{proxy}/v1/completions", json=BODY)
+            assert response.status_code == 503, response.text
+            assert response.headers["retry-after"] == "1"
+            assert response.json()["error"]["role"] == "decode"
+            assert len(prefill.seen) == 1  # (no prefill for a request nobody can decode)
+            health = await client.get(f"{proxy}/health")
+            assert health.status_code == 503
+            assert (health.json()["status"], health.json()["missing"]) == ("no engines", ["decode"])
+            # While etcd itself is unreachable, the last view stays.
+            router.follow(Registered((urls[0],), (urls[1],)))
+            router.follow(Registered((), (), "etcd unreachable (x): routing by the last view"))
+            assert (router.engines("prefill"), router.engines("decode")) == ([urls[0]], [urls[1]])
+            assert (await client.get(f"{proxy}/health")).status_code == 200
+
+
+async def test_a_request_tries_at_most_max_attempts_engines_and_remembers_refusals() -> None:
+    # Issue 30, fault 2: with many refusing members each request tried them all.
+    with trio.fail_after(30):
+        first = free_port_range(40)
+        refusing = [f"http://127.0.0.1:{first + i}" for i in range(40)]
+        async with (
+            engines(2) as ([_prefill, decode], urls),
+            proxy_for([*refusing, urls[0]], urls[1:]) as (router, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            refused = 0.0
+            statuses = []
+            for _ in range(20):
+                response = await client.post(f"{proxy}/v1/completions", json=BODY)
+                statuses.append(response.status_code)
+                assert response.status_code in (200, 502, 503), response.text
+                now = sum(
+                    sample(router, "trio_pd_proxy_engine_errors_total", role="prefill",
+                           engine=url, kind="refused")
+                    for url in refusing
+                )  # fmt: skip
+                assert now - refused <= 3  # (--max-attempts)
+                refused = now
+            assert 200 in statuses
+            assert refused <= len(refusing)  # (each at most once: within its backoff)
+            assert len(decode.seen) == statuses.count(200)
+
+
+async def test_black_holed_decode_candidates_cost_one_connect_timeout_not_one_per_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from trio_pd._serve import routing
+
+    monkeypatch.setattr(routing, "BACKOFF_FIRST", 60.0)  # (the test's requests fit in it)
+    timeouts = ProxyTimeouts(connect=0.5)
+    with trio.fail_after(30), unanswered_url() as a, unanswered_url() as b, unanswered_url() as c:
+        async with (
+            engines(2) as ([_prefill, decode], urls),
+            proxy_for(urls[:1], [urls[1], a, b, c], timeouts) as (router, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            started = trio.current_time()
+            statuses = [
+                (await client.post(f"{proxy}/v1/completions", json=BODY)).status_code
+                for _ in range(10)
+            ]
+            took = trio.current_time() - started
+            for url in (a, b, c):
+                labels = {"role": "decode", "engine": url, "kind": "refused"}
+                assert sample(router, "trio_pd_proxy_engine_errors_total", **labels) == 1
+            # 3 connect timeouts in all (once each), then only the live engine:
+            # each of the 10 requests used to pay them again after DOWN_FOR.
+            assert took < 3 * timeouts.connect + 3.0
+            assert statuses.count(200) >= 9  # (one request may meet all three first)
+            assert len(decode.seen) == statuses.count(200)

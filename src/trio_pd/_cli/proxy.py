@@ -51,7 +51,7 @@ from trio_pd._serve.binding import (
 from trio_pd._serve.discovery import EngineSet, Membership
 from trio_pd._serve.keys import API_KEY_ENV, BearerKeys
 from trio_pd._serve.openai import MAX_MODEL_LEN
-from trio_pd._serve.proxy import Proxy, ProxyTimeouts, open_client
+from trio_pd._serve.proxy import MAX_ATTEMPTS, Proxy, ProxyTimeouts, open_client
 from trio_pd._serve.routing import url_problem
 from trio_pd._serve.stopping import StopRequest, stop_requests
 
@@ -73,6 +73,7 @@ class ProxyOptions:
     timeouts: ProxyTimeouts = attrs.Factory(ProxyTimeouts)
     api_keys: BearerKeys | None = None  # (None: /v1/* open to anyone who connects)
     internal_key: str | None = attrs.field(default=None, repr=False)  # (sent to the engines)
+    max_attempts: int = MAX_ATTEMPTS  # (engines of a role one request tries)
 
     def check(self) -> None:
         """Raises ValueError naming the flag that is wrong."""
@@ -81,6 +82,8 @@ class ProxyOptions:
         if not self.grace > 0:  # (NaN too)
             raise ValueError("--grace must be > 0")
         check_send_timeout(self.send_timeout)
+        if self.max_attempts < 1:
+            raise ValueError("--max-attempts must be at least 1")
         if self.max_model_len is not None and not 1 <= self.max_model_len <= MAX_MODEL_LEN:
             raise ValueError(f"--max-model-len must be in [1, {MAX_MODEL_LEN}]")
         for flag, seconds in _timeout_flags(self.timeouts).items():
@@ -167,6 +170,7 @@ class _Router:
             send_timeout=options.send_timeout,
             api_keys=options.api_keys,
             internal_key=options.internal_key,
+            max_attempts=options.max_attempts,
         )
         self.app = response_completes(self.proxy.app())
 
@@ -234,6 +238,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, type=float, default=default, metavar="SECONDS", help=help_text)
     add_send_timeout_argument(parser, defaults.send_timeout)
     parser.add_argument(
+        "--max-attempts",
+        type=int,
+        default=defaults.max_attempts,
+        metavar="N",
+        help="the most engines of a role one request tries (an engine that refused a "
+        "connection is left out for a backoff: 1 s, doubled up to 30 s; default "
+        f"{defaults.max_attempts})",
+    )
+    parser.add_argument(
         "--api-key",
         action="append",
         default=[],
@@ -290,6 +303,7 @@ def run(args: argparse.Namespace) -> int:
         ),
         api_keys=client_keys(args.api_key),
         internal_key=internal_key(args.internal_key_file),
+        max_attempts=args.max_attempts,
     )
     try:
         options.check()

@@ -14,9 +14,10 @@ An operator can run it (see docs/serving.md):
   it runs (:meth:`Proxy.set_engines`: membership).
 * **Retries only where the request cannot have had an effect**: an engine
   that refuses the connection never saw the request, so the next one is
-  tried (and the refusing one is tried last for a few seconds); so is a
-  prefill engine that answers 503 (draining or out of blocks: it did no
-  work). A timeout or a broken connection after the request was sent is not
+  tried (and the refusing one is left out for a backoff, exponential and
+  capped: ``_serve.routing``); so is a prefill engine that answers 503
+  (draining or out of blocks: it did no work). At most ``max_attempts``
+  engines per role and request. A timeout or a broken connection after the request was sent is not
   retried (the work may have been done) and does not mark the engine down
   (a busy engine is slow, not gone). A decode engine's 503 is not retried
   either: it abandoned the prefill's blocks when it gave up.
@@ -28,6 +29,9 @@ An operator can run it (see docs/serving.md):
   in every log line about the request.
 * ``GET /metrics``: requests by outcome, time to first byte and end to end,
   requests in flight, engine errors by role, engine and kind.
+* ``GET /health`` from what the proxy saw: 503 when a role has no engine,
+  when every engine of a role failed its last request, or while two engines
+  disagree (a :class:`~.errors.DeploymentFault`).
 * ``Server-Timing`` on each answer: the prefill request, the decode request
   until its answer started, and the engines' own phases (``_serve.timing``).
 
@@ -125,6 +129,9 @@ def open_client(timeouts: ProxyTimeouts = ProxyTimeouts()) -> httpx2.AsyncClient
 
 logger = logging.getLogger("trio_pd.proxy")
 
+MAX_ATTEMPTS = 3
+"""The most engines of a role one request tries (``--max-attempts``)."""
+
 REQUEST_ID_HEADER = "x-request-id"
 KV_PARAMS = "kv_transfer_params"
 EXPOSURE_ENDED = "exposure_ended"
@@ -158,6 +165,8 @@ class Proxy:
         hold_margin: what must be left of an exposure's lease once the
             proxy connected to a decode engine (for that engine to hold it);
             :data:`~.defaults.HOLD_MARGIN`.
+        max_attempts: the most engines of a role one request tries
+            (engines that refused lately are not among them).
     """
 
     def __init__(
@@ -172,7 +181,12 @@ class Proxy:
         api_keys: BearerKeys | None = None,
         internal_key: str | None = None,
         hold_margin: float = HOLD_MARGIN,
+        max_attempts: int = MAX_ATTEMPTS,
     ):
+        if max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+        self._max_attempts = max_attempts
+        self._faults: dict[tuple[str, str], str] = {}  # (prefill, decode): the last refusal
         self._max_model_len = max_model_len
         self._hold_margin = hold_margin
         self._engines = {"prefill": EngineSet(), "decode": EngineSet()}
@@ -205,14 +219,14 @@ class Proxy:
 
     def follow(self, engines: RegisteredEngines) -> None:
         """Route to the registered ``engines`` from now on (what
-        :meth:`~.discovery.Membership.watch_engines` reports). An empty role
-        keeps its last engines: requests fail there as they would on none,
-        and ``/health`` says why (``engines.problem``, as
-        :attr:`membership_problem`)."""
-        if engines.prefill:
-            self.set_engines("prefill", engines.prefill)
-        if engines.decode:
-            self.set_engines("decode", engines.decode)
+        :meth:`~.discovery.Membership.watch_engines` reports). A role with
+        no live engine (keys deleted, leases expired) is empty: requests get
+        a 503 naming it and ``/health`` says so. Only while the membership
+        itself is unreachable (``engines.problem``, shown by ``/health`` as
+        :attr:`membership_problem`) does an empty role keep its last view."""
+        for role, urls in (("prefill", engines.prefill), ("decode", engines.decode)):
+            if urls or engines.problem is None:
+                self.set_engines(role, urls)
         self.membership_problem = engines.problem
 
     def app(self) -> Callable[[Scope, Receive, Send], Any]:
@@ -265,18 +279,51 @@ class Proxy:
 
         return app
 
-    async def _health(self, send: Send) -> None:
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """``/health``'s status and body, from what the proxy saw (see
+        docs/operations.md): ``ok``; ``draining``; ``no engines`` (``missing``:
+        the roles with none); ``failing`` (``failing``: the roles whose every
+        engine failed its last request); ``degraded`` (``faults``: pairs of
+        engines that disagree, until a request between them succeeds)."""
         health: dict[str, Any] = {
-            "status": "ok" if self.accepting else "draining",
+            "status": "ok",
             "prefill": len(self.engines("prefill")),
             "decode": len(self.engines("decode")),
         }
         if self.membership_problem is not None:
             health["membership"] = self.membership_problem
-        ok = self.accepting and all(health[role] for role in ("prefill", "decode"))
-        if self.accepting and not ok:
+        missing = [role for role in ("prefill", "decode") if not health[role]]
+        failing = [role for role, engines in self._engines.items() if engines.failing()]
+        faults = self.faults()
+        if missing:
+            health["missing"] = missing
+        if failing:
+            health["failing"] = failing
+        if faults:
+            health["faults"] = faults
+        if not self.accepting:
+            health["status"] = "draining"
+        elif missing:
             health["status"] = "no engines"
-        await send_json(send, 200 if ok else 503, health)
+        elif failing:
+            health["status"] = "failing"
+        elif faults:
+            health["status"] = "degraded"
+        return (200 if health["status"] == "ok" else 503), health
+
+    def faults(self) -> list[dict[str, str]]:
+        """The pairs of engines (still in the sets) whose last request failed
+        as a :class:`~.errors.DeploymentFault`."""
+        prefill, decode = set(self.engines("prefill")), set(self.engines("decode"))
+        return [
+            {"prefill": p, "decode": d, "error": why}
+            for (p, d), why in sorted(self._faults.items())
+            if p in prefill and d in decode
+        ]
+
+    async def _health(self, send: Send) -> None:
+        status, health = self.health()
+        await send_json(send, status, health)
 
     async def _generate(self, path: str, request_id: str, receive: Receive, send: Send) -> None:
         """A completions or chat request: prefill on one engine, decode on another."""
@@ -305,6 +352,8 @@ class Proxy:
                 )
             if not self.accepting:
                 raise HTTPError(503, "the proxy is draining", "unavailable", retry_after=1)
+            for role in ("prefill", "decode"):  # (no work for a request that cannot be served)
+                self._check_available(role)
             outcome = "disconnected"
 
             async def send_tracked(message: dict[str, Any]) -> None:
@@ -402,7 +451,7 @@ class Proxy:
             request["max_completion_tokens"] = 1
         engines = self._engines["prefill"]
         failure: HTTPError | None = None
-        for engine in engines.candidates(trio.current_time()):
+        for engine in engines.candidates(trio.current_time(), self._max_attempts):
             with engines.attempt(engine):
                 limit = min(self._timeouts.prefill, deadline - trio.current_time())
                 try:
@@ -417,25 +466,30 @@ class Proxy:
                     failure = self._engine_error("prefill", engine, exc)
                     continue
                 except trio.TooSlowError as exc:
+                    engines.failed(engine)
                     raise self._engine_error(
                         "prefill", engine, exc, phase="no answer", seconds=max(limit, 0)
                     ) from None
                 except httpx2.HTTPError as exc:
+                    engines.failed(engine)
                     raise self._engine_error("prefill", engine, exc) from None
             if response.status_code == 503:
+                engines.failed(engine)
                 failure = _relayed("prefill", engine, response.status_code, response.text)
                 continue
             if response.status_code != 200:
-                self._count_status("prefill", engine, response.status_code)
+                self._judge("prefill", engine, response.status_code)
                 raise _relayed("prefill", engine, response.status_code, response.text)
             answered = trio.current_time()
             try:
                 kv = _kv_of(response)
             except MalformedAnswer as exc:
+                engines.failed(engine)
                 raise self._engine_error("prefill", engine, exc) from None
+            engines.answered(engine)
             times.relay("prefill.", response.headers.get("server-timing"))
             return kv, answered + _lease_of(kv), engine
-        raise failure or HTTPError(503, "no prefill engine", "unavailable", retry_after=1)
+        raise failure or self._unavailable("prefill")
 
     async def _decode(
         self,
@@ -464,7 +518,7 @@ class Proxy:
         """
         engines = self._engines["decode"]
         failure: HTTPError | None = None
-        for engine in engines.candidates(trio.current_time()):
+        for engine in engines.candidates(trio.current_time(), self._max_attempts):
             connect = min(self._timeouts.connect, expires - self._hold_margin - trio.current_time())
             if connect <= 0:
                 left = max(expires - trio.current_time(), 0)
@@ -501,7 +555,7 @@ class Proxy:
                     failure = exc.error
                     continue
             return
-        raise failure or HTTPError(503, "no decode engine", "unavailable", retry_after=1)
+        raise failure or self._unavailable("decode")
 
     async def _decode_on(
         self,
@@ -533,7 +587,7 @@ class Proxy:
             with times.phase("decode"), trio.fail_after(first_byte):
                 response = await self._client.send(request, stream=True)
             if response.status_code != 200:
-                self._count_status("decode", engine, response.status_code)
+                self._judge("decode", engine, response.status_code)
                 try:
                     with trio.fail_after(timeouts.idle):  # (its error body, too)
                         text = (await response.aread()).decode(errors="replace")
@@ -552,6 +606,8 @@ class Proxy:
                     message = str(relayed).removeprefix(f"decode engine {engine}: ")
                     raise _PrefillAgain(EXPOSURE_ENDED, message, engine=engine)
                 raise relayed
+            self._engines["decode"].answered(engine)
+            self._faults.pop((prefilled, engine), None)
             times.relay("decode.", response.headers.get("server-timing"))
             await send(
                 {
@@ -588,8 +644,10 @@ class Proxy:
         except (httpx2.ConnectError, httpx2.ConnectTimeout) as exc:
             raise _Refused(self._engine_error("decode", engine, exc)) from None
         except DeploymentFault as exc:
+            self._faults[(prefilled, engine)] = str(exc)
             raise self._engine_error("decode", engine, exc, prefill_engine=prefilled) from None
         except trio.TooSlowError as exc:
+            self._engines["decode"].failed(engine)
             raise self._engine_error(
                 "decode",
                 engine,
@@ -598,6 +656,7 @@ class Proxy:
                 seconds=first_byte,
             ) from None
         except (httpx2.HTTPError, StreamStalled) as exc:
+            self._engines["decode"].failed(engine)
             error = self._engine_error("decode", engine, exc)
             if not streaming:
                 raise error from None
@@ -619,9 +678,38 @@ class Proxy:
             self.metrics.engine_errors.labels(role, engine, kind).inc()
         return http_error(exc, role=role, engine=engine, **fields)
 
-    def _count_status(self, role: str, engine: str, status: int) -> None:
-        if status >= 500 or status in (401, 403):  # (the engine's fault, or the deployment's)
+    def _judge(self, role: str, engine: str, status: int) -> None:
+        """``role``'s ``engine`` answered an error ``status``: counted, and
+        remembered for ``/health``, when it is the engine's fault (a 5xx) or
+        the deployment's (401, 403: the internal key); a 4xx is the request's."""
+        if status >= 500 or status in (401, 403):
             self.metrics.engine_errors.labels(role, engine, "status").inc()
+            self._engines[role].failed(engine)
+        else:
+            self._engines[role].answered(engine)
+
+    def _check_available(self, role: str) -> None:
+        """Raises the 503 of :meth:`_unavailable` unless ``role`` has an engine to try now."""
+        engines = self._engines[role]
+        if not engines.engines or engines.retry_in(trio.current_time()) > 0:
+            raise self._unavailable(role)
+
+    def _unavailable(self, role: str) -> HTTPError:
+        """The 503 for a request no engine of ``role`` can take: it has none,
+        or every one refused lately (``Retry-After``: when one is tried again)."""
+        engines = self._engines[role]
+        if not engines.engines:
+            message = f"no {role} engine: none is registered"
+            return HTTPError(503, message, "unavailable", retry_after=1, role=role)
+        wait = engines.retry_in(trio.current_time())
+        return HTTPError(
+            503,
+            f"no {role} engine: every one refused its last connection; the next is tried "
+            f"again in {wait:.1f} s",
+            "unavailable",
+            retry_after=max(1, math.ceil(wait)),
+            role=role,
+        )
 
 
 class _PrefillAgain(Exception):
