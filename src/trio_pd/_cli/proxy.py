@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import socket
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -139,7 +140,12 @@ async def serve_proxy(
         ):
             router = _Router(client, options)
             if membership is not None:
-                engines = await watching.start(membership.watch_engines, router.proxy.follow)
+                from trio_pd._membership import MembershipError
+
+                try:
+                    engines = await watching.start(membership.watch_engines, router.proxy.follow)
+                except (MembershipError, ValueError) as exc:
+                    raise ProxyStartError(f"membership: {exc}") from None
             assert engines is not None
             if membership is None and (not engines.prefill or not engines.decode):
                 raise ProxyStartError(f"no engines to serve: {engines}")
@@ -312,6 +318,17 @@ def run(args: argparse.Namespace) -> int:
     engines = EngineSet(
         _engine_urls("--prefill", args.prefill), _engine_urls("--decode", args.decode)
     )
+    keys, internal = options.api_keys, options.internal_key
+    if keys is not None and internal is not None and keys.accepts(internal):
+        raise UsageError("a client key (--api-key) must not be the engines' internal key")
+    if args.etcd and not args.etcd_prefix.endswith("/"):
+        raise UsageError(f"--etcd-prefix {args.etcd_prefix!r} must end with '/'")
+    if args.ready_file:
+        if os.path.isdir(args.ready_file):
+            raise UsageError(f"--ready-file {args.ready_file!r} is a folder")
+        folder = os.path.dirname(os.path.abspath(args.ready_file))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+            raise UsageError(f"--ready-file {args.ready_file!r}: {folder} is not a writable folder")
     membership = membership_from_args(args)
     if membership is None and not (engines.prefill and engines.decode):
         raise UsageError("give the engines: --prefill URL... and --decode URL... (or --etcd URL)")
@@ -346,7 +363,12 @@ async def _main(
                     )
                 )
                 if ready_file:
-                    write_json_atomically(ready_file, {"url": url})
+                    try:
+                        write_json_atomically(ready_file, {"url": url})
+                    except OSError as exc:
+                        raise ProxyStartError(
+                            f"cannot write the ready file {ready_file}: {exc.strerror or exc}"
+                        ) from None
                 stop.ready = True
                 report(f"trio-pd proxy: ready at {url}")
     finally:
