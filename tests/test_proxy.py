@@ -55,6 +55,7 @@ class Scripted:
     # (answered first, one per request, before status: (status, error code))
     answers: list[tuple[int, str | None]] = attrs.field(factory=list)
     arrived: list[float] = attrs.field(factory=list)  # (trio.current_time() of each request)
+    max_model_len: int = 4096  # (what its /v1/models says)
 
     async def app(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -64,6 +65,14 @@ class Scripted:
                 await send({"type": f"lifespan.{kind}.complete"})
                 if kind == "shutdown":
                     return
+        if scope["path"].startswith("/v1/models"):  # (as an engine lists its model)
+            card = {"id": "tiny", "object": "model", "created": 0, "owned_by": "trio-pd"}
+            card["max_model_len"] = self.max_model_len
+            if scope["path"] == "/v1/models":
+                await send_json(send, 200, {"object": "list", "data": [card]})
+            else:
+                await send_json(send, 200, card)
+            return
         body = await read_json(receive)
         self.seen.append(body)
         self.arrived.append(trio.current_time())
@@ -818,3 +827,40 @@ async def test_black_holed_decode_candidates_cost_one_connect_timeout_not_one_pe
             assert took < 3 * timeouts.connect + 3.0
             assert statuses.count(200) >= 9  # (one request may meet all three first)
             assert len(decode.seen) == statuses.count(200)
+
+
+async def test_v1_models_through_the_proxy_with_the_openai_client() -> None:
+    # Issue 30, fault 5: the proxy answered 404, so models.list() failed through it.
+    import openai
+
+    with trio.fail_after(30):
+        async with (
+            engines(2) as ([prefill, _decode], urls),
+            proxy_for(urls[:1], urls[1:]) as (_, proxy),
+        ):
+            prefill.max_model_len = 2048  # (the deployment holds what every engine holds)
+
+            def listed() -> tuple[list[Any], Any]:
+                client = openai.OpenAI(base_url=f"{proxy}/v1", api_key="unused", max_retries=0)
+                with client:
+                    return list(client.models.list()), client.models.retrieve("tiny")
+
+            models, tiny = await trio.to_thread.run_sync(listed)
+            assert [m.id for m in models] == ["tiny"]
+            assert tiny.id == "tiny"
+            assert tiny.model_extra == {"max_model_len": 2048}
+            async with httpx2.AsyncClient(timeout=10) as client:
+                missing = await client.get(f"{proxy}/v1/models/other")
+                assert missing.status_code == 404
+                assert missing.json()["error"]["code"] == "model_not_found"
+                assert missing.headers["x-request-id"]
+                wrong = await client.post(f"{proxy}/v1/models")
+                assert (wrong.status_code, wrong.headers["allow"]) == (405, "GET")
+        # No engine that answers: a JSON 503, not a 404.
+        async with (
+            proxy_for([closed_port_url()], [closed_port_url()]) as (_, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            response = await client.get(f"{proxy}/v1/models")
+            assert response.status_code == 503
+            assert response.json()["error"]["type"] == "unavailable"

@@ -129,6 +129,9 @@ def open_client(timeouts: ProxyTimeouts = ProxyTimeouts()) -> httpx2.AsyncClient
 
 logger = logging.getLogger("trio_pd.proxy")
 
+MODELS_ASKED = 4
+"""The most engines of each role ``GET /v1/models`` asks (at once)."""
+
 MAX_ATTEMPTS = 3
 """The most engines of a role one request tries (``--max-attempts``)."""
 
@@ -251,6 +254,16 @@ class Proxy:
                     self._api_keys.check(scope.get("headers", []))
                 if method == "POST" and path in ROUTES:
                     await self._generate(path, request_id, receive, sending)
+                elif path == "/v1/models" or path.startswith("/v1/models/"):
+                    if method != "GET":
+                        error = HTTPError(
+                            405,
+                            f"{method} {path[:200]} is not allowed (use GET)",
+                            "method_not_allowed",
+                        )
+                        error.headers.append((b"allow", b"GET"))
+                        raise error
+                    await self._models(path, sending, headers)
                 elif (method, path) == ("GET", "/health"):
                     await self._health(send)
                 elif (method, path) == ("GET", "/metrics"):
@@ -320,6 +333,51 @@ class Proxy:
             for (p, d), why in sorted(self._faults.items())
             if p in prefill and d in decode
         ]
+
+    async def _models(self, path: str, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+        """``GET /v1/models`` (and ``/v1/models/{id}``): the models the engines
+        list, from their own answers (up to :data:`MODELS_ASKED` engines of each
+        role, asked at once, each within ``--connect-timeout`` + ``--idle-timeout``);
+        a model listed by several engines once, with the smallest ``max_model_len``."""
+        cards: dict[str, dict[str, Any]] = {}
+
+        async def ask(engine: str) -> None:
+            with trio.move_on_after(self._timeouts.connect + self._timeouts.idle):
+                try:
+                    response = await self._client.get(
+                        f"{engine}/v1/models", headers=self._upstream_headers
+                    )
+                    listed = json.loads(response.content)["data"] if response.is_success else []
+                except (httpx2.HTTPError, ValueError, KeyError, TypeError, RecursionError):
+                    return  # (an engine that cannot say: the others may)
+                for card in listed if isinstance(listed, list) else []:
+                    if not (isinstance(card, dict) and isinstance(card.get("id"), str)):
+                        continue
+                    known = cards.setdefault(card["id"], card)
+                    lengths = [c.get("max_model_len") for c in (known, card)]
+                    ints = [n for n in lengths if isinstance(n, int) and not isinstance(n, bool)]
+                    if len(ints) == 2:
+                        known["max_model_len"] = min(ints)
+
+        async with trio.open_nursery() as nursery:
+            for role in ("decode", "prefill"):
+                for engine in self._engines[role].candidates(trio.current_time(), MODELS_ASKED):
+                    nursery.start_soon(ask, engine)
+        if not cards:
+            raise HTTPError(503, "no engine listed its models", "unavailable", retry_after=1)
+        if path == "/v1/models":
+            await send_json(send, 200, {"object": "list", "data": list(cards.values())}, headers)
+            return
+        model = path.removeprefix("/v1/models/")
+        if model not in cards:
+            raise HTTPError(
+                404,
+                f"The model `{model[:200]}` does not exist",
+                "invalid_request_error",
+                param="model",
+                code="model_not_found",
+            )
+        await send_json(send, 200, cards[model], headers)
 
     async def _health(self, send: Send) -> None:
         status, health = self.health()
