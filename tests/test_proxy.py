@@ -864,3 +864,53 @@ async def test_v1_models_through_the_proxy_with_the_openai_client() -> None:
             response = await client.get(f"{proxy}/v1/models")
             assert response.status_code == 503
             assert response.json()["error"]["type"] == "unavailable"
+
+
+async def test_clients_that_trickle_their_bodies_are_cut_off_and_capped_per_address() -> None:
+    # Issue 30, fault 6: a body trickled byte by byte held its connection
+    # forever; 300 of them starved the proxy of file descriptors.
+    async def trickle(url: str, answers: list[bytes]) -> None:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        stream = await trio.open_tcp_stream(host, int(port))
+        async with stream:
+            await stream.send_all(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                b"content-length: 1000\r\n\r\n{"
+            )
+            answer = b""
+            with trio.move_on_after(5):  # (a byte every 0.1 s: forever, for the old proxy)
+                while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):
+                    with trio.move_on_after(0.1):
+                        data = await stream.receive_some()
+                        if not data:
+                            break
+                        answer += data
+                    if not answer:
+                        await stream.send_all(b" ")
+            answers.append(answer)
+
+    with trio.fail_after(30):
+        async with (
+            engines(2) as ([prefill, _], urls),
+            proxy_for(urls[:1], urls[1:], body_timeout=0.5, max_client_requests=4) as (_, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            answers: list[bytes] = []
+            started = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                for _ in range(10):
+                    nursery.start_soon(trickle, proxy, answers)
+                await trio.sleep(0.2)
+                # Meanwhile /health answers, and so does a whole request once a slot frees.
+                assert (await client.get(f"{proxy}/health")).status_code == 200
+            took = trio.current_time() - started
+            statuses = sorted(int(a.split(b" ", 2)[1]) for a in answers)
+            assert statuses == [408] * 4 + [429] * 6, answers
+            assert took < 3.0
+            for answer in answers:
+                head, body = answer.split(b"\r\n\r\n", 1)
+                assert b"x-request-id" in head.lower()
+                assert json.loads(body)["error"]["message"]
+            assert prefill.seen == []
+            response = await client.post(f"{proxy}/v1/completions", json=BODY)
+            assert response.status_code == 200, response.text

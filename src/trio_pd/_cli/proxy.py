@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import socket
 import sys
@@ -52,7 +53,14 @@ from trio_pd._serve.binding import (
 from trio_pd._serve.discovery import EngineSet, Membership
 from trio_pd._serve.keys import API_KEY_ENV, BearerKeys
 from trio_pd._serve.openai import MAX_MODEL_LEN
-from trio_pd._serve.proxy import MAX_ATTEMPTS, Proxy, ProxyTimeouts, open_client
+from trio_pd._serve.proxy import (
+    BODY_TIMEOUT,
+    MAX_ATTEMPTS,
+    MAX_CLIENT_REQUESTS,
+    Proxy,
+    ProxyTimeouts,
+    open_client,
+)
 from trio_pd._serve.routing import url_problem
 from trio_pd._serve.stopping import StopRequest, stop_requests
 
@@ -75,6 +83,8 @@ class ProxyOptions:
     api_keys: BearerKeys | None = None  # (None: /v1/* open to anyone who connects)
     internal_key: str | None = attrs.field(default=None, repr=False)  # (sent to the engines)
     max_attempts: int = MAX_ATTEMPTS  # (engines of a role one request tries)
+    body_timeout: float = BODY_TIMEOUT  # (a request's body, then 408)
+    max_client_requests: int = MAX_CLIENT_REQUESTS  # (open at once per client address)
 
     def check(self) -> None:
         """Raises ValueError naming the flag that is wrong."""
@@ -85,6 +95,10 @@ class ProxyOptions:
         check_send_timeout(self.send_timeout)
         if self.max_attempts < 1:
             raise ValueError("--max-attempts must be at least 1")
+        if not (self.body_timeout > 0 and math.isfinite(self.body_timeout)):
+            raise ValueError("--body-timeout must be > 0")
+        if self.max_client_requests < 0:
+            raise ValueError("--max-client-requests must be at least 0 (0: no cap)")
         if self.max_model_len is not None and not 1 <= self.max_model_len <= MAX_MODEL_LEN:
             raise ValueError(f"--max-model-len must be in [1, {MAX_MODEL_LEN}]")
         for flag, seconds in _timeout_flags(self.timeouts).items():
@@ -177,6 +191,8 @@ class _Router:
             api_keys=options.api_keys,
             internal_key=options.internal_key,
             max_attempts=options.max_attempts,
+            body_timeout=options.body_timeout,
+            max_client_requests=options.max_client_requests,
         )
         self.app = response_completes(self.proxy.app())
 
@@ -253,6 +269,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{defaults.max_attempts})",
     )
     parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=defaults.body_timeout,
+        metavar="SECONDS",
+        help="how long a client may take to send a request's body, then 408 and its "
+        f"connection closed (default {defaults.body_timeout:g})",
+    )
+    parser.add_argument(
+        "--max-client-requests",
+        type=int,
+        default=defaults.max_client_requests,
+        metavar="N",
+        help="the most requests open at once from one client address, then 429 (0: no cap; "
+        "behind a gateway every client has its address: raise it; /health and /metrics are "
+        f"not counted; default {defaults.max_client_requests})",
+    )
+    parser.add_argument(
         "--api-key",
         action="append",
         default=[],
@@ -310,6 +343,8 @@ def run(args: argparse.Namespace) -> int:
         api_keys=client_keys(args.api_key),
         internal_key=internal_key(args.internal_key_file),
         max_attempts=args.max_attempts,
+        body_timeout=args.body_timeout,
+        max_client_requests=args.max_client_requests,
     )
     try:
         options.check()

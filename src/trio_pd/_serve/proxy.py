@@ -132,6 +132,14 @@ logger = logging.getLogger("trio_pd.proxy")
 MODELS_ASKED = 4
 """The most engines of each role ``GET /v1/models`` asks (at once)."""
 
+BODY_TIMEOUT = 30.0
+"""How long a client may take to send a request's body (``--body-timeout``): then 408."""
+
+MAX_CLIENT_REQUESTS = 64
+"""The most requests one client address may have open at once
+(``--max-client-requests``; 0: no cap): then 429 at once. ``/health`` and
+``/metrics`` are not counted."""
+
 MAX_ATTEMPTS = 3
 """The most engines of a role one request tries (``--max-attempts``)."""
 
@@ -170,6 +178,9 @@ class Proxy:
             :data:`~.defaults.HOLD_MARGIN`.
         max_attempts: the most engines of a role one request tries
             (engines that refused lately are not among them).
+        body_timeout: how long a request's body may take to arrive (408 then).
+        max_client_requests: the most requests open at once from one
+            client address (429 then; 0: no cap).
     """
 
     def __init__(
@@ -185,10 +196,15 @@ class Proxy:
         internal_key: str | None = None,
         hold_margin: float = HOLD_MARGIN,
         max_attempts: int = MAX_ATTEMPTS,
+        body_timeout: float = BODY_TIMEOUT,
+        max_client_requests: int = MAX_CLIENT_REQUESTS,
     ):
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
         self._max_attempts = max_attempts
+        self._body_timeout = body_timeout
+        self._max_client_requests = max_client_requests
+        self._client_requests: dict[str, int] = {}  # (open requests by client address)
         self._faults: dict[tuple[str, str], str] = {}  # (prefill, decode): the last refusal
         self._max_model_len = max_model_len
         self._hold_margin = hold_margin
@@ -249,7 +265,19 @@ class Proxy:
                 started = started or message["type"] == "http.response.start"
                 await send(message)
 
+            counted = path not in ("/health", "/metrics")
+            address = str((scope.get("client") or ("?",))[0])
+            if counted:
+                self._client_requests[address] = self._client_requests.get(address, 0) + 1
             try:
+                if counted and 0 < self._max_client_requests < self._client_requests[address]:
+                    raise HTTPError(
+                        429,
+                        f"more than {self._max_client_requests} requests open from {address} "
+                        "(--max-client-requests)",
+                        "too_many_requests",
+                        retry_after=1,
+                    )
                 if self._api_keys is not None and self._api_keys.guards(path):
                     self._api_keys.check(scope.get("headers", []))
                 if method == "POST" and path in ROUTES:
@@ -289,6 +317,11 @@ class Proxy:
                     await send_json(send, error.status, error.body, [*error.headers, *headers])
                 else:  # (a stream had started: its last event says so)
                     await send_event(send, json.dumps(error.body), last=True)
+            finally:
+                if counted:
+                    self._client_requests[address] -= 1
+                    if not self._client_requests[address]:
+                        del self._client_requests[address]
 
         return app
 
@@ -389,7 +422,16 @@ class Proxy:
         outcome = "error"
         self.metrics.in_flight.inc()
         try:
-            body = await read_json(receive)
+            body: dict[str, Any] | None = None
+            with trio.move_on_after(self._body_timeout):
+                body = await read_json(receive)
+            if body is None:
+                raise HTTPError(
+                    408,
+                    f"the request's body did not arrive within {self._body_timeout:g} s "
+                    "(--body-timeout)",
+                    "invalid_request_error",
+                )
             if isinstance(body, dict):
                 # The proxy sets kv_transfer_params itself (a client's own never
                 # reach an engine): the body is checked without them, so a
