@@ -914,3 +914,33 @@ async def test_clients_that_trickle_their_bodies_are_cut_off_and_capped_per_addr
             assert prefill.seen == []
             response = await client.post(f"{proxy}/v1/completions", json=BODY)
             assert response.status_code == 200, response.text
+
+
+def test_the_engine_sets_memory_backoff_attempts_and_health_on_its_own_clock() -> None:
+    from trio_pd._serve.routing import BACKOFF_CAP, FAILED_FOR, EngineSet
+
+    engines = EngineSet(["a", "b", "c"])
+    assert len(engines.candidates(0.0, limit=2)) == 2
+    backoffs = [engines.refused("a", 0.0) for _ in range(8)]
+    assert backoffs == [1.0, 2.0, 4.0, 8.0, 16.0, BACKOFF_CAP, BACKOFF_CAP, BACKOFF_CAP]
+    assert "a" not in engines.candidates(29.0)
+    assert "a" in engines.candidates(30.0)
+    engines.answered("a")  # (an answer resets it)
+    assert engines.refused("a", 0.0) == 1.0
+    for engine in ("b", "c"):
+        engines.refused(engine, 0.0)
+    assert engines.candidates(0.5) == []
+    assert engines.retry_in(0.5) == 0.5
+    # Health: failing while every engine's failure is remembered, not after.
+    assert engines.failing(0.5)
+    assert not engines.failing(1.0)  # (their backoffs ended: untried again)
+    for engine in ("a", "b", "c"):
+        engines.failed(engine, 10.0)
+    assert engines.failing(10.0 + FAILED_FOR - 0.1)
+    assert not engines.failing(10.0 + FAILED_FOR)
+    engines.failed("a", 20.0)
+    assert not engines.failing(20.0)  # (b and c: no recent failure)
+    # Engines that leave are forgotten; an empty role is never "failing".
+    engines.update([])
+    assert not engines.failing(20.0)
+    assert engines.candidates(20.0) == []

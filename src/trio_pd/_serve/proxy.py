@@ -339,7 +339,8 @@ class Proxy:
         if self.membership_problem is not None:
             health["membership"] = self.membership_problem
         missing = [role for role in ("prefill", "decode") if not health[role]]
-        failing = [role for role, engines in self._engines.items() if engines.failing()]
+        now = trio.current_time()
+        failing = [role for role, engines in self._engines.items() if engines.failing(now)]
         faults = self.faults()
         if missing:
             health["missing"] = missing
@@ -566,15 +567,15 @@ class Proxy:
                     failure = self._engine_error("prefill", engine, exc)
                     continue
                 except trio.TooSlowError as exc:
-                    engines.failed(engine)
+                    engines.failed(engine, trio.current_time())
                     raise self._engine_error(
                         "prefill", engine, exc, phase="no answer", seconds=max(limit, 0)
                     ) from None
                 except httpx2.HTTPError as exc:
-                    engines.failed(engine)
+                    engines.failed(engine, trio.current_time())
                     raise self._engine_error("prefill", engine, exc) from None
             if response.status_code == 503:
-                engines.failed(engine)
+                engines.failed(engine, trio.current_time())
                 failure = _relayed("prefill", engine, response.status_code, response.text)
                 continue
             if response.status_code != 200:
@@ -584,7 +585,7 @@ class Proxy:
             try:
                 kv = _kv_of(response)
             except MalformedAnswer as exc:
-                engines.failed(engine)
+                engines.failed(engine, trio.current_time())
                 raise self._engine_error("prefill", engine, exc) from None
             engines.answered(engine)
             times.relay("prefill.", response.headers.get("server-timing"))
@@ -747,7 +748,7 @@ class Proxy:
             self._faults[(prefilled, engine)] = str(exc)
             raise self._engine_error("decode", engine, exc, prefill_engine=prefilled) from None
         except trio.TooSlowError as exc:
-            self._engines["decode"].failed(engine)
+            self._engines["decode"].failed(engine, trio.current_time())
             raise self._engine_error(
                 "decode",
                 engine,
@@ -756,7 +757,7 @@ class Proxy:
                 seconds=first_byte,
             ) from None
         except (httpx2.HTTPError, StreamStalled) as exc:
-            self._engines["decode"].failed(engine)
+            self._engines["decode"].failed(engine, trio.current_time())
             error = self._engine_error("decode", engine, exc)
             if not streaming:
                 raise error from None
@@ -784,7 +785,7 @@ class Proxy:
         the deployment's (401, 403: the internal key); a 4xx is the request's."""
         if status >= 500 or status in (401, 403):
             self.metrics.engine_errors.labels(role, engine, "status").inc()
-            self._engines[role].failed(engine)
+            self._engines[role].failed(engine, trio.current_time())
         else:
             self._engines[role].answered(engine)
 

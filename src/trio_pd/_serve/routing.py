@@ -20,7 +20,11 @@ reason to avoid it, nor to send the same work elsewhere.
 **Health.** Each engine's last request is remembered as answered or
 failed (:meth:`EngineSet.answered`, :meth:`EngineSet.failed`,
 :meth:`EngineSet.refused`); a role whose every engine failed its last
-request is :meth:`EngineSet.failing` (``/health`` says so).
+request is :meth:`EngineSet.failing` (``/health`` says so). A failure is
+remembered for the engine's backoff (refused) or :data:`FAILED_FOR` s
+(anything else), then the engine counts as untried again: a health check
+that took the proxy out of a load balancer's rotation cannot keep it out
+once the engines are back.
 
 The set can change while the proxy runs (membership on etcd): engines that
 leave are no longer offered and their memory is dropped; requests in flight
@@ -30,6 +34,7 @@ to them finish on their own.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -40,6 +45,9 @@ BACKOFF_FIRST = 1.0
 
 BACKOFF_CAP = 30.0
 """The longest an engine that keeps refusing is left out, in seconds."""
+
+FAILED_FOR = 5.0
+"""Seconds a failure other than a refusal counts against the role's health."""
 
 
 def url_problem(url: str) -> str | None:
@@ -74,7 +82,7 @@ class EngineSet:
         self._in_flight: dict[str, int] = {}
         self._refusals: dict[str, int] = {}  # (refusals in a row)
         self._down_until: dict[str, float] = {}
-        self._last_failed: dict[str, bool] = {}  # (absent: not tried yet)
+        self._failing_until: dict[str, float] = {}  # (absent: answered, or not tried yet)
         self._turn = itertools.count()
         self.update(engines)
 
@@ -87,7 +95,7 @@ class EngineSet:
         self._engines = list(dict.fromkeys(engines))
         for engine in self._engines:
             self._in_flight.setdefault(engine, 0)
-        for memory in (self._refusals, self._down_until, self._last_failed):
+        for memory in (self._refusals, self._down_until, self._failing_until):
             for engine in [e for e in memory if e not in self._engines]:
                 del memory[engine]
 
@@ -130,8 +138,7 @@ class EngineSet:
         refusals = self._refusals.get(engine, 0) + 1
         self._refusals[engine] = refusals
         backoff = float(min(BACKOFF_CAP, BACKOFF_FIRST * 2.0 ** min(refusals - 1, 32)))
-        self._down_until[engine] = now + backoff
-        self._last_failed[engine] = True
+        self._down_until[engine] = self._failing_until[engine] = now + backoff
         return backoff
 
     def answered(self, engine: str) -> None:
@@ -139,15 +146,19 @@ class EngineSet:
         if engine in self._engines:
             self._refusals.pop(engine, None)
             self._down_until.pop(engine, None)
-            self._last_failed[engine] = False
+            self._failing_until.pop(engine, None)
 
-    def failed(self, engine: str) -> None:
+    def failed(self, engine: str, now: float) -> None:
         """``engine`` failed a request it was sent (a 5xx, a timeout, a broken
         connection, an answer that cannot be used): not left out (it may be
-        busy), but it counts against the role's health."""
+        busy), but it counts against the role's health for :data:`FAILED_FOR` s."""
         if engine in self._engines:
-            self._last_failed[engine] = True
+            until = max(self._failing_until.get(engine, 0.0), now + FAILED_FOR)
+            self._failing_until[engine] = until
 
-    def failing(self) -> bool:
-        """Whether the role has engines and every one failed its last request."""
-        return bool(self._engines) and all(self._last_failed.get(e, False) for e in self._engines)
+    def failing(self, now: float) -> bool:
+        """Whether the role has engines and every one failed its last request
+        (a failure remembered for a while: see the module docstring)."""
+        return bool(self._engines) and all(
+            self._failing_until.get(e, -math.inf) > now for e in self._engines
+        )
