@@ -139,6 +139,63 @@ async def test_engines_and_a_proxy_started_as_separate_commands_serve_what_one_e
         (["engine", "--role", "prefill", "--host", "0.0.0.0"], 2, "--advertise-host"),
         (["engine", "--role", "decode", "--etcd", "127.0.0.1:2379"], 2, "not an http(s) URL"),
         (["proxy", "--prefill", "http://127.0.0.1:1"], 2, "--decode URL"),
+        (["proxy", "--prefill", "http://a:1", "--decode", "http://[::1"], 2, "--decode 'http://"),
+        (["proxy", "--prefill", "http://a:99999", "--decode", "http://b:1"], 2, "not a port"),
+        (
+            ["proxy", "--etcd", "http://127.0.0.1:1", "--etcd-prefix", "/foo"],
+            2,
+            "--etcd-prefix '/foo' must end with '/'",
+        ),
+        (
+            ["proxy", "--prefill", "http://a:1", "--decode", "http://b:1", "--ready-file", "/no/r"],
+            2,
+            "is not a writable folder",
+        ),
+        (
+            [
+                "proxy",
+                "--prefill",
+                "http://a:1",
+                "--decode",
+                "http://b:1",
+                "--api-key",
+                "k" * 20,
+                "--internal-key-file",
+                "KEYFILE",
+            ],
+            2,
+            "must not be the engines' internal key",
+        ),
+        # (issue 30, fault 7: each of these was a traceback)
+        (["proxy", "--port", "0", "--etcd", "http://127.0.0.1:1"], 1, "etcd at http://127.0.0"),
+        (
+            [
+                "proxy",
+                "--port",
+                "0",
+                "--prefill",
+                "http://a:1",
+                "--decode",
+                "http://b:1",
+                "--ready-file",
+                "BLOCKED",
+            ],
+            1,
+            "cannot write the ready file",
+        ),
+        (
+            [
+                "proxy",
+                "--prefill",
+                "http://a:1",
+                "--decode",
+                "http://b:1",
+                "--ready-file",
+                "DIRECTORY",
+            ],
+            2,
+            "is a folder",
+        ),
         (
             ["proxy", "--prefill", "http://a:1", "--decode", "http://b:1", "--idle-timeout", "nan"],
             2,
@@ -158,8 +215,20 @@ async def test_engines_and_a_proxy_started_as_separate_commands_serve_what_one_e
     ],
 )
 def test_bad_arguments_exit_2_and_an_address_that_is_not_ours_exits_1_in_one_line(
-    capsys: pytest.CaptureFixture[str], args: list[str], status: int, words: str
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    args: list[str],
+    status: int,
+    words: str,
 ) -> None:
+    (tmp_path / "key").write_text("k" * 20)
+    (tmp_path / "r.json.tmp").mkdir()  # (where the ready file is written first)
+    replaced = {
+        "KEYFILE": str(tmp_path / "key"),
+        "DIRECTORY": str(tmp_path),
+        "BLOCKED": str(tmp_path / "r.json"),
+    }
+    args = [replaced.get(arg, arg) for arg in args]
     with pytest.raises(SystemExit) as exited:
         main(args)
     assert exited.value.code == status
@@ -491,3 +560,27 @@ async def test_the_proxy_reaches_an_etcd_with_tls_and_authentication_or_says_why
                 assert "status" in health.json()  # (it serves, watching etcd: no engines yet)
                 process.send_signal(signal.SIGTERM)
                 assert await process.wait() == 0
+
+
+def test_serves_scratch_left_by_a_killed_serve_is_removed_at_the_next_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (issue 30, fault 7: after SIGKILL of serve its CURVE secret keys stayed)
+    import tempfile
+
+    from trio_pd._cli import serve as serve_module
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    child = subprocess.Popen(["true"])  # (a PID that ran and ended)
+    child.wait()
+    dead = tmp_path / f"trio-pd-serve-{child.pid}-abc"
+    alive = tmp_path / f"trio-pd-serve-{os.getpid()}-def"
+    other = tmp_path / "trio-pd-serve-notes"
+    for folder in (dead, alive, other):
+        folder.mkdir()
+    (dead / "decode-0.curve.json").write_text('{"secret_key": "x"}')
+    (alive / "decode-0.curve.json").write_text('{"secret_key": "y"}')
+    serve_module.remove_stale_scratch()
+    assert not dead.exists()
+    assert alive.exists()
+    assert other.exists()

@@ -56,9 +56,11 @@ from trio_pd._serve.engine import Engine, EngineSettings
 from trio_pd._serve.errors import (
     ERROR_STATUSES,
     BodyNotJSON,
+    DeploymentFault,
     ErrorStatus,
     ExposureEnded,
     HTTPError,
+    MalformedAnswer,
     ParamsInUse,
     StreamStalled,
     error_status,
@@ -89,6 +91,8 @@ SAMPLES: dict[type[BaseException], BaseException | None] = {
     ),
     ExposureEnded: None,  # (the proxy's, after a decode engine's second exposure_ended)
     OutOfBlocks: OutOfBlocks("2 KV blocks needed, none freed in 0.2 s"),
+    MalformedAnswer: MalformedAnswer("no kv_transfer_params object"),
+    DeploymentFault: DeploymentFault("not issued here (kv_transfer_params.remote_token)"),
     httpx2.ConnectError: httpx2.ConnectError("connection refused"),
     httpx2.ConnectTimeout: httpx2.ConnectTimeout("no connection in 5 s"),
     trio.TooSlowError: None,
@@ -176,7 +180,7 @@ def mock_proxy(
 
 async def proxy_answer(cls: type[BaseException]) -> None:
     sample = SAMPLES[cls]
-    role = "decode" if cls in (StreamStalled, ExposureEnded) else "prefill"
+    role = "decode" if cls in (StreamStalled, ExposureEnded, DeploymentFault) else "prefill"
     timeouts: dict[str, float] = {}
 
     async def handler(request: httpx2.Request) -> httpx2.Response:
@@ -184,6 +188,11 @@ async def proxy_answer(cls: type[BaseException]) -> None:
             return httpx2.Response(200, json={"kv_transfer_params": KV})
         if cls is ExposureEnded:  # (every time: the proxy prefills again once, no more)
             return httpx2.Response(409, json=ENDED)
+        if cls is MalformedAnswer:  # (a 200 without kv_transfer_params)
+            return httpx2.Response(200, json={"choices": []})
+        if cls is DeploymentFault:  # (the decode engine refuses what the prefill issued)
+            refused = {"message": "not issued here", "param": "kv_transfer_params.remote_token"}
+            return httpx2.Response(400, json={"error": {**refused, "type": "x"}})
         if cls is trio.TooSlowError:
             await trio.sleep_forever()
         if cls is StreamStalled:
@@ -206,7 +215,12 @@ async def proxy_answer(cls: type[BaseException]) -> None:
     row = ERROR_STATUSES[cls]
     name = type(sample).__name__ if sample is not None else cls.__name__
     error = check_answer(row, answer, role=role, cls=name)
-    assert error["engine"] == f"http://{role}"
+    if "engine" in row.extra:
+        assert error["engine"] == f"http://{role}"
+    if cls is DeploymentFault:
+        assert error["prefill_engine"] == "http://prefill"
+    if cls is Exception:  # (the catch-all: it names the request, and says no more)
+        assert answer[1][b"x-request-id"].decode() in error["message"]
     if row.counted is not None:
         labels = {"role": role, "engine": f"http://{role}", "kind": row.counted}
         counted = proxy.metrics.registry.get_sample_value(

@@ -44,6 +44,7 @@ class Scripted:
     delay: float = 0.0
     gate: trio.Event | None = None  # (if set: each answer waits for it, not delay)
     status: int = 200
+    param: str | None = None  # (the error body's param, when status is not 200)
     seen: list[dict[str, Any]] = attrs.field(factory=list)
     request_ids: list[str] = attrs.field(factory=list)
     authorizations: list[str] = attrs.field(factory=list)
@@ -54,6 +55,7 @@ class Scripted:
     # (answered first, one per request, before status: (status, error code))
     answers: list[tuple[int, str | None]] = attrs.field(factory=list)
     arrived: list[float] = attrs.field(factory=list)  # (trio.current_time() of each request)
+    max_model_len: int = 4096  # (what its /v1/models says)
 
     async def app(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -63,6 +65,14 @@ class Scripted:
                 await send({"type": f"lifespan.{kind}.complete"})
                 if kind == "shutdown":
                     return
+        if scope["path"].startswith("/v1/models"):  # (as an engine lists its model)
+            card = {"id": "tiny", "object": "model", "created": 0, "owned_by": "trio-pd"}
+            card["max_model_len"] = self.max_model_len
+            if scope["path"] == "/v1/models":
+                await send_json(send, 200, {"object": "list", "data": [card]})
+            else:
+                await send_json(send, 200, card)
+            return
         body = await read_json(receive)
         self.seen.append(body)
         self.arrived.append(trio.current_time())
@@ -81,7 +91,14 @@ class Scripted:
         timing = [(b"server-timing", self.server_timing.encode())] if self.server_timing else []
         status, code = self.answers.pop(0) if self.answers else (self.status, None)
         if status != 200:
-            error = {"error": {"message": f"scripted {status}", "type": "scripted", "code": code}}
+            error = {
+                "error": {
+                    "message": f"scripted {status}",
+                    "type": "scripted",
+                    "code": code,
+                    "param": self.param,
+                }
+            }
             await send_json(send, status, error)
         elif body.get("kv_transfer_params", {}).get("do_remote_decode"):
             await send_json(send, 200, {"kv_transfer_params": self.kv}, timing)
@@ -659,3 +676,271 @@ def test_the_defaults_table_is_the_defaults_module() -> None:
     assert defaults.decode_attempts(5.0, 2.0, 1.0) == 2
     assert ProxyTimeouts().connect == defaults.CONNECT_TIMEOUT
     assert EngineSettings("e", 0).lease_initial == defaults.LEASE_INITIAL
+
+
+# ---- what the proxy saw: /health, memory of failed engines (issue 30) ---------------
+
+
+async def test_health_says_failing_when_every_engine_of_a_role_failed_its_last_request() -> None:
+    # Issue 30, fault 3: a role whose only engine refuses: every request a 5xx,
+    # and /health said 200 ok.
+    refusing = closed_port_url()
+    with trio.fail_after(30):
+        async with (
+            engines(2) as ([prefill, decode], urls),
+            proxy_for(urls[:1], [refusing]) as (router, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            assert (await client.get(f"{proxy}/health")).status_code == 200  # (untried)
+            response = await client.post(f"{proxy}/v1/completions", json=BODY)
+            assert response.status_code == 502, response.text
+            health = await client.get(f"{proxy}/health")
+            assert health.status_code == 503
+            assert (health.json()["status"], health.json()["failing"]) == ("failing", ["decode"])
+            # Within its backoff the engine is not tried, nor is any prefill made.
+            response = await client.post(f"{proxy}/v1/completions", json=BODY)
+            assert response.status_code == 503, response.text
+            assert int(response.headers["retry-after"]) >= 1
+            error = response.json()["error"]
+            assert (error["type"], error["role"]) == ("unavailable", "decode")
+            assert response.headers["x-request-id"]
+            assert len(prefill.seen) == 1
+            assert sample(router, "trio_pd_proxy_requests_total", outcome="overloaded") == 1
+            # The engine comes back (here: the set changes to a live one): healthy again.
+            router.set_engines("decode", urls[1:])
+            assert (await client.post(f"{proxy}/v1/completions", json=BODY)).status_code == 200
+            assert (await client.get(f"{proxy}/health")).json()["status"] == "ok"
+            assert len(decode.seen) == 1
+
+
+async def test_an_exposure_secret_mismatch_is_a_deployment_fault_and_health_degraded() -> None:
+    # Issue 30, fault 4: it was a 400 invalid_request_error naming
+    # kv_transfer_params.remote_token (which the client never sent), counted
+    # as client_error, /health ok.
+    with trio.fail_after(30):
+        async with (
+            engines(2) as ([_, decode], urls),
+            proxy_for(urls[:1], urls[1:]) as (router, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            decode.status, decode.param = 400, "kv_transfer_params.remote_token"
+            response = await client.post(f"{proxy}/v1/completions", json=BODY)
+            assert response.status_code == 502, response.text
+            error = response.json()["error"]
+            assert error["type"] == "deployment_error"
+            assert (error["engine"], error["prefill_engine"]) == (urls[1], urls[0])
+            health = await client.get(f"{proxy}/health")
+            assert (health.status_code, health.json()["status"]) == (503, "degraded")
+            [fault] = health.json()["faults"]
+            assert (fault["prefill"], fault["decode"]) == (urls[0], urls[1])
+            assert "remote_token" in fault["error"]
+            labels = {"role": "decode", "engine": urls[1], "kind": "deployment"}
+            assert sample(router, "trio_pd_proxy_engine_errors_total", **labels) == 1
+            assert sample(router, "trio_pd_proxy_requests_total", outcome="client_error") == 0
+            # Fixed (the engines agree again): the next request clears it.
+            decode.status, decode.param = 200, None
+            assert (await client.post(f"{proxy}/v1/completions", json=BODY)).status_code == 200
+            assert (await client.get(f"{proxy}/health")).json()["status"] == "ok"
+
+
+async def test_a_role_with_no_live_engine_is_a_503_naming_it_not_a_502_to_a_dead_url() -> None:
+    from trio_pd._serve.discovery import EngineSet as Registered
+
+    with trio.fail_after(30):
+        async with (
+            engines(2) as ([prefill, _], urls),
+            proxy_for([], []) as (router, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            router.follow(Registered((urls[0],), (urls[1],)))
+            assert (await client.post(f"{proxy}/v1/completions", json=BODY)).status_code == 200
+            # The decode engine's key is deleted (or its lease expired): none is left.
+            router.follow(Registered((urls[0],), ()))
+            assert router.engines("decode") == []
+            response = await client.post(f"{proxy}/v1/completions", json=BODY)
+            assert response.status_code == 503, response.text
+            assert response.headers["retry-after"] == "1"
+            assert response.json()["error"]["role"] == "decode"
+            assert len(prefill.seen) == 1  # (no prefill for a request nobody can decode)
+            health = await client.get(f"{proxy}/health")
+            assert health.status_code == 503
+            assert (health.json()["status"], health.json()["missing"]) == ("no engines", ["decode"])
+            # While etcd itself is unreachable, the last view stays.
+            router.follow(Registered((urls[0],), (urls[1],)))
+            router.follow(Registered((), (), "etcd unreachable (x): routing by the last view"))
+            assert (router.engines("prefill"), router.engines("decode")) == ([urls[0]], [urls[1]])
+            assert (await client.get(f"{proxy}/health")).status_code == 200
+
+
+async def test_a_request_tries_at_most_max_attempts_engines_and_remembers_refusals() -> None:
+    # Issue 30, fault 2: with many refusing members each request tried them all.
+    with trio.fail_after(30):
+        first = free_port_range(40)
+        refusing = [f"http://127.0.0.1:{first + i}" for i in range(40)]
+        async with (
+            engines(2) as ([_prefill, decode], urls),
+            proxy_for([*refusing, urls[0]], urls[1:]) as (router, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            refused = 0.0
+            statuses = []
+            for _ in range(20):
+                response = await client.post(f"{proxy}/v1/completions", json=BODY)
+                statuses.append(response.status_code)
+                assert response.status_code in (200, 502, 503), response.text
+                now = sum(
+                    sample(router, "trio_pd_proxy_engine_errors_total", role="prefill",
+                           engine=url, kind="refused")
+                    for url in refusing
+                )  # fmt: skip
+                assert now - refused <= 3  # (--max-attempts)
+                refused = now
+            assert 200 in statuses
+            assert refused <= len(refusing)  # (each at most once: within its backoff)
+            assert len(decode.seen) == statuses.count(200)
+
+
+async def test_black_holed_decode_candidates_cost_one_connect_timeout_not_one_per_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from trio_pd._serve import routing
+
+    monkeypatch.setattr(routing, "BACKOFF_FIRST", 60.0)  # (the test's requests fit in it)
+    timeouts = ProxyTimeouts(connect=0.5)
+    with trio.fail_after(30), unanswered_url() as a, unanswered_url() as b, unanswered_url() as c:
+        async with (
+            engines(2) as ([_prefill, decode], urls),
+            proxy_for(urls[:1], [urls[1], a, b, c], timeouts) as (router, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            started = trio.current_time()
+            statuses = [
+                (await client.post(f"{proxy}/v1/completions", json=BODY)).status_code
+                for _ in range(10)
+            ]
+            took = trio.current_time() - started
+            for url in (a, b, c):
+                labels = {"role": "decode", "engine": url, "kind": "refused"}
+                assert sample(router, "trio_pd_proxy_engine_errors_total", **labels) == 1
+            # 3 connect timeouts in all (once each), then only the live engine:
+            # each of the 10 requests used to pay them again after DOWN_FOR.
+            assert took < 3 * timeouts.connect + 3.0
+            assert statuses.count(200) >= 9  # (one request may meet all three first)
+            assert len(decode.seen) == statuses.count(200)
+
+
+async def test_v1_models_through_the_proxy_with_the_openai_client() -> None:
+    # Issue 30, fault 5: the proxy answered 404, so models.list() failed through it.
+    import openai
+
+    with trio.fail_after(30):
+        async with (
+            engines(2) as ([prefill, _decode], urls),
+            proxy_for(urls[:1], urls[1:]) as (_, proxy),
+        ):
+            prefill.max_model_len = 2048  # (the deployment holds what every engine holds)
+
+            def listed() -> tuple[list[Any], Any]:
+                client = openai.OpenAI(base_url=f"{proxy}/v1", api_key="unused", max_retries=0)
+                with client:
+                    return list(client.models.list()), client.models.retrieve("tiny")
+
+            models, tiny = await trio.to_thread.run_sync(listed)
+            assert [m.id for m in models] == ["tiny"]
+            assert tiny.id == "tiny"
+            assert tiny.model_extra == {"max_model_len": 2048}
+            async with httpx2.AsyncClient(timeout=10) as client:
+                missing = await client.get(f"{proxy}/v1/models/other")
+                assert missing.status_code == 404
+                assert missing.json()["error"]["code"] == "model_not_found"
+                assert missing.headers["x-request-id"]
+                wrong = await client.post(f"{proxy}/v1/models")
+                assert (wrong.status_code, wrong.headers["allow"]) == (405, "GET")
+        # No engine that answers: a JSON 503, not a 404.
+        async with (
+            proxy_for([closed_port_url()], [closed_port_url()]) as (_, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            response = await client.get(f"{proxy}/v1/models")
+            assert response.status_code == 503
+            assert response.json()["error"]["type"] == "unavailable"
+
+
+async def test_clients_that_trickle_their_bodies_are_cut_off_and_capped_per_address() -> None:
+    # Issue 30, fault 6: a body trickled byte by byte held its connection
+    # forever; 300 of them starved the proxy of file descriptors.
+    async def trickle(url: str, answers: list[bytes]) -> None:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        stream = await trio.open_tcp_stream(host, int(port))
+        async with stream:
+            await stream.send_all(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                b"content-length: 1000\r\n\r\n{"
+            )
+            answer = b""
+            with trio.move_on_after(5):  # (a byte every 0.1 s: forever, for the old proxy)
+                while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):
+                    with trio.move_on_after(0.1):
+                        data = await stream.receive_some()
+                        if not data:
+                            break
+                        answer += data
+                    if not answer:
+                        await stream.send_all(b" ")
+            answers.append(answer)
+
+    with trio.fail_after(30):
+        async with (
+            engines(2) as ([prefill, _], urls),
+            proxy_for(urls[:1], urls[1:], body_timeout=0.5, max_client_requests=4) as (_, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            answers: list[bytes] = []
+            started = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                for _ in range(10):
+                    nursery.start_soon(trickle, proxy, answers)
+                await trio.sleep(0.2)
+                # Meanwhile /health answers, and so does a whole request once a slot frees.
+                assert (await client.get(f"{proxy}/health")).status_code == 200
+            took = trio.current_time() - started
+            statuses = sorted(int(a.split(b" ", 2)[1]) for a in answers)
+            assert statuses == [408] * 4 + [429] * 6, answers
+            assert took < 3.0
+            for answer in answers:
+                head, body = answer.split(b"\r\n\r\n", 1)
+                assert b"x-request-id" in head.lower()
+                assert json.loads(body)["error"]["message"]
+            assert prefill.seen == []
+            response = await client.post(f"{proxy}/v1/completions", json=BODY)
+            assert response.status_code == 200, response.text
+
+
+def test_the_engine_sets_memory_backoff_attempts_and_health_on_its_own_clock() -> None:
+    from trio_pd._serve.routing import BACKOFF_CAP, FAILED_FOR, EngineSet
+
+    engines = EngineSet(["a", "b", "c"])
+    assert len(engines.candidates(0.0, limit=2)) == 2
+    backoffs = [engines.refused("a", 0.0) for _ in range(8)]
+    assert backoffs == [1.0, 2.0, 4.0, 8.0, 16.0, BACKOFF_CAP, BACKOFF_CAP, BACKOFF_CAP]
+    assert "a" not in engines.candidates(29.0)
+    assert "a" in engines.candidates(30.0)
+    engines.answered("a")  # (an answer resets it)
+    assert engines.refused("a", 0.0) == 1.0
+    for engine in ("b", "c"):
+        engines.refused(engine, 0.0)
+    assert engines.candidates(0.5) == []
+    assert engines.retry_in(0.5) == 0.5
+    # Health: failing while every engine's failure is remembered, not after.
+    assert engines.failing(0.5)
+    assert not engines.failing(1.0)  # (their backoffs ended: untried again)
+    for engine in ("a", "b", "c"):
+        engines.failed(engine, 10.0)
+    assert engines.failing(10.0 + FAILED_FOR - 0.1)
+    assert not engines.failing(10.0 + FAILED_FOR)
+    engines.failed("a", 20.0)
+    assert not engines.failing(20.0)  # (b and c: no recent failure)
+    # Engines that leave are forgotten; an empty role is never "failing".
+    engines.update([])
+    assert not engines.failing(20.0)
+    assert engines.candidates(20.0) == []

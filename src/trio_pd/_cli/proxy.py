@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
+import os
 import socket
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -52,7 +54,15 @@ from trio_pd._serve.binding import (
 from trio_pd._serve.discovery import EngineSet, Membership
 from trio_pd._serve.keys import API_KEY_ENV, BearerKeys
 from trio_pd._serve.openai import MAX_MODEL_LEN
-from trio_pd._serve.proxy import Proxy, ProxyTimeouts, open_client
+from trio_pd._serve.proxy import (
+    BODY_TIMEOUT,
+    MAX_ATTEMPTS,
+    MAX_CLIENT_REQUESTS,
+    Proxy,
+    ProxyTimeouts,
+    open_client,
+)
+from trio_pd._serve.routing import url_problem
 from trio_pd._serve.stopping import StopRequest, stop_requests
 
 
@@ -73,6 +83,9 @@ class ProxyOptions:
     timeouts: ProxyTimeouts = attrs.Factory(ProxyTimeouts)
     api_keys: BearerKeys | None = None  # (None: /v1/* open to anyone who connects)
     internal_key: str | None = attrs.field(default=None, repr=False)  # (sent to the engines)
+    max_attempts: int = MAX_ATTEMPTS  # (engines of a role one request tries)
+    body_timeout: float = BODY_TIMEOUT  # (a request's body, then 408)
+    max_client_requests: int = MAX_CLIENT_REQUESTS  # (open at once per client address)
 
     def check(self) -> None:
         """Raises ValueError naming the flag that is wrong."""
@@ -81,6 +94,12 @@ class ProxyOptions:
         if not self.grace > 0:  # (NaN too)
             raise ValueError("--grace must be > 0")
         check_send_timeout(self.send_timeout)
+        if self.max_attempts < 1:
+            raise ValueError("--max-attempts must be at least 1")
+        if not (self.body_timeout > 0 and math.isfinite(self.body_timeout)):
+            raise ValueError("--body-timeout must be > 0")
+        if self.max_client_requests < 0:
+            raise ValueError("--max-client-requests must be at least 0 (0: no cap)")
         if self.max_model_len is not None and not 1 <= self.max_model_len <= MAX_MODEL_LEN:
             raise ValueError(f"--max-model-len must be in [1, {MAX_MODEL_LEN}]")
         for flag, seconds in _timeout_flags(self.timeouts).items():
@@ -136,7 +155,12 @@ async def serve_proxy(
         ):
             router = _Router(client, options)
             if membership is not None:
-                engines = await watching.start(membership.watch_engines, router.proxy.follow)
+                from trio_pd._membership import MembershipError
+
+                try:
+                    engines = await watching.start(membership.watch_engines, router.proxy.follow)
+                except (MembershipError, ValueError) as exc:
+                    raise ProxyStartError(f"membership: {exc}") from None
             assert engines is not None
             if membership is None and (not engines.prefill or not engines.decode):
                 raise ProxyStartError(f"no engines to serve: {engines}")
@@ -167,6 +191,9 @@ class _Router:
             send_timeout=options.send_timeout,
             api_keys=options.api_keys,
             internal_key=options.internal_key,
+            max_attempts=options.max_attempts,
+            body_timeout=options.body_timeout,
+            max_client_requests=options.max_client_requests,
         )
         self.app = response_completes(self.proxy.app())
 
@@ -234,6 +261,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, type=float, default=default, metavar="SECONDS", help=help_text)
     add_send_timeout_argument(parser, defaults.send_timeout)
     parser.add_argument(
+        "--max-attempts",
+        type=int,
+        default=defaults.max_attempts,
+        metavar="N",
+        help="the most engines of a role one request tries (an engine that refused a "
+        "connection is left out for a backoff: 1 s, doubled up to 30 s; default "
+        f"{defaults.max_attempts})",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=defaults.body_timeout,
+        metavar="SECONDS",
+        help="how long a client may take to send a request's body, then 408 and its "
+        f"connection closed (default {defaults.body_timeout:g})",
+    )
+    parser.add_argument(
+        "--max-client-requests",
+        type=int,
+        default=defaults.max_client_requests,
+        metavar="N",
+        help="the most requests open at once from one client address, then 429 (0: no cap; "
+        "behind a gateway every client has its address: raise it; /health and /metrics are "
+        f"not counted; default {defaults.max_client_requests})",
+    )
+    parser.add_argument(
         "--api-key",
         action="append",
         default=[],
@@ -266,8 +319,9 @@ def _timeout_flags(timeouts: ProxyTimeouts) -> dict[str, float]:
 
 def _engine_urls(flag: str, urls: Sequence[str]) -> tuple[str, ...]:
     for url in urls:
-        if not url.startswith(("http://", "https://")):
-            raise UsageError(f"{flag} {url!r}: an engine's URL starts with http:// or https://")
+        problem = url_problem(url)
+        if problem is not None:
+            raise UsageError(f"{flag} {url!r}: {problem}")
     return tuple(url.rstrip("/") for url in urls)
 
 
@@ -289,6 +343,9 @@ def run(args: argparse.Namespace) -> int:
         ),
         api_keys=client_keys(args.api_key),
         internal_key=internal_key(args.internal_key_file),
+        max_attempts=args.max_attempts,
+        body_timeout=args.body_timeout,
+        max_client_requests=args.max_client_requests,
     )
     try:
         options.check()
@@ -297,6 +354,17 @@ def run(args: argparse.Namespace) -> int:
     engines = EngineSet(
         _engine_urls("--prefill", args.prefill), _engine_urls("--decode", args.decode)
     )
+    keys, internal = options.api_keys, options.internal_key
+    if keys is not None and internal is not None and keys.accepts(internal):
+        raise UsageError("a client key (--api-key) must not be the engines' internal key")
+    if args.etcd and not args.etcd_prefix.endswith("/"):
+        raise UsageError(f"--etcd-prefix {args.etcd_prefix!r} must end with '/'")
+    if args.ready_file:
+        if os.path.isdir(args.ready_file):
+            raise UsageError(f"--ready-file {args.ready_file!r} is a folder")
+        folder = os.path.dirname(os.path.abspath(args.ready_file))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+            raise UsageError(f"--ready-file {args.ready_file!r}: {folder} is not a writable folder")
     membership = membership_from_args(args, options.internal_key)
     if membership is None and not (engines.prefill and engines.decode):
         raise UsageError("give the engines: --prefill URL... and --decode URL... (or --etcd URL)")
@@ -331,7 +399,12 @@ async def _main(
                     )
                 )
                 if ready_file:
-                    write_json_atomically(ready_file, {"url": url})
+                    try:
+                        write_json_atomically(ready_file, {"url": url})
+                    except OSError as exc:
+                        raise ProxyStartError(
+                            f"cannot write the ready file {ready_file}: {exc.strerror or exc}"
+                        ) from None
                 stop.ready = True
                 report(f"trio-pd proxy: ready at {url}")
     finally:

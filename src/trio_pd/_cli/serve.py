@@ -38,9 +38,11 @@ import functools
 import json
 import os
 import secrets
+import shutil
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import AsyncExitStack, contextmanager
 from pathlib import Path
@@ -235,7 +237,8 @@ async def _deploy(
     the proxy on ``sock``; serve until ``stop``; drain. Raises ServeError
     (see :func:`run_serve`)."""
     failures: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="trio-pd-serve-") as scratch:  # (mode 0700)
+    remove_stale_scratch()
+    with tempfile.TemporaryDirectory(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-") as scratch:
         curve_files = _write_curve_keys(Path(scratch), options) if options.curve else {}
         board = EngineBoard(
             [
@@ -360,6 +363,44 @@ def _roles(options: ServeOptions) -> list[tuple[str, int]]:
     return [("prefill", i) for i in range(options.prefill)] + [
         ("decode", i) for i in range(options.decode)
     ]
+
+
+SCRATCH_PREFIX = "trio-pd-serve-"
+"""``serve``'s scratch directory (mode 0700, in the temp dir), named
+``trio-pd-serve-PID-*``: the engines' CURVE key files. Removed on exit; one
+left by a ``serve`` that was killed (SIGKILL) is removed at the next start."""
+
+
+def remove_stale_scratch() -> None:
+    """Remove the scratch directories of this user's ``serve`` commands that
+    are gone (their PID runs no process), and the key files in them."""
+    root = Path(tempfile.gettempdir())
+    for directory in root.glob(f"{SCRATCH_PREFIX}*"):
+        pid = directory.name.removeprefix(SCRATCH_PREFIX).split("-", 1)[0]
+        try:
+            if directory.is_symlink() or directory.stat().st_uid != os.getuid():
+                continue
+            if pid.isdigit():
+                try:
+                    os.kill(int(pid), 0)
+                    continue  # (that serve still runs)
+                except ProcessLookupError:
+                    pass
+                except PermissionError:
+                    continue
+            elif not any(directory.glob("*.curve.json")):
+                continue  # (not one of ours)
+            else:
+                # (from before PIDs were in the name: only if no process has it open)
+                if time.time() - directory.stat().st_mtime < STALE_UNNAMED:
+                    continue
+            shutil.rmtree(directory, ignore_errors=True)
+        except OSError:
+            continue
+
+
+STALE_UNNAMED = 24 * 3600.0
+"""Seconds after which a scratch directory without a PID in its name is stale."""
 
 
 def _write_curve_keys(directory: Path, options: ServeOptions) -> dict[str, list[str]]:

@@ -79,6 +79,17 @@ class StreamStalled(Exception):
     """A decode engine's answer sent nothing for the proxy's idle deadline."""
 
 
+class MalformedAnswer(Exception):
+    """An engine's answer that the proxy cannot use: a 200 whose body is not
+    JSON, or lacks (or mistypes) what the proxy takes from it."""
+
+
+class DeploymentFault(Exception):
+    """A decode engine refused the ``kv_transfer_params`` its prefill engine
+    issued -- fields the client never sent (the proxy sets them): the two
+    engines disagree (different exposure secrets, say), a deployment fault."""
+
+
 class ExposureEnded(Exception):
     """A decode engine answered ``exposure_ended`` (its pull found the
     prefill's exposure over) again after the proxy prefilled once more; the
@@ -223,6 +234,29 @@ ERROR_STATUSES: dict[type[BaseException], ErrorStatus] = {
         retry_after=1,
         counted="exposure_ended",
     ),
+    MalformedAnswer: ErrorStatus(
+        status=502,
+        type="{role}_failed",
+        message="{role} engine {engine} failed: its answer cannot be used: {exc}",
+        meaning="an engine answered 200 with a body the proxy cannot use (not JSON, "
+        "truncated, a prefill answer without a ``kv_transfer_params`` object). Not retried.",
+        where=("proxy",),
+        extra=("engine",),
+        counted="malformed",
+    ),
+    DeploymentFault: ErrorStatus(
+        status=502,
+        type="deployment_error",
+        message="decode engine {engine} refused the KV issued by prefill engine "
+        "{prefill_engine}: {exc}",
+        meaning="a decode engine refused the ``kv_transfer_params`` its prefill engine "
+        "issued (a 400 naming one of them, e.g. ``remote_token``): the client never sent "
+        "them, so the engines disagree -- different exposure secrets, say. ``engine`` and "
+        "``prefill_engine`` name the two; ``/health`` is ``degraded`` while it lasts.",
+        where=("proxy",),
+        extra=("engine", "prefill_engine"),
+        counted="deployment",
+    ),
     httpx2.ConnectError: _REFUSED,
     httpx2.ConnectTimeout: _REFUSED,
     trio.TooSlowError: ErrorStatus(
@@ -255,8 +289,9 @@ ERROR_STATUSES: dict[type[BaseException], ErrorStatus] = {
         meaning="a bug: an exception that escapes a handler is logged with the request id, "
         "and answered in the same JSON shape (the message says no more). No input should "
         "reach it: the request parsers are fuzzed (any JSON value, lone surrogates, huge "
-        "integers, deep nesting) to raise nothing but a 4xx.",
-        where=("engine",),
+        "integers, deep nesting) to raise nothing but a 4xx; the proxy's handling of "
+        "engines' answers is fuzzed (``tests/test_proxy_faults.py``) to reach other rows.",
+        where=("engine", "proxy"),
     ),
 }
 """Each exception the servers catch, and how they answer it. An exception is

@@ -94,8 +94,9 @@ class ProxyMetrics:
         self.requests = Counter(
             "trio_pd_proxy_requests",
             "Completion and chat requests by outcome: ok, client_error (4xx), overloaded (503), "
-            "timeout (504), engine_error (other 5xx), disconnected (the client left), "
-            "stalled (the client stopped reading: reset after --send-timeout).",
+            "timeout (504), engine_error (other 5xx, and a stream that failed after its 200), "
+            "disconnected (the client left), stalled (the client stopped reading: reset after "
+            "--send-timeout), server_error (a bug in the proxy: a JSON 500, logged).",
             ["outcome"],
             registry=r,
         )
@@ -118,8 +119,10 @@ class ProxyMetrics:
         self.engine_errors = Counter(
             "trio_pd_proxy_engine_errors",
             "Failed requests to engines, by role, engine and kind: refused (passed over, "
-            "retried elsewhere), timeout, transport, status (a 5xx), exposure_ended (a decode "
-            "engine found the prefill's exposure over, after one more prefill).",
+            "retried elsewhere), timeout, transport, status (a 5xx), malformed (a 200 the proxy "
+            "cannot use), deployment (a decode engine refused what its prefill engine issued: "
+            "the engines disagree), exposure_ended (a decode engine found the prefill's "
+            "exposure over, after one more prefill).",
             ["role", "engine", "kind"],
             registry=r,
         )

@@ -14,9 +14,10 @@ An operator can run it (see docs/serving.md):
   it runs (:meth:`Proxy.set_engines`: membership).
 * **Retries only where the request cannot have had an effect**: an engine
   that refuses the connection never saw the request, so the next one is
-  tried (and the refusing one is tried last for a few seconds); so is a
-  prefill engine that answers 503 (draining or out of blocks: it did no
-  work). A timeout or a broken connection after the request was sent is not
+  tried (and the refusing one is left out for a backoff, exponential and
+  capped: ``_serve.routing``); so is a prefill engine that answers 503
+  (draining or out of blocks: it did no work). At most ``max_attempts``
+  engines per role and request. A timeout or a broken connection after the request was sent is not
   retried (the work may have been done) and does not mark the engine down
   (a busy engine is slow, not gone). A decode engine's 503 is not retried
   either: it abandoned the prefill's blocks when it gave up.
@@ -28,6 +29,9 @@ An operator can run it (see docs/serving.md):
   in every log line about the request.
 * ``GET /metrics``: requests by outcome, time to first byte and end to end,
   requests in flight, engine errors by role, engine and kind.
+* ``GET /health`` from what the proxy saw: 503 when a role has no engine,
+  when every engine of a role failed its last request, or while two engines
+  disagree (a :class:`~.errors.DeploymentFault`).
 * ``Server-Timing`` on each answer: the prefill request, the decode request
   until its answer started, and the engines' own phases (``_serve.timing``).
 
@@ -70,7 +74,15 @@ from trio_pd._serve.asgi import (
 from trio_pd._serve.binding import SEND_TIMEOUT
 from trio_pd._serve.defaults import HOLD_MARGIN, LEASE_INITIAL, REPREFILLS
 from trio_pd._serve.discovery import EngineSet as RegisteredEngines
-from trio_pd._serve.errors import ExposureEnded, HTTPError, StreamStalled, error_status, http_error
+from trio_pd._serve.errors import (
+    DeploymentFault,
+    ExposureEnded,
+    HTTPError,
+    MalformedAnswer,
+    StreamStalled,
+    error_status,
+    http_error,
+)
 from trio_pd._serve.keys import BearerKeys, bearer_header
 from trio_pd._serve.metrics import ProxyMetrics
 from trio_pd._serve.openai import (
@@ -80,7 +92,7 @@ from trio_pd._serve.openai import (
     parse_completions_request,
     request_id_from_headers,
 )
-from trio_pd._serve.routing import EngineSet
+from trio_pd._serve.routing import EngineSet, url_problem
 from trio_pd._serve.timing import PhaseTimes
 
 
@@ -117,6 +129,20 @@ def open_client(timeouts: ProxyTimeouts = ProxyTimeouts()) -> httpx2.AsyncClient
 
 logger = logging.getLogger("trio_pd.proxy")
 
+MODELS_ASKED = 4
+"""The most engines of each role ``GET /v1/models`` asks (at once)."""
+
+BODY_TIMEOUT = 30.0
+"""How long a client may take to send a request's body (``--body-timeout``): then 408."""
+
+MAX_CLIENT_REQUESTS = 64
+"""The most requests one client address may have open at once
+(``--max-client-requests``; 0: no cap): then 429 at once. ``/health`` and
+``/metrics`` are not counted."""
+
+MAX_ATTEMPTS = 3
+"""The most engines of a role one request tries (``--max-attempts``)."""
+
 REQUEST_ID_HEADER = "x-request-id"
 KV_PARAMS = "kv_transfer_params"
 EXPOSURE_ENDED = "exposure_ended"
@@ -150,6 +176,11 @@ class Proxy:
         hold_margin: what must be left of an exposure's lease once the
             proxy connected to a decode engine (for that engine to hold it);
             :data:`~.defaults.HOLD_MARGIN`.
+        max_attempts: the most engines of a role one request tries
+            (engines that refused lately are not among them).
+        body_timeout: how long a request's body may take to arrive (408 then).
+        max_client_requests: the most requests open at once from one
+            client address (429 then; 0: no cap).
     """
 
     def __init__(
@@ -164,10 +195,20 @@ class Proxy:
         api_keys: BearerKeys | None = None,
         internal_key: str | None = None,
         hold_margin: float = HOLD_MARGIN,
+        max_attempts: int = MAX_ATTEMPTS,
+        body_timeout: float = BODY_TIMEOUT,
+        max_client_requests: int = MAX_CLIENT_REQUESTS,
     ):
+        if max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+        self._max_attempts = max_attempts
+        self._body_timeout = body_timeout
+        self._max_client_requests = max_client_requests
+        self._client_requests: dict[str, int] = {}  # (open requests by client address)
+        self._faults: dict[tuple[str, str], str] = {}  # (prefill, decode): the last refusal
         self._max_model_len = max_model_len
         self._hold_margin = hold_margin
-        self._engines = {"prefill": EngineSet(prefill), "decode": EngineSet(decode)}
+        self._engines = {"prefill": EngineSet(), "decode": EngineSet()}
         self._client = client
         self._timeouts = timeouts
         self._send_timeout = send_timeout
@@ -177,24 +218,34 @@ class Proxy:
         self.accepting = True
         self.membership_problem: str | None = None
         """Set by whoever keeps the engine sets (etcd): shown by /health."""
+        self.set_engines("prefill", prefill)
+        self.set_engines("decode", decode)
 
     def set_engines(self, role: str, engines: Sequence[str]) -> None:
-        """Route ``role``'s requests to ``engines`` from now on."""
-        self._engines[role].update(engines)
+        """Route ``role``'s requests to ``engines`` from now on (a URL the
+        HTTP client could not build a request to is left out, and logged)."""
+        usable = []
+        for engine in engines:
+            problem = url_problem(engine)
+            if problem is None:
+                usable.append(engine.rstrip("/"))
+            else:
+                logger.warning("%s engine %r left out: %s", role, engine, problem)
+        self._engines[role].update(usable)
 
     def engines(self, role: str) -> list[str]:
         return self._engines[role].engines
 
     def follow(self, engines: RegisteredEngines) -> None:
         """Route to the registered ``engines`` from now on (what
-        :meth:`~.discovery.Membership.watch_engines` reports). An empty role
-        keeps its last engines: requests fail there as they would on none,
-        and ``/health`` says why (``engines.problem``, as
-        :attr:`membership_problem`)."""
-        if engines.prefill:
-            self.set_engines("prefill", engines.prefill)
-        if engines.decode:
-            self.set_engines("decode", engines.decode)
+        :meth:`~.discovery.Membership.watch_engines` reports). A role with
+        no live engine (keys deleted, leases expired) is empty: requests get
+        a 503 naming it and ``/health`` says so. Only while the membership
+        itself is unreachable (``engines.problem``, shown by ``/health`` as
+        :attr:`membership_problem`) does an empty role keep its last view."""
+        for role, urls in (("prefill", engines.prefill), ("decode", engines.decode)):
+            if urls or engines.problem is None:
+                self.set_engines(role, urls)
         self.membership_problem = engines.problem
 
     def app(self) -> Callable[[Scope, Receive, Send], Any]:
@@ -207,11 +258,40 @@ class Proxy:
             method, path = scope["method"], scope["path"]
             request_id = request_id_from_headers(scope.get("headers", []))
             headers = [(REQUEST_ID_HEADER.encode(), request_id.encode())]
+            started = False
+
+            async def sending(message: dict[str, Any]) -> None:
+                nonlocal started
+                started = started or message["type"] == "http.response.start"
+                await send(message)
+
+            counted = path not in ("/health", "/metrics")
+            address = str((scope.get("client") or ("?",))[0])
+            if counted:
+                self._client_requests[address] = self._client_requests.get(address, 0) + 1
             try:
+                if counted and 0 < self._max_client_requests < self._client_requests[address]:
+                    raise HTTPError(
+                        429,
+                        f"more than {self._max_client_requests} requests open from {address} "
+                        "(--max-client-requests)",
+                        "too_many_requests",
+                        retry_after=1,
+                    )
                 if self._api_keys is not None and self._api_keys.guards(path):
                     self._api_keys.check(scope.get("headers", []))
                 if method == "POST" and path in ROUTES:
-                    await self._generate(path, request_id, receive, send)
+                    await self._generate(path, request_id, receive, sending)
+                elif path == "/v1/models" or path.startswith("/v1/models/"):
+                    if method != "GET":
+                        error = HTTPError(
+                            405,
+                            f"{method} {path[:200]} is not allowed (use GET)",
+                            "method_not_allowed",
+                        )
+                        error.headers.append((b"allow", b"GET"))
+                        raise error
+                    await self._models(path, sending, headers)
                 elif (method, path) == ("GET", "/health"):
                     await self._health(send)
                 elif (method, path) == ("GET", "/metrics"):
@@ -227,22 +307,115 @@ class Proxy:
                 else:
                     raise HTTPError(404, f"no route {scope['method']} {scope['path']}", "not_found")
             except HTTPError as exc:
-                await send_json(send, exc.status, exc.body, [*exc.headers, *headers])
+                if not started:
+                    await send_json(send, exc.status, exc.body, [*exc.headers, *headers])
+            except Exception as exc:
+                # A bug: answered in the same JSON shape (never hypercorn's bare 500).
+                logger.exception("request %s: internal error", request_id)
+                error = http_error(exc, row_of=Exception, request_id=request_id)
+                if not started:
+                    await send_json(send, error.status, error.body, [*error.headers, *headers])
+                else:  # (a stream had started: its last event says so)
+                    await send_event(send, json.dumps(error.body), last=True)
+            finally:
+                if counted:
+                    self._client_requests[address] -= 1
+                    if not self._client_requests[address]:
+                        del self._client_requests[address]
 
         return app
 
-    async def _health(self, send: Send) -> None:
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """``/health``'s status and body, from what the proxy saw (see
+        docs/operations.md): ``ok``; ``draining``; ``no engines`` (``missing``:
+        the roles with none); ``failing`` (``failing``: the roles whose every
+        engine failed its last request); ``degraded`` (``faults``: pairs of
+        engines that disagree, until a request between them succeeds)."""
         health: dict[str, Any] = {
-            "status": "ok" if self.accepting else "draining",
+            "status": "ok",
             "prefill": len(self.engines("prefill")),
             "decode": len(self.engines("decode")),
         }
         if self.membership_problem is not None:
             health["membership"] = self.membership_problem
-        ok = self.accepting and all(health[role] for role in ("prefill", "decode"))
-        if self.accepting and not ok:
+        missing = [role for role in ("prefill", "decode") if not health[role]]
+        now = trio.current_time()
+        failing = [role for role, engines in self._engines.items() if engines.failing(now)]
+        faults = self.faults()
+        if missing:
+            health["missing"] = missing
+        if failing:
+            health["failing"] = failing
+        if faults:
+            health["faults"] = faults
+        if not self.accepting:
+            health["status"] = "draining"
+        elif missing:
             health["status"] = "no engines"
-        await send_json(send, 200 if ok else 503, health)
+        elif failing:
+            health["status"] = "failing"
+        elif faults:
+            health["status"] = "degraded"
+        return (200 if health["status"] == "ok" else 503), health
+
+    def faults(self) -> list[dict[str, str]]:
+        """The pairs of engines (still in the sets) whose last request failed
+        as a :class:`~.errors.DeploymentFault`."""
+        prefill, decode = set(self.engines("prefill")), set(self.engines("decode"))
+        return [
+            {"prefill": p, "decode": d, "error": why}
+            for (p, d), why in sorted(self._faults.items())
+            if p in prefill and d in decode
+        ]
+
+    async def _models(self, path: str, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+        """``GET /v1/models`` (and ``/v1/models/{id}``): the models the engines
+        list, from their own answers (up to :data:`MODELS_ASKED` engines of each
+        role, asked at once, each within ``--connect-timeout`` + ``--idle-timeout``);
+        a model listed by several engines once, with the smallest ``max_model_len``."""
+        cards: dict[str, dict[str, Any]] = {}
+
+        async def ask(engine: str) -> None:
+            with trio.move_on_after(self._timeouts.connect + self._timeouts.idle):
+                try:
+                    response = await self._client.get(
+                        f"{engine}/v1/models", headers=self._upstream_headers
+                    )
+                    listed = json.loads(response.content)["data"] if response.is_success else []
+                except (httpx2.HTTPError, ValueError, KeyError, TypeError, RecursionError):
+                    return  # (an engine that cannot say: the others may)
+                for card in listed if isinstance(listed, list) else []:
+                    if not (isinstance(card, dict) and isinstance(card.get("id"), str)):
+                        continue
+                    known = cards.setdefault(card["id"], card)
+                    lengths = [c.get("max_model_len") for c in (known, card)]
+                    ints = [n for n in lengths if isinstance(n, int) and not isinstance(n, bool)]
+                    if len(ints) == 2:
+                        known["max_model_len"] = min(ints)
+
+        async with trio.open_nursery() as nursery:
+            for role in ("decode", "prefill"):
+                for engine in self._engines[role].candidates(trio.current_time(), MODELS_ASKED):
+                    nursery.start_soon(ask, engine)
+        if not cards:
+            raise HTTPError(503, "no engine listed its models", "unavailable", retry_after=1)
+        if path == "/v1/models":
+            await send_json(send, 200, {"object": "list", "data": list(cards.values())}, headers)
+            return
+        model = path.removeprefix("/v1/models/")
+        if model not in cards:
+            raise HTTPError(
+                404,
+                f"The model `{model[:200]}` does not exist",
+                "invalid_request_error",
+                param="model",
+                code="model_not_found",
+            )
+        await send_json(send, 200, cards[model], headers)
+
+    async def _health(self, send: Send) -> None:
+        status, health = self.health()
+        await send_json(send, status, health)
 
     async def _generate(self, path: str, request_id: str, receive: Receive, send: Send) -> None:
         """A completions or chat request: prefill on one engine, decode on another."""
@@ -250,7 +423,16 @@ class Proxy:
         outcome = "error"
         self.metrics.in_flight.inc()
         try:
-            body = await read_json(receive)
+            body: dict[str, Any] | None = None
+            with trio.move_on_after(self._body_timeout):
+                body = await read_json(receive)
+            if body is None:
+                raise HTTPError(
+                    408,
+                    f"the request's body did not arrive within {self._body_timeout:g} s "
+                    "(--body-timeout)",
+                    "invalid_request_error",
+                )
             if isinstance(body, dict):
                 # The proxy sets kv_transfer_params itself (a client's own never
                 # reach an engine): the body is checked without them, so a
@@ -271,6 +453,8 @@ class Proxy:
                 )
             if not self.accepting:
                 raise HTTPError(503, "the proxy is draining", "unavailable", retry_after=1)
+            for role in ("prefill", "decode"):  # (no work for a request that cannot be served)
+                self._check_available(role)
             outcome = "disconnected"
 
             async def send_tracked(message: dict[str, Any]) -> None:
@@ -293,6 +477,12 @@ class Proxy:
         except HTTPError as exc:
             outcome = _outcome(exc.status)
             logger.warning("request %s: %d %s", request_id, exc.status, exc)
+            raise
+        except _EndedInStream as exc:  # (answered: the stream's last event)
+            outcome = _outcome(exc.error.status)
+            logger.warning("request %s: %d mid-stream: %s", request_id, exc.error.status, exc)
+        except Exception:
+            outcome = "server_error"
             raise
         finally:
             self.metrics.in_flight.dec()
@@ -318,11 +508,11 @@ class Proxy:
         """
         deadline = math.inf
         for round_ in range(1 + REPREFILLS):
-            kv, expires = await self._prefill(path, request_id, body, times, deadline)
+            kv, expires, prefilled = await self._prefill(path, request_id, body, times, deadline)
             decoding = {**body, KV_PARAMS: kv}
             try:
                 await self._decode(
-                    path, request_id, decoding, send, started, times, expires, deadline
+                    path, request_id, decoding, send, started, times, expires, deadline, prefilled
                 )
                 return
             except _PrefillAgain as again:
@@ -341,10 +531,10 @@ class Proxy:
         body: dict[str, Any],
         times: PhaseTimes,
         deadline: float = math.inf,
-    ) -> tuple[dict[str, Any], float]:
+    ) -> tuple[dict[str, Any], float, str]:
         """The KV of ``body``'s prompt, from a prefill engine that answers,
-        and when its exposure's lease runs out (``trio.current_time()``'s
-        clock: counted from the answer, see :func:`_lease_of`).
+        when its exposure's lease runs out (``trio.current_time()``'s
+        clock: counted from the answer, see :func:`_lease_of`), and that engine.
 
         An engine that refuses the connection, or answers 503 (it did no
         work), is passed over for the next; any other failure is this
@@ -362,7 +552,7 @@ class Proxy:
             request["max_completion_tokens"] = 1
         engines = self._engines["prefill"]
         failure: HTTPError | None = None
-        for engine in engines.candidates(trio.current_time()):
+        for engine in engines.candidates(trio.current_time(), self._max_attempts):
             with engines.attempt(engine):
                 limit = min(self._timeouts.prefill, deadline - trio.current_time())
                 try:
@@ -377,22 +567,30 @@ class Proxy:
                     failure = self._engine_error("prefill", engine, exc)
                     continue
                 except trio.TooSlowError as exc:
+                    engines.failed(engine, trio.current_time())
                     raise self._engine_error(
                         "prefill", engine, exc, phase="no answer", seconds=max(limit, 0)
                     ) from None
                 except httpx2.HTTPError as exc:
+                    engines.failed(engine, trio.current_time())
                     raise self._engine_error("prefill", engine, exc) from None
             if response.status_code == 503:
+                engines.failed(engine, trio.current_time())
                 failure = _relayed("prefill", engine, response.status_code, response.text)
                 continue
             if response.status_code != 200:
-                self._count_status("prefill", engine, response.status_code)
+                self._judge("prefill", engine, response.status_code)
                 raise _relayed("prefill", engine, response.status_code, response.text)
             answered = trio.current_time()
-            kv: dict[str, Any] = response.json()[KV_PARAMS]
+            try:
+                kv = _kv_of(response)
+            except MalformedAnswer as exc:
+                engines.failed(engine, trio.current_time())
+                raise self._engine_error("prefill", engine, exc) from None
+            engines.answered(engine)
             times.relay("prefill.", response.headers.get("server-timing"))
-            return kv, answered + _lease_of(kv)
-        raise failure or HTTPError(503, "no prefill engine", "unavailable", retry_after=1)
+            return kv, answered + _lease_of(kv), engine
+        raise failure or self._unavailable("prefill")
 
     async def _decode(
         self,
@@ -404,8 +602,10 @@ class Proxy:
         times: PhaseTimes,
         expires: float,
         deadline: float = math.inf,
+        prefilled: str = "",
     ) -> None:
-        """Relay ``body``'s decoding from a decode engine that can be reached.
+        """Relay ``body``'s decoding from a decode engine that can be reached
+        (``prefilled``: the prefill engine that issued its parameters).
 
         One that refuses the connection (it died, say) is passed over for
         the next: it never saw the request, and the prefill engine's
@@ -419,7 +619,7 @@ class Proxy:
         """
         engines = self._engines["decode"]
         failure: HTTPError | None = None
-        for engine in engines.candidates(trio.current_time()):
+        for engine in engines.candidates(trio.current_time(), self._max_attempts):
             connect = min(self._timeouts.connect, expires - self._hold_margin - trio.current_time())
             if connect <= 0:
                 left = max(expires - trio.current_time(), 0)
@@ -440,14 +640,23 @@ class Proxy:
             with engines.attempt(engine):
                 try:
                     await self._decode_on(
-                        engine, path, request_id, body, send, started, times, connect, deadline
+                        engine,
+                        path,
+                        request_id,
+                        body,
+                        send,
+                        started,
+                        times,
+                        connect,
+                        deadline,
+                        prefilled,
                     )
                 except _Refused as exc:
                     engines.refused(engine, trio.current_time())
                     failure = exc.error
                     continue
             return
-        raise failure or HTTPError(503, "no decode engine", "unavailable", retry_after=1)
+        raise failure or self._unavailable("decode")
 
     async def _decode_on(
         self,
@@ -460,6 +669,7 @@ class Proxy:
         times: PhaseTimes,
         connect: float,
         deadline: float,
+        prefilled: str,
     ) -> None:
         streaming = False
         timeouts = self._timeouts
@@ -472,12 +682,13 @@ class Proxy:
             timeout=httpx2.Timeout(connect=connect, read=None, write=timeouts.idle, pool=None),
         )
         response: httpx2.Response | None = None
+        ended: HTTPError | None = None  # (an error after the 200 was sent)
         first_byte = max(min(timeouts.first_byte, deadline - trio.current_time()), 0)
         try:
             with times.phase("decode"), trio.fail_after(first_byte):
                 response = await self._client.send(request, stream=True)
             if response.status_code != 200:
-                self._count_status("decode", engine, response.status_code)
+                self._judge("decode", engine, response.status_code)
                 try:
                     with trio.fail_after(timeouts.idle):  # (its error body, too)
                         text = (await response.aread()).decode(errors="replace")
@@ -486,18 +697,28 @@ class Proxy:
                         f"its {response.status_code} answer stalled for {timeouts.idle:g} s"
                     ) from None
                 relayed = _relayed("decode", engine, response.status_code, text)
+                param = relayed.body["error"].get("param")
+                if response.status_code == 400 and str(param).startswith(f"{KV_PARAMS}."):
+                    # (the proxy set them, from the prefill's answer: not the client's fault)
+                    message = str(relayed).removeprefix(f"decode engine {engine}: ")
+                    raise DeploymentFault(f"{message} ({param})")
                 if response.status_code == 409 and _code(relayed) == EXPOSURE_ENDED:
                     # (the exposure is gone: no other decode engine can read it)
                     message = str(relayed).removeprefix(f"decode engine {engine}: ")
                     raise _PrefillAgain(EXPOSURE_ENDED, message, engine=engine)
                 raise relayed
+            self._engines["decode"].answered(engine)
+            self._faults.pop((prefilled, engine), None)
             times.relay("decode.", response.headers.get("server-timing"))
             await send(
                 {
                     "type": "http.response.start",
                     "status": 200,
                     "headers": [
-                        (b"content-type", response.headers["content-type"].encode()),
+                        (
+                            b"content-type",
+                            response.headers.get("content-type", "application/json").encode(),
+                        ),
                         (REQUEST_ID_HEADER.encode(), request_id.encode()),
                         times.header(),
                     ],
@@ -523,7 +744,11 @@ class Proxy:
             await send({"type": "http.response.body", "body": b""})
         except (httpx2.ConnectError, httpx2.ConnectTimeout) as exc:
             raise _Refused(self._engine_error("decode", engine, exc)) from None
+        except DeploymentFault as exc:
+            self._faults[(prefilled, engine)] = str(exc)
+            raise self._engine_error("decode", engine, exc, prefill_engine=prefilled) from None
         except trio.TooSlowError as exc:
+            self._engines["decode"].failed(engine, trio.current_time())
             raise self._engine_error(
                 "decode",
                 engine,
@@ -532,15 +757,19 @@ class Proxy:
                 seconds=first_byte,
             ) from None
         except (httpx2.HTTPError, StreamStalled) as exc:
+            self._engines["decode"].failed(engine, trio.current_time())
             error = self._engine_error("decode", engine, exc)
             if not streaming:
                 raise error from None
-            # Mid-stream: the status is sent; end the stream with an error event.
-            await send_event(send, json.dumps(error.body), last=True)
+            ended = error
         finally:
             if response is not None:
                 with trio.CancelScope(shield=True):
                     await response.aclose()
+        if ended is not None:
+            # Mid-stream: the status is sent; end the stream with an error event.
+            await send_event(send, json.dumps(ended.body), last=True)
+            raise _EndedInStream(ended)
 
     def _engine_error(self, role: str, engine: str, exc: BaseException, **fields: Any) -> HTTPError:
         """The answer to ``exc`` from ``role``'s ``engine`` (its row of
@@ -550,9 +779,38 @@ class Proxy:
             self.metrics.engine_errors.labels(role, engine, kind).inc()
         return http_error(exc, role=role, engine=engine, **fields)
 
-    def _count_status(self, role: str, engine: str, status: int) -> None:
-        if status >= 500 or status in (401, 403):  # (the engine's fault, or the deployment's)
+    def _judge(self, role: str, engine: str, status: int) -> None:
+        """``role``'s ``engine`` answered an error ``status``: counted, and
+        remembered for ``/health``, when it is the engine's fault (a 5xx) or
+        the deployment's (401, 403: the internal key); a 4xx is the request's."""
+        if status >= 500 or status in (401, 403):
             self.metrics.engine_errors.labels(role, engine, "status").inc()
+            self._engines[role].failed(engine, trio.current_time())
+        else:
+            self._engines[role].answered(engine)
+
+    def _check_available(self, role: str) -> None:
+        """Raises the 503 of :meth:`_unavailable` unless ``role`` has an engine to try now."""
+        engines = self._engines[role]
+        if not engines.engines or engines.retry_in(trio.current_time()) > 0:
+            raise self._unavailable(role)
+
+    def _unavailable(self, role: str) -> HTTPError:
+        """The 503 for a request no engine of ``role`` can take: it has none,
+        or every one refused lately (``Retry-After``: when one is tried again)."""
+        engines = self._engines[role]
+        if not engines.engines:
+            message = f"no {role} engine: none is registered"
+            return HTTPError(503, message, "unavailable", retry_after=1, role=role)
+        wait = engines.retry_in(trio.current_time())
+        return HTTPError(
+            503,
+            f"no {role} engine: every one refused its last connection; the next is tried "
+            f"again in {wait:.1f} s",
+            "unavailable",
+            retry_after=max(1, math.ceil(wait)),
+            role=role,
+        )
 
 
 class _PrefillAgain(Exception):
@@ -568,6 +826,15 @@ class _PrefillAgain(Exception):
         super().__init__(message)
         self.reason = reason
         self.engine = engine
+        self.error = error
+
+
+class _EndedInStream(Exception):
+    """A decode answer failed after its 200 was sent: the stream's last event
+    was ``error`` (the request is answered; counted by ``error``'s status)."""
+
+    def __init__(self, error: HTTPError) -> None:
+        super().__init__(str(error))
         self.error = error
 
 
@@ -591,6 +858,22 @@ def _lease_of(kv: dict[str, Any]) -> float:
     return LEASE_INITIAL
 
 
+def _kv_of(response: httpx2.Response) -> dict[str, Any]:
+    """The ``kv_transfer_params`` of a prefill engine's 200 answer.
+
+    Raises:
+        MalformedAnswer: the body is not JSON, or has no such object.
+    """
+    try:
+        answer = json.loads(response.content)
+    except (ValueError, RecursionError) as exc:
+        raise MalformedAnswer(f"not JSON ({type(exc).__name__})") from None
+    kv = answer.get(KV_PARAMS) if isinstance(answer, dict) else None
+    if not isinstance(kv, dict):
+        raise MalformedAnswer(f"no {KV_PARAMS} object in {response.content[:200]!r}")
+    return kv
+
+
 def _code(error: HTTPError) -> object:
     """The ``code`` of an error answer."""
     return error.body["error"].get("code")
@@ -606,6 +889,10 @@ def _outcome(status: int) -> str:
     return "engine_error"
 
 
+_NOT_RELAYED = frozenset({"message", "type", "status", "kind", "retry_after"})
+"""Keys of an engine's error body that the relay sets itself."""
+
+
 def _relayed(role: str, engine: str, status: int, text: str) -> HTTPError:
     """An engine's error answer, for the client.
 
@@ -619,8 +906,10 @@ def _relayed(role: str, engine: str, status: int, text: str) -> HTTPError:
     try:
         error = json.loads(text)["error"]
         message = str(error["message"])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         error, message = {}, text
+    if not isinstance(error, dict):
+        error = {}
     if status in (401, 403):
         return HTTPError(
             502,
@@ -630,7 +919,7 @@ def _relayed(role: str, engine: str, status: int, text: str) -> HTTPError:
             engine=engine,
         )
     if 400 <= status < 500 or status == 503:
-        extra = {k: v for k, v in error.items() if k not in ("message", "type")}
+        extra = {k: v for k, v in error.items() if k not in _NOT_RELAYED}
         return HTTPError(
             status,
             f"{role} engine {engine}: {message}",
