@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import re
 import runpy
 from pathlib import Path
@@ -46,8 +47,17 @@ def _page() -> str:
 @pytest.mark.parametrize("exercise", IN_MEMORY)
 def test_each_exercise_prints_what_its_page_shows(exercise: str) -> None:
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        runpy.run_path(str(DOCS / "exercises" / exercise), run_name="__main__")
+    # the library's warnings where a terminal shows them, between the lines
+    # printed, as Python's last-resort handler writes them (message only)
+    handler = logging.StreamHandler(out)
+    handler.setLevel(logging.WARNING)
+    library = logging.getLogger("trio_pd")
+    library.addHandler(handler)
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(str(DOCS / "exercises" / exercise), run_name="__main__")
+    finally:
+        library.removeHandler(handler)
     output = _shown(out.getvalue())
     assert output
     assert output in _page(), f"exercises.md does not show the output of {exercise}:\n{output}"
