@@ -62,7 +62,8 @@ async def measure(name: str, handshake: Callable[[], Awaitable[None]]) -> None:
     print(f"-- {name}")
     print(f"   longest loop stall at least {HANDSHAKE} s: {monitor.longest >= HANDSHAKE}")
     print(f"   longest loop stall under {HANDSHAKE / 2} s: {monitor.longest < HANDSHAKE / 2}")
-    print(f"   decode steps while it ran: {during if during == 0 else 'some' if during < 15 else 'many'}")
+    words = during if during == 0 else "some" if during < 15 else "many"
+    print(f"   decode steps while it ran: {words}")
 
 
 async def main() -> None:

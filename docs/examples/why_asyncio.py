@@ -19,9 +19,14 @@ async def handshake(engine: str) -> None:
     raise ConnectionError(f"{engine}: no reply")
 
 
+beats = 0
+
+
 async def heartbeat() -> None:
+    global beats
     while True:
         await asyncio.sleep(0.05)
+        beats += 1
 
 
 async def handle_request() -> str:

@@ -21,9 +21,11 @@ async def handshake(engine: str) -> None:
 
 
 async def heartbeat() -> None:
+    beats = 0
     try:
         while True:
             await trio.sleep(0.05)
+            beats += 1
     finally:
         log("heartbeat: cancelled, because a sibling failed")
 
