@@ -79,6 +79,7 @@ EXAMPLES = {
     "curve_auth.py": "tutorial.md",
     "engine_states.py": "design.md",
     "wire_protocol.py": "protocol.md",
+    "engine_bridge.py": "embedding.md",
 }
 # What may differ from run to run: free ports, how often ZeroMQ retried, and in
 # the log lines a backoff's jittered delay, an incarnation and a CURVE key.
