@@ -80,6 +80,7 @@ EXAMPLES = {
     "engine_states.py": "design.md",
     "wire_protocol.py": "protocol.md",
     "engine_bridge.py": "embedding.md",
+    "mini_connector.py": "build-a-connector.md",
 }
 # What may differ from run to run: free ports, how often ZeroMQ retried, and in
 # the log lines a backoff's jittered delay, an incarnation and a CURVE key.
