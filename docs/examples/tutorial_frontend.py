@@ -100,7 +100,8 @@ class DecodeEngine:
         blocks = self.pool.allocate(len(remote.block_ids))
         try:
             # hold: if the request ends without its pull (cancelled, failed),
-            # the prefill engine is told to free its blocks at once.
+            # an abandon tells the prefill engine to free its blocks (sent by
+            # the connector's abandon task, milliseconds later).
             async with self.conn.hold(remote):
                 result = await self.conn.pull(request_id, blocks, remote)
             for k, block in enumerate(blocks):

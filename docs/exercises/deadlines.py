@@ -38,7 +38,7 @@ class Cluster:
         engine, _ = ARRIVALS[request_id]
         unique = f"{request_id}/{self.round}"  # the same request ids run in each round
         remote = self.prefill[engine].expose(unique, [1])
-        async with self.decode.hold(remote):  # leaving without a pull frees the blocks at once
+        async with self.decode.hold(remote):  # leaving without a pull abandons the exposure
             await self.decode.pull(unique, [int(request_id[-1])], remote)
         return "ok"
 
