@@ -36,7 +36,8 @@ IN_MEMORY = [
 ON_TEST_HOSTS = ["partition.py"]
 # exercises where the learner writes code: the skeleton, its checker and a solution
 WRITE_CODE = {
-    "write_deadline.py": ("checkers/per_request_deadline.py", "solutions/write_deadline.py")
+    "write_deadline.py": ("checkers/per_request_deadline.py", "solutions/write_deadline.py"),
+    "write_settled.py": ("checkers/free_when_settled.py", "solutions/write_settled.py"),
 }
 # an agent's name ends with its connector's random incarnation
 INCARNATION = (re.compile(r"#[0-9a-f]{16}"), "#INCARNATION")
