@@ -1,5 +1,9 @@
 """The exercises of docs/exercises.md run and print what the page shows.
 
+The *Write it* exercises (``WRITE_CODE``) are a skeleton with a TODO, a
+checker and a solution: the skeleton as shipped must fail its check, the
+solution must pass it.
+
 They use the in-memory data plane (``trio_pd.testing.MemoryFabric``), so they
 run in this process, each in about a second. The partition exercise needs
 root and test hosts: it runs only with ``TRIO_PD_EXERCISE_HOSTS=1`` (otherwise
