@@ -55,3 +55,12 @@ def test_every_command_is_checked() -> None:
     # keygen has no flags of its own; any other new command must be listed above
     assert names - set(COMMANDS) == {"keygen"}
     assert flags_without_help(subcommands(_parser())["keygen"]) == []
+
+
+def test_demo_help_shows_every_default() -> None:
+    """``trio-pd demo --help`` is where the README sends you "for sizes"."""
+    parser = subcommands(_parser())["demo"]
+    text = " ".join(parser.format_help().split())
+    for action in parser._actions:
+        if action.option_strings and not isinstance(action, argparse._HelpAction):
+            assert f"(default: {action.default})" in text, action.option_strings[0]

@@ -388,3 +388,19 @@ def test_each_package_docstring_names_every_module_it_holds() -> None:
             if f"``{sub.name}``" not in doc:
                 missing.append(f"{package.relative_to(ROOT)}: {sub.name}/")
     assert not missing, f"package docstrings that do not name these modules: {missing}"
+
+
+def test_every_notification_the_docs_draw_has_the_current_prefix() -> None:
+    """A hand-drawn diagram (``docs/diagrams/*.dot``) or a page that spells a
+    notification spells the prefix the code sends."""
+    from trio_pd._core._protocol import NOTIFICATION_PREFIX
+
+    prefix = NOTIFICATION_PREFIX.decode()
+    files = [*PAGES, *sorted((ROOT / "docs" / "diagrams").glob("*.dot"))]
+    spelled = [
+        (path.name, found)
+        for path in files
+        for found in re.findall(r"trio_pd:\d+:", path.read_text(encoding="utf-8"))
+    ]
+    assert any(name == "first-pull.dot" for name, _ in spelled)
+    assert [s for s in spelled if s[1] != prefix] == [], f"the code sends {prefix!r}"

@@ -76,8 +76,10 @@ class PrefillEngine:
         return remote.to_kv_transfer_params()
 
     async def _free_when_released(self, request_id: str, blocks: list[int]) -> None:
-        # READ: the decoder has the data. EXPIRED: nobody read it within
-        # config.abort_timeout. Either way the blocks may now be reused.
+        # READ: the decoder has the data. ABANDONED: the decoder said it will
+        # not read them. EXPIRED: the lease ran out (config.lease_initial, 30 s,
+        # if no decoder held it; never later than config.abort_timeout).
+        # Whichever it is, the blocks may now be reused.
         self.outcomes[request_id] = await self.conn.wait_released(request_id)
         self.pool.free(blocks)
 
@@ -98,7 +100,8 @@ class DecodeEngine:
         blocks = self.pool.allocate(len(remote.block_ids))
         try:
             # hold: if the request ends without its pull (cancelled, failed),
-            # the prefill engine is told to free its blocks at once.
+            # an abandon tells the prefill engine to free its blocks (sent by
+            # the connector's abandon task, milliseconds later).
             async with self.conn.hold(remote):
                 result = await self.conn.pull(request_id, blocks, remote)
             for k, block in enumerate(blocks):

@@ -1,6 +1,6 @@
 """Exercise: one deadline for all requests, or one per request (docs/exercises.md).
 
-Four requests arrive 0.25 s apart. req-0 reads from a slow prefill engine
+Four requests arrive 0.25 s apart. req-1 reads from a slow prefill engine
 (its READs take 5 s: ``MemoryFaults.read_delay``); the others from a healthy
 one. The same requests run three times, with their deadlines set three ways.
 In-memory data plane (``trio_pd.testing.MemoryFabric``).
@@ -17,7 +17,7 @@ import trio_pd
 from trio_pd.testing import MemoryFabric
 
 DEADLINE = 0.4  # seconds
-ARRIVALS = {"req-0": ("slow", 0.0), "req-1": ("fast", 0.25), "req-2": ("fast", 0.5)}
+ARRIVALS = {"req-0": ("fast", 0.0), "req-1": ("slow", 0.25), "req-2": ("fast", 0.5)}
 ARRIVALS["req-3"] = ("fast", 0.75)
 
 
@@ -38,7 +38,7 @@ class Cluster:
         engine, _ = ARRIVALS[request_id]
         unique = f"{request_id}/{self.round}"  # the same request ids run in each round
         remote = self.prefill[engine].expose(unique, [1])
-        async with self.decode.hold(remote):  # leaving without a pull frees the blocks at once
+        async with self.decode.hold(remote):  # leaving without a pull abandons the exposure
             await self.decode.pull(unique, [int(request_id[-1])], remote)
         return "ok"
 

@@ -53,7 +53,11 @@ from trio_pd._serve.keys import API_KEY_ENV
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trio-pd")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="run a small verified P/D deployment")
+    demo = commands.add_parser(
+        "demo",
+        help="run a small verified P/D deployment",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # (--help shows the sizes)
+    )
     defaults = DemoOptions()
     demo.add_argument(
         "--prefill-engines",
