@@ -52,6 +52,10 @@ STARTABLE = ",".join(
         "_held",
         "open_one",
         "run_slot",
+        "serve",
+        "serve_auth",
+        "_follow_peers",
+        "serve_first",
     ]
 )
 

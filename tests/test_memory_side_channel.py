@@ -209,7 +209,7 @@ async def test_a_listener_that_goes_away_during_a_slow_reply_is_not_the_one_that
     async with trio.open_nursery() as nursery:
         serving = trio.CancelScope()
 
-        async def serve_first(*, task_status: trio.TaskStatus[None]) -> None:
+        async def serve_first(*, task_status: trio.TaskStatus[None]) -> None:  # noqa: ASYNC128 -- task_status is handed on
             with serving:
                 await memory_fabric.side_channel("p#1", QUICK).serve(
                     "127.0.0.1", 7000, first, task_status=task_status

@@ -202,7 +202,7 @@ def _run_forked_child(message: dict[str, Any], fds: list[int]) -> None:
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:
+    except BaseException:  # noqa: ASYNC103 -- a forked child's top level, no trio here
         traceback.print_exc()
     finally:
         try:

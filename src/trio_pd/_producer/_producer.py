@@ -209,7 +209,7 @@ class Producer:
 
     # ---- the listener ----------------------------------------------------
 
-    async def serve_listener(
+    async def serve_listener(  # noqa: ASYNC128 -- task_status is handed on
         self,
         host: str,
         port: int,

@@ -113,7 +113,7 @@ class ZmqSideChannel:
                         continue
                     await socket.send_multipart([frames[0], b"", listener.answer(frames[2])])
 
-    async def serve_auth(
+    async def serve_auth(  # noqa: ASYNC128 -- task_status is handed on
         self, listener: Listener, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """The ZAP handler (``_auth.serve_zap``) for ``config.auth``'s allowed consumers."""
