@@ -528,7 +528,9 @@ async def test_the_proxy_reaches_an_etcd_with_tls_and_authentication_or_says_why
                 )
                 assert result.returncode == 1
                 line = one_line_error(result.stderr.decode())
-                assert line.startswith(f"trio-pd proxy: could not start: etcd at {etcd.url}/")
+                assert line.startswith(
+                    f"trio-pd proxy: could not start: membership: etcd at {etcd.url}/"
+                ), line
                 assert line.endswith(words) or words in line, line
             engine = ["engine", "--role", "decode", "--engine-id", "decode-9", "--etcd", etcd.url]
             result = await trio.run_process(
