@@ -33,7 +33,7 @@ TORCH = "torch==2.13.0"
 # in order ("load" sends chunks of a quarter of a worker's share otherwise), so
 # both workers start on the test-host tests, which run alone and come first
 # (tests/conftest.py), and neither is left with a long tail of its own
-WORKERS = ["-n", "2", "--dist", "loadgroup"]
+WORKERS = ["-n", "2", "--dist", "load", "--maxschedchunk", "1"]
 # startable functions (task_status=...), for flake8-async's ASYNC113/114
 STARTABLE = ",".join(
     [
