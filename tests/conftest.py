@@ -181,6 +181,22 @@ async def wait_until(condition: Callable[[], object], interval: float = 0.001) -
         await trio.sleep(interval)
 
 
+def run_in_terminal_order(path: Path, timeout: float) -> tuple[int, str]:
+    """Run a docs program in its own interpreter as a terminal shows it: its
+    exit status, and its output with the library's log lines (stderr) where
+    they come, unbuffered."""
+    result = subprocess.run(
+        [sys.executable, str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "NIXL_LOG_LEVEL": "WARN", "PYTHONUNBUFFERED": "1"},
+        check=False,
+    )
+    return result.returncode, result.stdout
+
+
 def run_doc_script(path: Path, timeout: float) -> str:
     """Run a docs script (an example or an exercise) in its own interpreter:
     its stdout (it must exit 0 and print something)."""

@@ -34,6 +34,8 @@ from trio_pd._core._remote_engine import (
     PullAction,
 )
 
+from .conftest import run_in_terminal_order
+
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = re.compile(r"`(tests/[\w/]+\.py)(?:::(\w+))?`")
 
@@ -99,27 +101,18 @@ def _normalized(text: str) -> str:
     return text
 
 
-def run_in_terminal_order(path: Path) -> str:
-    """What a docs program shows in a terminal: its output with the library's
-    log lines (stderr) where they come, unbuffered as on a terminal. It must
-    exit 0 and print something."""
-    result = subprocess.run(
-        [sys.executable, str(path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=60,
-        env={**os.environ, "NIXL_LOG_LEVEL": "WARN", "PYTHONUNBUFFERED": "1"},
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout
-    assert result.stdout.strip()
-    return result.stdout
+def run_in_terminal(path: Path) -> str:
+    """What a docs program shows in a terminal (``conftest.run_in_terminal_order``).
+    It must exit 0 and print something."""
+    status, output = run_in_terminal_order(path, timeout=60)
+    assert status == 0, output
+    assert output.strip()
+    return output
 
 
 @pytest.mark.parametrize("example", sorted(EXAMPLES))
 def test_each_example_runs_and_prints_what_its_page_shows(example: str) -> None:
-    output = _normalized(run_in_terminal_order(DOCS / "examples" / example)).strip()
+    output = _normalized(run_in_terminal(DOCS / "examples" / example)).strip()
     page = _normalized((DOCS / EXAMPLES[example]).read_text())
     assert output in page, f"{EXAMPLES[example]} does not show the output of {example}:\n{output}"
 

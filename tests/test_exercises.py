@@ -15,16 +15,13 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import os
 import re
 import runpy
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from .conftest import run_doc_script
+from .conftest import run_doc_script, run_in_terminal_order
 from .test_docs import _normalized
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -98,16 +95,7 @@ def test_every_exercise_is_tested_and_included_in_the_page() -> None:
 
 
 def _run(path: Path) -> tuple[int, str]:
-    result = subprocess.run(
-        [sys.executable, str(path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=120,
-        env={**os.environ, "NIXL_LOG_LEVEL": "WARN", "PYTHONUNBUFFERED": "1"},
-        check=False,
-    )
-    return result.returncode, result.stdout
+    return run_in_terminal_order(path, timeout=120)
 
 
 @pytest.mark.parametrize("exercise", sorted(WRITE_CODE))
