@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import fcntl
 import gc
+import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -138,17 +141,32 @@ def _test_hosts_run_alone(
         yield
 
 
+TEST_HOSTS_NODEIDS = "TRIO_PD_TEST_HOSTS_NODEIDS"
+"""Environment variable: the file where each xdist worker writes the node ids
+of the tests marked ``test_hosts`` it collected (set by the controller for
+its workers; the scheduler below reads it)."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist's controller: a fresh file for :data:`TEST_HOSTS_NODEIDS`
+    (the workers inherit the variable; removed at the end)."""
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return
+    folder = Path(tempfile.mkdtemp(prefix="trio-pd-xdist-"))
+    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+    os.environ[TEST_HOSTS_NODEIDS] = str(folder / "test-hosts.txt")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Deselect the exercises that need root and test hosts, unless asked for;
-    then put the tests marked ``test_hosts`` first (otherwise in order).
+    then put the tests marked ``test_hosts`` first (otherwise in order), and,
+    in an xdist worker, name them in :data:`TEST_HOSTS_NODEIDS`.
 
     ``TRIO_PD_EXERCISE_HOSTS=1`` runs them (docs/exercises.md says so). They
     are deselected rather than skipped: a skip fails the run (below). The
-    test-host tests run one at a time (:data:`TEST_HOSTS_LOCK`): first, so
-    that a worker that waits for the other's test hosts waits only at the
-    start (tests are dealt out one by one, ``--maxschedchunk 1``). (Grouping
-    them on one worker with ``--dist loadgroup`` does not work with pytest 9:
-    pytest-xdist's group suffix on the node id is not applied, measured.)
+    test-host tests run one at a time (:data:`TEST_HOSTS_LOCK`), all on one
+    worker (:class:`TestHostsOnOneWorker`): the other worker never waits for
+    the lock, it runs the rest.
     """
     if os.environ.get("TRIO_PD_EXERCISE_HOSTS") != "1":
         kept = [item for item in items if item.get_closest_marker("exercise_hosts") is None]
@@ -156,6 +174,64 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             config.hook.pytest_deselected(items=[i for i in items if i not in kept])
             items[:] = kept
     items.sort(key=lambda item: item.get_closest_marker("test_hosts") is None)  # (stable)
+    named = os.environ.get(TEST_HOSTS_NODEIDS)
+    if hasattr(config, "workerinput") and named:
+        hosts = [item.nodeid for item in items if item.get_closest_marker("test_hosts")]
+        scratch = Path(f"{named}.{os.getpid()}")  # (every worker writes the same list)
+        scratch.write_text("".join(f"{nodeid}\n" for nodeid in hosts))
+        scratch.replace(named)
+
+
+if importlib.util.find_spec("xdist") is not None:
+    from xdist.scheduler import LoadScheduling
+
+    class TestHostsOnOneWorker(LoadScheduling):
+        """pytest-xdist's ``load`` scheduling, except that only the first
+        worker is dealt tests marked ``test_hosts``.
+
+        Those take :data:`TEST_HOSTS_LOCK` one at a time: dealt to both
+        workers, one of them waited for the other's (53 s of a 530 s run's
+        worker time, measured). xdist's ``loadgroup`` would do this, but its
+        group suffix on the node id is not applied under pytest 9 (measured),
+        so the workers name the tests in :data:`TEST_HOSTS_NODEIDS` instead.
+        Everything else is xdist's: tests dealt one by one in collection
+        order (``--maxschedchunk 1``) to whichever worker is free.
+        """
+
+        __test__ = False  # (not a test class, despite its name)
+
+        _hosts: set[int] | None = None
+
+        def _host_indices(self) -> set[int]:
+            if self._hosts is None:
+                named = Path(os.environ.get(TEST_HOSTS_NODEIDS, "/nonexistent"))
+                nodeids = set(named.read_text().split("\n")) if named.exists() else set()
+                self._hosts = {i for i, nodeid in enumerate(self.collection) if nodeid in nodeids}
+            return self._hosts
+
+        def _send_tests(self, node: Any, num: int) -> None:
+            if node is self.nodes[0]:
+                super()._send_tests(node, num)
+                return
+            hosts = self._host_indices()
+            chosen = [index for index in self.pending if index not in hosts][:num]
+            if chosen:
+                self.pending[:] = [index for index in self.pending if index not in chosen]
+                self.node2pending[node].extend(chosen)
+                node.send_runtest_some(chosen)
+
+        def check_schedule(self, node: Any, duration: float = 0) -> None:
+            super().check_schedule(node, duration)
+            if not self.pending:  # (a worker left idle by the rule above stops too)
+                for other in self.nodes:
+                    if not other.shutting_down:
+                        other.shutdown()
+
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+        """:class:`TestHostsOnOneWorker` for ``--dist load``; xdist's own otherwise."""
+        if config.getoption("dist") != "load":
+            return None
+        return TestHostsOnOneWorker(config, log)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -19,7 +19,6 @@ import functools
 import logging
 import sys
 
-import torch
 import trio
 
 from trio_pd._cli.common import (
@@ -252,6 +251,8 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    import torch  # (here: the proxy and serve import this module for its flags)
+
     torch.set_num_threads(1)
     serving = functools.partial(
         serve_engine,
