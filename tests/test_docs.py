@@ -5,12 +5,16 @@ with warnings as errors."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import html as html_module
 import importlib
+import io
 import json
+import logging
 import os
 import posixpath
 import re
+import runpy
 import subprocess
 import sys
 from contextlib import asynccontextmanager
@@ -121,6 +125,57 @@ def test_every_example_is_tested_and_included_in_its_page() -> None:
     assert {p.name for p in (DOCS / "examples").glob("*.py")} == set(EXAMPLES)
     for example, page in EXAMPLES.items():
         assert f"{{literalinclude}} examples/{example}" in (DOCS / page).read_text(), example
+
+
+MISTAKES = [
+    # docs/mistakes: each a wrong and a right version, run in this process
+    "forgot_await.py",
+    "blocking_call.py",
+    "swallowed_cancel.py",
+    "start_soon_not_start.py",
+    "except_star.py",
+    "bare_shield.py",
+    "freed_too_early.py",
+]
+
+
+def run_here(path: Path) -> str:
+    """What a docs program prints, run in this process (``runpy``, as
+    ``__main__``), with the library's warnings where a terminal shows them."""
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setLevel(logging.WARNING)
+    library = logging.getLogger("trio_pd")
+    library.addHandler(handler)
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(str(path), run_name="__main__")
+    finally:
+        library.removeHandler(handler)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("mistake", MISTAKES)
+def test_each_common_mistake_runs_wrong_and_right_and_prints_what_its_page_shows(
+    mistake: str,
+) -> None:
+    output = _normalized(run_here(DOCS / "mistakes" / mistake)).strip()
+    assert output.startswith("-- wrong"), output
+    assert "\n-- right" in output, output
+    page = _normalized((DOCS / "common-mistakes.md").read_text())
+    assert output in page, f"common-mistakes.md does not show the output of {mistake}:\n{output}"
+
+
+def test_every_common_mistake_is_tested_and_shown_wrong_and_right() -> None:
+    assert {p.name for p in (DOCS / "mistakes").glob("*.py")} == set(MISTAKES)
+    page = (DOCS / "common-mistakes.md").read_text()
+    for mistake in MISTAKES:
+        for version in ("wrong", "right"):
+            shown = f"{{literalinclude}} mistakes/{mistake}\n:caption: docs/mistakes/{mistake}"
+            assert f"{shown} ({version})\n:language: python\n:pyobject: {version}" in page, (
+                mistake,
+                version,
+            )
 
 
 def test_the_api_reference_documents_all_of_the_public_api() -> None:
