@@ -28,6 +28,7 @@ import pytest
 
 import trio_pd
 import trio_pd._core._protocol as protocol
+import trio_pd._core._public_values
 import trio_pd.testing
 from trio_pd._config import Tuning
 from trio_pd._core._remote_engine import (
@@ -86,6 +87,8 @@ EXAMPLES = {
     "engine_states.py": "design.md",
     "wire_protocol.py": "protocol.md",
     "engine_bridge.py": "embedding.md",
+    "embed_hypercorn.py": "embedding.md",
+    "embed_quart_trio.py": "embedding.md",
     "mini_connector.py": "build-a-connector.md",
 }
 # What may differ from run to run: free ports, how often ZeroMQ retried, and in
@@ -176,6 +179,26 @@ def test_every_common_mistake_is_tested_and_shown_wrong_and_right() -> None:
                 mistake,
                 version,
             )
+
+
+def test_the_vllm_field_map_names_every_key_trio_pd_sends() -> None:
+    """for-vllm-engineers.md's table of ``kv_transfer_params`` has a row for
+    every key ``to_kv_transfer_params()`` sends, each with the attribute of
+    ``RemoteBlocks`` it comes from; vLLM's ``do_remote_prefill`` is said to be
+    missing, as it is."""
+    remote = trio_pd.RemoteBlocks(
+        engine_id="prefill-0", host="127.0.0.1", port=5557, block_ids=(1,), request_id="r"
+    )
+    params = remote.to_kv_transfer_params()
+    assert "do_remote_prefill" not in params
+    page = (DOCS / "for-vllm-engineers.md").read_text()
+    section = page[page.index("## `kv_transfer_params`") : page.index("## vLLM's KV tensors")]
+    rows = [line for line in section.splitlines() if line.startswith("| ")]
+    second = {row.split(" | ")[1] for row in rows}
+    for key, name in trio_pd._core._public_values.KV_TRANSFER_PARAMS.items():
+        assert key in params, key
+        assert any(f"`{key}`" in cell and f"`{name}`" in cell for cell in second), key
+    assert "| `do_remote_prefill` | **not set** by `to_kv_transfer_params()` |" in section
 
 
 def test_the_api_reference_documents_all_of_the_public_api() -> None:
