@@ -201,6 +201,46 @@ def test_the_vllm_field_map_names_every_key_trio_pd_sends() -> None:
     assert "| `do_remote_prefill` | **not set** by `to_kv_transfer_params()` |" in section
 
 
+# The asyncio-to-trio table (trio-primer.md): each row's trio spellings, one of
+# which every file its last column names must hold.
+TABLE_SPELLINGS = {
+    "`asyncio.run(main())`": ("trio.run(",),
+    "`asyncio.create_task(coro)`": (".start_soon(",),
+    "`asyncio.TaskGroup()`": ("nursery.start(",),
+    "`asyncio.gather(*aws)`": (".start_soon(",),
+    "`asyncio.timeout(s)`": ("trio.fail_after(", "trio.move_on_after("),
+    "`asyncio.CancelledError`": ("trio.CancelScope(shield=True)",),
+    "`asyncio.shield(aw)`": ("shield=True)",),
+    "`asyncio.Future`": ("AttemptDone",),
+    "`asyncio.Event`": ("trio.Event",),
+    "`asyncio.Queue(maxsize)`": ("trio.open_memory_channel",),
+    "`asyncio.Semaphore(n)`": ("trio.Semaphore(", "trio.CapacityLimiter("),
+    "`asyncio.Lock`": ("trio.Lock()",),
+    "`asyncio.sleep(0)`": ("trio.lowlevel.checkpoint()",),
+    "`asyncio.to_thread(fn)`": ("trio.to_thread.run_sync(", "abandon_on_cancel=True"),
+    "`loop.call_soon_threadsafe(cb)`": (".run_sync_soon(", "trio.from_thread.run_sync("),
+}
+
+
+def test_each_row_of_the_asyncio_table_names_files_that_use_its_trio_spelling() -> None:
+    text = (DOCS / "trio-primer.md").read_text()
+    table = text[text.index("| asyncio | trio |") : text.index("The table is a map")]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    assert len(rows) == len(TABLE_SPELLINGS) + 1  # (and get_running_loop: nothing to use)
+    for row in rows:
+        asyncio_cell, _, uses = (cell.strip() for cell in row.strip("|").split(" | "))
+        first = asyncio_cell.split(",")[0].split(" (")[0]
+        if first == "`asyncio.get_running_loop()`":
+            continue
+        files = re.findall(r"`((?:src|docs)/[\w/.]+\.py)`", uses)
+        assert files, row
+        for file in files:
+            code = (ROOT / file).read_text()
+            assert any(spelling in code for spelling in TABLE_SPELLINGS[first]), (file, first)
+    without = [p.name for p in (DOCS / "examples").glob("*.py") if "trio.run" not in p.read_text()]
+    assert without == ["why_asyncio.py"]  # ("every program in docs/examples/ but the asyncio one")
+
+
 def test_the_api_reference_documents_all_of_the_public_api() -> None:
     api = (DOCS / "api.rst").read_text()
     documented = set(
