@@ -5,12 +5,16 @@ with warnings as errors."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import html as html_module
 import importlib
+import io
 import json
+import logging
 import os
 import posixpath
 import re
+import runpy
 import subprocess
 import sys
 from contextlib import asynccontextmanager
@@ -24,6 +28,7 @@ import pytest
 
 import trio_pd
 import trio_pd._core._protocol as protocol
+import trio_pd._core._public_values
 import trio_pd.testing
 from trio_pd._config import Tuning
 from trio_pd._core._remote_engine import (
@@ -82,6 +87,8 @@ EXAMPLES = {
     "engine_states.py": "design.md",
     "wire_protocol.py": "protocol.md",
     "engine_bridge.py": "embedding.md",
+    "embed_hypercorn.py": "embedding.md",
+    "embed_quart_trio.py": "embedding.md",
     "mini_connector.py": "build-a-connector.md",
 }
 # What may differ from run to run: free ports, how often ZeroMQ retried, and in
@@ -110,9 +117,15 @@ def run_in_terminal(path: Path) -> str:
     return output
 
 
+# Run in this process (``run_here``), not in an interpreter of their own: the
+# same output, without a second start of torch and NIXL (seconds on 2 cores).
+IN_PROCESS = {"embed_hypercorn.py", "embed_quart_trio.py"}
+
+
 @pytest.mark.parametrize("example", sorted(EXAMPLES))
 def test_each_example_runs_and_prints_what_its_page_shows(example: str) -> None:
-    output = _normalized(run_in_terminal(DOCS / "examples" / example)).strip()
+    path = DOCS / "examples" / example
+    output = _normalized(run_here(path) if example in IN_PROCESS else run_in_terminal(path)).strip()
     page = _normalized((DOCS / EXAMPLES[example]).read_text())
     assert output in page, f"{EXAMPLES[example]} does not show the output of {example}:\n{output}"
 
@@ -121,6 +134,117 @@ def test_every_example_is_tested_and_included_in_its_page() -> None:
     assert {p.name for p in (DOCS / "examples").glob("*.py")} == set(EXAMPLES)
     for example, page in EXAMPLES.items():
         assert f"{{literalinclude}} examples/{example}" in (DOCS / page).read_text(), example
+
+
+MISTAKES = [
+    # docs/mistakes: each a wrong and a right version, run in this process
+    "forgot_await.py",
+    "blocking_call.py",
+    "swallowed_cancel.py",
+    "start_soon_not_start.py",
+    "except_star.py",
+    "bare_shield.py",
+    "freed_too_early.py",
+]
+
+
+def run_here(path: Path) -> str:
+    """What a docs program prints, run in this process (``runpy``, as
+    ``__main__``), with the library's warnings where a terminal shows them."""
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setLevel(logging.WARNING)
+    library = logging.getLogger("trio_pd")
+    library.addHandler(handler)
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(str(path), run_name="__main__")
+    finally:
+        library.removeHandler(handler)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("mistake", MISTAKES)
+def test_each_common_mistake_runs_wrong_and_right_and_prints_what_its_page_shows(
+    mistake: str,
+) -> None:
+    output = _normalized(run_here(DOCS / "mistakes" / mistake)).strip()
+    assert output.startswith("-- wrong"), output
+    assert "\n-- right" in output, output
+    page = _normalized((DOCS / "common-mistakes.md").read_text())
+    assert output in page, f"common-mistakes.md does not show the output of {mistake}:\n{output}"
+
+
+def test_every_common_mistake_is_tested_and_shown_wrong_and_right() -> None:
+    assert {p.name for p in (DOCS / "mistakes").glob("*.py")} == set(MISTAKES)
+    page = (DOCS / "common-mistakes.md").read_text()
+    for mistake in MISTAKES:
+        for version in ("wrong", "right"):
+            shown = f"{{literalinclude}} mistakes/{mistake}\n:caption: docs/mistakes/{mistake}"
+            assert f"{shown} ({version})\n:language: python\n:pyobject: {version}" in page, (
+                mistake,
+                version,
+            )
+
+
+def test_the_vllm_field_map_names_every_key_trio_pd_sends() -> None:
+    """for-vllm-engineers.md's table of ``kv_transfer_params`` has a row for
+    every key ``to_kv_transfer_params()`` sends, each with the attribute of
+    ``RemoteBlocks`` it comes from; vLLM's ``do_remote_prefill`` is said to be
+    missing, as it is."""
+    remote = trio_pd.RemoteBlocks(
+        engine_id="prefill-0", host="127.0.0.1", port=5557, block_ids=(1,), request_id="r"
+    )
+    params = remote.to_kv_transfer_params()
+    assert "do_remote_prefill" not in params
+    page = (DOCS / "for-vllm-engineers.md").read_text()
+    section = page[page.index("## `kv_transfer_params`") : page.index("## vLLM's KV tensors")]
+    rows = [line for line in section.splitlines() if line.startswith("| ")]
+    second = {row.split(" | ")[1] for row in rows}
+    for key, name in trio_pd._core._public_values.KV_TRANSFER_PARAMS.items():
+        assert key in params, key
+        assert any(f"`{key}`" in cell and f"`{name}`" in cell for cell in second), key
+    assert "| `do_remote_prefill` | **not set** by `to_kv_transfer_params()` |" in section
+
+
+# The asyncio-to-trio table (trio-primer.md): each row's trio spellings, one of
+# which every file its last column names must hold.
+TABLE_SPELLINGS = {
+    "`asyncio.run(main())`": ("trio.run(",),
+    "`asyncio.create_task(coro)`": (".start_soon(",),
+    "`asyncio.TaskGroup()`": ("nursery.start(",),
+    "`asyncio.gather(*aws)`": (".start_soon(",),
+    "`asyncio.timeout(s)`": ("trio.fail_after(", "trio.move_on_after("),
+    "`asyncio.CancelledError`": ("trio.CancelScope(shield=True)",),
+    "`asyncio.shield(aw)`": ("shield=True)",),
+    "`asyncio.Future`": ("AttemptDone",),
+    "`asyncio.Event`": ("trio.Event",),
+    "`asyncio.Queue(maxsize)`": ("trio.open_memory_channel",),
+    "`asyncio.Semaphore(n)`": ("trio.Semaphore(", "trio.CapacityLimiter("),
+    "`asyncio.Lock`": ("trio.Lock()",),
+    "`asyncio.sleep(0)`": ("trio.lowlevel.checkpoint()",),
+    "`asyncio.to_thread(fn)`": ("trio.to_thread.run_sync(", "abandon_on_cancel=True"),
+    "`loop.call_soon_threadsafe(cb)`": (".run_sync_soon(", "trio.from_thread.run_sync("),
+}
+
+
+def test_each_row_of_the_asyncio_table_names_files_that_use_its_trio_spelling() -> None:
+    text = (DOCS / "trio-primer.md").read_text()
+    table = text[text.index("| asyncio | trio |") : text.index("The table is a map")]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    assert len(rows) == len(TABLE_SPELLINGS) + 1  # (and get_running_loop: nothing to use)
+    for row in rows:
+        asyncio_cell, _, uses = (cell.strip() for cell in row.strip("|").split(" | "))
+        first = asyncio_cell.split(",")[0].split(" (")[0]
+        if first == "`asyncio.get_running_loop()`":
+            continue
+        files = re.findall(r"`((?:src|docs)/[\w/.]+\.py)`", uses)
+        assert files, row
+        for file in files:
+            code = (ROOT / file).read_text()
+            assert any(spelling in code for spelling in TABLE_SPELLINGS[first]), (file, first)
+    without = [p.name for p in (DOCS / "examples").glob("*.py") if "trio.run" not in p.read_text()]
+    assert without == ["why_asyncio.py"]  # ("every program in docs/examples/ but the asyncio one")
 
 
 def test_the_api_reference_documents_all_of_the_public_api() -> None:

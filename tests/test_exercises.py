@@ -17,9 +17,13 @@ import io
 import logging
 import re
 import runpy
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+from trio_pd import exercises
 
 from .conftest import run_doc_script, run_in_terminal_order
 from .test_docs import _normalized
@@ -39,6 +43,9 @@ ON_TEST_HOSTS = ["partition.py"]
 WRITE_CODE = {
     "write_deadline.py": ("checkers/per_request_deadline.py", "solutions/write_deadline.py"),
     "write_settled.py": ("checkers/free_when_settled.py", "solutions/write_settled.py"),
+    "write_start.py": ("checkers/started_listener.py", "solutions/write_start.py"),
+    "write_handshake.py": ("checkers/one_handshake.py", "solutions/write_handshake.py"),
+    "write_cleanup.py": ("checkers/bounded_release.py", "solutions/write_cleanup.py"),
 }
 # an agent's name ends with its connector's random incarnation
 INCARNATION = (re.compile(r"#[0-9a-f]{16}"), "#INCARNATION")
@@ -98,21 +105,123 @@ def _run(path: Path) -> tuple[int, str]:
     return run_in_terminal_order(path, timeout=120)
 
 
+def _check(
+    name: str, *, solution: bool = False, path: Path = DOCS / "exercises"
+) -> tuple[int, str]:
+    """``python -m trio_pd.exercises check NAME``, in this process: its exit
+    status and its output, with the library's warnings where a terminal
+    shows them."""
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setLevel(logging.WARNING)
+    library = logging.getLogger("trio_pd")
+    library.addHandler(handler)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            argv = ["--path", str(path), "check", name, *(["--solution"] if solution else [])]
+            status = exercises.main(argv)
+    finally:
+        library.removeHandler(handler)
+    return status, out.getvalue()
+
+
 @pytest.mark.parametrize("exercise", sorted(WRITE_CODE))
-def test_a_write_the_code_skeleton_fails_its_check_and_its_solution_passes(
-    exercise: str, tmp_path: Path
-) -> None:
+def test_a_write_the_code_skeleton_fails_its_check_and_its_solution_passes(exercise: str) -> None:
     """The skeleton, as the learner finds it, is not solved (exit 1, "not
     yet: ..."); the solution is (exit 0); both print what the page shows."""
-    _, solution = WRITE_CODE[exercise]
-    status, output = _run(DOCS / "exercises" / exercise)
+    name = exercise.removeprefix("write_").removesuffix(".py")
+    assert "TODO" in (DOCS / "exercises" / exercise).read_text()
+    status, output = _check(name)
     assert status == 1, output
     assert "not yet: " in output
     assert _shown(output) in _page(), f"exercises.md does not show:\n{output}"
-    status, output = _run(DOCS / "exercises" / solution)
+    status, output = _check(name, solution=True)
     assert status == 0, output
     assert "solved: " in output
+    assert "not yet" not in output
     assert _shown(output) in _page(), f"exercises.md does not show:\n{output}"
+
+
+def test_the_exercises_command_checks_by_name_from_the_root_of_a_checkout() -> None:
+    """``python -m trio_pd.exercises check start``, a process of its own run
+    where a learner runs it, finds ``docs/exercises/write_start.py`` and fails
+    it, saying why."""
+    failed = subprocess.run(
+        [sys.executable, "-m", "trio_pd.exercises", "check", "start"],
+        cwd=DOCS.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert "not yet: open_side_channel returned before the listener was bound" in failed.stdout
+
+
+def test_the_exercises_command_refuses_what_it_cannot_find_and_says_where_it_looks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert exercises.main(["--path", str(DOCS / "exercises"), "check", "nope"]) == 2
+    said = capsys.readouterr().err
+    assert "no exercise 'nope'" in said
+    assert "(exercises here: cleanup, deadline, handshake, settled, start)" in said
+    monkeypatch.chdir(tmp_path)  # (no docs/exercises here)
+    assert exercises.main(["check", "start"]) == 2
+    said = capsys.readouterr().err
+    assert "run this from the root of a trio_pd checkout, or pass --path DIR" in said
+    with pytest.raises(SystemExit):
+        exercises.main(["--help"])
+    assert "default: docs/exercises under the current directory" in " ".join(
+        capsys.readouterr().out.split()
+    )
+    monkeypatch.chdir(DOCS.parent)
+    assert exercises.main(["list"]) == 0
+    assert "handshake: docs/exercises/write_handshake.py" in capsys.readouterr().out
+
+
+HALF_RIGHT = {
+    # exercise: (the solution's lines -> a half-right answer's, what the checker says)
+    "write_start.py": (
+        {"    task_status.started(listener.port)  # ready: nursery.start returns this port\n": ""},
+        "not yet: open_side_channel never returned: does serve_metadata call "
+        "task_status.started(...) once the listener is bound?",
+    ),
+    "write_cleanup.py": (
+        {"trio.move_on_after(RELEASE_TIMEOUT, shield=True)": "trio.CancelScope(shield=True)"},
+        "not yet: with a peer that does not answer, the pull ended at 3600.5 s, not within "
+        "1.0 s of its deadline: give the shielded scope a deadline",
+    ),
+    "write_handshake.py": (
+        {
+            "        self.failure: dict[str, str] = {}": "        self.failure: dict[str, str] = {}"
+            "\n        self.error: dict[str, HandshakeError] = {}",
+            "raise HandshakeError(engine, self.failure[engine])": "raise self.error.setdefault("
+            "engine, HandshakeError(engine, self.failure[engine]))",
+        },
+        "not yet: the pulls for prefill-b raised one exception object between them: raise a "
+        "HandshakeError of its own in each",
+    ),
+}
+
+
+@pytest.mark.parametrize("exercise", sorted(HALF_RIGHT))
+def test_a_half_right_answer_fails_and_its_checker_says_what_is_missing(
+    exercise: str, tmp_path: Path
+) -> None:
+    """`start` without `started` (it never returns), a shield without a
+    deadline (an hour for a peer that does not answer), one exception object
+    raised in every waiter: each is not a solution, and the checker says why."""
+    changes, said = HALF_RIGHT[exercise]
+    text = (DOCS / "exercises" / "solutions" / exercise).read_text()
+    text = text.replace("Path(__file__).resolve().parent.parent", repr(str(DOCS / "exercises")))
+    for old, new in changes.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    (tmp_path / "solutions").mkdir()
+    (tmp_path / "solutions" / exercise).write_text(text)
+    status, output = _check(exercise, solution=True, path=tmp_path)
+    assert status == 1, output
+    assert said in output, output
 
 
 def test_the_deadline_checker_names_an_error_that_escapes_a_request(tmp_path: Path) -> None:

@@ -10,7 +10,9 @@ what they hold: ``_core`` (sans-IO: protocol, state machines, decisions),
 what every layer reads is beside it: ``_config`` (:class:`ConnectorConfig`),
 ``_curve_keys`` (:class:`CurveAuth`), ``_exception_groups`` (one clear
 exception from a nursery's group) and ``_loggers`` (every logger and what it
-logs). Testing tools are in ``testing`` (:mod:`trio_pd.testing`).
+logs). Testing tools are in ``testing`` (:mod:`trio_pd.testing`);
+``exercises`` checks a learner's code for the documentation's exercises
+(``python -m trio_pd.exercises check NAME``).
 """
 
 from trio_pd._config import ConnectorConfig
