@@ -28,6 +28,8 @@ from hypercorn.trio import serve
 
 from trio_pd._serve.asgi import read_json, send_json
 from trio_pd._serve.defaults import HOLD_MARGIN
+from trio_pd._serve.dispatch import SecondLine, params_within
+from trio_pd._serve.errors import HTTPError
 from trio_pd._serve.proxy import Proxy, ProxyTimeouts, open_client
 from trio_pd._serve.timing import PhaseTimes, parse
 from trio_pd.testing import free_port_range
@@ -56,6 +58,8 @@ class Scripted:
     answers: list[tuple[int, str | None]] = attrs.field(factory=list)
     arrived: list[float] = attrs.field(factory=list)  # (trio.current_time() of each request)
     max_model_len: int = 4096  # (what its /v1/models says)
+    first_lines: list[float] = attrs.field(factory=list)  # (concurrent dispatch: line 1's arrival)
+    cancelled: int = 0  # (concurrent dispatch: requests whose second line never came)
 
     async def app(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -73,10 +77,21 @@ class Scripted:
             else:
                 await send_json(send, 200, card)
             return
-        body = await read_json(receive)
+        headers = dict(scope["headers"])
+        within = params_within(scope["headers"])
+        if within is None:
+            body = await read_json(receive)
+        else:  # (concurrent dispatch: the parameters follow as a second line)
+            second = SecondLine(receive, within)
+            body = await second.first()
+            self.first_lines.append(trio.current_time())
+            try:
+                body = {**body, "kv_transfer_params": await second.params()}
+            except HTTPError:  # (the prefill failed: the proxy closed the request)
+                self.cancelled += 1
+                return
         self.seen.append(body)
         self.arrived.append(trio.current_time())
-        headers = dict(scope["headers"])
         self.request_ids.append(headers.get(b"x-request-id", b"").decode())
         self.authorizations.append(headers.get(b"authorization", b"").decode())
         self.in_flight += 1
@@ -681,14 +696,17 @@ def test_the_defaults_table_is_the_defaults_module() -> None:
 # ---- what the proxy saw: /health, memory of failed engines (issue 30) ---------------
 
 
-async def test_health_says_failing_when_every_engine_of_a_role_failed_its_last_request() -> None:
+@pytest.mark.parametrize("dispatch", ["sequential", "concurrent"])
+async def test_health_says_failing_when_every_engine_of_a_role_failed_its_last_request(
+    dispatch: str,
+) -> None:
     # Issue 30, fault 3: a role whose only engine refuses: every request a 5xx,
     # and /health said 200 ok.
     refusing = closed_port_url()
     with trio.fail_after(30):
         async with (
             engines(2) as ([prefill, decode], urls),
-            proxy_for(urls[:1], [refusing]) as (router, proxy),
+            proxy_for(urls[:1], [refusing], dispatch=dispatch) as (router, proxy),
             httpx2.AsyncClient(timeout=10) as client,
         ):
             assert (await client.get(f"{proxy}/health")).status_code == 200  # (untried)
@@ -704,7 +722,9 @@ async def test_health_says_failing_when_every_engine_of_a_role_failed_its_last_r
             error = response.json()["error"]
             assert (error["type"], error["role"]) == ("unavailable", "decode")
             assert response.headers["x-request-id"]
-            assert len(prefill.seen) == 1
+            # (concurrent: the refused decode request cancelled the prefill, which
+            # may not have reached its engine)
+            assert len(prefill.seen) == 1 if dispatch == "sequential" else len(prefill.seen) <= 1
             assert sample(router, "trio_pd_proxy_requests_total", outcome="overloaded") == 1
             # The engine comes back (here: the set changes to a live one): healthy again.
             router.set_engines("decode", urls[1:])
