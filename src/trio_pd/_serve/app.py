@@ -339,9 +339,16 @@ async def _generation(
                     await send_json(sending, 200, whole, [times.header()])
                 else:
                     await _generate(engine, sending, shapes, request, times, second)
+        except HTTPError as exc:
+            if second is not None and exc.status == 499:  # (the proxy closed it: a failed prefill)
+                outcome = "disconnected"
+                return
+            if second is not None and second.value is None:
+                await _give_back(engine, body, second)
+            raise
         except Exception:
-            # Refused before its parameters came (no free blocks, too long):
-            # read them, and give their exposure back.
+            # Refused before its parameters came: read them, and give their
+            # exposure back.
             if second is not None and second.value is None:
                 await _give_back(engine, body, second)
             raise
