@@ -606,6 +606,7 @@ class Proxy:
                             f"{engine}{path}",
                             json=request,
                             headers={REQUEST_ID_HEADER: request_id, **self._upstream_headers},
+                            extensions={"trace": prefilled.trace},
                         )
                 except (httpx2.ConnectError, httpx2.ConnectTimeout) as exc:
                     engines.refused(engine, trio.current_time())
@@ -669,6 +670,11 @@ class Proxy:
         """
         engines = self._engines["decode"]
         failure: HTTPError | None = None
+        if concurrent:
+            # The prefill request goes first (the proxy's one thread sends one
+            # request at a time): the decode request is sent while the prefill
+            # engine works, not in its way.
+            await prefilled.sent.wait()
         for engine in engines.candidates(trio.current_time(), self._max_attempts):
             connect = self._timeouts.connect
             if prefilled.answered.is_set():
@@ -942,14 +948,21 @@ class _Prefilled:
     the engine), once :attr:`answered` is set."""
 
     def __init__(self) -> None:
+        self.sent = trio.Event()  # (the prefill request is sent whole, or answered)
         self.answered = trio.Event()
         self.kv: dict[str, Any] = {}
         self.expires = math.inf
         self.engine = ""
         self.on_answer: list[Callable[[], None]] = []  # (called once it is set)
 
+    async def trace(self, event: str, info: dict[str, Any]) -> None:
+        """The prefill request's progress (httpx2's ``trace`` extension)."""
+        if event == "http11.send_request_body.complete":
+            self.sent.set()
+
     def set(self, kv: dict[str, Any], expires: float, engine: str) -> None:
         self.kv, self.expires, self.engine = kv, expires, engine
+        self.sent.set()
         self.answered.set()
         for call in self.on_answer:
             call()
