@@ -1356,21 +1356,34 @@ FINDINGS = """## What we found
   inline read every time, but it waited 0.2-0.85 ms for the prefill
   engine's notification thread (four processes on 2 cores), so 10 of 25
   sampled outlasted the 0.5 ms spin and went to the driver. Two
-  designs would take work off the path; neither is built. Sending the
-  decode request at the same time as the prefill (as SGLang's P/D router
-  does), its `kv_transfer_params` following as a second line of the same
-  request body, hides the request's sending and parsing behind the
-  prefill, but not its answer: measured with hypercorn and httpx2 in one
-  process, the answer came 1.13 ms after the second line against 1.54 ms
-  for the whole request sent then, so about 0.4 ms per request. A decode
+  designs would take work off the path. The first is built: with
+  concurrent dispatch (`--dispatch concurrent`, the default) the proxy
+  sends the decode request at the same time as the prefill (as SGLang's
+  P/D router does), once the prefill request is written, its
+  `kv_transfer_params` following as a second line of the same request
+  body ([serving](serving.md#the-proxy)). It hides the decode request's
+  sending and parsing behind the prefill, but not its answer: measured
+  with hypercorn and httpx2 in one process, the answer came 1.13 ms after
+  the second line against 1.54 ms for the whole request sent then, so
+  about 0.4 ms per request. On this machine, in two runs of benchmarks 11
+  and 12 alone while other work kept the load average at 2-5 (the
+  session that built it), the time to first token at 1 client was 24.7 and 40.4 ms
+  concurrent against 24.9 and 43.4 ms sequential (one engine: 10.1 and
+  11.9 ms): the gain is within the noise of a shared 2-core machine,
+  where overlapping two processes' work only moves CPU time, and far from
+  the goal. The decode engine takes no KV blocks before its parameters
+  come: admitting it early deadlocked both pools under overload (decode
+  blocks waiting for prefills that waited for prefill blocks held by
+  exposures whose decodes waited for those decode blocks). A decode
   engine that calls a prefill engine itself (a decode-first engine, as
-  NVIDIA Dynamo's decode workers do) would drop the proxy's exchange and
-  its per-token relay, which is what bounds tokens/s at 8 clients. Both
-  change what a failure strands: a decode engine that fails before its
-  parameters arrive leaves the prefill's exposure to its lease, unless the
-  proxy cancels the prefill in time; and a decode-first engine faces
-  clients, so it must refuse `kv_transfer_params` from them (replays, see
-  [security](security.md)).
+  NVIDIA Dynamo's decode workers do), not built, would drop the proxy's
+  exchange and its per-token relay, which is what bounds tokens/s at 8
+  clients. It changes what a failure strands, and a decode-first engine
+  faces clients, so it must refuse `kv_transfer_params` from them
+  (replays, see [security](security.md)). With concurrent dispatch a
+  decode engine that dies while the prefill runs leaves the prefill's
+  exposure to its lease, as a sequential decode engine that dies after
+  taking its request does.
 """
 
 
