@@ -1095,10 +1095,13 @@ async def bench_producer_cpu(quick: bool) -> Result:
 async def bench_serve(quick: bool) -> Result:
     """``trio-pd serve``: time to first token and tokens/s through the P/D proxy
     against one engine serving the whole request, the same prompts, at 1, 8
-    and 32 clients. At 1 client the two targets take turns request by
-    request (every prompt three times), and each answer's ``Server-Timing``
-    splits its time to first token (:func:`_ttft_breakdown`); at 8 and 32
-    the targets take turns by client count."""
+    and 32 clients. Two proxies in front of the same engines: ``serve``'s
+    own, with the default (concurrent) dispatch, and a ``trio-pd proxy
+    --dispatch sequential`` process (the old path). At 1 client the three
+    targets take turns request by request (every prompt three times), and
+    each answer's ``Server-Timing`` splits its time to first token
+    (:func:`_ttft_breakdown`); at 8 and 32 the targets take turns by client
+    count."""
     import tempfile
     from contextlib import aclosing
 
@@ -1123,13 +1126,39 @@ async def bench_serve(quick: bool) -> Result:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
+        sequential: trio.Process | None = None
         try:
             with trio.fail_after(120):
                 while not ready.exists():  # (another process writes it)
                     assert process.poll() is None, "trio-pd serve exited early"
                     await trio.sleep(0.05)
             urls = json.loads(ready.read_text())
-            targets = {"proxy (P/D)": urls["proxy"], "one engine": urls["decode"][0]}
+            # The old path beside it: a proxy that dispatches sequentially.
+            ready_sequential = Path(scratch) / "ready-sequential.json"
+            sequential = await trio.lowlevel.open_process(
+                [
+                    *[sys.executable, "-m", "trio_pd", "proxy", "--port", "0"],
+                    *["--dispatch", "sequential", "--ready-file", str(ready_sequential)],
+                    *["--prefill", *urls["prefill"], "--decode", *urls["decode"]],
+                ],
+                env={**os.environ, "NIXL_LOG_LEVEL": "WARN", "TRIO_PD_INTERNAL_KEY": internal_key},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            with trio.fail_after(60):
+                while not ready_sequential.exists():
+                    assert sequential.poll() is None, "trio-pd proxy exited early"
+                    await trio.sleep(0.05)
+            targets = {
+                PROXY: urls["proxy"],
+                SEQUENTIAL: json.loads(ready_sequential.read_text())["url"],
+                ONE_ENGINE: urls["decode"][0],
+            }
+
+            def served_cpu_seconds() -> float:
+                assert sequential is not None
+                return _tree_cpu_seconds(process.pid) + _cpu_seconds(sequential.pid)
+
             limits = httpx2.Limits(max_connections=None)
             auth = {"Authorization": f"Bearer {internal_key}"}
             async with httpx2.AsyncClient(timeout=60, limits=limits, headers=auth) as client:
@@ -1197,14 +1226,14 @@ async def bench_serve(quick: bool) -> Result:
                                 counted.append(answer["tokens"])
 
                         started = time.perf_counter()
-                        served_cpu = _tree_cpu_seconds(process.pid)
+                        served_cpu = served_cpu_seconds()
                         client_cpu = time.process_time()
                         busy, total = _machine_busy_seconds()
                         async with trio.open_nursery() as nursery:
                             for prompt in prompts:
                                 nursery.start_soon(functools.partial(client_request, prompt=prompt))
                         elapsed = time.perf_counter() - started
-                        served_cpu = _tree_cpu_seconds(process.pid) - served_cpu
+                        served_cpu = served_cpu_seconds() - served_cpu
                         client_cpu = time.process_time() - client_cpu
                         busy_after, total_after = _machine_busy_seconds()
                         rows[clients][name] = {
@@ -1218,20 +1247,37 @@ async def bench_serve(quick: bool) -> Result:
                             ),
                         }
         finally:
-            process.send_signal(signal.SIGTERM)
-            with trio.move_on_after(30, shield=True):
-                await process.wait()
-    proxy, one_engine = "proxy (P/D)", "one engine"
-    ttft = {c: (r[proxy]["ttft_p50_ms"], r[one_engine]["ttft_p50_ms"]) for c, r in rows.items()}
+            for server in (sequential, process):
+                if server is not None:
+                    server.send_signal(signal.SIGTERM)
+                    with trio.move_on_after(30, shield=True):
+                        await server.wait()
     return {
         "prompts": len(prompts),
         "max_tokens": max_tokens,
         "passes_at_1_client": passes,
         "by_clients": {str(c): r for c, r in rows.items()},
+        **_serve_ratios(rows, PROXY),
+        "sequential": _serve_ratios(rows, SEQUENTIAL),
+        "ttft_breakdown_ms": _ttft_breakdown(
+            {name: answers[name] for name in (PROXY, SEQUENTIAL, ONE_ENGINE)}
+        ),
+    }
+
+
+PROXY, SEQUENTIAL, ONE_ENGINE = "proxy (P/D)", "proxy (P/D), sequential", "one engine"
+"""Benchmark 11's targets: ``serve``'s proxy (concurrent dispatch, the default),
+a proxy dispatching sequentially (the old path), and one engine."""
+
+
+def _serve_ratios(rows: dict[int, dict[str, dict[str, float]]], proxy: str) -> Result:
+    """``proxy``'s time to first token and tokens/s against one engine's, by client count."""
+    ttft = {c: (r[proxy]["ttft_p50_ms"], r[ONE_ENGINE]["ttft_p50_ms"]) for c, r in rows.items()}
+    return {
         "ttft_ratio": {str(c): round(p / o, 2) for c, (p, o) in ttft.items()},
         "ttft_added_ms": {str(c): ms((p - o) / 1e3) for c, (p, o) in ttft.items()},
         "tokens_per_s_ratio": {
-            str(c): round(r[proxy]["tokens_per_s"] / r[one_engine]["tokens_per_s"], 2)
+            str(c): round(r[proxy]["tokens_per_s"] / r[ONE_ENGINE]["tokens_per_s"], 2)
             for c, r in rows.items()
         },
         # A token's CPU (serving processes and this client) through the proxy over
@@ -1240,19 +1286,18 @@ async def bench_serve(quick: bool) -> Result:
             str(c): round(
                 (r[proxy]["server_cpu_ms_per_token"] + r[proxy]["client_cpu_ms_per_token"])
                 / (
-                    r[one_engine]["server_cpu_ms_per_token"]
-                    + r[one_engine]["client_cpu_ms_per_token"]
+                    r[ONE_ENGINE]["server_cpu_ms_per_token"]
+                    + r[ONE_ENGINE]["client_cpu_ms_per_token"]
                 ),
                 2,
             )
             for c, r in rows.items()
             if c > 1
         },
-        "ttft_breakdown_ms": _ttft_breakdown(answers[proxy], answers[one_engine]),
     }
 
 
-def _ttft_breakdown(proxied: list[Result], whole: list[Result]) -> Result:
+def _ttft_breakdown(answers: dict[str, list[Result]]) -> Result:
     """Where each target's time to first token goes at 1 client, in ms: each
     phase's mean over the middle 80% of the requests by time to first token
     (the slowest and fastest tenth left out), so that the rows add up to
@@ -1288,8 +1333,9 @@ def _ttft_breakdown(proxied: list[Result], whole: list[Result]) -> Result:
         }
 
     out: Result = {}
-    for name, answers, proxy in (("proxy (P/D)", proxied, True), ("one engine", whole, False)):
-        ranked = sorted(answers, key=lambda a: float(a["first"]))
+    for name, done in answers.items():
+        proxy = name != ONE_ENGINE
+        ranked = sorted(done, key=lambda a: float(a["first"]))
         cut = len(ranked) // 10
         middle = ranked[cut : len(ranked) - cut]
         split = [phases(a, proxy) for a in middle]
@@ -1305,12 +1351,16 @@ async def bench_proxy_overhead(quick: bool) -> Result:
     """What the P/D proxy adds by itself: requests to a do-nothing upstream (it
     answers prefill and decode at once), through the proxy and straight to the
     upstream's decode route, interleaved; the proxy does two upstream requests
-    (prefill, then decode) where the direct client does one."""
+    (prefill, then decode) where the direct client does one. Two proxies take
+    turns with the direct client: one dispatching concurrently (the default:
+    the decode request goes with the prefill, its parameters a second line),
+    one sequentially."""
     import httpx2
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
     from trio_pd._serve.asgi import read_json, send_json
+    from trio_pd._serve.dispatch import SecondLine, params_within
     from trio_pd._serve.proxy import Proxy, open_client
 
     async def do_nothing(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -1320,6 +1370,13 @@ async def bench_proxy_overhead(quick: bool) -> Result:
                 await send({"type": f"lifespan.{kind}.complete"})
                 if kind == "shutdown":
                     return
+        within = params_within(scope["headers"])
+        if within is not None:  # (a decode request whose parameters follow)
+            second = SecondLine(receive, within)
+            await second.first()
+            await second.params()
+            await send_json(send, 200, {"choices": [{"text": "ok", "index": 0}]})
+            return
         body = await read_json(receive)
         if body.get("kv_transfer_params", {}).get("do_remote_decode"):
             await send_json(send, 200, {"kv_transfer_params": {"do_remote_prefill": True}})
@@ -1337,10 +1394,12 @@ async def bench_proxy_overhead(quick: bool) -> Result:
     body = {"prompt": "hello", "max_tokens": 4}
     async with open_client() as upstream_client, trio.open_nursery() as nursery:
         engine = await start(nursery, do_nothing)
-        proxy = await start(nursery, Proxy([engine], [engine], upstream_client).app())
+        targets = {"direct": engine}
+        for dispatch in ("concurrent", "sequential"):
+            proxy = Proxy([engine], [engine], upstream_client, dispatch=dispatch)
+            targets[dispatch] = await start(nursery, proxy.app())
         async with httpx2.AsyncClient(timeout=30) as client:
-            times: dict[str, list[float]] = {"direct": [], "proxy": []}
-            targets = {"direct": engine, "proxy": proxy}
+            times: dict[str, list[float]] = {name: [] for name in targets}
             for _ in range(20):  # warm-up: connections
                 for url in targets.values():
                     await client.post(f"{url}/v1/completions", json=body)
@@ -1351,7 +1410,9 @@ async def bench_proxy_overhead(quick: bool) -> Result:
                     times[name].append(time.perf_counter() - started)
                     assert response.status_code == 200, response.text
         nursery.cancel_scope.cancel()
-    direct, via = (sorted(times[name]) for name in ("direct", "proxy"))
+    direct, via, sequential = (
+        sorted(times[name]) for name in ("direct", "concurrent", "sequential")
+    )
     return {
         "requests": requests,
         "direct_p50_ms": ms(pct(direct, 50)),
@@ -1360,6 +1421,10 @@ async def bench_proxy_overhead(quick: bool) -> Result:
         "proxy_p99_ms": ms(pct(via, 99)),
         "added_p50_ms": ms(pct(via, 50) - pct(direct, 50)),
         "added_p99_ms": ms(pct(via, 99) - pct(direct, 99)),
+        "sequential_p50_ms": ms(pct(sequential, 50)),
+        "sequential_p99_ms": ms(pct(sequential, 99)),
+        "sequential_added_p50_ms": ms(pct(sequential, 50) - pct(direct, 50)),
+        "sequential_added_p99_ms": ms(pct(sequential, 99) - pct(direct, 99)),
     }
 
 

@@ -19,6 +19,7 @@ GOALS = {
     "producer CPU, 1000 stale exposures": "<= 0.05 core",
     "time to first token via the proxy, 1 client (p50)": "<= one engine's + 2 ms",
     "tokens/s via the proxy vs one engine, 8 clients": ">= 0.95",
+    "tokens/s via the proxy vs one engine, 32 clients": ">= 0.95",
     "1024 engines handshaked from one decoder": "< 10 s",
     "decoder memory per engine, 1024-engine storm": "< 16 KiB",
     "a confirmed tiny pull's extra time": "<= one side-channel round trip",
@@ -30,7 +31,10 @@ TTFT_PHASES = {
     "prefill_http": "prefill request: HTTP, the prefill engine's request handling",
     "forward": "admission (free KV blocks) and the prompt's forward",
     "expose": "expose",
-    "decode_http": "decode request until its answer starts: HTTP, request handling",
+    "decode_http": (
+        "decode request until its answer starts (concurrent: from its second line): "
+        "HTTP, request handling"
+    ),
     "hold": "hold and admission, decode engine",
     "pull": "pull: NIXL READ and notification",
     "first_step": "first decode step, until the first token reaches the client",
@@ -611,109 +615,7 @@ def render(results: dict[str, Any]) -> str:
             )
         )
     if "serve" in r:
-        sv = r["serve"]
-        rows = []
-        for clients, by_target in sv["by_clients"].items():
-            proxy, one = by_target["proxy (P/D)"], by_target["one engine"]
-            rows.append(
-                [
-                    clients,
-                    proxy["ttft_p50_ms"],
-                    one["ttft_p50_ms"],
-                    sv["ttft_ratio"][clients],
-                    proxy["tokens_per_s"],
-                    one["tokens_per_s"],
-                    sv["tokens_per_s_ratio"][clients],
-                ]
-            )
-        out += [
-            "## 11. Serving through the P/D proxy",
-            "",
-            f"`trio-pd serve --prefill 1 --decode 1`: {sv['prompts']} prompts, "
-            f"{sv['max_tokens']} tokens each, streamed, through the proxy (prefill on one "
-            "engine, the KV cache pulled over NIXL, decode on the other) and on one "
-            "engine serving the whole request, at 1, 8 and 32 clients at once (at 1 "
-            "client the two targets take turns request by request, each prompt "
-            f"{sv.get('passes_at_1_client', 1)} times; at 8 and 32 they take turns by "
-            "client count). Time to first token: median.",
-            "",
-            _table(
-                [
-                    "clients",
-                    "TTFT via proxy, ms",
-                    "TTFT one engine, ms",
-                    "ratio",
-                    "tokens/s via proxy",
-                    "tokens/s one engine",
-                    "ratio",
-                ],
-                rows,
-            ),
-            "",
-            "On one 2-core machine with a model this small, disaggregation can only "
-            "cost: the proxy adds two HTTP round trips, the prefill request and the "
-            "pull to every request, and both engines share the same cores. What it "
-            "buys -- decode steps that never wait behind another request's long "
-            "prefill -- needs engines on separate hardware and a model whose prefill "
-            "takes time.",
-            "",
-        ]
-        if "cpu_per_token_ratio" in sv:
-            cpu_rows = []
-            for clients, ratio in sv["cpu_per_token_ratio"].items():
-                by_target = sv["by_clients"][clients]
-                cpu_rows.append(
-                    [
-                        clients,
-                        by_target["proxy (P/D)"]["server_cpu_ms_per_token"],
-                        by_target["one engine"]["server_cpu_ms_per_token"],
-                        by_target["proxy (P/D)"]["client_cpu_ms_per_token"],
-                        ratio,
-                        round(1 / ratio, 2),
-                        sv["tokens_per_s_ratio"][clients],
-                        by_target["proxy (P/D)"]["machine_busy"],
-                    ]
-                )
-            out += [
-                "What bounds tokens/s with many clients: the machine's CPU. Each row "
-                "gives a token's CPU time in the serving processes (`trio-pd serve`'s "
-                "process tree: proxy and engines) and in this benchmark's client, "
-                "through the proxy and on one engine, and how busy the whole machine "
-                "was. When the machine is saturated, tokens/s through the proxy can "
-                "reach at most one engine's divided by the CPU ratio (its inverse, "
-                "next to the measured ratio).",
-                "",
-                _table(
-                    [
-                        "clients",
-                        "server CPU/token via proxy, ms",
-                        "one engine, ms",
-                        "client CPU/token, ms",
-                        "CPU ratio",
-                        "tokens/s bound",
-                        "tokens/s ratio",
-                        "machine busy",
-                    ],
-                    cpu_rows,
-                ),
-                "",
-            ]
-        if "ttft_breakdown_ms" in sv:
-            out += _ttft_breakdown(sv, r.get("proxy_overhead"))
-        one_client, eight = sv["by_clients"]["1"], sv["by_clients"].get("8")
-        added = one_client["proxy (P/D)"]["ttft_p50_ms"] - one_client["one engine"]["ttft_p50_ms"]
-        checks.append(
-            _goal(
-                "time to first token via the proxy, 1 client (p50)",
-                f"+{added:.1f} ms (x{sv['ttft_ratio']['1']})",
-                added <= 2.0,
-            )
-        )
-        if eight is not None:
-            ratio = sv["tokens_per_s_ratio"]["8"]
-            checks.append(
-                _goal("tokens/s via the proxy vs one engine, 8 clients", f"{ratio}", ratio >= 0.95)
-            )
+        out += _serve_section(r["serve"], r.get("proxy_overhead"), checks)
     if "proxy_overhead" in r:
         po = r["proxy_overhead"]
         out += [
@@ -725,14 +627,7 @@ def render(results: dict[str, Any]) -> str:
             "where the direct client makes one, so this is all of what the proxy hop "
             "costs a request.",
             "",
-            _table(
-                ["", "p50, ms", "p99, ms"],
-                [
-                    ["straight to the upstream", po["direct_p50_ms"], po["direct_p99_ms"]],
-                    ["through the proxy", po["proxy_p50_ms"], po["proxy_p99_ms"]],
-                    ["added by the proxy", po["added_p50_ms"], po["added_p99_ms"]],
-                ],
-            ),
+            _table(["", "p50, ms", "p99, ms"], _overhead_rows(po)),
             "",
         ]
     if "confirm" in r:
@@ -832,20 +727,35 @@ def _bound_sixteen(r: dict[str, Any]) -> str:
 
 def _bound_ttft(r: dict[str, Any]) -> str:
     po = r.get("proxy_overhead", {})
+    split = r["serve"].get("ttft_breakdown_ms", {})
+    saved = ""
+    if SEQUENTIAL in split:
+        took = {name: split[name]["decode_http"] for name in ("proxy (P/D)", SEQUENTIAL)}
+        saved = (
+            f" Concurrent dispatch took the decode request's sending and parsing off the "
+            f"path (its row: {took['proxy (P/D)']} ms against {took[SEQUENTIAL]} ms "
+            "sequential), not its answer, nor the prefill's exchange."
+        )
     return (
         f"the proxy's two HTTP exchanges alone cost {po.get('added_p50_ms', '?')} ms at p50 "
         "in one process (benchmark 12), more than the goal before any engine works; "
-        "section 11 adds up the rest, and the last finding below says what would take "
+        f"section 11 adds up the rest.{saved} The last finding below says what would take "
         "an exchange off the path."
     )
 
 
-def _bound_tokens(r: dict[str, Any]) -> str:
-    ratio = r["serve"].get("cpu_per_token_ratio", {}).get("8")
+def _bound_tokens(r: dict[str, Any], clients: str = "8") -> str:
+    ratio = r["serve"].get("cpu_per_token_ratio", {}).get(clients)
     return (
         f"a token through the proxy cost x{ratio} the CPU of one on one engine "
-        "(section 11): on a saturated machine tokens/s can reach at most the inverse."
+        "(section 11): on a saturated machine tokens/s can reach at most the inverse; "
+        "concurrent dispatch does not change a token's relay (each is an HTTP chunk "
+        "through the proxy)."
     )
+
+
+def _bound_tokens_32(r: dict[str, Any]) -> str:
+    return _bound_tokens(r, "32")
 
 
 def _bound_producer_cpu(r: dict[str, Any]) -> str:
@@ -892,6 +802,7 @@ MISSED_BOUNDS = {
     "16 concurrent large pulls vs one pull, every round": _bound_sixteen,
     "time to first token via the proxy, 1 client (p50)": _bound_ttft,
     "tokens/s via the proxy vs one engine, 8 clients": _bound_tokens,
+    "tokens/s via the proxy vs one engine, 32 clients": _bound_tokens,
     "producer CPU, 1000 stale exposures": _bound_producer_cpu,
     "throughput vs raw NIXL": _bound_throughput,
     "confirmed 1 MiB pulls vs unconfirmed": _bound_confirm_mib,
@@ -967,23 +878,237 @@ def _confirm_section(c: dict[str, Any], checks: list[list[str]]) -> list[str]:
     return out
 
 
+SEQUENTIAL = "proxy (P/D), sequential"
+"""Benchmark 11's proxy that dispatches sequentially (the old path); ``proxy
+(P/D)`` is ``serve``'s own, concurrent dispatch (the default)."""
+
+
+def _overhead_rows(po: dict[str, Any]) -> list[list[Any]]:
+    """Benchmark 12's rows (a run before concurrent dispatch has one proxy)."""
+    if "sequential_p50_ms" not in po:
+        return [
+            ["straight to the upstream", po["direct_p50_ms"], po["direct_p99_ms"]],
+            ["through the proxy", po["proxy_p50_ms"], po["proxy_p99_ms"]],
+            ["added by the proxy", po["added_p50_ms"], po["added_p99_ms"]],
+        ]
+    return [
+        ["straight to the upstream", po["direct_p50_ms"], po["direct_p99_ms"]],
+        ["through the proxy, concurrent dispatch", po["proxy_p50_ms"], po["proxy_p99_ms"]],
+        [
+            "through the proxy, sequential dispatch",
+            po["sequential_p50_ms"],
+            po["sequential_p99_ms"],
+        ],
+        ["added by the proxy, concurrent", po["added_p50_ms"], po["added_p99_ms"]],
+        [
+            "added by the proxy, sequential",
+            po["sequential_added_p50_ms"],
+            po["sequential_added_p99_ms"],
+        ],
+    ]
+
+
+def _serve_section(
+    sv: dict[str, Any], overhead: dict[str, Any] | None, checks: list[list[str]]
+) -> list[str]:
+    """Section 11 (benchmark ``serve``), and its goal rows."""
+    proxy, one_engine = "proxy (P/D)", "one engine"
+    both = SEQUENTIAL in sv["by_clients"]["1"]  # (a run before concurrent dispatch: one proxy)
+    rows = []
+    for clients, by_target in sv["by_clients"].items():
+        p, o = by_target[proxy], by_target[one_engine]
+        if both:
+            q, seq = by_target[SEQUENTIAL], sv["sequential"]
+            rows.append(
+                [
+                    clients,
+                    p["ttft_p50_ms"],
+                    q["ttft_p50_ms"],
+                    o["ttft_p50_ms"],
+                    sv["ttft_added_ms"][clients],
+                    seq["ttft_added_ms"][clients],
+                    p["tokens_per_s"],
+                    q["tokens_per_s"],
+                    o["tokens_per_s"],
+                    sv["tokens_per_s_ratio"][clients],
+                    seq["tokens_per_s_ratio"][clients],
+                ]
+            )
+        else:
+            rows.append(
+                [
+                    clients,
+                    p["ttft_p50_ms"],
+                    o["ttft_p50_ms"],
+                    sv["ttft_ratio"][clients],
+                    p["tokens_per_s"],
+                    o["tokens_per_s"],
+                    sv["tokens_per_s_ratio"][clients],
+                ]
+            )
+    header = (
+        [
+            "clients",
+            "TTFT, concurrent, ms",
+            "TTFT, sequential, ms",
+            "TTFT one engine, ms",
+            "added, concurrent, ms",
+            "added, sequential, ms",
+            "tokens/s, concurrent",
+            "tokens/s, sequential",
+            "tokens/s one engine",
+            "ratio, concurrent",
+            "ratio, sequential",
+        ]
+        if both
+        else [
+            "clients",
+            "TTFT via proxy, ms",
+            "TTFT one engine, ms",
+            "ratio",
+            "tokens/s via proxy",
+            "tokens/s one engine",
+            "ratio",
+        ]
+    )
+    targets = (
+        "through two proxies in front of the same engines -- `serve`'s own, with "
+        "concurrent dispatch (the default: the decode request goes with the prefill, "
+        "its `kv_transfer_params` a second line of its body), and a `trio-pd proxy "
+        "--dispatch sequential` process (the old path: the decode request once the "
+        "prefill answered) -- "
+        if both
+        else "through the proxy "
+    )
+    out = [
+        "## 11. Serving through the P/D proxy",
+        "",
+        f"`trio-pd serve --prefill 1 --decode 1`: {sv['prompts']} prompts, "
+        f"{sv['max_tokens']} tokens each, streamed, {targets}(prefill on one "
+        "engine, the KV cache pulled over NIXL, decode on the other) and on one "
+        "engine serving the whole request, at 1, 8 and 32 clients at once (at 1 "
+        "client the targets take turns request by request, each prompt "
+        f"{sv.get('passes_at_1_client', 1)} times; at 8 and 32 they take turns by "
+        "client count). Time to first token: median; added: over one engine's.",
+        "",
+        _table(header, rows),
+        "",
+        "On one 2-core machine with a model this small, disaggregation can only "
+        "cost: the proxy adds two HTTP round trips, the prefill request and the "
+        "pull to every request, and both engines share the same cores. What it "
+        "buys -- decode steps that never wait behind another request's long "
+        "prefill -- needs engines on separate hardware and a model whose prefill "
+        "takes time.",
+        "",
+    ]
+    if "cpu_per_token_ratio" in sv:
+        cpu_rows = []
+        names = [(proxy, sv)] + ([(SEQUENTIAL, sv["sequential"])] if both else [])
+        for name, ratios in names:
+            for clients, ratio in ratios["cpu_per_token_ratio"].items():
+                by_target = sv["by_clients"][clients]
+                cpu_rows.append(
+                    [
+                        clients,
+                        "concurrent" if name == proxy else "sequential",
+                        by_target[name]["server_cpu_ms_per_token"],
+                        by_target[one_engine]["server_cpu_ms_per_token"],
+                        by_target[name]["client_cpu_ms_per_token"],
+                        ratio,
+                        round(1 / ratio, 2),
+                        ratios["tokens_per_s_ratio"][clients],
+                        by_target[name]["machine_busy"],
+                    ]
+                )
+        out += [
+            "What bounds tokens/s with many clients: the machine's CPU. Each row "
+            "gives a token's CPU time in the serving processes (`trio-pd serve`'s "
+            "process tree -- proxy and engines -- and the second proxy) and in this "
+            "benchmark's client, through a proxy and on one engine, and how busy the "
+            "whole machine was. When the machine is saturated, tokens/s through the "
+            "proxy can reach at most one engine's divided by the CPU ratio (its "
+            "inverse, next to the measured ratio).",
+            "",
+            _table(
+                [
+                    "clients",
+                    "dispatch",
+                    "server CPU/token via proxy, ms",
+                    "one engine, ms",
+                    "client CPU/token, ms",
+                    "CPU ratio",
+                    "tokens/s bound",
+                    "tokens/s ratio",
+                    "machine busy",
+                ],
+                cpu_rows,
+            ),
+            "",
+        ]
+    if "ttft_breakdown_ms" in sv:
+        out += _ttft_breakdown(sv, overhead)
+    one_client = sv["by_clients"]["1"]
+    added = one_client[proxy]["ttft_p50_ms"] - one_client[one_engine]["ttft_p50_ms"]
+    old = ""
+    if both:
+        before = one_client[SEQUENTIAL]["ttft_p50_ms"] - one_client[one_engine]["ttft_p50_ms"]
+        old = f"; sequential +{before:.1f} ms"
+    checks.append(
+        _goal(
+            "time to first token via the proxy, 1 client (p50)",
+            f"+{added:.1f} ms (x{sv['ttft_ratio']['1']}{old})",
+            added <= 2.0,
+        )
+    )
+    for clients in ("8", "32"):
+        if clients in sv["tokens_per_s_ratio"]:
+            ratio = sv["tokens_per_s_ratio"][clients]
+            old = f" (sequential {sv['sequential']['tokens_per_s_ratio'][clients]})" if both else ""
+            checks.append(
+                _goal(
+                    f"tokens/s via the proxy vs one engine, {clients} clients",
+                    f"{ratio}{old}",
+                    ratio >= 0.95,
+                )
+            )
+    return out
+
+
 def _ttft_breakdown(sv: dict[str, Any], overhead: dict[str, Any] | None) -> list[str]:
     """Benchmark 11's time to first token at 1 client, phase by phase."""
     split = sv["ttft_breakdown_ms"]
     proxy, one = split["proxy (P/D)"], split["one engine"]
+    sequential = split.get(SEQUENTIAL)  # (a run before concurrent dispatch: none)
     rows = []
     for key, label in TTFT_PHASES.items():
         p, o = proxy.get(key), one.get(key)
         added = "" if p is None else round(p - (o or 0.0), 3)
-        rows.append([label, "" if p is None else p, "" if o is None else o, added])
-    rows.append(
-        [
-            "**time to first token** (mean of the middle 80%)",
-            proxy["ttft"],
-            one["ttft"],
-            round(proxy["ttft"] - one["ttft"], 3),
+        row = [label, "" if p is None else p, "" if o is None else o, added]
+        if sequential is not None:
+            q = sequential.get(key)
+            row[2:2] = ["" if q is None else q]
+            row.append("" if q is None else round(q - (o or 0.0), 3))
+        rows.append(row)
+    total = [
+        "**time to first token** (mean of the middle 80%)",
+        proxy["ttft"],
+        one["ttft"],
+        round(proxy["ttft"] - one["ttft"], 3),
+    ]
+    if sequential is not None:
+        total[2:2] = [sequential["ttft"]]
+        total.append(round(sequential["ttft"] - one["ttft"], 3))
+    rows.append(total)
+    header = ["phase", "via proxy", "one engine", "added"]
+    if sequential is not None:
+        header = [
+            "phase",
+            "concurrent",
+            "sequential",
+            "one engine",
+            "added, concurrent",
+            "added, sequential",
         ]
-    )
     lines = [
         "Where the time to first token goes at 1 client "
         f"({sv.get('passes_at_1_client', 1) * sv['prompts']} requests to each target, "
@@ -994,9 +1119,11 @@ def _ttft_breakdown(sv: dict[str, Any], overhead: dict[str, Any] | None) -> list
         "token arrived). The proxy sends its headers once the decode engine's "
         "answer started, so the proxy's first row is the client's request to it "
         "and the proxy's own work; for one engine it is the whole HTTP exchange "
-        "and the engine's request handling.",
+        "and the engine's request handling. With concurrent dispatch the decode "
+        "request went out during the prefill: its row counts from its second "
+        "line (the parameters) to its answer.",
         "",
-        _table(["phase", "via proxy", "one engine", "added"], rows),
+        _table(header, rows),
         "",
     ]
     if overhead is not None:
@@ -1229,21 +1356,34 @@ FINDINGS = """## What we found
   inline read every time, but it waited 0.2-0.85 ms for the prefill
   engine's notification thread (four processes on 2 cores), so 10 of 25
   sampled outlasted the 0.5 ms spin and went to the driver. Two
-  designs would take work off the path; neither is built. Sending the
-  decode request at the same time as the prefill (as SGLang's P/D router
-  does), its `kv_transfer_params` following as a second line of the same
-  request body, hides the request's sending and parsing behind the
-  prefill, but not its answer: measured with hypercorn and httpx2 in one
-  process, the answer came 1.13 ms after the second line against 1.54 ms
-  for the whole request sent then, so about 0.4 ms per request. A decode
+  designs would take work off the path. The first is built: with
+  concurrent dispatch (`--dispatch concurrent`, the default) the proxy
+  sends the decode request at the same time as the prefill (as SGLang's
+  P/D router does), once the prefill request is written, its
+  `kv_transfer_params` following as a second line of the same request
+  body ([serving](serving.md#the-proxy)). It hides the decode request's
+  sending and parsing behind the prefill, but not its answer: measured
+  with hypercorn and httpx2 in one process, the answer came 1.13 ms after
+  the second line against 1.54 ms for the whole request sent then, so
+  about 0.4 ms per request. On this machine, in two runs of benchmarks 11
+  and 12 alone while other work kept the load average at 2-5 (the
+  session that built it), the time to first token at 1 client was 24.7 and 40.4 ms
+  concurrent against 24.9 and 43.4 ms sequential (one engine: 10.1 and
+  11.9 ms): the gain is within the noise of a shared 2-core machine,
+  where overlapping two processes' work only moves CPU time, and far from
+  the goal. The decode engine takes no KV blocks before its parameters
+  come: admitting it early deadlocked both pools under overload (decode
+  blocks waiting for prefills that waited for prefill blocks held by
+  exposures whose decodes waited for those decode blocks). A decode
   engine that calls a prefill engine itself (a decode-first engine, as
-  NVIDIA Dynamo's decode workers do) would drop the proxy's exchange and
-  its per-token relay, which is what bounds tokens/s at 8 clients. Both
-  change what a failure strands: a decode engine that fails before its
-  parameters arrive leaves the prefill's exposure to its lease, unless the
-  proxy cancels the prefill in time; and a decode-first engine faces
-  clients, so it must refuse `kv_transfer_params` from them (replays, see
-  [security](security.md)).
+  NVIDIA Dynamo's decode workers do), not built, would drop the proxy's
+  exchange and its per-token relay, which is what bounds tokens/s at 8
+  clients. It changes what a failure strands, and a decode-first engine
+  faces clients, so it must refuse `kv_transfer_params` from them
+  (replays, see [security](security.md)). With concurrent dispatch a
+  decode engine that dies while the prefill runs leaves the prefill's
+  exposure to its lease, as a sequential decode engine that dies after
+  taking its request does.
 """
 
 

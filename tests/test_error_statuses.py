@@ -143,7 +143,7 @@ def raising(exc: BaseException) -> Callable[..., Any]:
     """An ``Engine.generation`` that fails with ``exc`` (as a pull or the pool would)."""
 
     @asynccontextmanager
-    async def generation(*args: Any) -> AsyncIterator[Any]:
+    async def generation(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
         await trio.lowlevel.checkpoint()
         raise exc
         yield  # pragma: no cover

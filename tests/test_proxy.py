@@ -28,6 +28,8 @@ from hypercorn.trio import serve
 
 from trio_pd._serve.asgi import read_json, send_json
 from trio_pd._serve.defaults import HOLD_MARGIN
+from trio_pd._serve.dispatch import SecondLine, params_within
+from trio_pd._serve.errors import HTTPError
 from trio_pd._serve.proxy import Proxy, ProxyTimeouts, open_client
 from trio_pd._serve.timing import PhaseTimes, parse
 from trio_pd.testing import free_port_range
@@ -56,6 +58,9 @@ class Scripted:
     answers: list[tuple[int, str | None]] = attrs.field(factory=list)
     arrived: list[float] = attrs.field(factory=list)  # (trio.current_time() of each request)
     max_model_len: int = 4096  # (what its /v1/models says)
+    first_lines: list[float] = attrs.field(factory=list)  # (concurrent dispatch: line 1's arrival)
+    cancelled: int = 0  # (concurrent dispatch: requests whose second line never came)
+    params_within: list[float] = attrs.field(factory=list)  # (concurrent: the header's seconds)
 
     async def app(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -73,10 +78,22 @@ class Scripted:
             else:
                 await send_json(send, 200, card)
             return
-        body = await read_json(receive)
+        headers = dict(scope["headers"])
+        within = params_within(scope["headers"])
+        if within is None:
+            body = await read_json(receive)
+        else:  # (concurrent dispatch: the parameters follow as a second line)
+            second = SecondLine(receive, within)
+            body = await second.first()
+            self.first_lines.append(trio.current_time())
+            self.params_within.append(within)
+            try:
+                body = {**body, "kv_transfer_params": await second.params()}
+            except HTTPError:  # (the prefill failed: the proxy closed the request)
+                self.cancelled += 1
+                return
         self.seen.append(body)
         self.arrived.append(trio.current_time())
-        headers = dict(scope["headers"])
         self.request_ids.append(headers.get(b"x-request-id", b"").decode())
         self.authorizations.append(headers.get(b"authorization", b"").decode())
         self.in_flight += 1
@@ -681,14 +698,17 @@ def test_the_defaults_table_is_the_defaults_module() -> None:
 # ---- what the proxy saw: /health, memory of failed engines (issue 30) ---------------
 
 
-async def test_health_says_failing_when_every_engine_of_a_role_failed_its_last_request() -> None:
+@pytest.mark.parametrize("dispatch", ["sequential", "concurrent"])
+async def test_health_says_failing_when_every_engine_of_a_role_failed_its_last_request(
+    dispatch: str,
+) -> None:
     # Issue 30, fault 3: a role whose only engine refuses: every request a 5xx,
     # and /health said 200 ok.
     refusing = closed_port_url()
     with trio.fail_after(30):
         async with (
             engines(2) as ([prefill, decode], urls),
-            proxy_for(urls[:1], [refusing]) as (router, proxy),
+            proxy_for(urls[:1], [refusing], dispatch=dispatch) as (router, proxy),
             httpx2.AsyncClient(timeout=10) as client,
         ):
             assert (await client.get(f"{proxy}/health")).status_code == 200  # (untried)
@@ -704,7 +724,9 @@ async def test_health_says_failing_when_every_engine_of_a_role_failed_its_last_r
             error = response.json()["error"]
             assert (error["type"], error["role"]) == ("unavailable", "decode")
             assert response.headers["x-request-id"]
-            assert len(prefill.seen) == 1
+            # (concurrent: the refused decode request cancelled the prefill, which
+            # may not have reached its engine)
+            assert len(prefill.seen) == 1 if dispatch == "sequential" else len(prefill.seen) <= 1
             assert sample(router, "trio_pd_proxy_requests_total", outcome="overloaded") == 1
             # The engine comes back (here: the set changes to a live one): healthy again.
             router.set_engines("decode", urls[1:])
@@ -944,3 +966,136 @@ def test_the_engine_sets_memory_backoff_attempts_and_health_on_its_own_clock() -
     engines.update([])
     assert not engines.failing(20.0)
     assert engines.candidates(20.0) == []
+
+
+# ---- concurrent dispatch (issue 33) -------------------------------------------------
+
+
+async def test_concurrent_dispatch_sends_the_decode_request_while_the_prefill_runs() -> None:
+    # The decode request's first line (the request, no parameters) reaches its
+    # engine while the prefill is still running; the parameters follow as the
+    # second line once the prefill answered, and the answer is relayed as before.
+    gate = trio.Event()
+    with trio.fail_after(30):
+        async with (
+            engines(2) as ([prefill, decode], urls),
+            proxy_for(urls[:1], urls[1:]) as (router, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+            trio.open_nursery() as nursery,
+        ):
+            prefill.gate = gate
+            answers: list[httpx2.Response] = []
+
+            async def ask() -> None:
+                answers.append(await client.post(f"{proxy}/v1/completions", json=BODY))
+
+            nursery.start_soon(ask)
+            await until(lambda: bool(decode.first_lines))
+            assert prefill.in_flight == 1  # (the prefill has not answered)
+            assert decode.seen == []  # (nor has the decode request its parameters)
+            gate.set()
+            await until(lambda: bool(answers))
+            assert answers[0].status_code == 200, answers[0].text
+            assert decode.seen == [{**BODY, "kv_transfer_params": KV}]
+            assert decode.first_lines[0] < decode.arrived[0]
+            # (what the engine may wait for its parameters: every prefill attempt's
+            # connect and prefill timeouts, and a second)
+            timeouts = ProxyTimeouts()
+            assert decode.params_within == [3 * (timeouts.connect + timeouts.prefill) + 1]
+            assert sample(router, "trio_pd_proxy_requests_total", outcome="ok") == 1
+
+
+@pytest.mark.parametrize(
+    ("status", "delay", "answered", "words"),
+    [
+        (500, 0.0, 502, "prefill engine"),
+        (400, 0.0, 400, "scripted 400"),
+        (200, 1.0, 504, "no answer within 0.3 s"),
+    ],
+)
+async def test_a_prefill_that_fails_ends_the_concurrent_decode_request_at_once(
+    status: int, delay: float, answered: int, words: str
+) -> None:
+    # The decode request went out with the prefill: when the prefill fails
+    # (an error answer, or no answer in time) the client gets the prefill's
+    # error, naming the request and the engine, and the decode request is
+    # closed -- its engine sees it end before any parameters, and frees it.
+    with trio.fail_after(30):
+        async with (
+            engines(2) as ([prefill, decode], urls),
+            proxy_for(urls[:1], urls[1:], ProxyTimeouts(prefill=0.3)) as (_, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            prefill.status, prefill.delay = status, delay
+            headers = {"x-request-id": "failed-prefill-1"}
+            response = await client.post(f"{proxy}/v1/completions", json=BODY, headers=headers)
+            assert response.status_code == answered, response.text
+            assert response.headers["x-request-id"] == "failed-prefill-1"
+            error = response.json()["error"]
+            assert words in error["message"]
+            assert error["engine"] == urls[0]
+            with trio.fail_after(5):
+                await until(lambda: decode.cancelled == 1)
+            assert decode.seen == []
+            assert len(decode.first_lines) == 1
+            # The proxy goes on: the next request is served.
+            prefill.status, prefill.delay = 200, 0.0
+            response = await client.post(f"{proxy}/v1/completions", json=BODY)
+            assert response.status_code == 200, response.text
+
+
+async def test_a_decode_engine_that_refuses_while_the_prefill_runs_is_passed_over() -> None:
+    # A refused connection, found while the prefill still runs: the next decode
+    # engine gets the request, and the prefill is made once.
+    gate = trio.Event()
+    with trio.fail_after(30):
+        async with (
+            engines(2) as ([prefill, decode], urls),
+            proxy_for(urls[:1], [closed_port_url(), urls[1]]) as (router, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+            trio.open_nursery() as nursery,
+        ):
+            prefill.gate = gate
+            answers: list[httpx2.Response] = []
+            for _ in range(2):  # (the refusing engine comes first in one of them)
+
+                async def ask() -> None:
+                    answers.append(await client.post(f"{proxy}/v1/completions", json=BODY))
+
+                nursery.start_soon(ask)
+            await until(lambda: len(decode.first_lines) == 2)
+            assert prefill.in_flight == 2
+            gate.set()
+            await until(lambda: len(answers) == 2)
+            assert [a.status_code for a in answers] == [200, 200]
+            assert (len(prefill.seen), len(decode.seen)) == (2, 2)
+            refused = {"role": "decode", "engine": router.engines("decode")[0], "kind": "refused"}
+            assert sample(router, "trio_pd_proxy_engine_errors_total", **refused) == 1
+
+
+async def test_a_client_cannot_send_the_second_line_itself() -> None:
+    # The second line is the proxy's: a client's two-line body is not JSON (a
+    # 400 before any engine works), a client's own X-Trio-PD-Params-Within is
+    # not passed on, and a client's kv_transfer_params never reach an engine
+    # (test_a_clients_own_kv_transfer_params_never_reach_an_engine).
+    two_lines = json.dumps(BODY) + "\n" + json.dumps({"kv_transfer_params": KV}) + "\n"
+    with trio.fail_after(30):
+        async with (
+            engines(2) as ([prefill, decode], urls),
+            proxy_for(urls[:1], urls[1:]) as (_, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            header = {"x-trio-pd-params-within": "0.001"}
+            for content in (two_lines, two_lines.encode().replace(b"\n", b"\r\n")):
+                response = await client.post(
+                    f"{proxy}/v1/completions", content=content, headers=header
+                )
+                assert response.status_code == 400, response.text
+                assert "not JSON" in response.json()["error"]["message"]
+            assert prefill.seen == decode.seen == []
+            # A body whose strings hold newlines: they stay inside line 1.
+            body = {**BODY, "prompt": 'one\ntwo\n{"kv_transfer_params": {}}\n', "user": "\u2028"}
+            response = await client.post(f"{proxy}/v1/completions", json=body, headers=header)
+            assert response.status_code == 200, response.text
+            assert decode.seen == [{**body, "kv_transfer_params": KV}]
+            assert decode.params_within[0] > 1

@@ -130,17 +130,45 @@ def metrics(text: str) -> dict[str, float]:
     return out
 
 
+@asynccontextmanager
+async def sequential_proxy(deployment: dict[str, Any]) -> AsyncIterator[str]:
+    """A second proxy, in this process, in front of ``deployment``'s engines,
+    dispatching sequentially (the deployment's own dispatches concurrently):
+    its URL while the block runs."""
+    from trio_pd._serve.proxy import Proxy, open_client
+
+    from .test_proxy import start_http
+
+    async with open_client() as upstream, trio.open_nursery() as nursery:
+        proxy = Proxy(
+            deployment["prefill"],
+            deployment["decode"],
+            upstream,
+            internal_key=INTERNAL_KEY,
+            dispatch="sequential",
+        )
+        yield await start_http(nursery, proxy.app())
+        nursery.cancel_scope.cancel()
+
+
 async def test_the_proxy_serves_exactly_what_one_engine_would(
     deployment: dict[str, Any],
 ) -> None:
+    """Through the proxy (concurrent dispatch, the default, and sequential
+    dispatch, by a second proxy), every answer is one engine's, token for token."""
     proxy, [prefill], [decode] = deployment["proxy"], deployment["prefill"], deployment["decode"]
     cases = prompts()
     through_proxy: dict[int, list[int]] = {}
+    sequentially: dict[int, list[int]] = {}
     on_one_engine: dict[int, list[int]] = {}
     streamed: dict[int, list[int]] = {}
     clients = trio.CapacityLimiter(32)  # 32 concurrent clients
     with trio.fail_after(180):
-        async with deployment_client(60) as client, trio.open_nursery() as nursery:
+        async with (
+            sequential_proxy(deployment) as sequential,
+            deployment_client(60) as client,
+            trio.open_nursery() as nursery,
+        ):
 
             async def one(i: int, prompt: str) -> None:
                 async with clients:
@@ -153,18 +181,22 @@ async def test_the_proxy_serves_exactly_what_one_engine_would(
                     assert pd["usage"]["completion_tokens"] == max_tokens
                     if i % 5 == 0:
                         streamed[i] = await stream(client, proxy, **body)
+                    if i % 2 == 0:
+                        answer = await complete(client, sequential, **body)
+                        sequentially[i] = answer["choices"][0]["token_ids"]
 
             for i, prompt in enumerate(cases):
                 nursery.start_soon(one, i, prompt)
         assert through_proxy == on_one_engine
         assert all(streamed[i] == through_proxy[i] for i in streamed)
+        assert sequentially == {i: through_proxy[i] for i in sequentially}
         assert len(set(map(tuple, through_proxy.values()))) > 25  # (not one constant answer)
 
         # The metrics count the work done, in Prometheus' text format.
         async with deployment_client(10) as client:
             on_decode = metrics((await client.get(f"{decode}/metrics")).text)
             on_prefill = metrics((await client.get(f"{prefill}/metrics")).text)
-        disaggregated = len(cases) + len(streamed)
+        disaggregated = len(cases) + len(streamed) + len(sequentially)
         assert on_decode["trio_pd_pulls_succeeded_total"] == disaggregated
         assert on_decode["trio_pd_pulls_failed_total"] == 0
         assert on_decode["trio_pd_serve_requests_total{kind=decode,outcome=ok}"] == disaggregated
@@ -317,7 +349,9 @@ async def answers_say_where_their_time_went(deployment: dict[str, Any]) -> None:
     proxy, [decode] = deployment["proxy"], deployment["decode"]
     body = {"prompt": "where did the time go?", "max_tokens": 3}
     prefill = ["prefill", "prefill.admission", "prefill.forward", "prefill.expose"]
-    pulled = ["decode", "decode.hold", "decode.admission", "decode.pull"]
+    # (the deployment's proxy dispatches concurrently: the decode engine's first
+    # phase is its wait for its parameters, the body's second line)
+    pulled = ["decode", "decode.params", "decode.hold", "decode.admission", "decode.pull"]
     with trio.fail_after(60):
         async with deployment_client(30) as client:
             for url, phases in [(proxy, [*prefill, *pulled]), (decode, ["admission", "forward"])]:

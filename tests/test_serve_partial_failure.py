@@ -19,7 +19,7 @@ import trio
 
 from trio_pd._serve.proxy import ProxyTimeouts
 
-from .test_proxy import proxy_for, unanswered_url
+from .test_proxy import engines, proxy_for, unanswered_url
 from .test_serve import INTERNAL_KEY, complete, deployment_client, open_deployment, scrape
 
 pytestmark = pytest.mark.slow
@@ -249,6 +249,117 @@ async def test_a_client_that_stops_reading_fails_only_its_own_request(tmp_path: 
 
 # ---- only its own bytes (issue 28) --------------------------------------------------
 
+
+async def raw_two_lines(url: str, lines: list[bytes], within: float, *, close: bool) -> bytes:
+    """A decode request as concurrent dispatch sends it (chunked, its parameters
+    a second line), written by hand: ``lines`` are sent, then the connection
+    is closed (``close``), or its answer is read (the status line and the body)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    stream = await trio.open_tcp_stream(host, int(port))
+    async with stream:
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\n"
+            f"authorization: Bearer {INTERNAL_KEY}\r\ntransfer-encoding: chunked\r\n"
+            f"x-trio-pd-params-within: {within}\r\n\r\n"
+        )
+        chunks = b"".join(b"%x\r\n%s\r\n" % (len(line), line) for line in lines)
+        await stream.send_all(head.encode() + chunks)
+        if close:
+            return b""
+        received = b""
+        while b"\r\n\r\n" not in received:
+            received += await stream.receive_some()
+        head_part, _, body = received.partition(b"\r\n\r\n")
+        length = int(head_part.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        while len(body) < length:
+            body += await stream.receive_some()
+        return head_part.split(b"\r\n")[0] + b"\n" + body
+
+
+async def second_line_stories(client: httpx2.AsyncClient, prefill: str, decode: str) -> None:
+    """Concurrent dispatch at a real decode engine (the proxy's wire shape, sent
+    by hand): what a refusal, a proxy that goes away and a second line that
+    never comes leave behind -- nothing (issue 33)."""
+    free = "trio_pd_serve_kv_blocks_free"
+    prompt = "s" * 100
+    first = json.dumps({"prompt": prompt, "max_tokens": 2}).encode() + b"\n"
+
+    async def exposed() -> dict[str, Any]:
+        response = await client.post(
+            f"{prefill}/v1/completions",
+            json={"prompt": prompt, "kv_transfer_params": {"do_remote_decode": True}},
+        )
+        params: dict[str, Any] = response.json()["kv_transfer_params"]
+        return params
+
+    # A request refused for any reason (found on its first line, or once it
+    # waits) still reads its second line, and gives the exposure back: the
+    # prefill pool is whole within 1 s (the lease is 2 s).
+    abandoned = (await scrape(client, prefill))["trio_pd_exposures_abandoned_total"]
+    for extra, status in [
+        ({"min_tokens": 500}, 400),
+        ({"model": "another"}, 404),
+        ({"max_tokens": 1000}, 400),  # (more blocks than the pool: refused before its wait)
+    ]:
+        line = json.dumps({"prompt": prompt, "max_tokens": 2, **extra}).encode() + b"\n"
+        second = json.dumps({"kv_transfer_params": await exposed()}).encode() + b"\n"
+        answer = await raw_two_lines(decode, [line, second], 5, close=False)
+        assert answer.startswith(b"HTTP/1.1 %d" % status), answer
+        abandoned += 1
+        with trio.fail_after(1):
+            await wait_for(client, prefill, free, SMALL_POOL)
+            await wait_for(client, prefill, "trio_pd_exposures_abandoned_total", abandoned)
+    # Malformed bodies: a 400 naming what is wrong (the exposure given back
+    # where the parameters could be read).
+    params = await exposed()
+    for lines, words in [
+        ([first.replace(b"}", b', "kv_transfer_params": {}}')], b"second line"),
+        ([first, b'{"kv_transfer_params": {"do_remote_prefill": false}}\n'], b"remote prefill"),
+        ([first, b'{"kv_transfer_params": {}, "prompt": "x"}\n'], b"nothing else"),
+        ([first, json.dumps({"kv_transfer_params": params}).encode() + b"\n{}\n"], b"two lines"),
+        ([first, b"not json\n"], b"not JSON"),
+    ]:
+        answer = await raw_two_lines(decode, lines, 5, close=False)
+        assert answer.startswith(b"HTTP/1.1 400"), answer
+        assert words in answer, answer
+    with trio.fail_after(LEASE + 2):  # (the one exposure named only by a refused body)
+        await wait_for(client, prefill, free, SMALL_POOL)
+    # A second line that never comes: a 408 at the request's deadline, the
+    # decode engine's pool whole.
+    answer = await raw_two_lines(decode, [first], 0.3, close=False)
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert b"params_timeout" in answer
+    # The proxy closes the request before the second line (its prefill
+    # failed): the decode engine counts it disconnected and holds nothing.
+    disconnected = "trio_pd_serve_requests_total{kind=decode,outcome=disconnected}"
+    before = (await scrape(client, decode)).get(disconnected, 0)
+    await raw_two_lines(decode, [first], 30, close=True)
+    with trio.fail_after(5):
+        await wait_for(client, decode, disconnected, before + 1)
+    # Through a proxy whose prefill engine fails (after the decode request
+    # went out): the client gets the prefill's error, naming the request and
+    # the engine; the decode request is closed, and its engine frees it.
+    async with (
+        engines(1) as ([failing], [failing_url]),
+        proxy_for([failing_url], [decode], internal_key=INTERNAL_KEY) as (_, ours),
+    ):
+        failing.status, failing.delay = 500, 0.5
+        response = await client.post(
+            f"{ours}/v1/completions",
+            json={"prompt": prompt, "max_tokens": 2},
+            headers={"x-request-id": "its-prefill-fails"},
+        )
+        assert response.status_code == 502, response.text
+        assert response.headers["x-request-id"] == "its-prefill-fails"
+        error = response.json()["error"]
+        assert (error["type"], error["engine"]) == ("prefill_failed", failing_url)
+        with trio.fail_after(5):
+            await wait_for(client, decode, disconnected, before + 2)
+    on_decode = await scrape(client, decode)
+    assert on_decode[free] == SMALL_POOL
+    assert on_decode["trio_pd_holds_active"] == 0
+
+
 LEASE = 2.0  # the engines' --lease-initial here (the proxy's hold margin is 1 s)
 SMALL_POOL = 16  # KV blocks: a freed exposure's blocks are the next prefill's
 
@@ -307,6 +418,8 @@ async def test_refusals_give_the_prefill_blocks_back_and_no_decode_reads_a_lapse
                 on_prefill = await scrape(client, prefill)
                 assert on_prefill["trio_pd_exposures_abandoned_total"] == abandoned
                 assert on_prefill["trio_pd_exposures_expired_total"] == 0
+
+                await second_line_stories(client, prefill, decode)
 
                 # Finding 2: a proxy whose first decode engine never answers the
                 # connection, with a connect timeout (5 s) past the exposure's

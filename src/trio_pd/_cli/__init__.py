@@ -37,6 +37,7 @@ from trio_pd._cli.common import (
     EXIT_USAGE,
     UsageError,
     add_address_arguments,
+    add_dispatch_argument,
     add_internal_key_argument,
     add_lease_argument,
     add_send_timeout_argument,
@@ -208,6 +209,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_send_timeout_argument(serve, serving.send_timeout)
     add_lease_argument(serve, serving.lease_initial)
+    add_dispatch_argument(serve, serving.dispatch)
     serve.add_argument(
         "--num-blocks",
         type=int,
@@ -335,6 +337,7 @@ def _serve(args: argparse.Namespace) -> int:
         etcd_ttl=args.etcd_ttl,
         api_keys=client_keys(args.api_key),
         curve=not args.no_curve,
+        dispatch=args.dispatch,
     )
     if key := internal_key(args.internal_key_file):
         serving = attrs.evolve(serving, internal_key=key)

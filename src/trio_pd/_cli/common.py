@@ -236,6 +236,18 @@ def add_send_timeout_argument(parser: argparse.ArgumentParser, default: float) -
     )
 
 
+def add_dispatch_argument(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument(
+        "--dispatch",
+        choices=("sequential", "concurrent"),
+        default=default,
+        help="when the proxy sends a decode request: concurrent, at once with its prefill "
+        "request, the prefill's kv_transfer_params following as a second line of its body "
+        "(the decode engine admits the request meanwhile; needs trio-pd engines); sequential, "
+        f"once the prefill answered (default {default})",
+    )
+
+
 def add_lease_argument(parser: argparse.ArgumentParser, default: float) -> None:
     parser.add_argument(
         "--lease-initial",

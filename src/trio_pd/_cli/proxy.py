@@ -29,6 +29,7 @@ from trio_pd._cli.common import (
     EXIT_OK,
     UsageError,
     add_address_arguments,
+    add_dispatch_argument,
     add_etcd_arguments,
     add_internal_key_argument,
     add_send_timeout_argument,
@@ -56,6 +57,7 @@ from trio_pd._serve.keys import API_KEY_ENV, BearerKeys
 from trio_pd._serve.openai import MAX_MODEL_LEN
 from trio_pd._serve.proxy import (
     BODY_TIMEOUT,
+    DISPATCH,
     MAX_ATTEMPTS,
     MAX_CLIENT_REQUESTS,
     Proxy,
@@ -86,6 +88,7 @@ class ProxyOptions:
     max_attempts: int = MAX_ATTEMPTS  # (engines of a role one request tries)
     body_timeout: float = BODY_TIMEOUT  # (a request's body, then 408)
     max_client_requests: int = MAX_CLIENT_REQUESTS  # (open at once per client address)
+    dispatch: str = DISPATCH  # (when a decode request is sent: sequential or concurrent)
 
     def check(self) -> None:
         """Raises ValueError naming the flag that is wrong."""
@@ -194,6 +197,7 @@ class _Router:
             max_attempts=options.max_attempts,
             body_timeout=options.body_timeout,
             max_client_requests=options.max_client_requests,
+            dispatch=options.dispatch,
         )
         self.app = response_completes(self.proxy.app())
 
@@ -269,6 +273,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "connection is left out for a backoff: 1 s, doubled up to 30 s; default "
         f"{defaults.max_attempts})",
     )
+    add_dispatch_argument(parser, defaults.dispatch)
     parser.add_argument(
         "--body-timeout",
         type=float,
@@ -346,6 +351,7 @@ def run(args: argparse.Namespace) -> int:
         max_attempts=args.max_attempts,
         body_timeout=args.body_timeout,
         max_client_requests=args.max_client_requests,
+        dispatch=args.dispatch,
     )
     try:
         options.check()

@@ -79,6 +79,7 @@ from trio_pd._serve.engine import EXPOSURE_SECRET_ENV
 from trio_pd._serve.keys import API_KEY_ENV, INTERNAL_KEY_ENV, BearerKeys
 from trio_pd._serve.model import ModelConfig
 from trio_pd._serve.openai import MAX_MODEL_LEN
+from trio_pd._serve.proxy import DISPATCH
 from trio_pd._serve.stopping import StopRequest, stop_requests
 
 
@@ -107,6 +108,7 @@ class ServeOptions:
     etcd_ttl: float = 10.0  # (with hosts: each engine's lease)
     api_keys: BearerKeys | None = None  # (the proxy's client keys; None: open)
     curve: bool = True  # (CURVE on the engines' side channels, keys made per run)
+    dispatch: str = DISPATCH  # (the proxy's: when it sends a decode request)
     # The engines' internal key (--internal-key-file or $TRIO_PD_INTERNAL_KEY;
     # by default one made for this run).
     internal_key: str = attrs.field(factory=lambda: secrets.token_urlsafe(32), repr=False)
@@ -320,6 +322,7 @@ async def _serve_proxy(
         max_model_len=options.max_model_len(),
         api_keys=options.api_keys,
         internal_key=options.internal_key,
+        dispatch=options.dispatch,
     )
     engines = EngineSet(board.urls("prefill"), board.urls("decode"))
     done = trio.Event()

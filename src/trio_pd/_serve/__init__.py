@@ -11,7 +11,8 @@ to read in one sitting. By concept:
 * the proxy: ``proxy`` (prefill on one engine, decode on another; its HTTP
   client and per-phase deadlines), ``routing`` (which engine gets a request,
   no I/O), ``discovery`` (where a membership service such as etcd plugs into
-  the engine and the proxy);
+  the engine and the proxy), ``dispatch`` (concurrent dispatch's two-line
+  decode requests: the proxy writes them, the engine reads them);
 * the HTTP surface both share: ``openai``, ``fields`` and ``responses``
   (OpenAI-compatible requests and bodies, vLLM's ``kv_transfer_params``;
   no I/O), ``errors`` (one table from exceptions to HTTP answers), ``keys``

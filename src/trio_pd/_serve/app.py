@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 from typing import Any
 
+import attrs
 import trio
 from prometheus_client import generate_latest
 
@@ -49,6 +50,7 @@ from trio_pd._serve.asgi import (
     send_text,
     start_events,
 )
+from trio_pd._serve.dispatch import SecondLine, params_within
 from trio_pd._serve.engine import Engine
 from trio_pd._serve.errors import HTTPError, ParamsInUse, http_error
 from trio_pd._serve.openai import (
@@ -137,9 +139,9 @@ async def _route(engine: Engine, scope: Scope, receive: Receive, send: Send, rid
         raise HTTPError(404, f"Invalid URL ({method} {path[:200]})", "invalid_request_error")
     _allow(method, path, allowed)
     if path == "/v1/completions":
-        await _generation(engine, receive, send, rid, chat=False)
+        await _generation(engine, scope, receive, send, rid, chat=False)
     elif path == "/v1/chat/completions":
-        await _generation(engine, receive, send, rid, chat=True)
+        await _generation(engine, scope, receive, send, rid, chat=True)
     elif path == "/v1/models":
         await send_json(send, 200, model_list(engine.max_model_len()))
     elif path == "/health":
@@ -291,17 +293,27 @@ async def _wait_for_exposures(engine: Engine) -> None:
         )
 
 
-async def _generation(engine: Engine, receive: Receive, send: Send, rid: str, chat: bool) -> None:
-    """``POST /v1/completions`` or ``/v1/chat/completions``: prefill, decode or both."""
-    body = await read_json(receive)
+async def _generation(
+    engine: Engine, scope: Scope, receive: Receive, send: Send, rid: str, chat: bool
+) -> None:
+    """``POST /v1/completions`` or ``/v1/chat/completions``: prefill, decode or both.
+
+    A decode request whose ``kv_transfer_params`` follow as a second line
+    (concurrent dispatch, :mod:`.dispatch`) is admitted while they come; one
+    refused for any reason reads them first, and gives their exposure back."""
+    within = params_within(scope.get("headers", ()))
+    second = None if within is None else SecondLine(receive, within)
+    body = await (read_json(receive) if second is None else second.first())
     try:
         request = parse_chat_request(body) if chat else parse_completions_request(body)
+        if second is not None:
+            request = attrs.evolve(request, kind="decode")  # (its parameters: line 2)
         if not engine.accepting:
             raise HTTPError(503, "the engine is draining", "unavailable", retry_after=1)
     except HTTPError:
         # Refused before it held the prefill's blocks: give them back now
         # (a refusal while it holds them does so as it leaves the hold).
-        engine.give_back(body)
+        await _give_back(engine, body, second)
         raise
     if request.ignored:
         ignored = ", ".join(request.ignored)
@@ -316,21 +328,35 @@ async def _generation(engine: Engine, receive: Receive, send: Send, rid: str, ch
             answered = True  # (the client may disconnect right after: still answered)
         await send(message)
 
-    params = request.kv_transfer_params
     times = PhaseTimes()
     sending = SendWatch(send_tracked)
     try:
-        async with cancel_on_disconnect(receive):
-            if request.kind == "prefill":
-                kv = await engine.prefill_for_remote(request_id, request.prompt, times)
-                whole = shapes.whole("", [], kv_transfer_params=kv)
-                await send_json(sending, 200, whole, [times.header()])
-            else:
-                await _generate(engine, sending, shapes, request, times)
+        try:
+            async with cancel_on_disconnect(receive, None if second is None else second.read):
+                if request.kind == "prefill":
+                    kv = await engine.prefill_for_remote(request_id, request.prompt, times)
+                    whole = shapes.whole("", [], kv_transfer_params=kv)
+                    await send_json(sending, 200, whole, [times.header()])
+                else:
+                    await _generate(engine, sending, shapes, request, times, second)
+        except HTTPError as exc:
+            if second is not None and exc.status == 499:  # (the proxy closed it: a failed prefill)
+                outcome = "disconnected"
+                return
+            if second is not None and second.value is None:
+                await _give_back(engine, body, second)
+            raise
+        except Exception:
+            # Refused before its parameters came: read them, and give their
+            # exposure back.
+            if second is not None and second.value is None:
+                await _give_back(engine, body, second)
+            raise
         outcome = "ok" if answered else "disconnected"
         if not answered and sending.stalled(engine.settings.send_timeout):
             outcome = "stalled"
     except PULL_ERRORS as exc:
+        params = request.kv_transfer_params if second is None else second.value or {}
         raise http_error(
             exc,
             engine=engine.settings.engine_id,
@@ -352,8 +378,28 @@ async def _generation(engine: Engine, receive: Receive, send: Send, rid: str, ch
             )
 
 
+async def _give_back(engine: Engine, body: dict[str, Any], second: SecondLine | None) -> None:
+    """Abandon the exposure that a refused request's parameters name
+    (:meth:`Engine.give_back`): its body's, or -- concurrent dispatch -- its
+    second line's, read first (within its deadline; one that does not come,
+    or does not parse, names nothing to give back)."""
+    if second is None:
+        engine.give_back(body)
+        return
+    try:
+        kv = await second.params()
+    except HTTPError:
+        return
+    engine.give_back({"kv_transfer_params": kv})
+
+
 async def _generate(
-    engine: Engine, send: Send, shapes: Shapes, request: GenerationRequest, times: PhaseTimes
+    engine: Engine,
+    send: Send,
+    shapes: Shapes,
+    request: GenerationRequest,
+    times: PhaseTimes,
+    second: SecondLine | None = None,
 ) -> None:
     """Generate ``request``'s tokens (pulling its prompt's KV if it is a decode
     request) and send them, whole or as server-sent events; the response's
@@ -362,13 +408,19 @@ async def _generate(
     A whole answer is sent once its KV blocks are back in the pool; a stream
     holds them until its last token is sent (a client that stops reading
     holds them until the send timeout resets its connection)."""
-    remote = request.kv_transfer_params if request.kind == "decode" else None
+    remote = request.kv_transfer_params if request.kind == "decode" and second is None else None
+    later = None if second is None else second.params
 
     @asynccontextmanager
     async def generating() -> AsyncIterator[AsyncIterator[int]]:
         async with (
             engine.generation(
-                shapes.request_id, request.prompt, request.max_tokens, remote, times
+                shapes.request_id,
+                request.prompt,
+                request.max_tokens,
+                remote,
+                times,
+                params_later=later,
             ) as tokens_,
             aclosing(tokens_) as tokens,  # (closed even when the client hangs up)
         ):

@@ -113,16 +113,22 @@ async def send_event(send: Send, data: Any, *, last: bool = False) -> None:
 
 
 @asynccontextmanager
-async def cancel_on_disconnect(receive: Receive) -> AsyncIterator[None]:
+async def cancel_on_disconnect(
+    receive: Receive, after: trio.Event | None = None
+) -> AsyncIterator[None]:
     """Run the block in a scope that the client's disconnect cancels.
 
     Call it after the request body was read: from then on, the only message
     ASGI delivers is ``http.disconnect``. (It also arrives after a complete
     response: run the application under :func:`response_completes`, so that
-    it never cancels the last ``send``.)
+    it never cancels the last ``send``.) With ``after``, the watch starts
+    once it is set: the block itself reads the rest of the body until then
+    (and sees a disconnect there), and the watch takes what is left of it.
     """
 
     async def watch(scope: trio.CancelScope) -> None:
+        if after is not None:
+            await after.wait()
         while (await receive())["type"] != "http.disconnect":
             pass
         scope.cancel()

@@ -38,7 +38,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
@@ -337,6 +337,8 @@ class Engine:
         max_tokens: int,
         params: dict[str, Any] | None,
         times: PhaseTimes | None = None,
+        *,
+        params_later: Callable[[], Awaitable[dict[str, Any]]] | None = None,
     ) -> AsyncIterator[AsyncGenerator[int, None]]:
         """Blocks for the whole request, the prompt's KV in them, and a token iterator.
 
@@ -352,6 +354,14 @@ class Engine:
         (``Connector.unsettled_blocks``, whichever way the pull ended): then
         only once it has settled.
 
+        With ``params_later`` instead (concurrent dispatch, :mod:`.dispatch`),
+        the parameters are what it returns once the prefill answered (phase
+        ``params``); then the same. The request takes no KV blocks before
+        they come: decode blocks held while waiting for a prefill that
+        itself waits for prefill blocks, held by exposures whose decode
+        requests wait for decode blocks, would deadlock both pools (until
+        the admission timeouts).
+
         Raises:
             HandshakeError, TransferError: the pull failed.
             ParamsRejectedError: ``params`` claim what the producer did not
@@ -363,6 +373,10 @@ class Engine:
         config = self.model.config
         times = times or PhaseTimes()
         before = len(prompt) - 1
+        if params_later is not None:
+            self.check_fits(prompt, max_tokens)  # (a request that can never run: before it waits)
+            with times.phase("params"):
+                params = await params_later()
         remote: RemoteBlocks | None = None
         if params is not None:
             remote = parse_remote_blocks(params)

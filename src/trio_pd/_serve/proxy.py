@@ -49,7 +49,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from typing import Any
 
@@ -58,6 +58,7 @@ import httpx2
 import trio
 from prometheus_client import generate_latest
 
+from trio_pd._exception_groups import unwrapped_errors
 from trio_pd._serve import defaults
 from trio_pd._serve.asgi import (
     Receive,
@@ -74,6 +75,7 @@ from trio_pd._serve.asgi import (
 from trio_pd._serve.binding import SEND_TIMEOUT
 from trio_pd._serve.defaults import HOLD_MARGIN, LEASE_INITIAL, REPREFILLS
 from trio_pd._serve.discovery import EngineSet as RegisteredEngines
+from trio_pd._serve.dispatch import PARAMS_WITHIN_HEADER, first_line, second_line
 from trio_pd._serve.errors import (
     DeploymentFault,
     ExposureEnded,
@@ -143,6 +145,13 @@ MAX_CLIENT_REQUESTS = 64
 MAX_ATTEMPTS = 3
 """The most engines of a role one request tries (``--max-attempts``)."""
 
+DISPATCHES = ("sequential", "concurrent")
+"""How the proxy sends a request's decode request (``--dispatch``): once the
+prefill answered, or at once, its parameters following (:mod:`.dispatch`)."""
+
+DISPATCH = "concurrent"
+"""The proxy's default dispatch."""
+
 REQUEST_ID_HEADER = "x-request-id"
 KV_PARAMS = "kv_transfer_params"
 EXPOSURE_ENDED = "exposure_ended"
@@ -181,6 +190,10 @@ class Proxy:
         body_timeout: how long a request's body may take to arrive (408 then).
         max_client_requests: the most requests open at once from one
             client address (429 then; 0: no cap).
+        dispatch: ``"concurrent"``: each decode request is sent with its
+            prefill request, its parameters following as a second line of
+            its body (:mod:`.dispatch`; the engines must be
+            ``trio-pd engine`` processes); ``"sequential"``: once the prefill answered.
     """
 
     def __init__(
@@ -198,9 +211,13 @@ class Proxy:
         max_attempts: int = MAX_ATTEMPTS,
         body_timeout: float = BODY_TIMEOUT,
         max_client_requests: int = MAX_CLIENT_REQUESTS,
+        dispatch: str = DISPATCH,
     ):
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
+        if dispatch not in DISPATCHES:
+            raise ValueError(f"dispatch must be one of {', '.join(DISPATCHES)}")
+        self._dispatch = dispatch
         self._max_attempts = max_attempts
         self._body_timeout = body_timeout
         self._max_client_requests = max_client_requests
@@ -503,17 +520,43 @@ class Proxy:
         (``exposure_ended``) or too little of its lease was left to start a
         decode on the next engine (see :mod:`.defaults`).
 
+        With sequential dispatch the decode request starts once the prefill
+        answered; with concurrent dispatch (:mod:`.dispatch`) both start at
+        once, and the prefill's parameters follow the decode request as its
+        body's second line. Either way a prefill that fails fails the
+        request (with concurrent dispatch, the decode request is cancelled:
+        its connection closes, and the decode engine lets go of what it
+        admitted), and a decode request that cannot start (no decode engine
+        takes the connection) cancels a prefill still running.
+
         The second round runs within the request's deadline: what one round
         may take (``prefill`` + ``first_byte``) from the request's arrival.
         """
         deadline = math.inf
         for round_ in range(1 + REPREFILLS):
-            kv, expires, prefilled = await self._prefill(path, request_id, body, times, deadline)
-            decoding = {**body, KV_PARAMS: kv}
+            prefilled = _Prefilled()
             try:
-                await self._decode(
-                    path, request_id, decoding, send, started, times, expires, deadline, prefilled
-                )
+                if self._dispatch == "sequential":
+                    await self._prefill(path, request_id, body, times, prefilled, deadline)
+                    await self._decode(
+                        path, request_id, body, send, started, times, prefilled, deadline
+                    )
+                else:
+                    async with unwrapped_errors(), trio.open_nursery() as nursery:
+                        nursery.start_soon(
+                            self._prefill, path, request_id, body, times, prefilled, deadline
+                        )
+                        await self._decode(
+                            path,
+                            request_id,
+                            body,
+                            send,
+                            started,
+                            times,
+                            prefilled,
+                            deadline,
+                            concurrent=True,
+                        )
                 return
             except _PrefillAgain as again:
                 if round_ == REPREFILLS:
@@ -530,11 +573,13 @@ class Proxy:
         request_id: str,
         body: dict[str, Any],
         times: PhaseTimes,
+        prefilled: _Prefilled,
         deadline: float = math.inf,
-    ) -> tuple[dict[str, Any], float, str]:
-        """The KV of ``body``'s prompt, from a prefill engine that answers,
-        when its exposure's lease runs out (``trio.current_time()``'s
-        clock: counted from the answer, see :func:`_lease_of`), and that engine.
+    ) -> None:
+        """Set ``prefilled`` to the KV of ``body``'s prompt, from a prefill
+        engine that answers, when its exposure's lease runs out
+        (``trio.current_time()``'s clock: counted from the answer, see
+        :func:`_lease_of`), and that engine.
 
         An engine that refuses the connection, or answers 503 (it did no
         work), is passed over for the next; any other failure is this
@@ -561,6 +606,7 @@ class Proxy:
                             f"{engine}{path}",
                             json=request,
                             headers={REQUEST_ID_HEADER: request_id, **self._upstream_headers},
+                            extensions={"trace": prefilled.trace},
                         )
                 except (httpx2.ConnectError, httpx2.ConnectTimeout) as exc:
                     engines.refused(engine, trio.current_time())
@@ -589,7 +635,8 @@ class Proxy:
                 raise self._engine_error("prefill", engine, exc) from None
             engines.answered(engine)
             times.relay("prefill.", response.headers.get("server-timing"))
-            return kv, answered + _lease_of(kv), engine
+            prefilled.set(kv, answered + _lease_of(kv), engine)
+            return
         raise failure or self._unavailable("prefill")
 
     async def _decode(
@@ -600,43 +647,41 @@ class Proxy:
         send: Send,
         started: float,
         times: PhaseTimes,
-        expires: float,
+        prefilled: _Prefilled,
         deadline: float = math.inf,
-        prefilled: str = "",
+        *,
+        concurrent: bool = False,
     ) -> None:
-        """Relay ``body``'s decoding from a decode engine that can be reached
-        (``prefilled``: the prefill engine that issued its parameters).
+        """Relay ``body``'s decoding from a decode engine that can be reached,
+        with the parameters of ``prefilled`` (set already with sequential
+        dispatch; with ``concurrent`` dispatch they follow as the body's
+        second line once it is set).
 
         One that refuses the connection (it died, say) is passed over for
         the next: it never saw the request, and the prefill engine's
         exposure is still there for another one to read -- while its lease
-        (it runs out at ``expires``) lasts. Each connection must be made by
-        ``expires - hold_margin``, so that the decode engine holds the
-        exposure before the lease runs out: its connect timeout is cut to
-        that, and once nothing is left the next engine is not tried
-        (:class:`_PrefillAgain`). Nor is it when the decode engine answers
-        ``exposure_ended`` (the exposure is gone for every engine).
+        (it runs out at ``prefilled.expires``) lasts. Once the prefill
+        answered, each connection must be made by ``expires - hold_margin``,
+        so that the decode engine holds the exposure before the lease runs
+        out: its connect timeout is cut to that, and once nothing is left
+        the next engine is not tried (:class:`_PrefillAgain`). Nor is it when
+        the decode engine answers ``exposure_ended`` (the exposure is gone
+        for every engine).
         """
         engines = self._engines["decode"]
         failure: HTTPError | None = None
+        if concurrent:
+            # The prefill request goes first (the proxy's one thread sends one
+            # request at a time): the decode request is sent while the prefill
+            # engine works, not in its way.
+            await prefilled.sent.wait()
         for engine in engines.candidates(trio.current_time(), self._max_attempts):
-            connect = min(self._timeouts.connect, expires - self._hold_margin - trio.current_time())
+            connect = self._timeouts.connect
+            if prefilled.answered.is_set():
+                left = prefilled.expires - self._hold_margin - trio.current_time()
+                connect = min(connect, left)
             if connect <= 0:
-                left = max(expires - trio.current_time(), 0)
-                raise _PrefillAgain(
-                    "lease",
-                    f"{left:.2f} s of the exposure's lease left, {self._hold_margin:g} s "
-                    f"needed to start a decode on {engine}",
-                    engine=engine,
-                    error=failure
-                    or HTTPError(
-                        503,
-                        f"no decode request could start within the exposure's lease "
-                        f"(a hold needs {self._hold_margin:g} s of it)",
-                        "unavailable",
-                        retry_after=1,
-                    ),
-                )
+                raise self._lease_too_short(engine, prefilled, failure)
             with engines.attempt(engine):
                 try:
                     await self._decode_on(
@@ -650,6 +695,7 @@ class Proxy:
                         connect,
                         deadline,
                         prefilled,
+                        concurrent,
                     )
                 except _Refused as exc:
                     engines.refused(engine, trio.current_time())
@@ -657,6 +703,25 @@ class Proxy:
                     continue
             return
         raise failure or self._unavailable("decode")
+
+    def _lease_too_short(
+        self, engine: str, prefilled: _Prefilled, failure: HTTPError | None
+    ) -> _PrefillAgain:
+        left = max(prefilled.expires - trio.current_time(), 0)
+        return _PrefillAgain(
+            "lease",
+            f"{left:.2f} s of the exposure's lease left, {self._hold_margin:g} s "
+            f"needed to start a decode on {engine}",
+            engine=engine,
+            error=failure
+            or HTTPError(
+                503,
+                f"no decode request could start within the exposure's lease "
+                f"(a hold needs {self._hold_margin:g} s of it)",
+                "unavailable",
+                retry_after=1,
+            ),
+        )
 
     async def _decode_on(
         self,
@@ -669,24 +734,81 @@ class Proxy:
         times: PhaseTimes,
         connect: float,
         deadline: float,
-        prefilled: str,
+        prefilled: _Prefilled,
+        concurrent: bool,
     ) -> None:
         streaming = False
         timeouts = self._timeouts
-        request = self._client.build_request(
-            "POST",
-            f"{engine}{path}",
-            json=body,
-            headers={REQUEST_ID_HEADER: request_id, **self._upstream_headers},
-            # (connected within the lease, see _decode; reads bounded per phase here)
-            timeout=httpx2.Timeout(connect=connect, read=None, write=timeouts.idle, pool=None),
-        )
+        headers = {REQUEST_ID_HEADER: request_id, **self._upstream_headers}
+        # (connected within the lease, see _decode; reads bounded per phase here)
+        timeout = httpx2.Timeout(connect=connect, read=None, write=timeouts.idle, pool=None)
+        # The answer's deadline: from when the decode request is whole (its
+        # parameters sent); until then the prefill's own deadline bounds it.
+        answer_by = trio.CancelScope()
+        first_byte = 0.0
+        sent = 0.0  # (times' clock: when the parameters went)
+
+        def parameters_sent() -> None:
+            nonlocal first_byte, sent
+            first_byte = max(min(timeouts.first_byte, deadline - trio.current_time()), 0)
+            answer_by.deadline = trio.current_time() + first_byte
+            sent = times.clock()
+
+        connected = False  # (concurrent: line 1 is written, the engine has the request)
+
+        def answered() -> None:
+            # The prefill answered while this request was still connecting:
+            # the connection is cut to what the exposure's lease leaves (see
+            # _decode), as if its connect timeout had been that.
+            if not connected:
+                answer_by.deadline = min(answer_by.deadline, prefilled.expires - self._hold_margin)
+
+        if not concurrent:  # (the whole request at once)
+            parameters_sent()
+            request = self._client.build_request(
+                "POST",
+                f"{engine}{path}",
+                json={**body, KV_PARAMS: prefilled.kv},
+                headers=headers,
+                timeout=timeout,
+            )
+        else:
+            # (the decode engine's deadline for line 2: the most the prefill's
+            # attempts take; the proxy itself cancels this request sooner if the
+            # prefill fails)
+            most = self._max_attempts * (timeouts.connect + timeouts.prefill)
+            within = min(most, deadline - trio.current_time()) + PARAMS_SLACK
+            headers[PARAMS_WITHIN_HEADER] = f"{within:.3f}"
+            headers["content-type"] = "application/x-ndjson"
+
+            async def content() -> AsyncIterator[bytes]:
+                nonlocal connected
+                yield first_line(body)
+                # (line 1 is written: the decode engine has the request)
+                connected = True
+                answer_by.deadline = math.inf
+                await prefilled.answered.wait()
+                if trio.current_time() > prefilled.expires - self._hold_margin:
+                    # (connected too late in the lease: see _decode)
+                    raise self._lease_too_short(engine, prefilled, None)
+                parameters_sent()
+                yield second_line(prefilled.kv)
+
+            request = self._client.build_request(
+                "POST", f"{engine}{path}", content=content(), headers=headers, timeout=timeout
+            )
         response: httpx2.Response | None = None
         ended: HTTPError | None = None  # (an error after the 200 was sent)
-        first_byte = max(min(timeouts.first_byte, deadline - trio.current_time()), 0)
+        prefilled.on_answer.append(answered)
         try:
-            with times.phase("decode"), trio.fail_after(first_byte):
+            with answer_by:
                 response = await self._client.send(request, stream=True)
+            if response is None and concurrent and not connected:
+                cut = httpx2.ConnectTimeout("not connected within the exposure's lease")
+                raise _Refused(self._engine_error("decode", engine, cut))
+            if response is None:
+                raise trio.TooSlowError
+            times.add("decode", (times.clock() - sent) * 1e3)
             if response.status_code != 200:
                 self._judge("decode", engine, response.status_code)
                 try:
@@ -708,7 +830,7 @@ class Proxy:
                     raise _PrefillAgain(EXPOSURE_ENDED, message, engine=engine)
                 raise relayed
             self._engines["decode"].answered(engine)
-            self._faults.pop((prefilled, engine), None)
+            self._faults.pop((prefilled.engine, engine), None)
             times.relay("decode.", response.headers.get("server-timing"))
             await send(
                 {
@@ -745,8 +867,10 @@ class Proxy:
         except (httpx2.ConnectError, httpx2.ConnectTimeout) as exc:
             raise _Refused(self._engine_error("decode", engine, exc)) from None
         except DeploymentFault as exc:
-            self._faults[(prefilled, engine)] = str(exc)
-            raise self._engine_error("decode", engine, exc, prefill_engine=prefilled) from None
+            self._faults[(prefilled.engine, engine)] = str(exc)
+            raise self._engine_error(
+                "decode", engine, exc, prefill_engine=prefilled.engine
+            ) from None
         except trio.TooSlowError as exc:
             self._engines["decode"].failed(engine, trio.current_time())
             raise self._engine_error(
@@ -763,6 +887,7 @@ class Proxy:
                 raise error from None
             ended = error
         finally:
+            prefilled.on_answer.remove(answered)
             if response is not None:
                 with trio.CancelScope(shield=True):
                     await response.aclose()
@@ -811,6 +936,36 @@ class Proxy:
             retry_after=max(1, math.ceil(wait)),
             role=role,
         )
+
+
+PARAMS_SLACK = 1.0
+"""Seconds a decode engine waits for its second line beyond the prefill's
+deadline (concurrent dispatch): the proxy gives up first, and says why."""
+
+
+class _Prefilled:
+    """What a prefill answered (its parameters, when their lease runs out,
+    the engine), once :attr:`answered` is set."""
+
+    def __init__(self) -> None:
+        self.sent = trio.Event()  # (the prefill request is sent whole, or answered)
+        self.answered = trio.Event()
+        self.kv: dict[str, Any] = {}
+        self.expires = math.inf
+        self.engine = ""
+        self.on_answer: list[Callable[[], None]] = []  # (called once it is set)
+
+    async def trace(self, event: str, info: dict[str, Any]) -> None:
+        """The prefill request's progress (httpx2's ``trace`` extension)."""
+        if event == "http11.send_request_body.complete":
+            self.sent.set()
+
+    def set(self, kv: dict[str, Any], expires: float, engine: str) -> None:
+        self.kv, self.expires, self.engine = kv, expires, engine
+        self.sent.set()
+        self.answered.set()
+        for call in self.on_answer:
+            call()
 
 
 class _PrefillAgain(Exception):

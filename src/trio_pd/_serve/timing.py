@@ -46,6 +46,11 @@ class PhaseTimes:
         finally:
             self.add(name, (self._clock() - started) * 1e3)
 
+    def clock(self) -> float:
+        """Now, in seconds, on this object's clock (for a phase whose start and
+        end are in different places: :meth:`add` its length)."""
+        return self._clock()
+
     def add(self, name: str, ms: float) -> None:
         """Add ``ms`` milliseconds to phase ``name``."""
         self._ms[name] = self._ms.get(name, 0.0) + ms

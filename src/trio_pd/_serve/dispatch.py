@@ -1,0 +1,216 @@
+"""Concurrent dispatch: a decode request sent with its prefill, its parameters a second line.
+
+With ``--dispatch concurrent`` (the proxy's default) the proxy sends the
+decode request at the same time as the prefill request, as SGLang's P/D
+router does, and its ``kv_transfer_params`` follow once the prefill engine
+answered, as a second line of the same streamed request body. The
+connection, the request's sending, parsing and checks happen while the
+prefill runs; the parameters' arrival starts the decode engine's hold,
+admission and pull at once. (It takes no KV blocks before: see
+:meth:`~.engine.Engine.generation` for the deadlock that would risk.)
+
+The wire shape (a decode request; the proxy is its only sender):
+
+* the header ``X-Trio-PD-Params-Within: SECONDS`` says that the body is two
+  lines and how long the engine waits for the second (what the proxy gives
+  its prefill, and a second more);
+* line 1: the request's JSON object, without ``kv_transfer_params``, then
+  ``\\n``;
+* line 2: ``{"kv_transfer_params": {...}}`` (the prefill engine's answer,
+  ``do_remote_prefill`` true), then ``\\n``; then the body ends.
+
+Each line is one JSON document with no newline in it (``json.dumps``
+escapes every control character in strings). A prefill that fails ends the
+request: the proxy closes the decode request's connection, which cancels
+it on the decode engine (what it admitted goes back to its pool). An engine
+that refuses the request (a bad field, draining, no free blocks in time)
+still reads the second line before it answers, and gives the exposure back
+at once, as it does the parameters of a refused one-line request.
+
+The engine's side is :class:`SecondLine`; the proxy's is
+:func:`first_line` and :func:`second_line`. No I/O here beyond the request's
+own ``receive``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import trio
+
+from trio_pd._serve.asgi import Receive
+from trio_pd._serve.errors import BodyNotJSON, HTTPError, http_error
+
+PARAMS_WITHIN_HEADER = "x-trio-pd-params-within"
+"""The request header of a decode request whose ``kv_transfer_params`` follow
+as the body's second line: how long (seconds) the engine waits for them."""
+
+MOST_PARAMS_WITHIN = 3600.0
+"""The longest a decode engine waits for a second line, whatever the header says."""
+
+KV_PARAMS = "kv_transfer_params"
+BODY_LIMIT = 1 << 20
+"""The most bytes of a request's body (both lines), as for a one-line body."""
+
+
+def params_within(headers: Any) -> float | None:
+    """The seconds that a request's ``X-Trio-PD-Params-Within`` header gives
+    its second line (at most :data:`MOST_PARAMS_WITHIN`), or ``None`` if it has
+    no such header (its body is one JSON object).
+
+    Raises:
+        HTTPError: the header is not a positive number of seconds (400).
+    """
+    for name, value in headers:
+        if name.lower() == PARAMS_WITHIN_HEADER.encode():
+            try:
+                seconds = float(value.decode("ascii"))
+            except (UnicodeDecodeError, ValueError):
+                seconds = math.nan
+            if not (seconds > 0 and math.isfinite(seconds)):
+                raise HTTPError(
+                    400,
+                    f"{PARAMS_WITHIN_HEADER} must be a positive number of seconds",
+                    "invalid_request_error",
+                )
+            return min(seconds, MOST_PARAMS_WITHIN)
+    return None
+
+
+def first_line(body: dict[str, Any]) -> bytes:
+    """The proxy's line 1: ``body`` (its own ``kv_transfer_params`` left out)."""
+    return _line({key: value for key, value in body.items() if key != KV_PARAMS})
+
+
+def second_line(kv: dict[str, Any]) -> bytes:
+    """The proxy's line 2: a prefill engine's ``kv_transfer_params``."""
+    return _line({KV_PARAMS: kv})
+
+
+def _line(data: dict[str, Any]) -> bytes:
+    # (ensure_ascii: no byte of the line is a newline but its last)
+    return json.dumps(data, ensure_ascii=True, separators=(",", ":")).encode() + b"\n"
+
+
+class SecondLine:
+    """A decode engine's reader of a two-line body (see the module docstring).
+
+    :meth:`first` reads line 1; :meth:`params` line 2, once the proxy sends
+    it, until ``within`` seconds after this reader was made. Reading may be
+    cancelled and resumed (no byte is lost); a failure is kept and raised
+    again. :attr:`read` is set once line 2 was read whole: from then on the
+    request's ``receive`` is free for a disconnect watcher (which also takes
+    the body's end).
+    """
+
+    def __init__(self, receive: Receive, within: float) -> None:
+        self._receive = receive
+        self._buffer = bytearray()
+        self._ended = False  # (the last body message arrived)
+        self._failure: HTTPError | None = None
+        self.within = within
+        self.deadline = trio.current_time() + within
+        self.value: dict[str, Any] | None = None  # (line 2's kv_transfer_params, once read)
+        self.read = trio.Event()
+
+    async def first(self) -> dict[str, Any]:
+        """Line 1, a JSON object.
+
+        Raises:
+            HTTPError: 400 (not a JSON object, or it has ``kv_transfer_params``),
+                408 (not within the deadline), 413, 499 (the proxy went away).
+        """
+        data = _parsed(await self._line("the request"), "the body's first line")
+        if not isinstance(data, dict):
+            raise HTTPError(
+                400, "the body's first line must be a JSON object", "invalid_request_error"
+            )
+        if KV_PARAMS in data:
+            raise HTTPError(
+                400,
+                f"{KV_PARAMS} come on the body's second line ({PARAMS_WITHIN_HEADER} is set)",
+                "invalid_request_error",
+                param=KV_PARAMS,
+            )
+        return data
+
+    async def params(self) -> dict[str, Any]:
+        """Line 2's ``kv_transfer_params`` (checked as an object that asks for a
+        remote prefill; :func:`~.openai.parse_remote_blocks` checks the rest).
+
+        Raises:
+            HTTPError: 400 (malformed, more than two lines, or the body ended
+                without it), 408 (not within ``within`` s), 413, 499.
+        """
+        if self.value is not None:
+            return self.value
+        if self._failure is not None:
+            raise self._failure
+        try:
+            data = _parsed(await self._line(KV_PARAMS), "the body's second line")
+            if self._buffer:
+                raise HTTPError(400, "the body has more than two lines", "invalid_request_error")
+            kv = data.get(KV_PARAMS) if isinstance(data, dict) and len(data) == 1 else None
+            if not isinstance(kv, dict):
+                raise HTTPError(
+                    400,
+                    f'the body\'s second line must be {{"{KV_PARAMS}": {{...}}}} and nothing else',
+                    "invalid_request_error",
+                    param=KV_PARAMS,
+                )
+            if kv.get("do_remote_prefill") is not True:
+                raise HTTPError(
+                    400,
+                    f"the second line's {KV_PARAMS} must ask for a remote prefill "
+                    "(do_remote_prefill: true)",
+                    "invalid_request_error",
+                    param=f"{KV_PARAMS}.do_remote_prefill",
+                )
+        except HTTPError as exc:
+            self._failure = exc
+            raise
+        self.value = kv
+        self.read.set()
+        return kv
+
+    async def _line(self, what: str) -> bytes:
+        """The next line of the body (without its newline)."""
+        with trio.move_on_at(self.deadline):
+            while b"\n" not in self._buffer:
+                if self._ended:
+                    raise HTTPError(
+                        400,
+                        f"the body ended before its {what} line "
+                        f"({PARAMS_WITHIN_HEADER}: two lines, each ending in a newline)",
+                        "invalid_request_error",
+                    )
+                message = await self._receive()
+                if message["type"] == "http.disconnect":
+                    raise HTTPError(499, "the client went away", "disconnect")
+                self._buffer += message.get("body", b"")
+                self._ended = not message.get("more_body")
+                if len(self._buffer) > BODY_LIMIT:
+                    raise HTTPError(
+                        413, f"request body over {BODY_LIMIT} bytes", "invalid_request_error"
+                    )
+            line, _, rest = bytes(self._buffer).partition(b"\n")
+            self._buffer[:] = rest
+            return line
+        raise HTTPError(
+            408,
+            f"the request's {what} line did not arrive within {self.within:g} s "
+            f"({PARAMS_WITHIN_HEADER})",
+            "invalid_request_error",
+            code="params_timeout",
+        )
+
+
+def _parsed(line: bytes, where: str) -> object:
+    try:
+        return json.loads(line)
+    except ValueError as exc:
+        raise http_error(BodyNotJSON(f"{where} is not JSON: {exc}")) from None
+    except RecursionError:
+        raise http_error(BodyNotJSON(f"{where} is nested too deeply")) from None
