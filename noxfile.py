@@ -31,9 +31,12 @@ nox.options.reuse_existing_virtualenvs = True
 TORCH = "torch==2.13.0"
 # pytest-xdist's scheduling for the tests session: tests dealt out one by one,
 # in order ("load" sends chunks of a quarter of a worker's share otherwise), so
-# both workers start on the test-host tests, which run alone and come first
-# (tests/conftest.py), and neither is left with a long tail of its own
-WORKERS = ["-n", "2", "--dist", "load", "--maxschedchunk", "1"]
+# no worker is left with a long tail of its own; the test-host tests come first
+# and all go to one worker (tests/conftest.py). Three workers on 2 cores: a
+# third of the suite's time is waiting (for engine processes, leases, sockets),
+# and with two workers the cores were busy 64% of it (measured: 340 s of CPU in
+# 266 s); a third worker fills that (same load: 252 s with two, 209 s with three)
+WORKERS = ["-n", "3", "--dist", "load", "--maxschedchunk", "1"]
 # startable functions (task_status=...), for flake8-async's ASYNC113/114
 STARTABLE = ",".join(
     [
