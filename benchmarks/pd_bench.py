@@ -48,6 +48,7 @@ from comparison import (
     raw_paced_reads,
     raw_replay_loads,
 )
+from stall_floor import StallFloor, open_stall_floor
 
 import trio_pd
 from trio_pd._config import tuned
@@ -360,7 +361,9 @@ async def bench_loop_stall(quick: bool) -> Result:
 
     Each round opens a fresh decoder, so all engines are cold again; rounds
     alternate the modes, after a warm-up round that pays the process's
-    one-time costs (imports, first UCX endpoints).
+    one-time costs (imports, first UCX endpoints). Beside every storm, in a
+    process of its own, a bare trio loop is watched at the same moments
+    (``stall_floor``): the stall the machine itself imposes then (the floor).
     """
     engines, regions, blocks = (2, 64, 1024) if quick else (8, 64, 4096)
     block_bytes, rounds = 16, 3
@@ -372,23 +375,35 @@ async def bench_loop_stall(quick: bool) -> Result:
     stalls: dict[str, list[float]] = {mode: [] for mode in modes}
     stall_cpu: dict[str, list[float]] = {mode: [] for mode in modes}
     storms: dict[str, list[float]] = {mode: [] for mode in modes}
-    async with open_prefill_worker(spec("big", regions, blocks, block_bytes, engines=engines)) as w:
+    floors: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
+    async with (
+        open_prefill_worker(spec("big", regions, blocks, block_bytes, engines=engines)) as w,
+        open_stall_floor() as floor,
+    ):
         for round_ in range(rounds + 1):
             for mode in modes if round_ else modes[:1]:
-                stall, cpu, storm = await _handshake_storm(
-                    w, mode, round_, engines, regions, blocks
+                stall, cpu, storm, bare = await _handshake_storm(
+                    w, mode, round_, engines, regions, blocks, floor
                 )
                 if round_:  # round 0 is the warm-up
                     stalls[mode].append(stall)
                     stall_cpu[mode].append(cpu)
                     storms[mode].append(storm)
+                    floors[mode].append(bare)
     out: Result = {"engines": engines, "descriptors_per_engine": regions * blocks, "modes": {}}
     for mode in modes:
+        above = [s - f["floor"] for s, f in zip(stalls[mode], floors[mode], strict=True)]
         out["modes"][mode] = {
             "longest_stall_ms": ms(statistics.median(stalls[mode])),
             "trio_thread_cpu_in_it_ms": ms(statistics.median(stall_cpu[mode])),
             "worst_round_ms": ms(max(stalls[mode])),
             "storm_s": round(statistics.median(storms[mode]), 3),
+            "floor_ms": ms(statistics.median(f["floor"] for f in floors[mode])),
+            "floor_batch_ms": ms(statistics.median(f["longest_batch"] for f in floors[mode])),
+            "floor_late_ms": ms(statistics.median(f["longest_late"] for f in floors[mode])),
+            "above_floor_ms": ms(statistics.median(above)),
+            "rounds_ms": [ms(s) for s in stalls[mode]],
+            "round_floors_ms": [ms(f["floor"]) for f in floors[mode]],
         }
     threads, loop = (out["modes"][m]["longest_stall_ms"] for m in modes[:2])
     out["stall_ratio_loop_vs_threads"] = round(loop / max(threads, 1e-3), 1)
@@ -396,12 +411,18 @@ async def bench_loop_stall(quick: bool) -> Result:
 
 
 async def _handshake_storm(
-    w: PrefillWorker, mode: str, round_: int, engines: int, regions: int, blocks: int
-) -> tuple[float, float, float]:
+    w: PrefillWorker,
+    mode: str,
+    round_: int,
+    engines: int,
+    regions: int,
+    blocks: int,
+    floor: StallFloor,
+) -> tuple[float, float, float, dict[str, float]]:
     """One cold decoder, ``engines`` first pulls at once.
 
-    Returns the longest stall, the trio thread's CPU time in it, and the
-    storm's seconds.
+    Returns the longest stall, the trio thread's CPU time in it, the storm's
+    seconds, and what the bare loop (``floor``) measured over the same storm.
     """
     config = trio_pd.ConnectorConfig(handshake_timeout=60.0)
     backend = NixlOnEventLoop.create if mode.startswith("NIXL") else None
@@ -414,6 +435,7 @@ async def _handshake_storm(
         if mode.endswith("not frozen"):
             gc.unfreeze()
         monitor = LoopStallMonitor()
+        await floor.start()
         trio.lowlevel.add_instrument(monitor)
         started = trio.current_time()
         try:
@@ -424,10 +446,11 @@ async def _handshake_storm(
             trio.lowlevel.remove_instrument(monitor)
             gc.freeze()
         elapsed = trio.current_time() - started
+        bare = await floor.stop()
         assert d.statistics().handshakes_succeeded == engines
         for e in range(engines):
             assert mismatched_blocks(local, [e], e) == []
-    return monitor.longest, monitor.longest_cpu, elapsed
+    return monitor.longest, monitor.longest_cpu, elapsed, bare
 
 
 # ---- 4. throughput ------------------------------------------------------------------
