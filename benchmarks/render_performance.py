@@ -701,7 +701,7 @@ def _loop_stall_section(s: dict[str, Any], checks: list[list[str]]) -> list[str]
     if floor:
         measured = (
             f"{stall} ms (bare loop's floor {first['floor_ms']} ms; "
-            f"+{first['above_floor_ms']} ms above it)"
+            f"{first['above_floor_ms']:+g} ms above it)"
         )
         ok = stall <= 2 or first["above_floor_ms"] <= 0.5
     else:
