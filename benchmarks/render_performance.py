@@ -1327,6 +1327,44 @@ FINDINGS = """## What we found
   notification thread checks every 100 us): without a notification a tiny
   READ is done when `transfer()` returns (30 us), with one it takes
   110-170 us, raw or not.
+* **Where a sequential tiny pull's microseconds go (issue 33).** Stamps
+  (thread CPU clock) at every step of 2000 pulls of 1-4 blocks, confirmed and
+  not, raw NIXL's loop beside them, the code before and after the changes
+  below run back to back twice (`time.thread_time_ns`; medians of 4 rounds;
+  on this VM a thread's CPU clock also counts time the host took the core,
+  so each step is 2-5x its cost on a quiet core, where the Python of a pull
+  is 50-60 us). Per pull, before -> after, us: entering the pull (local ids,
+  token, TP plan, the engine's record) 13-18 -> 14-20; the ready check 4;
+  the part's plan (remote ids, descriptor indices, notification) 22-33 ->
+  25-35; the lease and bookkeeping before the read 11-12 -> 7-8; the job
+  and the inline read's checks 21-23 -> 21-24; NIXL's calls -- prepare 8-10,
+  `transfer` 48-57, checking until done 50-110 (the producer's progress),
+  release 5 -- as in raw NIXL's loop; the schedule point after an
+  unconfirmed read 20-27; leaving the lease 9-10 -> 5; the result 8-12.
+  A confirmed pull adds: sending the confirmation 31-44 (64-85 wall: a
+  ZeroMQ send wakes its I/O thread), the wait for the answer 94-137 (119
+  before, in the quieter run: registering the descriptor, sleeping in
+  epoll, the wake-up, receiving and decoding), and before the changes a
+  schedule point between the READ and that wait (29-31 -> 14-16: now the
+  wait is the pull's only one). What changed: one schedule point per
+  confirmed pull instead of two or three (the inline read skips its own
+  when the confirmation's wait follows; that wait, and a ZeroMQ receive
+  that waited -- the producer's answer too -- pass no second one), the
+  lease is a plain class entered without an `AsyncExitStack`. That is
+  about 20 us of CPU per confirmed pull, 5-10 per unconfirmed one: within
+  the noise of a run, and far from halving the trio thread's CPU, because
+  most of that CPU is not trio_pd's Python: on a quiet core its Python is a
+  third of an unconfirmed pull's CPU, the rest NIXL's calls (the same as
+  raw NIXL's loop), and with the confirmation the answer's wait is the
+  largest single step. The confirmation is what keeps a confirmed tiny
+  pull far from raw NIXL (benchmark 5 shows both side by side): its answer
+  takes a side-channel round trip (benchmark 13), 2-3 times a tiny READ,
+  and a sequential pull cannot overlap it with anything but its own READ.
+  Not done, and measured as the next steps: under load a third of the
+  inline reads outlasted `inline_read_spin` (0.5 ms) and went to the
+  driver through two thread hand-offs (benchmark 5 counts them); the
+  descriptor indices and block-id checks could be cached per request
+  shape.
 * **Sleeps that end on time.** The transfer driver and the producer's
   notification thread sleep `poll_interval` (100 us) between checks; with
   Linux's default 50 us timer slack each sleep took about 170 us. Both

@@ -457,6 +457,13 @@ class RemoteAgents:
         """
         return _Lease(self, remote)
 
+    async def _end_lease(self, remote: RemoteAgent) -> None:
+        """A lease on ``remote`` ended: unload it if it was retired and was the last."""
+        remote.users -= 1
+        if remote.retired and remote.users == 0:
+            with trio.move_on_after(self._unload_timeout, shield=True):
+                await self._unload(remote)
+
     async def retire(self, remote: RemoteAgent) -> None:
         if remote.retired:
             await trio.lowlevel.checkpoint()
@@ -490,8 +497,4 @@ class _Lease:
         return remote
 
     async def __aexit__(self, *exc_info: object) -> None:
-        remote = self._remote
-        remote.users -= 1
-        if remote.retired and remote.users == 0:
-            with trio.move_on_after(self._remotes._unload_timeout, shield=True):
-                await self._remotes._unload(remote)
+        await self._remotes._end_lease(self._remote)
