@@ -48,6 +48,7 @@ from comparison import (
     raw_paced_reads,
     raw_replay_loads,
 )
+from stall_floor import StallFloor, open_stall_floor
 
 import trio_pd
 from trio_pd._config import tuned
@@ -360,7 +361,9 @@ async def bench_loop_stall(quick: bool) -> Result:
 
     Each round opens a fresh decoder, so all engines are cold again; rounds
     alternate the modes, after a warm-up round that pays the process's
-    one-time costs (imports, first UCX endpoints).
+    one-time costs (imports, first UCX endpoints). Beside every storm, in a
+    process of its own, a bare trio loop is watched at the same moments
+    (``stall_floor``): the stall the machine itself imposes then (the floor).
     """
     engines, regions, blocks = (2, 64, 1024) if quick else (8, 64, 4096)
     block_bytes, rounds = 16, 3
@@ -372,23 +375,35 @@ async def bench_loop_stall(quick: bool) -> Result:
     stalls: dict[str, list[float]] = {mode: [] for mode in modes}
     stall_cpu: dict[str, list[float]] = {mode: [] for mode in modes}
     storms: dict[str, list[float]] = {mode: [] for mode in modes}
-    async with open_prefill_worker(spec("big", regions, blocks, block_bytes, engines=engines)) as w:
+    floors: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
+    async with (
+        open_prefill_worker(spec("big", regions, blocks, block_bytes, engines=engines)) as w,
+        open_stall_floor() as floor,
+    ):
         for round_ in range(rounds + 1):
             for mode in modes if round_ else modes[:1]:
-                stall, cpu, storm = await _handshake_storm(
-                    w, mode, round_, engines, regions, blocks
+                stall, cpu, storm, bare = await _handshake_storm(
+                    w, mode, round_, engines, regions, blocks, floor
                 )
                 if round_:  # round 0 is the warm-up
                     stalls[mode].append(stall)
                     stall_cpu[mode].append(cpu)
                     storms[mode].append(storm)
+                    floors[mode].append(bare)
     out: Result = {"engines": engines, "descriptors_per_engine": regions * blocks, "modes": {}}
     for mode in modes:
+        above = [s - f["floor"] for s, f in zip(stalls[mode], floors[mode], strict=True)]
         out["modes"][mode] = {
             "longest_stall_ms": ms(statistics.median(stalls[mode])),
             "trio_thread_cpu_in_it_ms": ms(statistics.median(stall_cpu[mode])),
             "worst_round_ms": ms(max(stalls[mode])),
             "storm_s": round(statistics.median(storms[mode]), 3),
+            "floor_ms": ms(statistics.median(f["floor"] for f in floors[mode])),
+            "floor_batch_ms": ms(statistics.median(f["longest_batch"] for f in floors[mode])),
+            "floor_late_ms": ms(statistics.median(f["longest_late"] for f in floors[mode])),
+            "above_floor_ms": ms(statistics.median(above)),
+            "rounds_ms": [ms(s) for s in stalls[mode]],
+            "round_floors_ms": [ms(f["floor"]) for f in floors[mode]],
         }
     threads, loop = (out["modes"][m]["longest_stall_ms"] for m in modes[:2])
     out["stall_ratio_loop_vs_threads"] = round(loop / max(threads, 1e-3), 1)
@@ -396,12 +411,18 @@ async def bench_loop_stall(quick: bool) -> Result:
 
 
 async def _handshake_storm(
-    w: PrefillWorker, mode: str, round_: int, engines: int, regions: int, blocks: int
-) -> tuple[float, float, float]:
+    w: PrefillWorker,
+    mode: str,
+    round_: int,
+    engines: int,
+    regions: int,
+    blocks: int,
+    floor: StallFloor,
+) -> tuple[float, float, float, dict[str, float]]:
     """One cold decoder, ``engines`` first pulls at once.
 
-    Returns the longest stall, the trio thread's CPU time in it, and the
-    storm's seconds.
+    Returns the longest stall, the trio thread's CPU time in it, the storm's
+    seconds, and what the bare loop (``floor``) measured over the same storm.
     """
     config = trio_pd.ConnectorConfig(handshake_timeout=60.0)
     backend = NixlOnEventLoop.create if mode.startswith("NIXL") else None
@@ -414,6 +435,7 @@ async def _handshake_storm(
         if mode.endswith("not frozen"):
             gc.unfreeze()
         monitor = LoopStallMonitor()
+        await floor.start()
         trio.lowlevel.add_instrument(monitor)
         started = trio.current_time()
         try:
@@ -424,10 +446,11 @@ async def _handshake_storm(
             trio.lowlevel.remove_instrument(monitor)
             gc.freeze()
         elapsed = trio.current_time() - started
+        bare = await floor.stop()
         assert d.statistics().handshakes_succeeded == engines
         for e in range(engines):
             assert mismatched_blocks(local, [e], e) == []
-    return monitor.longest, monitor.longest_cpu, elapsed
+    return monitor.longest, monitor.longest_cpu, elapsed, bare
 
 
 # ---- 4. throughput ------------------------------------------------------------------
@@ -512,17 +535,28 @@ async def bench_throughput(quick: bool) -> Result:
 SEQUENTIAL_ROUNDS = 5
 """Benchmark 5's sequential loops take turns this many times (medians reported)."""
 
+SEQUENTIAL_TURNS = 10
+"""Each round of benchmark 5 is this many turns: every loop runs a tenth of
+its round's pulls per turn (which goes first rotates), so that a second of
+the machine's other load falls on all of them, not on one loop's round."""
+
 
 async def bench_small_pulls(quick: bool) -> Result:
     """Tiny pulls one after another and many in flight, against raw NIXL's loop.
 
     Sequential pulls go inline (the trio thread posts each READ itself: the
-    driver and the loop are idle); the same sequence with inline reads off
-    (``inline_read_bytes=0``) shows what they save, side by side. Lone pulls,
-    spaced apart, are timed one by one, interleaved with raw NIXL READs.
+    driver and the loop are idle). Side by side, in the same rounds: the
+    library's path (every READ confirmed with its producer), the same with
+    the confirmation switched off (``Consumer.confirm_reads``, benchmark 13's
+    switch, for measurements only: what the rest of the pull path costs
+    against raw NIXL), the confirmed path with inline reads off
+    (``inline_read_bytes=0``: what they save), and raw NIXL's loop; the trio
+    thread's CPU time per pull of each (raw NIXL's loop included: the READ's
+    own NIXL calls). Lone pulls, spaced apart, are timed one by one,
+    interleaved with raw NIXL READs.
     """
     regions, blocks, block_bytes = 4, 8192, 4096
-    sequential, in_flight, lone = (300, 200, 60) if quick else (5000, 1000, 200)
+    sequential, in_flight, lone = (400, 200, 60) if quick else (5000, 1000, 200)
     out: Result = {"block_bytes": block_bytes, "regions": regions}
     rng = np.random.default_rng(0)
     async with open_prefill_worker(spec("tiny", regions, blocks, block_bytes)) as w:
@@ -531,11 +565,13 @@ async def bench_small_pulls(quick: bool) -> Result:
         off = trio_pd.ConnectorConfig(inline_read_bytes=0)
         async with (
             trio_pd.open_connector("dec", local, backend=captured) as d,
+            trio_pd.open_connector("dec-unconfirmed", local, backend=captured) as d_unc,
             trio_pd.open_connector("dec-driver", local, config=off) as d_off,
         ):
-            await d.pull("warm", [0], await w.expose("warm", [0], seed=0))
-            await d_off.pull("warm-off", [0], await w.expose("warm-off", [0], seed=0))
-            backend = captured.backends[0]
+            d_unc._consumer.confirm_reads = False  # (benchmark only: see bench_confirm)
+            for name, conn in (("", d), ("-unc", d_unc), ("-off", d_off)):
+                await conn.pull(f"warm{name}", [0], await w.expose(f"warm{name}", [0], seed=0))
+            backend, backend_unc = captured.backends
 
             def plan(prefix: str, n: int) -> list[tuple[str, list[int], int]]:
                 sizes = rng.integers(1, 5, n)
@@ -549,72 +585,96 @@ async def bench_small_pulls(quick: bool) -> Result:
                     for i, (s, k) in enumerate(zip(starts, sizes, strict=True))
                 ]
 
-            def raw_loop(requests: list[tuple[str, list[int], int]]) -> float:
-                started = time.perf_counter()
-                for rid, ids, _ in requests:
-                    notification = encode_notification(rid)
-                    raw_nixl_read(backend, "tiny", np.asarray(ids, dtype=np.int64), notification)
-                return len(requests) / (time.perf_counter() - started)
+            # Sequential: in rounds of turns, the loops taking turns (which goes
+            # first rotates), so that the machine's noise falls on all of them;
+            # raw NIXL reads blocks that are exposed (pending) too, with the same
+            # notification, so the producer side behaves the same. Each loop's
+            # time and trio-thread CPU time are summed over its turns.
+            seconds: dict[str, float] = {}
+            cpu: dict[str, float] = {}
 
-            async def trio_loop(
-                connector: trio_pd.Connector, requests: list[tuple[str, list[int], int]]
-            ) -> float:
-                remotes = await w.expose_many(requests)
-                started = time.perf_counter()
-                for (rid, ids, _), remote in zip(requests, remotes, strict=True):
-                    await connector.pull(rid, ids, remote)
-                return len(requests) / (time.perf_counter() - started)
-
-            # Sequential: in rounds, the three loops taking turns (which goes
-            # first rotates by round), so that the machine's noise falls on
-            # all of them; raw NIXL reads blocks that are exposed (pending) too,
-            # with the same notification, so the producer side behaves the same.
-            async def inline_loop(requests: list[tuple[str, list[int], int]]) -> float:
-                nonlocal trio_thread_cpu
+            async def pulls(
+                name: str, requests: list[tuple[str, list[int], int]], conn: trio_pd.Connector
+            ) -> None:
                 remotes = await w.expose_many(requests)
                 started, cpu_started = time.perf_counter(), time.thread_time()
                 for (rid, ids, _), remote in zip(requests, remotes, strict=True):
-                    await d.pull(rid, ids, remote)
-                trio_thread_cpu += time.thread_time() - cpu_started
-                return len(requests) / (time.perf_counter() - started)
+                    await conn.pull(rid, ids, remote)
+                cpu[name] += time.thread_time() - cpu_started
+                seconds[name] += time.perf_counter() - started
 
-            async def raw_nixl_loop(requests: list[tuple[str, list[int], int]]) -> float:
+            async def raw_loop(name: str, requests: list[tuple[str, list[int], int]]) -> None:
                 await w.expose_many(requests)
-                return raw_loop(requests)
+                started, cpu_started = time.perf_counter(), time.thread_time()
+                for rid, ids, _ in requests:
+                    notification = encode_notification(rid)
+                    raw_nixl_read(backend, "tiny", np.asarray(ids, dtype=np.int64), notification)
+                cpu[name] += time.thread_time() - cpu_started
+                seconds[name] += time.perf_counter() - started
 
-            async def driver_loop(requests: list[tuple[str, list[int], int]]) -> float:
-                return await trio_loop(d_off, requests)
-
-            loops = {"trio_pd": inline_loop, "raw NIXL": raw_nixl_loop, "inline off": driver_loop}
+            loops: dict[str, Callable[[str, list[tuple[str, list[int], int]]], Awaitable[None]]]
+            loops = {
+                "trio_pd": functools.partial(pulls, conn=d),
+                "unconfirmed": functools.partial(pulls, conn=d_unc),
+                "raw NIXL": raw_loop,
+                "inline off": functools.partial(pulls, conn=d_off),
+            }
             rates: dict[str, list[float]] = {name: [] for name in loops}
-            trio_thread_cpu = 0.0
-            inline_before = (backend.reads_inline, backend.reads_adopted)
+            cpu_total = dict.fromkeys(loops, 0.0)
+            inline_before = [(b.reads_inline, b.reads_adopted) for b in (backend, backend_unc)]
             per_round = sequential // SEQUENTIAL_ROUNDS
-            for round_ in range(SEQUENTIAL_ROUNDS):
-                order = list(loops)[round_ % 3 :] + list(loops)[: round_ % 3]
-                for name in order:
-                    requests = plan(f"seq-{name[:3]}-{round_}-", per_round)
-                    rates[name].append(await loops[name](requests))
-            went_inline = backend.reads_inline - inline_before[0]
-            adopted = backend.reads_adopted - inline_before[1]
-            trio_seq, raw_seq, driver_seq = (statistics.median(rates[n]) for n in loops)
-            round_ratios = [
-                round(a / b, 3) for a, b in zip(rates["trio_pd"], rates["raw NIXL"], strict=True)
-            ]
+            per_turn = per_round // SEQUENTIAL_TURNS
+            turn = 0
+            for _ in range(SEQUENTIAL_ROUNDS):
+                seconds.update(dict.fromkeys(loops, 0.0))
+                cpu.update(dict.fromkeys(loops, 0.0))
+                for _ in range(SEQUENTIAL_TURNS):
+                    names = list(loops)
+                    order = names[turn % len(names) :] + names[: turn % len(names)]
+                    turn += 1
+                    for name in order:
+                        await loops[name](name, plan(f"seq-{name[:3]}-{turn}-", per_turn))
+                for name in loops:
+                    rates[name].append(per_turn * SEQUENTIAL_TURNS / seconds[name])
+                    cpu_total[name] += cpu[name]
+            pulls_each = per_turn * SEQUENTIAL_TURNS * SEQUENTIAL_ROUNDS
+            went_inline, adopted, unc_inline, unc_adopted = (
+                now - before
+                for b, was in zip((backend, backend_unc), inline_before, strict=True)
+                for now, before in zip((b.reads_inline, b.reads_adopted), was, strict=True)
+            )
+            trio_seq, unc_seq, raw_seq, driver_seq = (statistics.median(rates[n]) for n in loops)
 
-            # Lone pulls: spaced 2 ms apart, trio_pd and raw interleaved.
+            def round_ratios(name: str) -> list[float]:
+                return [
+                    round(a / b, 3) for a, b in zip(rates[name], rates["raw NIXL"], strict=True)
+                ]
+
+            def cpu_us(name: str) -> int:
+                return round(cpu_total[name] / pulls_each * 1e6)
+
+            # Lone pulls: spaced 2 ms apart, trio_pd (confirmed and not) and raw
+            # NIXL interleaved.
             requests = plan("lone", lone)
             remotes = await w.expose_many(requests)
+            unc_requests = plan("lone-unc", lone)
+            unc_remotes = await w.expose_many(unc_requests)
             raw_requests = plan("lone-raw", lone)
             await w.expose_many(raw_requests)
-            lone_trio, lone_raw = [], []
-            for (rid, ids, _), remote, (raw_rid, raw_ids, _) in zip(
-                requests, remotes, raw_requests, strict=True
-            ):
+            lone_trio, lone_unc, lone_raw = [], [], []
+            for (rid, ids, _), remote, (unc_rid, unc_ids, _), unc_remote, (
+                raw_rid,
+                raw_ids,
+                _,
+            ) in zip(requests, remotes, unc_requests, unc_remotes, raw_requests, strict=True):
                 await trio.sleep(0.002)
                 started = time.perf_counter()
                 await d.pull(rid, ids, remote)
                 lone_trio.append(time.perf_counter() - started)
+                await trio.sleep(0.002)
+                started = time.perf_counter()
+                await d_unc.pull(unc_rid, unc_ids, unc_remote)
+                lone_unc.append(time.perf_counter() - started)
                 await trio.sleep(0.002)
                 started = time.perf_counter()
                 raw_nixl_read(
@@ -639,14 +699,20 @@ async def bench_small_pulls(quick: bool) -> Result:
         "trio_pd_pulls_per_s": round(trio_seq),
         "raw_nixl_pulls_per_s": round(raw_seq),
         "ratio": round(trio_seq / raw_seq, 3),
-        "pulls": per_round * SEQUENTIAL_ROUNDS,
+        "pulls": pulls_each,
         "rounds": SEQUENTIAL_ROUNDS,
-        "round_ratios": round_ratios,
-        "trio_thread_cpu_us_per_pull": round(
-            trio_thread_cpu / (per_round * SEQUENTIAL_ROUNDS) * 1e6
-        ),
+        "turns_per_round": SEQUENTIAL_TURNS,
+        "round_ratios": round_ratios("trio_pd"),
+        "trio_thread_cpu_us_per_pull": cpu_us("trio_pd"),
+        "unconfirmed_pulls_per_s": round(unc_seq),
+        "unconfirmed_ratio": round(unc_seq / raw_seq, 3),
+        "unconfirmed_round_ratios": round_ratios("unconfirmed"),
+        "unconfirmed_trio_thread_cpu_us_per_pull": cpu_us("unconfirmed"),
+        "raw_nixl_thread_cpu_us_per_pull": cpu_us("raw NIXL"),
         "inline": went_inline,
         "adopted": adopted,
+        "unconfirmed_inline": unc_inline,
+        "unconfirmed_adopted": unc_adopted,
         "inline_off_pulls_per_s": round(driver_seq),
         "inline_off_ratio": round(driver_seq / raw_seq, 3),
     }
@@ -655,6 +721,8 @@ async def bench_small_pulls(quick: bool) -> Result:
         "trio_pd_ms_p50": round(statistics.median(lone_trio) * 1e3, 3),
         "raw_nixl_ms_p50": round(statistics.median(lone_raw) * 1e3, 3),
         "ratio": round(statistics.median(lone_raw) / statistics.median(lone_trio), 3),
+        "unconfirmed_ms_p50": round(statistics.median(lone_unc) * 1e3, 3),
+        "unconfirmed_ratio": round(statistics.median(lone_raw) / statistics.median(lone_unc), 3),
     }
     out["in_flight"] = {
         "pulls": in_flight,

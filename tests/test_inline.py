@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 import attrs
 import pytest
 import trio
+import trio.testing
 
 import trio_pd
 from trio_pd._config import tuned
@@ -311,6 +312,35 @@ async def test_sequential_small_pulls_go_inline_and_each_is_correct() -> None:
                 for request_id, ids, seed in requests:
                     assert mismatched_blocks(local, ids, seed) == []
                     assert await worker.wait_released(request_id) is trio_pd.Released.READ
+
+
+async def test_an_inline_pull_is_a_checkpoint_confirmed_or_not() -> None:
+    """An inline read that ended at once skips its own schedule point when the
+    pull's confirmation waits next (that wait is the pull's): the pull as a
+    whole still lets other tasks run, and a cancelled one reads nothing."""
+    captured = CapturedBackends()
+    with trio.fail_after(60):
+        async with open_prefill_worker(WorkerSpec("prefill-checkpoint", **SPEC)) as worker:
+            local = kv_cache(regions=4, blocks=16, block_shape=(1024,))
+            async with trio_pd.open_connector(
+                "decode-checkpoint", local, config=QUIET, backend=captured
+            ) as d:
+                [backend] = captured.backends
+                await d.pull("warm", [0], await worker.expose("warm", [0], seed=0))
+                before = backend.reads_inline
+                for i, confirm in enumerate((True, False, True, False), start=1):
+                    d._consumer.confirm_reads = confirm
+                    remote = await worker.expose(f"req-{i}", [i], seed=i)
+                    with trio.testing.assert_checkpoints():
+                        await d.pull(f"req-{i}", [i], remote)
+                    assert mismatched_blocks(local, [i], i) == []
+                assert backend.reads_inline - before == 4
+                remote = await worker.expose("cancelled", [9], seed=9)
+                with trio.CancelScope() as scope:
+                    scope.cancel()
+                    await d.pull("cancelled", [9], remote)
+                assert scope.cancelled_caught
+                assert backend.reads_inline - before == 4  # (nothing posted)
 
 
 async def test_with_inline_reads_off_every_pull_goes_to_the_driver() -> None:

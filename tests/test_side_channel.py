@@ -7,6 +7,7 @@ import os
 import msgspec
 import pytest
 import trio
+import trio.testing
 import zmq
 
 import trio_pd
@@ -14,7 +15,7 @@ from trio_pd._core import _protocol as protocol
 from trio_pd._side_channel._zmq import TrioZmqSocket
 from trio_pd.testing import free_port_range
 
-from .conftest import FAST, kv_cache
+from .conftest import FAST, kv_cache, wait_until
 
 
 async def _request(
@@ -210,3 +211,33 @@ async def test_a_closed_port_is_named_as_refused() -> None:
             remote = trio_pd.RemoteBlocks("gone", "127.0.0.1", port, [0], "r")
             with pytest.raises(trio_pd.HandshakeError, match=r"connection refused \(\d+ attempts"):
                 await consumer.pull("r", [0], remote)
+
+
+async def test_a_zmq_receive_is_a_checkpoint_whether_it_waited_or_not() -> None:
+    """A receive that waited for the descriptor passes no second schedule
+    point (a server answers sooner); one that found its message at once
+    passes one after it; a cancelled one receives nothing."""
+    with zmq.Context() as context:
+        pull = TrioZmqSocket(context.socket(zmq.PAIR))
+        push = TrioZmqSocket(context.socket(zmq.PAIR))
+        async with pull, push:
+            pull.zmq_socket.bind("inproc://checkpoints")
+            push.zmq_socket.connect("inproc://checkpoints")
+            async with trio.open_nursery() as nursery:
+
+                async def send_later() -> None:
+                    await trio.sleep(0.05)
+                    await push.send_multipart([b"waited"])
+
+                nursery.start_soon(send_later)
+                with trio.testing.assert_checkpoints():
+                    assert await pull.receive_multipart() == [b"waited"]
+            await push.send_multipart([b"at once"])
+            with trio.fail_after(5):
+                await wait_until(lambda: pull.zmq_socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+            with trio.CancelScope() as scope:
+                scope.cancel()
+                await pull.receive_multipart()
+            assert scope.cancelled_caught
+            with trio.testing.assert_checkpoints():
+                assert await pull.receive_multipart() == [b"at once"]

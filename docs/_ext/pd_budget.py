@@ -120,7 +120,9 @@ def deadline_budget(config: ConnectorConfig | None = None) -> Budget:
     require(p, groups.first_failure_wins, "return [await calls[0]()]")
     require(p, jobs.job_for, "time.monotonic() + config.transfer_timeout")
     require(p, driver.TransferDriver._check_stop, "now + self._config.close_timeout")
-    require(p, backend.RemoteAgents.lease, "trio.move_on_after(self._unload_timeout, shield=True)")
+    require(
+        p, backend.RemoteAgents._end_lease, "trio.move_on_after(self._unload_timeout, shield=True)"
+    )
     require(p, remotes.NixlRemotes.__init__, "RemoteAgents(self._unload, config.close_timeout)")
     return Budget(
         config.handshake_timeout,

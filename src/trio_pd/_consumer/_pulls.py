@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Awaitable, Callable, Sequence
-from contextlib import AsyncExitStack
 from types import MappingProxyType
 from typing import NoReturn
 
@@ -359,62 +358,60 @@ class Consumer:
         self._pulls_in_flight.value += 1
         pending = None
         try:
-            async with AsyncExitStack() as lease:
-                try:
-                    await lease.enter_async_context(self._backend.lease(agent))
-                except RemoteRetired:
-                    reason = "its agent was retired (restart or lost peer) before the transfer"
-                    self._fail(request_id, local_ids, engine.rank_label + reason)
-                try:
-                    if indices is None:
-                        await self._backend.notify(agent, notification)
-                    else:
-                        hold = functools.partial(self._unsettled.hold, local_ids.tolist())
-                        rank = (
-                            remote.engine_id,
-                            remote.host,
-                            remote.port + engine.part.remote_rank,
-                        )
-                        pending = (
-                            None
-                            if not self.confirm_reads
-                            else self._confirms.send(
-                                rank,
-                                remote.request_id,
-                                remote.token,
-                                remote.incarnation,
-                                blocks_digest(remote.block_ids),
-                                nonce,
-                                remote.exposure,
-                            )
-                        )
-                        await self._backend.read(agent, *indices, notification, hold)
-                except BackendError as exc:
-                    if exc.peer_lost and self._handshakes.peer_lost(engine, agent, request_id):
-                        with trio.CancelScope(shield=True):
-                            await self._backend.retire(agent)  # unloaded when the lease ends
-                    self._fail(
-                        request_id,
-                        local_ids,
-                        engine.rank_label + str(exc),
-                        cause=exc,
-                        settled=exc.settled,
-                    )
-                except TransferTimeout:
-                    timeout = self._config.transfer_timeout
-                    reason = f"{engine.rank_label}not complete within {timeout:g} s"
-                    self._fail(request_id, local_ids, reason)
-                except BackendClosing:
-                    raise trio.ClosedResourceError(
-                        f"connector closed while request {request_id!r} was in flight"
-                    ) from None
-                if pending is not None:
+            try:
+                async with self._backend.lease(agent):
                     try:
-                        await self._confirms.check(
-                            pending, trio.current_time(), request_id, local_ids.tolist()
+                        if indices is None:
+                            await self._backend.notify(agent, notification)
+                        else:
+                            if self.confirm_reads:
+                                pending = self._confirms.send(
+                                    (
+                                        remote.engine_id,
+                                        remote.host,
+                                        remote.port + engine.part.remote_rank,
+                                    ),
+                                    remote.request_id,
+                                    remote.token,
+                                    remote.incarnation,
+                                    blocks_digest(remote.block_ids),
+                                    nonce,
+                                    remote.exposure,
+                                )
+                            hold = functools.partial(self._unsettled.hold, local_ids.tolist())
+                            # (a confirmed READ's schedule point is its answer's wait)
+                            await self._backend.read(
+                                agent, *indices, notification, hold, schedule=pending is None
+                            )
+                    except BackendError as exc:
+                        if exc.peer_lost and self._handshakes.peer_lost(engine, agent, request_id):
+                            with trio.CancelScope(shield=True):
+                                await self._backend.retire(agent)  # unloaded when the lease ends
+                        self._fail(
+                            request_id,
+                            local_ids,
+                            engine.rank_label + str(exc),
+                            cause=exc,
+                            settled=exc.settled,
                         )
-                    finally:
-                        pending = None
+                    except TransferTimeout:
+                        timeout = self._config.transfer_timeout
+                        reason = f"{engine.rank_label}not complete within {timeout:g} s"
+                        self._fail(request_id, local_ids, reason)
+                    except BackendClosing:
+                        raise trio.ClosedResourceError(
+                            f"connector closed while request {request_id!r} was in flight"
+                        ) from None
+            except RemoteRetired:  # (entering the lease: the body raises no such thing)
+                reason = "its agent was retired (restart or lost peer) before the transfer"
+                self._fail(request_id, local_ids, engine.rank_label + reason)
+            if pending is not None:  # (the READ ended, its lease too: is it ours?)
+                try:
+                    await self._confirms.check(
+                        pending, trio.current_time(), request_id, local_ids.tolist()
+                    )
+                finally:
+                    pending = None
         finally:
             if pending is not None:
                 self._confirms.discard(pending)  # (the READ failed: no answer is awaited)

@@ -391,11 +391,16 @@ class ConfirmChannels(Confirmations):
             )
 
     async def _receive_until_done(self, channel: _Channel, pending: Pending) -> None:
+        """Until ``pending`` is done; a checkpoint (once: a pull that waited
+        for its answer is not scheduled once more when it comes)."""
+        waited = False
         while True:
             self._drain(channel)
             if pending.done:
-                await trio.lowlevel.checkpoint()
+                if not waited:
+                    await trio.lowlevel.checkpoint()
                 return
+            waited = True
             if channel.leader is None:
                 channel.leader = pending
                 try:

@@ -56,12 +56,15 @@ class TrioZmqSocket:
         if self._closed:
             raise trio.ClosedResourceError("zmq socket is closed")
 
-    async def _wait_for(self, event: int) -> None:
+    async def _wait_for(self, event: int) -> bool:
+        """Until ``event`` is set; returns whether it waited (a schedule point)."""
+        waited = False
         while True:
             self._check_open()
             if cast(int, self._socket.getsockopt(zmq.EVENTS)) & event:
-                return
+                return waited
             await trio.lowlevel.wait_readable(self._fd)
+            waited = True
 
     async def send_multipart(self, frames: Sequence[bytes]) -> None:
         """Send one multipart message, waiting while the socket cannot take it."""
@@ -72,24 +75,33 @@ class TrioZmqSocket:
                 try:
                     self._socket.send_multipart(frames, flags=zmq.NOBLOCK)
                 except zmq.Again:
-                    await self._wait_for(zmq.POLLOUT)
+                    await self._wait_for(zmq.POLLOUT)  # (then a schedule point anyway)
                 else:
                     break
         await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def receive_multipart(self) -> list[bytes]:
-        """Receive one multipart message, waiting until one arrives."""
+        """Receive one multipart message, waiting until one arrives.
+
+        A checkpoint: a cancel point before anything is received, and a
+        schedule point -- the wait for the descriptor, or, when the message
+        was there at once, one after it (not both: an answering server
+        would otherwise let every other task run once more between a
+        request's arrival and its answer).
+        """
         await trio.lowlevel.checkpoint_if_cancelled()
+        waited = False
         with self._exclusive("receive"):
             while True:
                 self._check_open()
                 try:
                     frames = self._socket.recv_multipart(flags=zmq.NOBLOCK)
                 except zmq.Again:
-                    await self._wait_for(zmq.POLLIN)
+                    waited = await self._wait_for(zmq.POLLIN) or waited
                 else:
                     break
-        await trio.lowlevel.cancel_shielded_checkpoint()
+        if not waited:
+            await trio.lowlevel.cancel_shielded_checkpoint()
         return frames
 
     def close(self) -> None:

@@ -15,8 +15,8 @@ unloaded by the backend once its last lease ends.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
@@ -290,6 +290,8 @@ class TransferBackend(Protocol):
         remote_indices: npt.NDArray[np.int32],
         notification: bytes,
         unsettled: UnsettledHook = NO_UNSETTLED,
+        *,
+        schedule: bool = True,
     ) -> None:
         """READ remote descriptors into local ones, then deliver ``notification``.
 
@@ -304,6 +306,11 @@ class TransferBackend(Protocol):
         called before, and the function it returned is called once that
         transfer really ended. (A :class:`BackendError` raised then also
         carries ``settled``, an event set at the same time.)
+
+        A checkpoint; with ``schedule=False`` (the caller passes a schedule
+        point right after: its confirmation's wait) a read that ended
+        without waiting may return without letting other tasks run first --
+        it is still a cancel point.
 
         Raises:
             BackendError: the backend reported an error (``peer_lost`` set
@@ -442,19 +449,20 @@ class RemoteAgents:
         outside a lease); the backend unloads them at its next chance."""
         return [r for r in self._loaded.values() if r.retired and r.users == 0]
 
-    @asynccontextmanager
-    async def lease(self, remote: RemoteAgent) -> AsyncIterator[RemoteAgent]:
-        """Hold ``remote`` for one pull; unload it at the end if it was retired."""
-        if remote.retired:
-            raise RemoteRetired(remote.agent_name)
-        remote.users += 1
-        try:
-            yield remote
-        finally:
-            remote.users -= 1
-            if remote.retired and remote.users == 0:
-                with trio.move_on_after(self._unload_timeout, shield=True):
-                    await self._unload(remote)
+    def lease(self, remote: RemoteAgent) -> _Lease:
+        """Hold ``remote`` for one pull; unload it at the end if it was retired.
+
+        (A class, not a generator: every pull enters one, and a generator's
+        context manager costs a pull a few microseconds more.)
+        """
+        return _Lease(self, remote)
+
+    async def _end_lease(self, remote: RemoteAgent) -> None:
+        """A lease on ``remote`` ended: unload it if it was retired and was the last."""
+        remote.users -= 1
+        if remote.retired and remote.users == 0:
+            with trio.move_on_after(self._unload_timeout, shield=True):
+                await self._unload(remote)
 
     async def retire(self, remote: RemoteAgent) -> None:
         if remote.retired:
@@ -466,3 +474,27 @@ class RemoteAgents:
                 await self._unload(remote)
         else:
             await trio.lowlevel.checkpoint()
+
+
+class _Lease:
+    """``async with remotes.lease(remote):`` (see :meth:`RemoteAgents.lease`).
+
+    Raises:
+        RemoteRetired: on entry, if ``remote`` was retired meanwhile.
+    """
+
+    __slots__ = ("_remote", "_remotes")
+
+    def __init__(self, remotes: RemoteAgents, remote: RemoteAgent) -> None:
+        self._remotes = remotes
+        self._remote = remote
+
+    async def __aenter__(self) -> RemoteAgent:
+        remote = self._remote
+        if remote.retired:
+            raise RemoteRetired(remote.agent_name)
+        remote.users += 1
+        return remote
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._remotes._end_lease(self._remote)

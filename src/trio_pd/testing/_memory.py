@@ -337,6 +337,8 @@ class MemoryBackend:
         remote_indices: npt.NDArray[np.int32],
         notification: bytes,
         unsettled: UnsettledHook = NO_UNSETTLED,
+        *,
+        schedule: bool = True,  # (always a full checkpoint here)
     ) -> None:
         faults = self._fabric._faults_for(remote)
         if faults.unstoppable_reads:

@@ -338,6 +338,8 @@ class NixlBackend:
         remote_indices: npt.NDArray[np.int32],
         notification: bytes,
         unsettled: UnsettledHook = NO_UNSETTLED,
+        *,
+        schedule: bool = True,
     ) -> None:
         """READ the remote descriptors into the local ones, with a notification.
 
@@ -354,6 +356,10 @@ class NixlBackend:
         ``peer_lost`` and ``settled``; the remote agent is retired, and it
         stays loaded (held) until then.
 
+        ``schedule=False``: the caller passes a schedule point right after
+        (see :meth:`TransferBackend.read`); an inline read that ended here
+        then returns without one (it was a cancel point).
+
         Raises:
             BackendError: NIXL reported ERR or raised; or a transfer could
                 not be stopped (``peer_lost`` and ``settled`` set: the local
@@ -364,7 +370,7 @@ class NixlBackend:
         """
         job = self._job(remote, local_indices, remote_indices, notification)
         try:
-            await self._run_job(job)
+            await self._run_job(job, schedule)
         finally:
             if job.still_running:  # give the agent up, but keep it loaded until then
                 self._hold_until_settled(remote, job, unsettled)
@@ -400,19 +406,22 @@ class NixlBackend:
         self._live_agent()
         return job_for(remote, local_indices, remote_indices, notification, self._config)
 
-    async def _run_job(self, job: Job) -> None:
+    async def _run_job(self, job: Job, schedule: bool = True) -> None:
         """Run ``job`` inline (see ``_inline``) or submit it, and wait until it
         finished, even when cancelled.
 
         A cancelled wait asks the driver to stop the job and waits, shielded,
         for it to say so: within ``close_timeout`` plus a turn. (An inline
         read has no await in it: it ends, or the driver adopts it, before
-        cancellation can be delivered.)
+        cancellation can be delivered.) An inline read that ended here is
+        followed by a schedule point unless ``schedule`` is false (see
+        :meth:`read`).
         """
         await trio.lowlevel.checkpoint_if_cancelled()
         if self._inline.read(job):
-            if job.finished.is_set():  # (it ended here: still a checkpoint)
-                await trio.lowlevel.cancel_shielded_checkpoint()
+            if job.finished.is_set():  # (it ended here)
+                if schedule:
+                    await trio.lowlevel.cancel_shielded_checkpoint()
                 self._observe(job)
                 return
         else:
