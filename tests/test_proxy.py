@@ -1099,3 +1099,49 @@ async def test_a_client_cannot_send_the_second_line_itself() -> None:
             assert response.status_code == 200, response.text
             assert decode.seen == [{**body, "kv_transfer_params": KV}]
             assert decode.params_within[0] > 1
+
+
+@pytest.mark.parametrize("dispatch", ["sequential", "concurrent"])
+@pytest.mark.parametrize("number", ["NaN", "-Infinity", "1e999"])
+async def test_a_body_with_a_number_json_has_not_is_a_400_before_any_engine(
+    dispatch: str, number: str
+) -> None:
+    # Python's parser takes NaN and Infinity (and 1e999 as inf); the proxy's
+    # client cannot send them on (JSON has no such number): that was a 500
+    # "internal error". It is the client's request that is wrong.
+    content = '{"prompt": "hello", "max_tokens": 2, "metadata": {"x": [NUMBER]}}'.replace(
+        "NUMBER", number
+    )
+    with trio.fail_after(30):
+        async with (
+            engines(2) as ([prefill, decode], urls),
+            proxy_for(urls[:1], urls[1:], dispatch=dispatch) as (router, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            response = await client.post(f"{proxy}/v1/completions", content=content)
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert "not JSON" in error["message"]
+            assert "finite" in error["message"]
+            assert prefill.seen == decode.seen == decode.first_lines == []
+            assert sample(router, "trio_pd_proxy_requests_total", outcome="client_error") == 1
+
+
+async def test_a_body_under_the_limit_stays_under_it_on_its_way_to_the_decode_engine() -> None:
+    # 700 KB of "é" (2 bytes each in UTF-8) in a field the engines ignore: the
+    # body is under the 1 MiB limit, and the prefill request carries it so.
+    # The decode request's first line escaped every non-ASCII character (6
+    # bytes each): 2.1 MB, which the decode engine refused (413, naming the
+    # client's body as too large) after its prefill had been made.
+    body = {**BODY, "user": "\u00e9" * 350_000}
+    content = json.dumps(body, ensure_ascii=False).encode()
+    assert len(content) < 1 << 20
+    with trio.fail_after(30):
+        async with (
+            engines(2) as ([_, decode], urls),
+            proxy_for(urls[:1], urls[1:]) as (_, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            response = await client.post(f"{proxy}/v1/completions", content=content)
+            assert response.status_code == 200, response.text
+            assert decode.seen == [{**body, "kv_transfer_params": KV}]

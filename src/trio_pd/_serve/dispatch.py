@@ -19,8 +19,9 @@ The wire shape (a decode request; the proxy is its only sender):
 * line 2: ``{"kv_transfer_params": {...}}`` (the prefill engine's answer,
   ``do_remote_prefill`` true), then ``\\n``; then the body ends.
 
-Each line is one JSON document with no newline in it (``json.dumps``
-escapes every control character in strings). A prefill that fails ends the
+Each line is one JSON document in UTF-8 with no newline byte in it
+(``json.dumps`` escapes every control character in strings; no byte of a
+multi-byte character is ASCII). A prefill that fails ends the
 request: the proxy closes the decode request's connection, which cancels
 it on the decode engine (what it admitted goes back to its pool). An engine
 that refuses the request (a bad field, draining, no free blocks in time)
@@ -40,7 +41,7 @@ from typing import Any
 
 import trio
 
-from trio_pd._serve.asgi import Receive
+from trio_pd._serve.asgi import Receive, parse_json
 from trio_pd._serve.errors import BodyNotJSON, HTTPError, http_error
 
 PARAMS_WITHIN_HEADER = "x-trio-pd-params-within"
@@ -90,8 +91,15 @@ def second_line(kv: dict[str, Any]) -> bytes:
 
 
 def _line(data: dict[str, Any]) -> bytes:
-    # (ensure_ascii: no byte of the line is a newline but its last)
-    return json.dumps(data, ensure_ascii=True, separators=(",", ":")).encode() + b"\n"
+    # UTF-8, as the proxy's HTTP client encodes a JSON body (so that the line
+    # is no longer than the prefill request's body: escaping every non-ASCII
+    # character took up to 6 bytes for 2, and a body under BODY_LIMIT went
+    # over it). No byte of the line is a newline but its last: json.dumps
+    # escapes every control character in strings, and no byte of a multi-byte
+    # UTF-8 sequence is below 0x80. (The proxy checked the body: no lone
+    # surrogates, no non-finite numbers.)
+    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return text.encode() + b"\n"
 
 
 class SecondLine:
@@ -209,7 +217,7 @@ class SecondLine:
 
 def _parsed(line: bytes, where: str) -> object:
     try:
-        return json.loads(line)
+        return parse_json(line)
     except ValueError as exc:
         raise http_error(BodyNotJSON(f"{where} is not JSON: {exc}")) from None
     except RecursionError:
