@@ -1145,3 +1145,27 @@ async def test_a_body_under_the_limit_stays_under_it_on_its_way_to_the_decode_en
             response = await client.post(f"{proxy}/v1/completions", content=content)
             assert response.status_code == 200, response.text
             assert decode.seen == [{**body, "kv_transfer_params": KV}]
+
+
+async def test_lines_that_come_a_few_bytes_at_a_time_are_read_whole() -> None:
+    # A slow sender's lines arrive in pieces (a newline at a piece's start or
+    # end, a piece with the end of one line and the start of the next), with
+    # reads cancelled and resumed between them: no byte is lost.
+    body = {**BODY, "user": "u" * 1000}
+    data = json.dumps(body).encode() + b"\n" + json.dumps({"kv_transfer_params": KV}).encode()
+    data += b"\n"
+    for size in (1, 2, 3, 7):
+        pieces = [data[i : i + size] for i in range(0, len(data), size)]
+
+        async def receive(pieces: list[bytes] = pieces) -> dict[str, Any]:
+            await trio.sleep(0.0001 if len(pieces) % 50 == 0 else 0)
+            piece = pieces.pop(0)
+            return {"type": "http.request", "body": piece, "more_body": bool(pieces)}
+
+        with trio.fail_after(30):
+            second = SecondLine(receive, 30)
+            assert await second.first() == body
+            while second.value is None:
+                with trio.move_on_after(0.0005):  # (cancelled mid-line, then resumed)
+                    await second.params()
+            assert second.value == KV

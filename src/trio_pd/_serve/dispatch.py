@@ -26,7 +26,9 @@ request: the proxy closes the decode request's connection, which cancels
 it on the decode engine (what it admitted goes back to its pool). An engine
 that refuses the request (a bad field, draining, no free blocks in time)
 still reads the second line before it answers, and gives the exposure back
-at once, as it does the parameters of a refused one-line request.
+at once, as it does the parameters of a refused one-line request -- also
+when the body itself is refused (a malformed first line, a third line),
+wherever its second line names an exposure.
 
 The engine's side is :class:`SecondLine`; the proxy's is
 :func:`first_line` and :func:`second_line`. No I/O here beyond the request's
@@ -110,7 +112,8 @@ class SecondLine:
     cancelled and resumed (no byte is lost); a failure is kept and raised
     again. :attr:`read` is set once line 2 was read whole: from then on the
     request's ``receive`` is free for a disconnect watcher (which also takes
-    the body's end).
+    the body's end). :attr:`named` is what line 2 names, once read, even
+    where :meth:`params` refused the body: an exposure to give back.
     """
 
     def __init__(self, receive: Receive, within: float) -> None:
@@ -121,6 +124,10 @@ class SecondLine:
         self.within = within
         self.deadline = trio.current_time() + within
         self.value: dict[str, Any] | None = None  # (line 2's kv_transfer_params, once read)
+        # (the kv_transfer_params object that line 2 names, even where the body
+        # is refused -- a third line, another field beside them --: an
+        # exposure to give back)
+        self.named: dict[str, Any] | None = None
         self.read = trio.Event()
 
     async def first(self) -> dict[str, Any]:
@@ -158,9 +165,11 @@ class SecondLine:
             raise self._failure
         try:
             data = _parsed(await self._line(KV_PARAMS), "the body's second line")
+            named = data.get(KV_PARAMS) if isinstance(data, dict) else None
+            self.named = named if isinstance(named, dict) else None
             if self._buffer:
                 raise HTTPError(400, "the body has more than two lines", "invalid_request_error")
-            kv = data.get(KV_PARAMS) if isinstance(data, dict) and len(data) == 1 else None
+            kv = named if isinstance(data, dict) and len(data) == 1 else None
             if not isinstance(kv, dict):
                 raise HTTPError(
                     400,
@@ -186,7 +195,9 @@ class SecondLine:
     async def _line(self, what: str) -> bytes:
         """The next line of the body (without its newline)."""
         with trio.move_on_at(self.deadline):
-            while b"\n" not in self._buffer:
+            scanned = 0  # (each byte is looked at once: a line sent a byte at a time is O(n))
+            while (end := self._buffer.find(b"\n", scanned)) < 0:
+                scanned = len(self._buffer)
                 if self._ended:
                     raise HTTPError(
                         400,
@@ -203,8 +214,8 @@ class SecondLine:
                     raise HTTPError(
                         413, f"request body over {BODY_LIMIT} bytes", "invalid_request_error"
                     )
-            line, _, rest = bytes(self._buffer).partition(b"\n")
-            self._buffer[:] = rest
+            line = bytes(self._buffer[:end])
+            del self._buffer[: end + 1]
             return line
         raise HTTPError(
             408,
