@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import math
 import re
 import socket
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -26,6 +27,7 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
+from trio_pd._cli.proxy import ProxyOptions
 from trio_pd._serve.asgi import read_json, send_json
 from trio_pd._serve.defaults import HOLD_MARGIN
 from trio_pd._serve.dispatch import SecondLine, params_within
@@ -1169,3 +1171,23 @@ async def test_lines_that_come_a_few_bytes_at_a_time_are_read_whole() -> None:
                 with trio.move_on_after(0.0005):  # (cancelled mid-line, then resumed)
                     await second.params()
             assert second.value == KV
+
+
+@pytest.mark.parametrize("prefill", [math.inf, 1200.0])
+async def test_prefill_attempts_longer_than_a_decode_engine_waits_are_refused_at_start(
+    prefill: float,
+) -> None:
+    # A concurrent decode request waits for its second line at most
+    # MOST_PARAMS_WITHIN (an hour); the header offers the prefill's attempts.
+    # With --prefill-timeout inf the header said "inf" (every request a 400
+    # from its decode engine, after its prefill); past an hour the engine gave
+    # up (408) while the prefill still ran. Now such a proxy does not start.
+    timeouts = ProxyTimeouts(prefill=prefill)
+    options = ProxyOptions(timeouts=timeouts)
+    async with open_client(timeouts) as client:
+        with pytest.raises(ValueError, match="--prefill-timeout"):
+            Proxy(["http://p"], ["http://d"], client, timeouts=timeouts)
+        with pytest.raises(ValueError, match="--prefill-timeout"):
+            options.check()
+        Proxy(["http://p"], ["http://d"], client, timeouts=timeouts, dispatch="sequential")
+        attrs.evolve(options, dispatch="sequential").check()

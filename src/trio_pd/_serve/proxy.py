@@ -76,7 +76,13 @@ from trio_pd._serve.asgi import (
 from trio_pd._serve.binding import SEND_TIMEOUT
 from trio_pd._serve.defaults import HOLD_MARGIN, LEASE_INITIAL, REPREFILLS
 from trio_pd._serve.discovery import EngineSet as RegisteredEngines
-from trio_pd._serve.dispatch import BODY_LIMIT, PARAMS_WITHIN_HEADER, first_line, second_line
+from trio_pd._serve.dispatch import (
+    BODY_LIMIT,
+    MOST_PARAMS_WITHIN,
+    PARAMS_WITHIN_HEADER,
+    first_line,
+    second_line,
+)
 from trio_pd._serve.errors import (
     DeploymentFault,
     ExposureEnded,
@@ -218,6 +224,7 @@ class Proxy:
             raise ValueError("max_attempts must be at least 1")
         if dispatch not in DISPATCHES:
             raise ValueError(f"dispatch must be one of {', '.join(DISPATCHES)}")
+        check_dispatch(dispatch, timeouts, max_attempts)
         self._dispatch = dispatch
         self._max_attempts = max_attempts
         self._body_timeout = body_timeout
@@ -971,6 +978,24 @@ request's body, whose limit (with the request's own fields) is
 PARAMS_SLACK = 1.0
 """Seconds a decode engine waits for its second line beyond the prefill's
 deadline (concurrent dispatch): the proxy gives up first, and says why."""
+
+
+def check_dispatch(dispatch: str, timeouts: ProxyTimeouts, max_attempts: int) -> None:
+    """Raises ValueError (naming the flags) if with ``dispatch`` concurrent
+    the prefill's attempts may outlast what a decode engine waits for a
+    second line (:data:`~.dispatch.MOST_PARAMS_WITHIN`): it would answer 408
+    while the prefill still ran (an infinite ``--prefill-timeout`` was a
+    header the engines refuse: every request a 400)."""
+    if dispatch != "concurrent":
+        return
+    most = max_attempts * (timeouts.connect + timeouts.prefill) + PARAMS_SLACK
+    if not most <= MOST_PARAMS_WITHIN:  # (NaN, inf too)
+        raise ValueError(
+            f"--max-attempts x (--connect-timeout + --prefill-timeout) + {PARAMS_SLACK:g} s "
+            f"= {most:g} s: over the {MOST_PARAMS_WITHIN:g} s that a decode engine waits for "
+            "a decode request's second line (--dispatch concurrent); shorten them, or use "
+            "--dispatch sequential"
+        )
 
 
 class _Prefilled:
