@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import math
 import re
 import socket
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -26,6 +27,7 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
+from trio_pd._cli.proxy import ProxyOptions
 from trio_pd._serve.asgi import read_json, send_json
 from trio_pd._serve.defaults import HOLD_MARGIN
 from trio_pd._serve.dispatch import SecondLine, params_within
@@ -1099,3 +1101,93 @@ async def test_a_client_cannot_send_the_second_line_itself() -> None:
             assert response.status_code == 200, response.text
             assert decode.seen == [{**body, "kv_transfer_params": KV}]
             assert decode.params_within[0] > 1
+
+
+@pytest.mark.parametrize("dispatch", ["sequential", "concurrent"])
+@pytest.mark.parametrize("number", ["NaN", "-Infinity", "1e999"])
+async def test_a_body_with_a_number_json_has_not_is_a_400_before_any_engine(
+    dispatch: str, number: str
+) -> None:
+    # Python's parser takes NaN and Infinity (and 1e999 as inf); the proxy's
+    # client cannot send them on (JSON has no such number): that was a 500
+    # "internal error". It is the client's request that is wrong.
+    content = '{"prompt": "hello", "max_tokens": 2, "metadata": {"x": [NUMBER]}}'.replace(
+        "NUMBER", number
+    )
+    with trio.fail_after(30):
+        async with (
+            engines(2) as ([prefill, decode], urls),
+            proxy_for(urls[:1], urls[1:], dispatch=dispatch) as (router, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            response = await client.post(f"{proxy}/v1/completions", content=content)
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert "not JSON" in error["message"]
+            assert "finite" in error["message"]
+            assert prefill.seen == decode.seen == decode.first_lines == []
+            assert sample(router, "trio_pd_proxy_requests_total", outcome="client_error") == 1
+
+
+async def test_a_body_under_the_limit_stays_under_it_on_its_way_to_the_decode_engine() -> None:
+    # 700 KB of "é" (2 bytes each in UTF-8) in a field the engines ignore: the
+    # body is under the 1 MiB limit, and the prefill request carries it so.
+    # The decode request's first line escaped every non-ASCII character (6
+    # bytes each): 2.1 MB, which the decode engine refused (413, naming the
+    # client's body as too large) after its prefill had been made.
+    body = {**BODY, "user": "\u00e9" * 350_000}
+    content = json.dumps(body, ensure_ascii=False).encode()
+    assert len(content) < 1 << 20
+    with trio.fail_after(30):
+        async with (
+            engines(2) as ([_, decode], urls),
+            proxy_for(urls[:1], urls[1:]) as (_, proxy),
+            httpx2.AsyncClient(timeout=10) as client,
+        ):
+            response = await client.post(f"{proxy}/v1/completions", content=content)
+            assert response.status_code == 200, response.text
+            assert decode.seen == [{**body, "kv_transfer_params": KV}]
+
+
+async def test_lines_that_come_a_few_bytes_at_a_time_are_read_whole() -> None:
+    # A slow sender's lines arrive in pieces (a newline at a piece's start or
+    # end, a piece with the end of one line and the start of the next), with
+    # reads cancelled and resumed between them: no byte is lost.
+    body = {**BODY, "user": "u" * 1000}
+    data = json.dumps(body).encode() + b"\n" + json.dumps({"kv_transfer_params": KV}).encode()
+    data += b"\n"
+    for size in (1, 2, 3, 7):
+        pieces = [data[i : i + size] for i in range(0, len(data), size)]
+
+        async def receive(pieces: list[bytes] = pieces) -> dict[str, Any]:
+            await trio.sleep(0.0001 if len(pieces) % 50 == 0 else 0)
+            piece = pieces.pop(0)
+            return {"type": "http.request", "body": piece, "more_body": bool(pieces)}
+
+        with trio.fail_after(30):
+            second = SecondLine(receive, 30)
+            assert await second.first() == body
+            while second.value is None:
+                with trio.move_on_after(0.0005):  # (cancelled mid-line, then resumed)
+                    await second.params()
+            assert second.value == KV
+
+
+@pytest.mark.parametrize("prefill", [math.inf, 1200.0])
+async def test_prefill_attempts_longer_than_a_decode_engine_waits_are_refused_at_start(
+    prefill: float,
+) -> None:
+    # A concurrent decode request waits for its second line at most
+    # MOST_PARAMS_WITHIN (an hour); the header offers the prefill's attempts.
+    # With --prefill-timeout inf the header said "inf" (every request a 400
+    # from its decode engine, after its prefill); past an hour the engine gave
+    # up (408) while the prefill still ran. Now such a proxy does not start.
+    timeouts = ProxyTimeouts(prefill=prefill)
+    options = ProxyOptions(timeouts=timeouts)
+    async with open_client(timeouts) as client:
+        with pytest.raises(ValueError, match="--prefill-timeout"):
+            Proxy(["http://p"], ["http://d"], client, timeouts=timeouts)
+        with pytest.raises(ValueError, match="--prefill-timeout"):
+            options.check()
+        Proxy(["http://p"], ["http://d"], client, timeouts=timeouts, dispatch="sequential")
+        attrs.evolve(options, dispatch="sequential").check()

@@ -106,6 +106,18 @@ PREFILL_ANSWERS: dict[str, tuple[Answer, int]] = {
     "200 kv_transfer_params a string": (as_json(200, {"kv_transfer_params": "x"}), 502),
     "200 with an error body": (as_json(200, {"error": {"message": "boom"}}), 502),
     "200 stops halfway": (lambda: httpx2.Response(200, content=stops_after(b'{"kv')), 502),
+    # (JSON has no NaN: the proxy could not pass such parameters on)
+    "200 kv_transfer_params with a NaN": (
+        raw(200, b'{"kv_transfer_params": {"do_remote_prefill": true, "remote_block_ids": [NaN]}}'),
+        502,
+    ),
+    "200 over 1 MiB": (
+        raw(
+            200,
+            b'{"kv_transfer_params": {"do_remote_prefill": true, "x": "%s"}}' % (b"x" * (1 << 20)),
+        ),
+        502,
+    ),
     "500 not UTF-8": (raw(500, b"\xff"), 502),
     "500 truncated JSON": (raw(500, b'{"error": {"mess'), 502),
     "400 error a string": (as_json(400, {"error": "bad"}), 400),

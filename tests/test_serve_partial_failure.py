@@ -309,21 +309,32 @@ async def second_line_stories(client: httpx2.AsyncClient, prefill: str, decode: 
         with trio.fail_after(1):
             await wait_for(client, prefill, free, SMALL_POOL)
             await wait_for(client, prefill, "trio_pd_exposures_abandoned_total", abandoned)
-    # Malformed bodies: a 400 naming what is wrong (the exposure given back
-    # where the parameters could be read).
-    params = await exposed()
+    # Malformed bodies: a 400 naming what is wrong ...
     for lines, words in [
-        ([first.replace(b"}", b', "kv_transfer_params": {}}')], b"second line"),
         ([first, b'{"kv_transfer_params": {"do_remote_prefill": false}}\n'], b"remote prefill"),
         ([first, b'{"kv_transfer_params": {}, "prompt": "x"}\n'], b"nothing else"),
-        ([first, json.dumps({"kv_transfer_params": params}).encode() + b"\n{}\n"], b"two lines"),
         ([first, b"not json\n"], b"not JSON"),
     ]:
         answer = await raw_two_lines(decode, lines, 5, close=False)
         assert answer.startswith(b"HTTP/1.1 400"), answer
         assert words in answer, answer
-    with trio.fail_after(LEASE + 2):  # (the one exposure named only by a refused body)
-        await wait_for(client, prefill, free, SMALL_POOL)
+    # ... and where the second line names an exposure, it is given back at
+    # once -- also when the body is refused for its first line, or for a
+    # third line (which used to leave it to its lease).
+    for line, after, words in [
+        (first, b"{}\n", b"two lines"),
+        (first.replace(b"}", b', "kv_transfer_params": {}}'), b"", b"second line"),
+        (b"[1]\n", b"", b"JSON object"),
+        (b"not json\n", b"", b"not JSON"),
+    ]:
+        second = json.dumps({"kv_transfer_params": await exposed()}).encode() + b"\n"
+        answer = await raw_two_lines(decode, [line, second + after], 5, close=False)
+        assert answer.startswith(b"HTTP/1.1 400"), answer
+        assert words in answer, answer
+        abandoned += 1
+        with trio.fail_after(1):
+            await wait_for(client, prefill, free, SMALL_POOL)
+            await wait_for(client, prefill, "trio_pd_exposures_abandoned_total", abandoned)
     # A second line that never comes: a 408 at the request's deadline, the
     # decode engine's pool whole.
     answer = await raw_two_lines(decode, [first], 0.3, close=False)

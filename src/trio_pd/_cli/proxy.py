@@ -62,6 +62,7 @@ from trio_pd._serve.proxy import (
     MAX_CLIENT_REQUESTS,
     Proxy,
     ProxyTimeouts,
+    check_dispatch,
     open_client,
 )
 from trio_pd._serve.routing import url_problem
@@ -108,6 +109,7 @@ class ProxyOptions:
         for flag, seconds in _timeout_flags(self.timeouts).items():
             if not seconds > 0:  # (NaN too)
                 raise ValueError(f"{flag} must be > 0")
+        check_dispatch(self.dispatch, self.timeouts, self.max_attempts)
         if is_wildcard(self.advertise_host or self.host):
             raise ValueError(
                 f"--host {self.host!r} binds every interface: pass --advertise-host "

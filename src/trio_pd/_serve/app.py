@@ -303,7 +303,12 @@ async def _generation(
     refused for any reason reads them first, and gives their exposure back."""
     within = params_within(scope.get("headers", ()))
     second = None if within is None else SecondLine(receive, within)
-    body = await (read_json(receive) if second is None else second.first())
+    try:
+        body = await (read_json(receive) if second is None else second.first())
+    except HTTPError as exc:
+        if second is not None and exc.status == 400:  # (a malformed first line, read whole)
+            await _give_back(engine, {}, second)
+        raise
     try:
         request = parse_chat_request(body) if chat else parse_completions_request(body)
         if second is not None:
@@ -382,14 +387,17 @@ async def _give_back(engine: Engine, body: dict[str, Any], second: SecondLine | 
     """Abandon the exposure that a refused request's parameters name
     (:meth:`Engine.give_back`): its body's, or -- concurrent dispatch -- its
     second line's, read first (within its deadline; one that does not come,
-    or does not parse, names nothing to give back)."""
+    or does not parse, names nothing to give back; one in a body refused
+    for its shape -- a third line, say -- still names one)."""
     if second is None:
         engine.give_back(body)
         return
     try:
         kv = await second.params()
     except HTTPError:
-        return
+        if second.named is None:
+            return
+        kv = second.named
     engine.give_back({"kv_transfer_params": kv})
 
 

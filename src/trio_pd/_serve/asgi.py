@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -27,12 +28,36 @@ Send = Callable[[Message], Awaitable[None]]
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
+def parse_json(data: bytes | bytearray | str) -> Any:
+    """``data`` as one JSON document -- as :func:`json.loads` reads it, except
+    that a number must be finite: Python's parser takes ``NaN``,
+    ``Infinity`` and ``1e999`` (infinite), which JSON does not have, and
+    which therefore could not be sent on (the proxy's HTTP client refuses
+    them: that was an "internal error").
+
+    Raises:
+        ValueError: not JSON (:class:`RecursionError`: nested too deeply).
+    """
+    return json.loads(data, parse_constant=_not_finite, parse_float=_finite)
+
+
+def _not_finite(text: str) -> Any:
+    raise ValueError(f"{text} is not a finite number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        _not_finite(text[:20])
+    return value
+
+
 async def read_json(receive: Receive, limit: int = 1 << 20) -> dict[str, Any]:
     """The request body as a JSON object.
 
     Raises:
         HTTPError: 413 if it is larger than ``limit``, 400 if it is not a JSON
-            object (not JSON: :class:`~.errors.BodyNotJSON`'s row), 499 if
+            object (not JSON, :func:`parse_json`: :class:`~.errors.BodyNotJSON`'s row), 499 if
             the client went away.
     """
     body = bytearray()
@@ -46,7 +71,7 @@ async def read_json(receive: Receive, limit: int = 1 << 20) -> dict[str, Any]:
         if not message.get("more_body"):
             break
     try:
-        data = json.loads(body)
+        data = parse_json(body)
     except ValueError as exc:
         raise http_error(BodyNotJSON(f"body is not JSON: {exc}")) from None
     except RecursionError:

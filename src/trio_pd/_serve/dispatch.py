@@ -19,13 +19,16 @@ The wire shape (a decode request; the proxy is its only sender):
 * line 2: ``{"kv_transfer_params": {...}}`` (the prefill engine's answer,
   ``do_remote_prefill`` true), then ``\\n``; then the body ends.
 
-Each line is one JSON document with no newline in it (``json.dumps``
-escapes every control character in strings). A prefill that fails ends the
+Each line is one JSON document in UTF-8 with no newline byte in it
+(``json.dumps`` escapes every control character in strings; no byte of a
+multi-byte character is ASCII). A prefill that fails ends the
 request: the proxy closes the decode request's connection, which cancels
 it on the decode engine (what it admitted goes back to its pool). An engine
 that refuses the request (a bad field, draining, no free blocks in time)
 still reads the second line before it answers, and gives the exposure back
-at once, as it does the parameters of a refused one-line request.
+at once, as it does the parameters of a refused one-line request -- also
+when the body itself is refused (a malformed first line, a third line),
+wherever its second line names an exposure.
 
 The engine's side is :class:`SecondLine`; the proxy's is
 :func:`first_line` and :func:`second_line`. No I/O here beyond the request's
@@ -40,7 +43,7 @@ from typing import Any
 
 import trio
 
-from trio_pd._serve.asgi import Receive
+from trio_pd._serve.asgi import Receive, parse_json
 from trio_pd._serve.errors import BodyNotJSON, HTTPError, http_error
 
 PARAMS_WITHIN_HEADER = "x-trio-pd-params-within"
@@ -90,8 +93,15 @@ def second_line(kv: dict[str, Any]) -> bytes:
 
 
 def _line(data: dict[str, Any]) -> bytes:
-    # (ensure_ascii: no byte of the line is a newline but its last)
-    return json.dumps(data, ensure_ascii=True, separators=(",", ":")).encode() + b"\n"
+    # UTF-8, as the proxy's HTTP client encodes a JSON body (so that the line
+    # is no longer than the prefill request's body: escaping every non-ASCII
+    # character took up to 6 bytes for 2, and a body under BODY_LIMIT went
+    # over it). No byte of the line is a newline but its last: json.dumps
+    # escapes every control character in strings, and no byte of a multi-byte
+    # UTF-8 sequence is below 0x80. (The proxy checked the body: no lone
+    # surrogates, no non-finite numbers.)
+    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return text.encode() + b"\n"
 
 
 class SecondLine:
@@ -102,7 +112,8 @@ class SecondLine:
     cancelled and resumed (no byte is lost); a failure is kept and raised
     again. :attr:`read` is set once line 2 was read whole: from then on the
     request's ``receive`` is free for a disconnect watcher (which also takes
-    the body's end).
+    the body's end). :attr:`named` is what line 2 names, once read, even
+    where :meth:`params` refused the body: an exposure to give back.
     """
 
     def __init__(self, receive: Receive, within: float) -> None:
@@ -113,6 +124,10 @@ class SecondLine:
         self.within = within
         self.deadline = trio.current_time() + within
         self.value: dict[str, Any] | None = None  # (line 2's kv_transfer_params, once read)
+        # (the kv_transfer_params object that line 2 names, even where the body
+        # is refused -- a third line, another field beside them --: an
+        # exposure to give back)
+        self.named: dict[str, Any] | None = None
         self.read = trio.Event()
 
     async def first(self) -> dict[str, Any]:
@@ -150,9 +165,11 @@ class SecondLine:
             raise self._failure
         try:
             data = _parsed(await self._line(KV_PARAMS), "the body's second line")
+            named = data.get(KV_PARAMS) if isinstance(data, dict) else None
+            self.named = named if isinstance(named, dict) else None
             if self._buffer:
                 raise HTTPError(400, "the body has more than two lines", "invalid_request_error")
-            kv = data.get(KV_PARAMS) if isinstance(data, dict) and len(data) == 1 else None
+            kv = named if isinstance(data, dict) and len(data) == 1 else None
             if not isinstance(kv, dict):
                 raise HTTPError(
                     400,
@@ -178,7 +195,9 @@ class SecondLine:
     async def _line(self, what: str) -> bytes:
         """The next line of the body (without its newline)."""
         with trio.move_on_at(self.deadline):
-            while b"\n" not in self._buffer:
+            scanned = 0  # (each byte is looked at once: a line sent a byte at a time is O(n))
+            while (end := self._buffer.find(b"\n", scanned)) < 0:
+                scanned = len(self._buffer)
                 if self._ended:
                     raise HTTPError(
                         400,
@@ -195,8 +214,8 @@ class SecondLine:
                     raise HTTPError(
                         413, f"request body over {BODY_LIMIT} bytes", "invalid_request_error"
                     )
-            line, _, rest = bytes(self._buffer).partition(b"\n")
-            self._buffer[:] = rest
+            line = bytes(self._buffer[:end])
+            del self._buffer[: end + 1]
             return line
         raise HTTPError(
             408,
@@ -209,7 +228,7 @@ class SecondLine:
 
 def _parsed(line: bytes, where: str) -> object:
     try:
-        return json.loads(line)
+        return parse_json(line)
     except ValueError as exc:
         raise http_error(BodyNotJSON(f"{where} is not JSON: {exc}")) from None
     except RecursionError:

@@ -67,7 +67,8 @@ class HTTPError(Exception):
 
 class BodyNotJSON(ValueError):
     """A request's body is not one JSON document (not UTF-8, malformed, nested
-    deeper than Python parses, an integer of more digits than it converts)."""
+    deeper than Python parses, an integer of more digits than it converts, a
+    number that is not finite)."""
 
 
 class ParamsInUse(ValueError):
@@ -170,7 +171,8 @@ ERROR_STATUSES: dict[type[BaseException], ErrorStatus] = {
         status=400,
         type="invalid_request_error",
         message="{exc}",
-        meaning="the body is not JSON (not UTF-8, malformed, nested too deeply).",
+        meaning="the body is not JSON (not UTF-8, malformed, nested too deeply, a number "
+        "that is not finite: ``NaN``, ``Infinity``, ``1e999``).",
         where=("engine", "proxy"),
     ),
     ParamsRejectedError: ErrorStatus(

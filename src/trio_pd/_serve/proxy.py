@@ -66,6 +66,7 @@ from trio_pd._serve.asgi import (
     Send,
     SendWatch,
     cancel_on_disconnect,
+    parse_json,
     read_json,
     send_event,
     send_json,
@@ -75,7 +76,13 @@ from trio_pd._serve.asgi import (
 from trio_pd._serve.binding import SEND_TIMEOUT
 from trio_pd._serve.defaults import HOLD_MARGIN, LEASE_INITIAL, REPREFILLS
 from trio_pd._serve.discovery import EngineSet as RegisteredEngines
-from trio_pd._serve.dispatch import PARAMS_WITHIN_HEADER, first_line, second_line
+from trio_pd._serve.dispatch import (
+    BODY_LIMIT,
+    MOST_PARAMS_WITHIN,
+    PARAMS_WITHIN_HEADER,
+    first_line,
+    second_line,
+)
 from trio_pd._serve.errors import (
     DeploymentFault,
     ExposureEnded,
@@ -217,6 +224,7 @@ class Proxy:
             raise ValueError("max_attempts must be at least 1")
         if dispatch not in DISPATCHES:
             raise ValueError(f"dispatch must be one of {', '.join(DISPATCHES)}")
+        check_dispatch(dispatch, timeouts, max_attempts)
         self._dispatch = dispatch
         self._max_attempts = max_attempts
         self._body_timeout = body_timeout
@@ -602,11 +610,11 @@ class Proxy:
                 limit = min(self._timeouts.prefill, deadline - trio.current_time())
                 try:
                     with times.phase("prefill"), trio.fail_after(max(limit, 0)):
-                        response = await self._client.post(
+                        response, content = await self._post_capped(
                             f"{engine}{path}",
-                            json=request,
-                            headers={REQUEST_ID_HEADER: request_id, **self._upstream_headers},
-                            extensions={"trace": prefilled.trace},
+                            request,
+                            {REQUEST_ID_HEADER: request_id, **self._upstream_headers},
+                            prefilled.trace,
                         )
                 except (httpx2.ConnectError, httpx2.ConnectTimeout) as exc:
                     engines.refused(engine, trio.current_time())
@@ -622,14 +630,14 @@ class Proxy:
                     raise self._engine_error("prefill", engine, exc) from None
             if response.status_code == 503:
                 engines.failed(engine, trio.current_time())
-                failure = _relayed("prefill", engine, response.status_code, response.text)
+                failure = _relayed("prefill", engine, response.status_code, _text(content))
                 continue
             if response.status_code != 200:
                 self._judge("prefill", engine, response.status_code)
-                raise _relayed("prefill", engine, response.status_code, response.text)
+                raise _relayed("prefill", engine, response.status_code, _text(content))
             answered = trio.current_time()
             try:
-                kv = _kv_of(response)
+                kv = _kv_of(content)
             except MalformedAnswer as exc:
                 engines.failed(engine, trio.current_time())
                 raise self._engine_error("prefill", engine, exc) from None
@@ -638,6 +646,29 @@ class Proxy:
             prefilled.set(kv, answered + _lease_of(kv), engine)
             return
         raise failure or self._unavailable("prefill")
+
+    async def _post_capped(
+        self, url: str, request: dict[str, Any], headers: dict[str, str], trace: Any
+    ) -> tuple[httpx2.Response, bytes | None]:
+        """POST ``request`` to a prefill engine: its answer, and the answer's
+        body -- ``None`` if it is over :data:`ANSWER_LIMIT` bytes (what the
+        proxy keeps of an engine's answer: its parameters must fit a decode
+        request's body)."""
+        built = self._client.build_request(
+            "POST", url, json=request, headers=headers, extensions={"trace": trace}
+        )
+        response = await self._client.send(built, stream=True)
+        try:
+            content = bytearray()
+            async with aclosing(response.aiter_bytes()) as chunks:
+                async for chunk in chunks:
+                    content += chunk
+                    if len(content) > ANSWER_LIMIT:
+                        return response, None
+            return response, bytes(content)
+        finally:
+            with trio.CancelScope(shield=True):
+                await response.aclose()
 
     async def _decode(
         self,
@@ -938,9 +969,33 @@ class Proxy:
         )
 
 
+ANSWER_LIMIT = BODY_LIMIT // 2
+"""The most bytes of a prefill engine's answer that the proxy reads (then: a
+502 naming the engine). Its ``kv_transfer_params`` go on in a decode
+request's body, whose limit (with the request's own fields) is
+:data:`~.dispatch.BODY_LIMIT`; an engine's are a few hundred bytes."""
+
 PARAMS_SLACK = 1.0
 """Seconds a decode engine waits for its second line beyond the prefill's
 deadline (concurrent dispatch): the proxy gives up first, and says why."""
+
+
+def check_dispatch(dispatch: str, timeouts: ProxyTimeouts, max_attempts: int) -> None:
+    """Raises ValueError (naming the flags) if with ``dispatch`` concurrent
+    the prefill's attempts may outlast what a decode engine waits for a
+    second line (:data:`~.dispatch.MOST_PARAMS_WITHIN`): it would answer 408
+    while the prefill still ran (an infinite ``--prefill-timeout`` was a
+    header the engines refuse: every request a 400)."""
+    if dispatch != "concurrent":
+        return
+    most = max_attempts * (timeouts.connect + timeouts.prefill) + PARAMS_SLACK
+    if not most <= MOST_PARAMS_WITHIN:  # (NaN, inf too)
+        raise ValueError(
+            f"--max-attempts x (--connect-timeout + --prefill-timeout) + {PARAMS_SLACK:g} s "
+            f"= {most:g} s: over the {MOST_PARAMS_WITHIN:g} s that a decode engine waits for "
+            "a decode request's second line (--dispatch concurrent); shorten them, or use "
+            "--dispatch sequential"
+        )
 
 
 class _Prefilled:
@@ -1013,20 +1068,30 @@ def _lease_of(kv: dict[str, Any]) -> float:
     return LEASE_INITIAL
 
 
-def _kv_of(response: httpx2.Response) -> dict[str, Any]:
-    """The ``kv_transfer_params`` of a prefill engine's 200 answer.
+def _kv_of(content: bytes | None) -> dict[str, Any]:
+    """The ``kv_transfer_params`` of a prefill engine's 200 answer (its body,
+    ``None`` if it was too long: :meth:`Proxy._post_capped`).
 
     Raises:
-        MalformedAnswer: the body is not JSON, or has no such object.
+        MalformedAnswer: the body is too long, not JSON, or has no such object.
     """
+    if content is None:
+        raise MalformedAnswer(f"over {ANSWER_LIMIT} bytes")
     try:
-        answer = json.loads(response.content)
+        answer = parse_json(content)
     except (ValueError, RecursionError) as exc:
-        raise MalformedAnswer(f"not JSON ({type(exc).__name__})") from None
+        raise MalformedAnswer(f"not JSON ({type(exc).__name__}: {str(exc)[:100]})") from None
     kv = answer.get(KV_PARAMS) if isinstance(answer, dict) else None
     if not isinstance(kv, dict):
-        raise MalformedAnswer(f"no {KV_PARAMS} object in {response.content[:200]!r}")
+        raise MalformedAnswer(f"no {KV_PARAMS} object in {content[:200]!r}")
     return kv
+
+
+def _text(content: bytes | None) -> str:
+    """An error answer's body, as text (one over :data:`ANSWER_LIMIT` bytes: unread)."""
+    if content is None:
+        return f"(an answer over {ANSWER_LIMIT} bytes)"
+    return content.decode(errors="replace")
 
 
 def _code(error: HTTPError) -> object:
