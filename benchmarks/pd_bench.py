@@ -1164,8 +1164,8 @@ async def bench_serve(quick: bool) -> Result:
     """``trio-pd serve``: time to first token and tokens/s through the P/D proxy
     against one engine serving the whole request, the same prompts, at 1, 8
     and 32 clients. Two proxies in front of the same engines: ``serve``'s
-    own, with the default (concurrent) dispatch, and a ``trio-pd proxy
-    --dispatch sequential`` process (the old path). At 1 client the three
+    own, with ``--dispatch concurrent``, and a ``trio-pd proxy
+    --dispatch sequential`` process (the default path). At 1 client the three
     targets take turns request by request (every prompt three times), and
     each answer's ``Server-Timing`` splits its time to first token
     (:func:`_ttft_breakdown`); at 8 and 32 the targets take turns by client
@@ -1185,7 +1185,16 @@ async def bench_serve(quick: bool) -> Result:
         prompts = prompts[:12]
     with tempfile.TemporaryDirectory() as scratch:
         ready = Path(scratch) / "ready.json"
-        command = [sys.executable, "-m", "trio_pd", "serve", "--port", "0"]
+        command = [
+            sys.executable,
+            "-m",
+            "trio_pd",
+            "serve",
+            "--port",
+            "0",
+            "--dispatch",
+            "concurrent",
+        ]
         # (the engine is called directly too: it needs the deployment's internal key)
         internal_key = secrets.token_urlsafe(32)
         process = await trio.lowlevel.open_process(
@@ -1334,8 +1343,8 @@ async def bench_serve(quick: bool) -> Result:
 
 
 PROXY, SEQUENTIAL, ONE_ENGINE = "proxy (P/D)", "proxy (P/D), sequential", "one engine"
-"""Benchmark 11's targets: ``serve``'s proxy (concurrent dispatch, the default),
-a proxy dispatching sequentially (the old path), and one engine."""
+"""Benchmark 11's targets: ``serve``'s proxy (``--dispatch concurrent``),
+a proxy dispatching sequentially (the default), and one engine."""
 
 
 def _serve_ratios(rows: dict[int, dict[str, dict[str, float]]], proxy: str) -> Result:
@@ -1420,9 +1429,9 @@ async def bench_proxy_overhead(quick: bool) -> Result:
     answers prefill and decode at once), through the proxy and straight to the
     upstream's decode route, interleaved; the proxy does two upstream requests
     (prefill, then decode) where the direct client does one. Two proxies take
-    turns with the direct client: one dispatching concurrently (the default:
-    the decode request goes with the prefill, its parameters a second line),
-    one sequentially."""
+    turns with the direct client: one dispatching concurrently (the decode
+    request goes with the prefill, its parameters a second line), one
+    sequentially (the default)."""
     import httpx2
     from hypercorn.config import Config
     from hypercorn.trio import serve

@@ -1012,8 +1012,8 @@ def _confirm_section(c: dict[str, Any], checks: list[list[str]]) -> list[str]:
 
 
 SEQUENTIAL = "proxy (P/D), sequential"
-"""Benchmark 11's proxy that dispatches sequentially (the old path); ``proxy
-(P/D)`` is ``serve``'s own, concurrent dispatch (the default)."""
+"""Benchmark 11's proxy that dispatches sequentially (the default); ``proxy
+(P/D)`` is ``serve``'s own, with ``--dispatch concurrent``."""
 
 
 def _overhead_rows(po: dict[str, Any]) -> list[list[Any]]:
@@ -1106,9 +1106,9 @@ def _serve_section(
     )
     targets = (
         "through two proxies in front of the same engines -- `serve`'s own, with "
-        "concurrent dispatch (the default: the decode request goes with the prefill, "
+        "`--dispatch concurrent` (the decode request goes with the prefill, "
         "its `kv_transfer_params` a second line of its body), and a `trio-pd proxy "
-        "--dispatch sequential` process (the old path: the decode request once the "
+        "--dispatch sequential` process (the default: the decode request once the "
         "prefill answered) -- "
         if both
         else "through the proxy "
@@ -1528,7 +1528,7 @@ FINDINGS = """## What we found
   engine's notification thread (four processes on 2 cores), so 10 of 25
   sampled outlasted the 0.5 ms spin and went to the driver. Two
   designs would take work off the path. The first is built: with
-  concurrent dispatch (`--dispatch concurrent`, the default) the proxy
+  concurrent dispatch (`--dispatch concurrent`; not the default) the proxy
   sends the decode request at the same time as the prefill (as SGLang's
   P/D router does), once the prefill request is written, its
   `kv_transfer_params` following as a second line of the same request
@@ -1536,13 +1536,17 @@ FINDINGS = """## What we found
   sending and parsing behind the prefill, but not its answer: measured
   with hypercorn and httpx2 in one process, the answer came 1.13 ms after
   the second line against 1.54 ms for the whole request sent then, so
-  about 0.4 ms per request. On this machine, in two runs of benchmarks 11
-  and 12 alone while other work kept the load average at 2-5 (the
-  session that built it), the time to first token at 1 client was 24.7 and 40.4 ms
-  concurrent against 24.9 and 43.4 ms sequential (one engine: 10.1 and
-  11.9 ms): the gain is within the noise of a shared 2-core machine,
-  where overlapping two processes' work only moves CPU time, and far from
-  the goal. The decode engine takes no KV blocks before its parameters
+  about 0.4 ms per request. On this machine it was no faster: in two runs
+  of benchmarks 11 and 12 alone while other work kept the load average at
+  2-5, the time to first token at 1 client was 24.7 and 40.4 ms concurrent
+  against 24.9 and 43.4 ms sequential (one engine: 10.1 and 11.9 ms), and
+  in two full runs +19.5 and +11.4 ms over one engine against +17.2 and
+  +11.2 ms sequential; at 8 and 32 clients the two swapped places between
+  runs. On a shared 2-core machine overlapping two processes' work only
+  moves CPU time. So sequential dispatch stays the default (the simpler
+  path, and one whose decode engine that dies is passed over before the
+  prefill's exposure waits on it), and concurrent is there to measure on
+  engines with their own hardware. The decode engine takes no KV blocks before its parameters
   come: admitting it early deadlocked both pools under overload (decode
   blocks waiting for prefills that waited for prefill blocks held by
   exposures whose decodes waited for those decode blocks). A decode

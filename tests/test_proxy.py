@@ -245,7 +245,7 @@ async def test_a_clients_own_kv_transfer_params_never_reach_an_engine() -> None:
     with trio.fail_after(30):
         async with (
             engines(2) as ([prefill, decode], urls),
-            proxy_for(urls[:1], urls[1:]) as (_, proxy),
+            proxy_for(urls[:1], urls[1:], dispatch="concurrent") as (_, proxy),
             httpx2.AsyncClient(timeout=10) as client,
         ):
             for route, body in (
@@ -296,7 +296,7 @@ async def test_the_answer_says_where_the_time_went_engines_phases_relayed() -> N
     with trio.fail_after(30):
         async with (
             engines(2) as ([prefill, decode], urls),
-            proxy_for(urls[:1], urls[1:]) as (_, proxy),
+            proxy_for(urls[:1], urls[1:], dispatch="concurrent") as (_, proxy),
             httpx2.AsyncClient(timeout=10) as client,
         ):
             prefill.server_timing = "forward;dur=2.5, expose;dur=0.5"
@@ -518,7 +518,7 @@ async def test_an_exposure_ended_answer_is_prefilled_again_once_then_decoded() -
     with trio.fail_after(30):
         async with (
             engines(2) as ([prefill, decode], urls),
-            proxy_for(urls[:1], urls[1:]) as (router, proxy),
+            proxy_for(urls[:1], urls[1:], dispatch="concurrent") as (router, proxy),
             httpx2.AsyncClient(timeout=10) as client,
         ):
             decode.answers = [ENDED]
@@ -533,7 +533,7 @@ async def test_a_decode_engine_that_keeps_answering_exposure_ended_gets_one_repr
     with trio.fail_after(30):
         async with (
             engines(3) as ([prefill, decode, other], urls),
-            proxy_for(urls[:1], urls[1:]) as (router, proxy),
+            proxy_for(urls[:1], urls[1:], dispatch="concurrent") as (router, proxy),
             httpx2.AsyncClient(timeout=10) as client,
         ):
             decode.status = other.status = 409
@@ -625,7 +625,7 @@ async def test_a_prefill_answers_lease_that_is_not_a_duration_is_the_default(lea
     with trio.fail_after(30):
         async with (
             engines(2) as ([prefill, _], urls),
-            proxy_for(urls[:1], urls[1:]) as (_, proxy),
+            proxy_for(urls[:1], urls[1:], dispatch="concurrent") as (_, proxy),
             httpx2.AsyncClient(timeout=10) as client,
         ):
             prefill.kv = {**KV, "remote_lease_initial": lease}
@@ -641,7 +641,7 @@ async def test_a_clients_own_kv_transfer_params_change_no_check() -> None:
     with trio.fail_after(30):
         async with (
             engines(2) as ([prefill, decode], urls),
-            proxy_for(urls[:1], urls[1:]) as (_, proxy),
+            proxy_for(urls[:1], urls[1:], dispatch="concurrent") as (_, proxy),
             httpx2.AsyncClient(timeout=10) as client,
         ):
             for own in (
@@ -744,7 +744,7 @@ async def test_an_exposure_secret_mismatch_is_a_deployment_fault_and_health_degr
     with trio.fail_after(30):
         async with (
             engines(2) as ([_, decode], urls),
-            proxy_for(urls[:1], urls[1:]) as (router, proxy),
+            proxy_for(urls[:1], urls[1:], dispatch="concurrent") as (router, proxy),
             httpx2.AsyncClient(timeout=10) as client,
         ):
             decode.status, decode.param = 400, "kv_transfer_params.remote_token"
@@ -860,7 +860,7 @@ async def test_v1_models_through_the_proxy_with_the_openai_client() -> None:
     with trio.fail_after(30):
         async with (
             engines(2) as ([prefill, _decode], urls),
-            proxy_for(urls[:1], urls[1:]) as (_, proxy),
+            proxy_for(urls[:1], urls[1:], dispatch="concurrent") as (_, proxy),
         ):
             prefill.max_model_len = 2048  # (the deployment holds what every engine holds)
 
@@ -981,7 +981,7 @@ async def test_concurrent_dispatch_sends_the_decode_request_while_the_prefill_ru
     with trio.fail_after(30):
         async with (
             engines(2) as ([prefill, decode], urls),
-            proxy_for(urls[:1], urls[1:]) as (router, proxy),
+            proxy_for(urls[:1], urls[1:], dispatch="concurrent") as (router, proxy),
             httpx2.AsyncClient(timeout=10) as client,
             trio.open_nursery() as nursery,
         ):
@@ -1025,7 +1025,10 @@ async def test_a_prefill_that_fails_ends_the_concurrent_decode_request_at_once(
     with trio.fail_after(30):
         async with (
             engines(2) as ([prefill, decode], urls),
-            proxy_for(urls[:1], urls[1:], ProxyTimeouts(prefill=0.3)) as (_, proxy),
+            proxy_for(urls[:1], urls[1:], ProxyTimeouts(prefill=0.3), dispatch="concurrent") as (
+                _,
+                proxy,
+            ),
             httpx2.AsyncClient(timeout=10) as client,
         ):
             prefill.status, prefill.delay = status, delay
@@ -1053,7 +1056,10 @@ async def test_a_decode_engine_that_refuses_while_the_prefill_runs_is_passed_ove
     with trio.fail_after(30):
         async with (
             engines(2) as ([prefill, decode], urls),
-            proxy_for(urls[:1], [closed_port_url(), urls[1]]) as (router, proxy),
+            proxy_for(urls[:1], [closed_port_url(), urls[1]], dispatch="concurrent") as (
+                router,
+                proxy,
+            ),
             httpx2.AsyncClient(timeout=10) as client,
             trio.open_nursery() as nursery,
         ):
@@ -1084,7 +1090,7 @@ async def test_a_client_cannot_send_the_second_line_itself() -> None:
     with trio.fail_after(30):
         async with (
             engines(2) as ([prefill, decode], urls),
-            proxy_for(urls[:1], urls[1:]) as (_, proxy),
+            proxy_for(urls[:1], urls[1:], dispatch="concurrent") as (_, proxy),
             httpx2.AsyncClient(timeout=10) as client,
         ):
             header = {"x-trio-pd-params-within": "0.001"}
@@ -1141,7 +1147,7 @@ async def test_a_body_under_the_limit_stays_under_it_on_its_way_to_the_decode_en
     with trio.fail_after(30):
         async with (
             engines(2) as ([_, decode], urls),
-            proxy_for(urls[:1], urls[1:]) as (_, proxy),
+            proxy_for(urls[:1], urls[1:], dispatch="concurrent") as (_, proxy),
             httpx2.AsyncClient(timeout=10) as client,
         ):
             response = await client.post(f"{proxy}/v1/completions", content=content)
@@ -1183,10 +1189,10 @@ async def test_prefill_attempts_longer_than_a_decode_engine_waits_are_refused_at
     # from its decode engine, after its prefill); past an hour the engine gave
     # up (408) while the prefill still ran. Now such a proxy does not start.
     timeouts = ProxyTimeouts(prefill=prefill)
-    options = ProxyOptions(timeouts=timeouts)
+    options = ProxyOptions(timeouts=timeouts, dispatch="concurrent")
     async with open_client(timeouts) as client:
         with pytest.raises(ValueError, match="--prefill-timeout"):
-            Proxy(["http://p"], ["http://d"], client, timeouts=timeouts)
+            Proxy(["http://p"], ["http://d"], client, timeouts=timeouts, dispatch="concurrent")
         with pytest.raises(ValueError, match="--prefill-timeout"):
             options.check()
         Proxy(["http://p"], ["http://d"], client, timeouts=timeouts, dispatch="sequential")

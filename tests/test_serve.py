@@ -71,8 +71,9 @@ async def open_deployment(tmp_path: Path, *options: str) -> AsyncIterator[dict[s
 
 @pytest.fixture
 async def deployment(tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
-    """``trio-pd serve --prefill 1 --decode 1``."""
-    async with open_deployment(tmp_path) as serving:
+    """``trio-pd serve --prefill 1 --decode 1 --dispatch concurrent`` (the tests
+    on it also run a sequential proxy, the default, in front of its engines)."""
+    async with open_deployment(tmp_path, "--dispatch", "concurrent") as serving:
         yield serving
 
 
@@ -133,7 +134,8 @@ def metrics(text: str) -> dict[str, float]:
 @asynccontextmanager
 async def sequential_proxy(deployment: dict[str, Any]) -> AsyncIterator[str]:
     """A second proxy, in this process, in front of ``deployment``'s engines,
-    dispatching sequentially (the deployment's own dispatches concurrently):
+    dispatching sequentially (the default; the deployment's own dispatches
+    concurrently):
     its URL while the block runs."""
     from trio_pd._serve.proxy import Proxy, open_client
 
@@ -154,8 +156,8 @@ async def sequential_proxy(deployment: dict[str, Any]) -> AsyncIterator[str]:
 async def test_the_proxy_serves_exactly_what_one_engine_would(
     deployment: dict[str, Any],
 ) -> None:
-    """Through the proxy (concurrent dispatch, the default, and sequential
-    dispatch, by a second proxy), every answer is one engine's, token for token."""
+    """Through the proxy (concurrent dispatch, and sequential dispatch -- the
+    default -- by a second proxy), every answer is one engine's, token for token."""
     proxy, [prefill], [decode] = deployment["proxy"], deployment["prefill"], deployment["decode"]
     cases = prompts()
     through_proxy: dict[int, list[int]] = {}

@@ -352,7 +352,10 @@ async def second_line_stories(client: httpx2.AsyncClient, prefill: str, decode: 
     # the engine; the decode request is closed, and its engine frees it.
     async with (
         engines(1) as ([failing], [failing_url]),
-        proxy_for([failing_url], [decode], internal_key=INTERNAL_KEY) as (_, ours),
+        proxy_for([failing_url], [decode], internal_key=INTERNAL_KEY, dispatch="concurrent") as (
+            _,
+            ours,
+        ),
     ):
         failing.status, failing.delay = 500, 0.5
         response = await client.post(

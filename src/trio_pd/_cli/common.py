@@ -243,7 +243,7 @@ def add_dispatch_argument(parser: argparse.ArgumentParser, default: str) -> None
         default=default,
         help="when the proxy sends a decode request: concurrent, at once with its prefill "
         "request, the prefill's kv_transfer_params following as a second line of its body "
-        "(the decode engine admits the request meanwhile; needs trio-pd engines); sequential, "
+        "(the decode engine reads and checks it meanwhile; needs trio-pd engines); sequential, "
         f"once the prefill answered (default {default})",
     )
 

@@ -1,6 +1,6 @@
 """Concurrent dispatch: a decode request sent with its prefill, its parameters a second line.
 
-With ``--dispatch concurrent`` (the proxy's default) the proxy sends the
+With ``--dispatch concurrent`` (not the default: :data:`.proxy.DISPATCH`) the proxy sends the
 decode request at the same time as the prefill request, as SGLang's P/D
 router does, and its ``kv_transfer_params`` follow once the prefill engine
 answered, as a second line of the same streamed request body. The

@@ -156,8 +156,12 @@ DISPATCHES = ("sequential", "concurrent")
 """How the proxy sends a request's decode request (``--dispatch``): once the
 prefill answered, or at once, its parameters following (:mod:`.dispatch`)."""
 
-DISPATCH = "concurrent"
-"""The proxy's default dispatch."""
+DISPATCH = "sequential"
+"""The proxy's default dispatch: sequential, the simpler path. Concurrent
+dispatch was measured no faster on the 2-core machine (time to first token
+at 1 client +11.4 ms over one engine, sequential +11.2 ms; docs/performance.md,
+benchmark 11) and strands an exposure for its lease when a decode engine
+dies during the prefill; it is ``--dispatch concurrent``."""
 
 REQUEST_ID_HEADER = "x-request-id"
 KV_PARAMS = "kv_transfer_params"
