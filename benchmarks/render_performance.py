@@ -707,8 +707,8 @@ def _small_pulls_section(sp: dict[str, Any], checks: list[list[str]]) -> list[st
             f"idle), {q['adopted']} of them handed to the driver still running after "
             "`inline_read_spin`"
             + (
-                f" ({q['unconfirmed_adopted']} of {q['unconfirmed_inline']} with the "
-                "confirmation off)"
+                f"; with the confirmation off, {q['unconfirmed_adopted']} of "
+                f"{q['unconfirmed_inline']}"
                 if "unconfirmed_adopted" in q
                 else ""
             )
