@@ -159,8 +159,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Deselect the exercises that need root and test hosts, unless asked for;
-    then put the tests marked ``test_hosts`` first (otherwise in order), and,
-    in an xdist worker, name them in :data:`TEST_HOSTS_NODEIDS`.
+    then put the tests marked ``test_hosts`` first, then those marked ``slow``
+    (otherwise in order: the workers then end on short tests, not with one
+    worker still in a long one), and, in an xdist worker, name the test-host
+    tests in :data:`TEST_HOSTS_NODEIDS`.
 
     ``TRIO_PD_EXERCISE_HOSTS=1`` runs them (docs/exercises.md says so). They
     are deselected rather than skipped: a skip fails the run (below). The
@@ -173,7 +175,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if len(kept) < len(items):
             config.hook.pytest_deselected(items=[i for i in items if i not in kept])
             items[:] = kept
-    items.sort(key=lambda item: item.get_closest_marker("test_hosts") is None)  # (stable)
+    items.sort(  # (stable: otherwise in collection order)
+        key=lambda item: (
+            item.get_closest_marker("test_hosts") is None,
+            item.get_closest_marker("slow") is None,
+        )
+    )
     named = os.environ.get(TEST_HOSTS_NODEIDS)
     if hasattr(config, "workerinput") and named:
         hosts = [item.nodeid for item in items if item.get_closest_marker("test_hosts")]
