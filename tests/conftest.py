@@ -227,13 +227,30 @@ if importlib.util.find_spec("xdist") is not None:
                 self.node2pending[node].extend(chosen)
                 node.send_runtest_some(chosen)
 
+        def schedule(self) -> None:
+            # xdist deals a small run round-robin, one test each, and a
+            # worker holds its last test until it gets a second or is shut
+            # down: the test-host tests that _send_tests kept from the other
+            # workers go to the first one here (without this, a run of a few
+            # test-host tests waited forever).
+            super().schedule()
+            for node in self.nodes:
+                self.check_schedule(node)
+
         def check_schedule(self, node: Any, duration: float = 0) -> None:
             super().check_schedule(node, duration)
-            if not self.pending:  # (a worker left idle by the rule above stops too)
-                for other in self.nodes:
-                    if not other.shutting_down:
-                        other.shutdown()
+            # A worker that will get nothing more stops (it runs what it holds
+            # first): every worker once nothing is pending, the others once
+            # only test-host tests are.
+            hosts = self._host_indices()
+            only_hosts = all(index in hosts for index in self.pending)
+            for other in self.nodes:
+                if not other.shutting_down and (
+                    not self.pending or (only_hosts and other is not self.nodes[0])
+                ):
+                    other.shutdown()
 
+    @pytest.hookimpl(optionalhook=True)  # (xdist's hook: unknown under -p no:xdist)
     def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         """:class:`TestHostsOnOneWorker` for ``--dist load``; xdist's own otherwise."""
         if config.getoption("dist") != "load":
