@@ -307,7 +307,7 @@ async def _generation(
         body = await (read_json(receive) if second is None else second.first())
     except HTTPError as exc:
         if second is not None and exc.status == 400:  # (a malformed first line, read whole)
-            await _give_back(engine, {}, second)
+            await _give_back(engine, {}, second)  # noqa: ASYNC120 (see _give_back)
         raise
     try:
         request = parse_chat_request(body) if chat else parse_completions_request(body)
@@ -318,7 +318,7 @@ async def _generation(
     except HTTPError:
         # Refused before it held the prefill's blocks: give them back now
         # (a refusal while it holds them does so as it leaves the hold).
-        await _give_back(engine, body, second)
+        await _give_back(engine, body, second)  # noqa: ASYNC120 (see _give_back)
         raise
     if request.ignored:
         ignored = ", ".join(request.ignored)
@@ -349,13 +349,13 @@ async def _generation(
                 outcome = "disconnected"
                 return
             if second is not None and second.value is None:
-                await _give_back(engine, body, second)
+                await _give_back(engine, body, second)  # noqa: ASYNC120 (see _give_back)
             raise
         except Exception:
             # Refused before its parameters came: read them, and give their
             # exposure back.
             if second is not None and second.value is None:
-                await _give_back(engine, body, second)
+                await _give_back(engine, body, second)  # noqa: ASYNC120 (see _give_back)
             raise
         outcome = "ok" if answered else "disconnected"
         if not answered and sending.stalled(engine.settings.send_timeout):
@@ -388,7 +388,12 @@ async def _give_back(engine: Engine, body: dict[str, Any], second: SecondLine | 
     (:meth:`Engine.give_back`): its body's, or -- concurrent dispatch -- its
     second line's, read first (within its deadline; one that does not come,
     or does not parse, names nothing to give back; one in a body refused
-    for its shape -- a third line, say -- still names one)."""
+    for its shape -- a third line, say -- still names one).
+
+    Called from ``except`` blocks that re-raise the refusal: if the request is
+    cancelled while this reads the second line, the cancellation replaces
+    the refusal -- nothing would answer it any more (flake8-async's ASYNC120
+    is silenced there for this reason)."""
     if second is None:
         engine.give_back(body)
         return

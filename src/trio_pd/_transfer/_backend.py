@@ -497,4 +497,5 @@ class _Lease:
         return remote
 
     async def __aexit__(self, *exc_info: object) -> None:
-        await self._remotes._end_lease(self._remote)
+        # (bounded and shielded inside: a retired agent's unload, within unload_timeout)
+        await self._remotes._end_lease(self._remote)  # noqa: ASYNC102
