@@ -161,8 +161,13 @@ async def _checks(client: httpx2.AsyncClient, serving: dict[str, Any], openai: A
         await trio.to_thread.run_sync(_openai_calls, openai, proxy, OTHER_KEY)
     # A client that goes around the proxy is refused by the engines, even
     # with a client key (and the engines' /health stays open).
+    # (each on a connection of its own: an engine answers a refused request
+    # without reading its body and hypercorn may then close the connection,
+    # which the pool could reuse first -- seen once in a clean-clone run as
+    # "Server disconnected without sending a response")
     for engine in (prefill, decode):
         for headers in ({}, {"Authorization": f"Bearer {CLIENT_KEY}"}):
+            headers = {**headers, "Connection": "close"}
             answer = await client.post(f"{engine}/v1/completions", json=body, headers=headers)
             assert answer.status_code == 401
             assert "serves its deployment's proxy only" in answer.json()["error"]["message"]
