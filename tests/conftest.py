@@ -6,10 +6,14 @@ loopback and real prefill processes; nothing here fakes them.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import gc
 import importlib.util
+import io
+import logging
 import os
+import runpy
 import shutil
 import subprocess
 import sys
@@ -270,6 +274,34 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
                 "(set TRIO_PD_ALLOW_SKIPS=1 to allow)",
                 red=True,
             )
+
+
+@contextlib.contextmanager
+def terminal_capture(*, stderr: bool = False) -> Iterator[io.StringIO]:
+    """What a program run in this process prints while the block runs: its
+    stdout (and ``stderr``), with the library's warnings where a terminal
+    shows them, between the lines printed (message only, as Python's
+    last-resort handler writes them)."""
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setLevel(logging.WARNING)
+    library = logging.getLogger("trio_pd")
+    library.addHandler(handler)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.ExitStack() as stack:
+            if stderr:
+                stack.enter_context(contextlib.redirect_stderr(out))
+            yield out
+    finally:
+        library.removeHandler(handler)
+
+
+def run_here(path: Path) -> str:
+    """What a docs program prints, run in this process (``runpy``, as
+    ``__main__``): :func:`terminal_capture`'s output."""
+    with terminal_capture() as out:
+        runpy.run_path(str(path), run_name="__main__")
+    return out.getvalue()
 
 
 async def wait_until(condition: Callable[[], object], interval: float = 0.001) -> None:

@@ -5,16 +5,12 @@ with warnings as errors."""
 from __future__ import annotations
 
 import ast
-import contextlib
 import html as html_module
 import importlib
-import io
 import json
-import logging
 import os
 import posixpath
 import re
-import runpy
 import subprocess
 import sys
 from contextlib import asynccontextmanager
@@ -39,7 +35,7 @@ from trio_pd._core._remote_engine import (
     PullAction,
 )
 
-from .conftest import run_in_terminal_order
+from .conftest import run_here, run_in_terminal_order
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = re.compile(r"`(tests/[\w/]+\.py)(?:::(\w+))?`")
@@ -146,22 +142,6 @@ MISTAKES = [
     "bare_shield.py",
     "freed_too_early.py",
 ]
-
-
-def run_here(path: Path) -> str:
-    """What a docs program prints, run in this process (``runpy``, as
-    ``__main__``), with the library's warnings where a terminal shows them."""
-    out = io.StringIO()
-    handler = logging.StreamHandler(out)
-    handler.setLevel(logging.WARNING)
-    library = logging.getLogger("trio_pd")
-    library.addHandler(handler)
-    try:
-        with contextlib.redirect_stdout(out):
-            runpy.run_path(str(path), run_name="__main__")
-    finally:
-        library.removeHandler(handler)
-    return out.getvalue()
 
 
 @pytest.mark.parametrize("mistake", MISTAKES)

@@ -12,11 +12,7 @@ it is deselected, not skipped; see ``conftest.py``).
 
 from __future__ import annotations
 
-import contextlib
-import io
-import logging
 import re
-import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +21,7 @@ import pytest
 
 from trio_pd import exercises
 
-from .conftest import run_doc_script, run_in_terminal_order
+from .conftest import run_doc_script, run_here, run_in_terminal_order, terminal_capture
 from .test_docs import _normalized
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -62,19 +58,7 @@ def _page() -> str:
 
 @pytest.mark.parametrize("exercise", IN_MEMORY)
 def test_each_exercise_prints_what_its_page_shows(exercise: str) -> None:
-    out = io.StringIO()
-    # the library's warnings where a terminal shows them, between the lines
-    # printed, as Python's last-resort handler writes them (message only)
-    handler = logging.StreamHandler(out)
-    handler.setLevel(logging.WARNING)
-    library = logging.getLogger("trio_pd")
-    library.addHandler(handler)
-    try:
-        with contextlib.redirect_stdout(out):
-            runpy.run_path(str(DOCS / "exercises" / exercise), run_name="__main__")
-    finally:
-        library.removeHandler(handler)
-    output = _shown(out.getvalue())
+    output = _shown(run_here(DOCS / "exercises" / exercise))
     assert output
     assert output in _page(), f"exercises.md does not show the output of {exercise}:\n{output}"
 
@@ -111,17 +95,9 @@ def _check(
     """``python -m trio_pd.exercises check NAME``, in this process: its exit
     status and its output, with the library's warnings where a terminal
     shows them."""
-    out = io.StringIO()
-    handler = logging.StreamHandler(out)
-    handler.setLevel(logging.WARNING)
-    library = logging.getLogger("trio_pd")
-    library.addHandler(handler)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            argv = ["--path", str(path), "check", name, *(["--solution"] if solution else [])]
-            status = exercises.main(argv)
-    finally:
-        library.removeHandler(handler)
+    with terminal_capture(stderr=True) as out:
+        argv = ["--path", str(path), "check", name, *(["--solution"] if solution else [])]
+        status = exercises.main(argv)
     return status, out.getvalue()
 
 
