@@ -209,6 +209,23 @@ async def test_engines_and_a_proxy_started_as_separate_commands_serve_what_one_e
             "--send-timeout must be > 0",
         ),
         (["serve", "--send-timeout", "inf"], 2, "--send-timeout must be > 0"),
+        (
+            ["engine", "--role", "prefill", "--prefill-url", "http://a:1"],
+            2,
+            "it needs --role decode",
+        ),
+        (["engine", "--role", "decode", "--api-key", "k" * 20], 2, "it needs --prefill-url"),
+        (["engine", "--role", "decode", "--prefill-url", "ftp://a:1"], 2, "--prefill-url"),
+        (
+            ["engine", "--role", "decode", "--prefill-url", "http://a:1", "--etcd", "http://e:1"],
+            2,
+            "not together yet",
+        ),
+        (
+            ["engine", "--role", "decode", "--prefill-url", "http://a:1", "--prefill-timeout", "0"],
+            2,
+            "--prefill-timeout must be",
+        ),
         # 192.0.2.1 (TEST-NET-1) is no address of this machine: serve fails
         # before it starts an engine.
         (["serve", "--port", "0", "--host", "192.0.2.1"], 1, "cannot bind 192.0.2.1:0"),

@@ -50,6 +50,7 @@ from trio_pd._cli import _parser
 from trio_pd._serve import app as app_module
 from trio_pd._serve import asgi as asgi_module
 from trio_pd._serve import engine as engine_module
+from trio_pd._serve import prefilling as prefilling_module
 from trio_pd._serve import proxy as proxy_module
 from trio_pd._serve.app import build_app
 from trio_pd._serve.engine import Engine, EngineSettings
@@ -335,7 +336,7 @@ async def test_a_real_proxy_answers_its_rows() -> None:
 
 # ---- every site uses the table --------------------------------------------------------
 
-SITES = [app_module, engine_module, asgi_module, proxy_module]
+SITES = [app_module, engine_module, asgi_module, proxy_module, prefilling_module]
 
 
 def _handlers(module: types.ModuleType) -> list[tuple[int, list[type], ast.ExceptHandler]]:
@@ -351,7 +352,8 @@ def _handlers(module: types.ModuleType) -> list[tuple[int, list[type], ast.Excep
 
 def _answered(handler: ast.ExceptHandler) -> list[ast.expr]:
     """The exceptions that ``handler`` answers from the table: the first
-    argument of ``http_error``, the third of ``Proxy._engine_error``."""
+    argument of ``http_error``, the third of ``Proxy._engine_error``, the
+    second of ``Prefiller.error``."""
     answered = []
     for node in ast.walk(handler):
         if isinstance(node, ast.Call):
@@ -360,6 +362,8 @@ def _answered(handler: ast.ExceptHandler) -> list[ast.expr]:
                 answered.append(node.args[0])
             elif name == "_engine_error":
                 answered.append(node.args[2])
+            elif name == "error" and ast.unparse(node.func) == "self.error":  # (Prefiller's)
+                answered.append(node.args[1])
     return answered
 
 

@@ -31,6 +31,7 @@ from trio_pd._cli.common import (
     add_internal_key_argument,
     add_lease_argument,
     add_send_timeout_argument,
+    client_keys,
     curve_auth,
     exposure_secret,
     internal_key,
@@ -44,7 +45,7 @@ from trio_pd._curve_keys import (
     generate_keypair,
 )
 from trio_pd._serve.engine import EXPOSURE_SECRET_ENV, EngineSettings
-from trio_pd._serve.keys import INTERNAL_KEY_ENV, BearerKeys
+from trio_pd._serve.keys import API_KEY_ENV, INTERNAL_KEY_ENV, BearerKeys
 from trio_pd._serve.model import ModelConfig
 from trio_pd._serve.openai import MAX_MODEL_LEN
 from trio_pd._serve.process import EngineStartError, serve_engine
@@ -151,6 +152,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the signed etcd registration, or, without --etcd, one derived from the internal key; "
         "or the pair and peers of --curve-key-file/--curve-peers-file)",
     )
+    parser.add_argument(
+        "--prefill-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="decode-first (--role decode): take clients' requests and run each one's "
+        "prefill on one of these prefill engines (repeatable), its first token streamed as "
+        "soon as the KV is held; kv_transfer_params from clients are refused",
+    )
+    parser.add_argument(
+        "--prefill-timeout",
+        type=float,
+        default=defaults.prefill_timeout,
+        metavar="SECONDS",
+        help="decode-first: each prefill request's deadline (default %(default)g)",
+    )
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help=f"decode-first: a client key, repeatable (default: ${API_KEY_ENV}); /v1/* then "
+        "needs 'Authorization: Bearer KEY' (instead of the internal key, which the engine "
+        "sends to its prefill engines); prefer the variable: flags show in ps",
+    )
     add_etcd_arguments(
         parser,
         "register there once the engine accepts requests, withdraw first when it drains",
@@ -182,7 +208,17 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         grace=args.grace,
         send_timeout=args.send_timeout,
         lease_initial=args.lease_initial,
+        prefill_urls=tuple(url.rstrip("/") for url in args.prefill_url),
+        prefill_timeout=args.prefill_timeout,
     )
+    if settings.prefill_urls and args.role != "decode":
+        raise UsageError("--prefill-url makes a decode engine decode-first: it needs --role decode")
+    if settings.prefill_urls and args.etcd:
+        # (registered as a decode engine, a proxy would send it decode
+        # requests, which it refuses: it faces clients, not a proxy)
+        raise UsageError("--prefill-url (decode-first) and --etcd: not together yet")
+    if args.api_key and not settings.prefill_urls:
+        raise UsageError("--api-key guards a decode-first engine's clients: it needs --prefill-url")
     try:
         settings.check()
     except ValueError as exc:
@@ -254,12 +290,22 @@ def run(args: argparse.Namespace) -> int:
     import torch  # (here: the proxy and serve import this module for its flags)
 
     torch.set_num_threads(1)
+    clients = client_keys(args.api_key) if settings.prefill_urls else None
+    if settings.prefill_urls and clients is None:
+        print(
+            f"trio-pd engine: WARNING: decode-first without client keys (${API_KEY_ENV} or "
+            "--api-key): anyone who reaches this engine may call /v1/*.",
+            file=sys.stderr,
+            flush=True,
+        )
     serving = functools.partial(
         serve_engine,
         settings,
         args.role,
         exposure_secret=secret,
         internal_keys=BearerKeys([key], audience="internal") if key else None,
+        client_keys=clients,
+        internal_key=key,
         curve=curve,
         membership=membership,
         parent_pid=args.parent_pid,

@@ -52,13 +52,13 @@ from trio_pd._serve.binding import (
     remove_file,
     write_json_atomically,
 )
+from trio_pd._serve.defaults import MAX_ATTEMPTS
 from trio_pd._serve.discovery import EngineSet, Membership
 from trio_pd._serve.keys import API_KEY_ENV, BearerKeys
 from trio_pd._serve.openai import MAX_MODEL_LEN
 from trio_pd._serve.proxy import (
     BODY_TIMEOUT,
     DISPATCH,
-    MAX_ATTEMPTS,
     MAX_CLIENT_REQUESTS,
     Proxy,
     ProxyTimeouts,

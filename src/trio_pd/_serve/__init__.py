@@ -12,7 +12,10 @@ to read in one sitting. By concept:
   client and per-phase deadlines), ``routing`` (which engine gets a request,
   no I/O), ``discovery`` (where a membership service such as etcd plugs into
   the engine and the proxy), ``dispatch`` (concurrent dispatch's two-line
-  decode requests: the proxy writes them, the engine reads them);
+  decode requests: the proxy writes them, the engine reads them),
+  ``prefilling`` (a prefill request to a prefill engine and its answer:
+  the proxy's, and a decode-first engine's, which runs its requests'
+  prefill itself);
 * the HTTP surface both share: ``openai``, ``fields`` and ``responses``
   (OpenAI-compatible requests and bodies, vLLM's ``kv_transfer_params``;
   no I/O), ``errors`` (one table from exceptions to HTTP answers), ``keys``

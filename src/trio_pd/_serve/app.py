@@ -18,6 +18,7 @@ contains it, and so do the log lines. ``Authorization`` is ignored.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import logging
 import math
 import os
@@ -52,16 +53,18 @@ from trio_pd._serve.asgi import (
 )
 from trio_pd._serve.dispatch import SecondLine, params_within
 from trio_pd._serve.engine import Engine
-from trio_pd._serve.errors import HTTPError, ParamsInUse, http_error
+from trio_pd._serve.errors import DeploymentFault, HTTPError, ParamsInUse, http_error
 from trio_pd._serve.openai import (
     MODEL_NAME,
     GenerationRequest,
+    first_token_of,
     parse_chat_request,
     parse_completions_request,
     request_id_from_headers,
 )
 from trio_pd._serve.pool import OutOfBlocks
 from trio_pd._serve.ports import free_port_range
+from trio_pd._serve.prefilling import open_prefiller
 from trio_pd._serve.responses import Shapes, model_card, model_list
 from trio_pd._serve.timing import PhaseTimes
 
@@ -119,7 +122,7 @@ def build_app(engine: Engine) -> Callable[[Scope, Receive, Send], Any]:
 
 async def _route(engine: Engine, scope: Scope, receive: Receive, send: Send, rid: str) -> None:
     method, path = scope["method"], scope["path"]
-    keys = engine.internal_keys
+    keys = engine.guard
     if keys is not None and keys.guards(path):
         keys.check(scope.get("headers", ()))
     if path.startswith("/v1/models/"):
@@ -216,6 +219,9 @@ async def _health(engine: Engine, send: Send) -> None:
 async def _lifespan(engine: Engine, receive: Receive, send: Send) -> None:
     """Open the connectors for the server's life; close them after the last request.
 
+    A decode-first engine also opens its :class:`~.prefilling.Prefiller`
+    (an HTTP client to its prefill engines), closed before the connectors.
+
     Inside it, a nursery holds the tasks that give exposed blocks back to the
     pool; at shutdown (hypercorn sends it once every request has drained)
     they are cancelled first, then the connectors close.
@@ -251,6 +257,15 @@ async def _lifespan(engine: Engine, receive: Receive, send: Send) -> None:
                 )
                 for rank, regions in enumerate(engine.cache)
             ]
+            if settings.prefill_urls:  # (decode-first: its own HTTP client, closed last)
+                engine.prefiller = await stack.enter_async_context(
+                    open_prefiller(
+                        settings.prefill_urls,
+                        prefill_timeout=settings.prefill_timeout,
+                        internal_key=engine.internal_key,
+                        caller=f"decode-first engine {settings.engine_id}",
+                    )
+                )
             nursery = await stack.enter_async_context(trio.open_nursery())
             engine.connectors, engine.nursery, engine.accepting = connectors, nursery, True
             started = engine.started = True
@@ -320,6 +335,17 @@ async def _generation(
         # (a refusal while it holds them does so as it leaves the hold).
         await _give_back(engine, body, second)  # noqa: ASYNC120 (see _give_back)
         raise
+    prefiller = engine.prefiller
+    if prefiller is not None and (request.kind != "whole" or second is not None):
+        # (refused without abandoning what they name: a client may replay
+        # another request's parameters, and must not end its exposure)
+        raise HTTPError(
+            400,
+            f"engine {engine.settings.engine_id} runs each request's prefill on a prefill "
+            "engine itself (decode-first): it takes no kv_transfer_params from its clients",
+            "invalid_request_error",
+            param="kv_transfer_params",
+        )
     if request.ignored:
         ignored = ", ".join(request.ignored)
         logger.warning("request %s: unknown fields ignored: %s", rid, ignored[:500])
@@ -339,9 +365,14 @@ async def _generation(
         try:
             async with cancel_on_disconnect(receive, None if second is None else second.read):
                 if request.kind == "prefill":
-                    kv = await engine.prefill_for_remote(request_id, request.prompt, times)
-                    whole = shapes.whole("", [], kv_transfer_params=kv)
+                    first, kv = await engine.prefill_for_remote(request_id, request.prompt, times)
+                    text = bytes([first]).decode(errors="replace")
+                    whole = shapes.whole(text, [first], kv_transfer_params=kv)
                     await send_json(sending, 200, whole, [times.header()])
+                elif prefiller is not None:  # (decode-first)
+                    answer = await prefiller.prefill(scope["path"], rid, body, times)
+                    request = attrs.evolve(request, kind="decode", kv_transfer_params=answer.kv)
+                    await _decode_first(engine, sending, shapes, request, times, answer.engine)
                 else:
                     await _generate(engine, sending, shapes, request, times, second)
         except HTTPError as exc:
@@ -406,6 +437,41 @@ async def _give_back(engine: Engine, body: dict[str, Any], second: SecondLine | 
     engine.give_back({"kv_transfer_params": kv})
 
 
+async def _decode_first(
+    engine: Engine,
+    send: Send,
+    shapes: Shapes,
+    request: GenerationRequest,
+    times: PhaseTimes,
+    prefill_engine: str,
+) -> None:
+    """A decode-first engine's request, once its prefill engine answered
+    (``request.kv_transfer_params``): pull and decode it here, its first
+    token -- the prefill engine's -- streamed as soon as the blocks are held.
+
+    Leaves the exposure to nobody: given back at once if the request fails
+    or is cancelled before it held the blocks (the hold gives them back after).
+    Nothing but the engine ever sees these parameters.
+
+    Raises:
+        HTTPError: a 502 (:class:`~.errors.DeploymentFault`) when this engine
+            refuses the parameters its prefill engine issued (a 400 naming one);
+            the pull's and the request's own errors as for any decode request.
+    """
+    try:
+        await _generate(engine, send, shapes, request, times, decode_first=True)
+    except HTTPError as exc:
+        if exc.status == 400 and str(exc.body["error"].get("param")).startswith(
+            "kv_transfer_params"
+        ):
+            raise http_error(
+                DeploymentFault(f"{exc} ({exc.body['error']['param']})"),
+                engine=engine.settings.engine_id,
+                prefill_engine=prefill_engine,
+            ) from None
+        raise
+
+
 async def _generate(
     engine: Engine,
     send: Send,
@@ -413,16 +479,42 @@ async def _generate(
     request: GenerationRequest,
     times: PhaseTimes,
     second: SecondLine | None = None,
+    *,
+    decode_first: bool = False,
 ) -> None:
     """Generate ``request``'s tokens (pulling its prompt's KV if it is a decode
     request) and send them, whole or as server-sent events; the response's
     ``Server-Timing`` names the phases before the first token (``times``).
+
+    When the prefill engine sent the first token with the parameters, a
+    stream starts with it as soon as every rank holds the blocks, before
+    admission and the pull. A ``decode_first`` request's exposure is given
+    back if it ends before it held it (nobody else knows its parameters).
 
     A whole answer is sent once its KV blocks are back in the pool; a stream
     holds them until its last token is sent (a client that stops reading
     holds them until the send timeout resets its connection)."""
     remote = request.kv_transfer_params if request.kind == "decode" and second is None else None
     later = None if second is None else second.params
+    early = None  # (the prefill's first token, sent once the blocks are held)
+    if remote is not None and request.stream:
+        with contextlib.suppress(HTTPError):  # (a bad one is refused once held)
+            early = first_token_of(remote, engine.model.config.vocab)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    started = False
+
+    async def on_held() -> None:
+        nonlocal started
+        if early is None:
+            return
+        await start_events(send, [times.header()])
+        opening = shapes.first_chunk()
+        if opening is not None:
+            await send_event(send, opening)
+        last = request.max_tokens == 1
+        text = decoder.decode(bytes([early]), final=last)
+        await send_event(send, shapes.chunk(text, [early], last, request.include_usage))
+        started = True
 
     @asynccontextmanager
     async def generating() -> AsyncIterator[AsyncIterator[int]]:
@@ -434,12 +526,13 @@ async def _generate(
                 remote,
                 times,
                 params_later=later,
+                held=on_held,
+                give_back_unheld=decode_first,
             ) as tokens_,
             aclosing(tokens_) as tokens,  # (closed even when the client hangs up)
         ):
             yield tokens
 
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     if not request.stream:
         async with generating() as tokens:
             ids = [token async for token in tokens]
@@ -447,13 +540,16 @@ async def _generate(
         await send_json(send, 200, shapes.whole(text, ids), [times.header()])
         return
     async with generating() as tokens:
-        await start_events(send, [times.header()])
-        first = shapes.first_chunk()
-        if first is not None:
-            await send_event(send, first)
+        if not started:
+            await start_events(send, [times.header()])
+            opening = shapes.first_chunk()
+            if opening is not None:
+                await send_event(send, opening)
         count = 0
         async for token in tokens:
             count += 1
+            if count == 1 and started:  # (the prefill's first token: sent already)
+                continue
             last = count == request.max_tokens
             text = decoder.decode(bytes([token]), final=last)
             await send_event(send, shapes.chunk(text, [token], last, request.include_usage))

@@ -97,3 +97,8 @@ def decode_attempts(lease_initial: float, connect_timeout: float, hold_margin: f
     """How many decode engines the proxy can try, each timing out its
     connection, before an exposure's lease is too short for another."""
     return max(0, math.ceil((lease_initial - hold_margin) / connect_timeout))
+
+
+MAX_ATTEMPTS: Final = 3
+"""The most engines of a role one request tries (the proxy's ``--max-attempts``;
+a decode-first engine's prefill engines too)."""

@@ -64,12 +64,16 @@ from trio_pd._serve.keys import BearerKeys
 from trio_pd._serve.metrics import ConnectorCollector
 from trio_pd._serve.model import ModelConfig, TinyLlama
 from trio_pd._serve.openai import (
+    FIRST_TOKEN_PARAM,
     LEASE_PARAM,
     MAX_MODEL_LEN,
     check_prompt_blocks,
+    first_token_of,
     parse_remote_blocks,
 )
 from trio_pd._serve.pool import BlockPool
+from trio_pd._serve.prefilling import Prefiller
+from trio_pd._serve.routing import url_problem
 from trio_pd._serve.timing import PhaseTimes
 
 logger = logging.getLogger("trio_pd.serve")
@@ -101,6 +105,11 @@ class EngineSettings:
     # How long an answer may wait for a client that stopped reading before
     # the kernel resets its connection (and the request is cancelled).
     send_timeout: float = SEND_TIMEOUT
+    # A decode-first engine (--prefill-url): it takes clients' requests and
+    # runs their prefill on one of these prefill engines itself
+    # (:mod:`.decode_first`), each attempt within prefill_timeout.
+    prefill_urls: tuple[str, ...] = ()
+    prefill_timeout: float = defaults.PREFILL_TIMEOUT
 
     def advertised(self) -> str:
         """The host that peers and the proxy dial."""
@@ -131,6 +140,12 @@ class EngineSettings:
                 f"--side-channel-port {self.side_channel_port} leaves no port for "
                 f"{self.tp_size} ranks"
             )
+        for url in self.prefill_urls:
+            problem = url_problem(url)
+            if problem is not None:
+                raise ValueError(f"--prefill-url {url!r}: {problem}")
+        if not (math.isfinite(self.prefill_timeout) and self.prefill_timeout > 0):
+            raise ValueError("--prefill-timeout must be a positive number of seconds")
         if is_wildcard(self.advertised()):
             raise ValueError(
                 f"--host {self.host!r} binds every interface, which nobody can dial: pass "
@@ -192,10 +207,18 @@ class Engine:
         exposure_secret: bytes | None = None,
         internal_keys: BearerKeys | None = None,
         curve: CurveAuth | None = None,
+        client_keys: BearerKeys | None = None,
+        internal_key: str | None = None,
     ) -> None:
         self.settings = settings
         self.exposure_secret = exposure_secret  # signs / checks kv_transfer_params
         self.internal_keys = internal_keys  # who may call /v1/* (the proxy), if set
+        # A decode-first engine faces clients: these keys guard its /v1/*
+        # instead (None: open), and it sends the internal key to its prefill
+        # engines (set by the lifespan: the prefiller, while serving).
+        self.client_keys = client_keys
+        self.internal_key = internal_key
+        self.prefiller: Prefiller | None = None
         self.curve = curve  # the side channel's CURVE keys, if set
         self.model = model
         self.cache = model.new_cache(settings.num_blocks, settings.tp_size)
@@ -221,6 +244,12 @@ class Engine:
         self.registry = self.metrics.registry
         self.requests = self.metrics.requests
         self.pull_seconds = self.metrics.pull_seconds
+
+    @property
+    def guard(self) -> BearerKeys | None:
+        """The keys a call to ``/v1/*`` must present (``None``: none): a
+        decode-first engine's client keys, any other engine's internal key."""
+        return self.client_keys if self.settings.prefill_urls else self.internal_keys
 
     def request_id(self, base: str, prefix: str = "cmpl") -> str:
         """A request id unique in this engine that contains ``base`` (the
@@ -270,12 +299,19 @@ class Engine:
 
     async def prefill_for_remote(
         self, request_id: str, prompt: list[int], times: PhaseTimes | None = None
-    ) -> dict[str, Any]:
-        """Compute the prompt's KV (all but the last token) and expose its blocks.
+    ) -> tuple[int, dict[str, Any]]:
+        """Compute the prompt's KV and its first generated token; expose the blocks.
+
+        Runs the same two steps as a whole request here (the prompt without
+        its last token, then the last token), so the blocks hold every
+        prompt position and the token is the one a single engine would have
+        generated first. Returns it and the ``kv_transfer_params`` that a
+        decode engine pulls with (they carry the token as
+        :data:`~.openai.FIRST_TOKEN_PARAM`, so the decode starts from it).
 
         The blocks go back to the pool once every rank's exposure resolved
         (read, abandoned or expired). ``times`` gets the phases ``admission``,
-        ``forward`` and ``expose``.
+        ``forward`` (both steps) and ``expose``.
 
         Raises:
             OutOfBlocks: not enough blocks freed within ``admission_timeout``.
@@ -285,12 +321,13 @@ class Engine:
         self.check_fits(prompt, 1)
         with times.phase("admission"):
             blocks = await self.pool.allocate(
-                self.model.config.blocks_for(len(prompt) - 1), deadline=self.admission_deadline()
+                self.model.config.blocks_for(len(prompt)), deadline=self.admission_deadline()
             )
         try:
-            if len(prompt) > 1:
-                with times.phase("forward"):
+            with times.phase("forward"):
+                if len(prompt) > 1:
                     await self.step(blocks, prompt[:-1], 0)
+                first = await self.step(blocks, prompt[-1:], len(prompt) - 1)
             # Every rank exposes its head slice; rank 0's parameters go to the
             # decode engine (they name the base port and the TP size).
             with times.phase("expose"):
@@ -304,7 +341,8 @@ class Engine:
         self.nursery.start_soon(self._release_when_released, connectors, request_id, blocks)
         # (the lease tells the proxy how long it may take to start the decode)
         lease = {LEASE_PARAM: self.settings.lease_initial}
-        return {**remote.to_kv_transfer_params(), "do_remote_prefill": True, **lease}
+        params = {**remote.to_kv_transfer_params(), "do_remote_prefill": True, **lease}
+        return first, {**params, FIRST_TOKEN_PARAM: first}
 
     async def _release_when_released(
         self, connectors: list[Connector], request_id: str, blocks: list[int]
@@ -339,6 +377,8 @@ class Engine:
         times: PhaseTimes | None = None,
         *,
         params_later: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+        held: Callable[[], Awaitable[None]] | None = None,
+        give_back_unheld: bool = False,
     ) -> AsyncIterator[AsyncGenerator[int, None]]:
         """Blocks for the whole request, the prompt's KV in them, and a token iterator.
 
@@ -353,6 +393,14 @@ class Engine:
         unless a transfer that could not be stopped may still write them
         (``Connector.unsettled_blocks``, whichever way the pull ended): then
         only once it has settled.
+
+        ``held`` is awaited once every rank holds the blocks and their
+        parameters checked (before admission and the pull: a decode-first
+        engine streams the prefill's first token then); a failure in it
+        leaves the holds, giving the blocks back. With ``give_back_unheld``
+        (a decode-first engine's request: nobody else has its parameters),
+        a request that ends before every rank held the blocks gives them
+        back too (:meth:`give_back`).
 
         With ``params_later`` instead (concurrent dispatch, :mod:`.dispatch`),
         the parameters are what it returns once the prefill answered (phase
@@ -378,6 +426,7 @@ class Engine:
             with times.phase("params"):
                 params = await params_later()
         remote: RemoteBlocks | None = None
+        first: int | None = None  # (the prefill engine's first token, if it sent one)
         if params is not None:
             remote = parse_remote_blocks(params)
         connectors = self._connectors()
@@ -386,6 +435,7 @@ class Engine:
         ours = remote if remote is not None and remote not in self._decoding else None
         if ours is not None:
             self._decoding.add(ours)
+        holding = False
         try:
             async with AsyncExitStack() as holds:
                 if remote is not None:
@@ -405,8 +455,15 @@ class Engine:
                             raise ParamsRejectedError(
                                 request_id, "tp_size", f"cannot be read here: {exc.reason}"
                             ) from None
-                if remote is not None:
+                holding = True
+                if params is not None and remote is not None:  # (checked once held: a
+                    # refusal here gives the blocks back as it leaves the hold)
+                    first = first_token_of(params, config.vocab)
+                    if first is not None:
+                        before = len(prompt)  # (the blocks hold the prompt's last token too)
                     check_prompt_blocks(remote, config.blocks_for(before), len(prompt))
+                if held is not None:
+                    await held()
                 self.check_fits(prompt, max_tokens)
                 with times.phase("admission"):
                     blocks = await self.pool.allocate(
@@ -422,10 +479,12 @@ class Engine:
                 elif before > 0:
                     with times.phase("forward"):
                         await self.step(blocks, prompt[:-1], 0)
-            yield self._tokens(blocks, prompt, max_tokens)
+            yield self._tokens(blocks, prompt, max_tokens, first)
         finally:
             if ours is not None:
                 self._decoding.discard(ours)
+            if give_back_unheld and not holding and params is not None:
+                self.give_back({"kv_transfer_params": params})
             if blocks is not None:
                 self._release_when_settled(connectors, blocks)
 
@@ -495,10 +554,16 @@ class Engine:
         self.nursery.start_soon(when_settled)
 
     async def _tokens(
-        self, blocks: list[int], prompt: list[int], max_tokens: int
+        self, blocks: list[int], prompt: list[int], max_tokens: int, first: int | None = None
     ) -> AsyncGenerator[int, None]:
-        token, position = prompt[-1], len(prompt) - 1
-        for _ in range(max_tokens):
+        """``max_tokens`` greedy tokens from the prompt's last token (its KV
+        not in ``blocks`` yet) -- or, given the ``first`` token that a prefill
+        engine computed from it, that token, then the rest from it."""
+        token, position, steps = prompt[-1], len(prompt) - 1, max_tokens
+        if first is not None:
+            yield first
+            token, position, steps = first, len(prompt), max_tokens - 1
+        for _ in range(steps):
             token = await self.step(blocks, [token], position)
             position += 1
             yield token

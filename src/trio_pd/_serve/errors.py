@@ -12,7 +12,7 @@ Not in the table: refusals that are not an exception caught here but a check
 of the request itself -- a field at a value the engine does not take (400
 naming it, :mod:`.fields`), an unknown model or path (404), a method (405), a
 key (401, :mod:`.keys`), a body too large (413), a draining server (503) --
-and the proxy's relay of an engine's own error answer (``proxy._relayed``).
+and the proxy's relay of an engine's own error answer (``prefilling.relayed_error``).
 Those raise :class:`HTTPError` where they are checked.
 """
 

@@ -148,6 +148,36 @@ def parse_remote_blocks(params: dict[str, Any]) -> RemoteBlocks:
         ) from None
 
 
+FIRST_TOKEN_PARAM = "first_token"
+"""The ``kv_transfer_params`` key of a prefill answer that carries the first
+generated token: the prefill engine runs the prompt's last token too (its
+KV is in the exposed blocks), so the decode engine starts from that token
+at the next position instead of computing it again. Its own answer still
+begins with it (the client sees every token once). Parameters without it
+(vLLM's shape) mean the blocks hold all but the prompt's last token, which
+the decode engine then runs itself."""
+
+
+def first_token_of(params: Mapping[str, Any], vocab: int) -> int | None:
+    """The first token that ``params`` carry (:data:`FIRST_TOKEN_PARAM`), or
+    ``None`` if they carry none.
+
+    Raises:
+        HTTPError: it is not a token of the model's vocabulary (400).
+    """
+    token = params.get(FIRST_TOKEN_PARAM)
+    if token is None:
+        return None
+    if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
+        raise HTTPError(
+            400,
+            f"{FIRST_TOKEN_PARAM} must be a token id in [0, {vocab}), got {show(token)}",
+            "invalid_request_error",
+            param=f"kv_transfer_params.{FIRST_TOKEN_PARAM}",
+        )
+    return token
+
+
 def check_prompt_blocks(remote: RemoteBlocks, blocks: int, prompt_tokens: int) -> None:
     """A 400 unless ``remote`` holds the ``blocks`` that the prompt's KV fills."""
     if len(remote.block_ids) != blocks:

@@ -59,6 +59,8 @@ async def serve_engine(
     *,
     exposure_secret: bytes | None = None,
     internal_keys: BearerKeys | None = None,
+    client_keys: BearerKeys | None = None,
+    internal_key: str | None = None,
     curve: CurveAuth | None = None,
     membership: Membership | None = None,
     parent_pid: int | None = None,
@@ -85,7 +87,9 @@ async def serve_engine(
 
     ``exposure_secret`` signs and checks ``kv_transfer_params``;
     ``internal_keys``: only callers presenting one may use ``/v1/*`` (the
-    deployment's proxy); ``curve``: the side channel's CURVE keys. When
+    deployment's proxy) -- for a decode-first engine (``settings.prefill_urls``),
+    ``client_keys`` instead, and it sends ``internal_key`` to its prefill
+    engines; ``curve``: the side channel's CURVE keys. When
     ``curve.peers`` is set, the engine follows ``membership``'s verified
     members before it accepts requests, and keeps ``curve.peers`` to what
     they publish: a prefill engine lets in exactly the decode engines'
@@ -117,6 +121,8 @@ async def serve_engine(
         exposure_secret=exposure_secret,
         internal_keys=internal_keys,
         curve=curve,
+        client_keys=client_keys,
+        internal_key=internal_key,
     )
     config = Config()
     config.bind = [hypercorn_bind(sock)]

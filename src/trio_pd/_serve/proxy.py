@@ -66,7 +66,6 @@ from trio_pd._serve.asgi import (
     Send,
     SendWatch,
     cancel_on_disconnect,
-    parse_json,
     read_json,
     send_event,
     send_json,
@@ -74,10 +73,10 @@ from trio_pd._serve.asgi import (
     trivial_lifespan,
 )
 from trio_pd._serve.binding import SEND_TIMEOUT
-from trio_pd._serve.defaults import HOLD_MARGIN, LEASE_INITIAL, REPREFILLS
+from trio_pd._serve.defaults import HOLD_MARGIN, MAX_ATTEMPTS, REPREFILLS
 from trio_pd._serve.discovery import EngineSet as RegisteredEngines
 from trio_pd._serve.dispatch import (
-    BODY_LIMIT,
+    KV_PARAMS,
     MOST_PARAMS_WITHIN,
     PARAMS_WITHIN_HEADER,
     first_line,
@@ -87,7 +86,6 @@ from trio_pd._serve.errors import (
     DeploymentFault,
     ExposureEnded,
     HTTPError,
-    MalformedAnswer,
     StreamStalled,
     error_status,
     http_error,
@@ -95,11 +93,17 @@ from trio_pd._serve.errors import (
 from trio_pd._serve.keys import BearerKeys, bearer_header
 from trio_pd._serve.metrics import ProxyMetrics
 from trio_pd._serve.openai import (
-    LEASE_PARAM,
     GenerationRequest,
     parse_chat_request,
     parse_completions_request,
     request_id_from_headers,
+)
+from trio_pd._serve.prefilling import (
+    REQUEST_ID_HEADER,
+    Prefiller,
+    judge,
+    relayed_error,
+    unavailable,
 )
 from trio_pd._serve.routing import EngineSet, url_problem
 from trio_pd._serve.timing import PhaseTimes
@@ -149,9 +153,6 @@ MAX_CLIENT_REQUESTS = 64
 (``--max-client-requests``; 0: no cap): then 429 at once. ``/health`` and
 ``/metrics`` are not counted."""
 
-MAX_ATTEMPTS = 3
-"""The most engines of a role one request tries (``--max-attempts``)."""
-
 DISPATCHES = ("sequential", "concurrent")
 """How the proxy sends a request's decode request (``--dispatch``): once the
 prefill answered, or at once, its parameters following (:mod:`.dispatch`)."""
@@ -163,8 +164,6 @@ at 1 client +11.4 ms over one engine, sequential +11.2 ms; docs/performance.md,
 benchmark 11) and strands an exposure for its lease when a decode engine
 dies during the prefill; it is ``--dispatch concurrent``."""
 
-REQUEST_ID_HEADER = "x-request-id"
-KV_PARAMS = "kv_transfer_params"
 EXPOSURE_ENDED = "exposure_ended"
 """The ``code`` of a decode engine's answer when the exposure it was to read ended."""
 
@@ -247,6 +246,14 @@ class Proxy:
         self.accepting = True
         self.membership_problem: str | None = None
         """Set by whoever keeps the engine sets (etcd): shown by /health."""
+        self._prefiller = Prefiller(
+            self._engines["prefill"],
+            client,
+            prefill_timeout=timeouts.prefill,
+            max_attempts=max_attempts,
+            headers=self._upstream_headers,
+            count_error=self._counter("prefill"),
+        )
         self.set_engines("prefill", prefill)
         self.set_engines("decode", decode)
 
@@ -589,90 +596,17 @@ class Proxy:
         deadline: float = math.inf,
     ) -> None:
         """Set ``prefilled`` to the KV of ``body``'s prompt, from a prefill
-        engine that answers, when its exposure's lease runs out
-        (``trio.current_time()``'s clock: counted from the answer, see
-        :func:`_lease_of`), and that engine.
+        engine that answers (:meth:`.prefilling.Prefiller.prefill`: which
+        engines it tries, and what it raises).
 
-        An engine that refuses the connection, or answers 503 (it did no
-        work), is passed over for the next; any other failure is this
-        request's (see the module docstring). ``times`` gets the phase
-        ``prefill`` (every attempt) and the answering engine's phases. Each
-        attempt ends at ``--prefill-timeout`` or ``deadline``, the earlier.
+        ``times`` gets the phase ``prefill`` (every attempt) and the answering
+        engine's phases. Each attempt ends at ``--prefill-timeout`` or
+        ``deadline``, the earlier.
         """
-        request = {
-            **body,
-            "max_tokens": 1,
-            "stream": False,
-            "kv_transfer_params": {"do_remote_decode": True},
-        }
-        if "max_completion_tokens" in body:  # (chat: it wins over max_tokens)
-            request["max_completion_tokens"] = 1
-        engines = self._engines["prefill"]
-        failure: HTTPError | None = None
-        for engine in engines.candidates(trio.current_time(), self._max_attempts):
-            with engines.attempt(engine):
-                limit = min(self._timeouts.prefill, deadline - trio.current_time())
-                try:
-                    with times.phase("prefill"), trio.fail_after(max(limit, 0)):
-                        response, content = await self._post_capped(
-                            f"{engine}{path}",
-                            request,
-                            {REQUEST_ID_HEADER: request_id, **self._upstream_headers},
-                            prefilled.trace,
-                        )
-                except (httpx2.ConnectError, httpx2.ConnectTimeout) as exc:
-                    engines.refused(engine, trio.current_time())
-                    failure = self._engine_error("prefill", engine, exc)
-                    continue
-                except trio.TooSlowError as exc:
-                    engines.failed(engine, trio.current_time())
-                    raise self._engine_error(
-                        "prefill", engine, exc, phase="no answer", seconds=max(limit, 0)
-                    ) from None
-                except httpx2.HTTPError as exc:
-                    engines.failed(engine, trio.current_time())
-                    raise self._engine_error("prefill", engine, exc) from None
-            if response.status_code == 503:
-                engines.failed(engine, trio.current_time())
-                failure = _relayed("prefill", engine, response.status_code, _text(content))
-                continue
-            if response.status_code != 200:
-                self._judge("prefill", engine, response.status_code)
-                raise _relayed("prefill", engine, response.status_code, _text(content))
-            answered = trio.current_time()
-            try:
-                kv = _kv_of(content)
-            except MalformedAnswer as exc:
-                engines.failed(engine, trio.current_time())
-                raise self._engine_error("prefill", engine, exc) from None
-            engines.answered(engine)
-            times.relay("prefill.", response.headers.get("server-timing"))
-            prefilled.set(kv, answered + _lease_of(kv), engine)
-            return
-        raise failure or self._unavailable("prefill")
-
-    async def _post_capped(
-        self, url: str, request: dict[str, Any], headers: dict[str, str], trace: Any
-    ) -> tuple[httpx2.Response, bytes | None]:
-        """POST ``request`` to a prefill engine: its answer, and the answer's
-        body -- ``None`` if it is over :data:`ANSWER_LIMIT` bytes (what the
-        proxy keeps of an engine's answer: its parameters must fit a decode
-        request's body)."""
-        built = self._client.build_request(
-            "POST", url, json=request, headers=headers, extensions={"trace": trace}
+        answer = await self._prefiller.prefill(
+            path, request_id, body, times, deadline=deadline, trace=prefilled.trace
         )
-        response = await self._client.send(built, stream=True)
-        try:
-            content = bytearray()
-            async with aclosing(response.aiter_bytes()) as chunks:
-                async for chunk in chunks:
-                    content += chunk
-                    if len(content) > ANSWER_LIMIT:
-                        return response, None
-            return response, bytes(content)
-        finally:
-            with trio.CancelScope(shield=True):
-                await response.aclose()
+        prefilled.set(answer.kv, answer.expires, answer.engine)
 
     async def _decode(
         self,
@@ -853,7 +787,7 @@ class Proxy:
                     raise StreamStalled(
                         f"its {response.status_code} answer stalled for {timeouts.idle:g} s"
                     ) from None
-                relayed = _relayed("decode", engine, response.status_code, text)
+                relayed = relayed_error("decode", engine, response.status_code, text)
                 param = relayed.body["error"].get("param")
                 if response.status_code == 400 and str(param).startswith(f"{KV_PARAMS}."):
                     # (the proxy set them, from the prefill's answer: not the client's fault)
@@ -940,14 +874,17 @@ class Proxy:
         return http_error(exc, role=role, engine=engine, **fields)
 
     def _judge(self, role: str, engine: str, status: int) -> None:
-        """``role``'s ``engine`` answered an error ``status``: counted, and
-        remembered for ``/health``, when it is the engine's fault (a 5xx) or
-        the deployment's (401, 403: the internal key); a 4xx is the request's."""
-        if status >= 500 or status in (401, 403):
-            self.metrics.engine_errors.labels(role, engine, "status").inc()
-            self._engines[role].failed(engine, trio.current_time())
-        else:
-            self._engines[role].answered(engine)
+        """``role``'s ``engine`` answered an error ``status``
+        (:meth:`.prefilling.Prefiller.judge`)."""
+        judge(self._engines[role], engine, status, self._counter(role))
+
+    def _counter(self, role: str) -> Callable[[str, str], None]:
+        """Counts ``role``'s engine errors in ``engine_errors``, by engine and kind."""
+
+        def count(engine: str, kind: str) -> None:
+            self.metrics.engine_errors.labels(role, engine, kind).inc()
+
+        return count
 
     def _check_available(self, role: str) -> None:
         """Raises the 503 of :meth:`_unavailable` unless ``role`` has an engine to try now."""
@@ -956,28 +893,10 @@ class Proxy:
             raise self._unavailable(role)
 
     def _unavailable(self, role: str) -> HTTPError:
-        """The 503 for a request no engine of ``role`` can take: it has none,
-        or every one refused lately (``Retry-After``: when one is tried again)."""
-        engines = self._engines[role]
-        if not engines.engines:
-            message = f"no {role} engine: none is registered"
-            return HTTPError(503, message, "unavailable", retry_after=1, role=role)
-        wait = engines.retry_in(trio.current_time())
-        return HTTPError(
-            503,
-            f"no {role} engine: every one refused its last connection; the next is tried "
-            f"again in {wait:.1f} s",
-            "unavailable",
-            retry_after=max(1, math.ceil(wait)),
-            role=role,
-        )
+        """The 503 for a request no engine of ``role`` can take
+        (:func:`.prefilling.unavailable`)."""
+        return unavailable(self._engines[role], role)
 
-
-ANSWER_LIMIT = BODY_LIMIT // 2
-"""The most bytes of a prefill engine's answer that the proxy reads (then: a
-502 naming the engine). Its ``kv_transfer_params`` go on in a decode
-request's body, whose limit (with the request's own fields) is
-:data:`~.dispatch.BODY_LIMIT`; an engine's are a few hundred bytes."""
 
 PARAMS_SLACK = 1.0
 """Seconds a decode engine waits for its second line beyond the prefill's
@@ -1060,44 +979,6 @@ class _Refused(Exception):
         self.error = error
 
 
-def _lease_of(kv: dict[str, Any]) -> float:
-    """How long (seconds) the exposure of a prefill answer's ``kv`` waits for
-    a decode engine's hold: its ``remote_lease_initial`` (the prefill
-    engine's ``--lease-initial``), or :data:`~.defaults.LEASE_INITIAL` when
-    it does not say (another engine) or says something that is not a
-    positive, finite number of seconds."""
-    lease = kv.get(LEASE_PARAM) if isinstance(kv, dict) else None
-    if isinstance(lease, int | float) and not isinstance(lease, bool) and lease > 0:
-        return float(lease) if math.isfinite(lease) else LEASE_INITIAL
-    return LEASE_INITIAL
-
-
-def _kv_of(content: bytes | None) -> dict[str, Any]:
-    """The ``kv_transfer_params`` of a prefill engine's 200 answer (its body,
-    ``None`` if it was too long: :meth:`Proxy._post_capped`).
-
-    Raises:
-        MalformedAnswer: the body is too long, not JSON, or has no such object.
-    """
-    if content is None:
-        raise MalformedAnswer(f"over {ANSWER_LIMIT} bytes")
-    try:
-        answer = parse_json(content)
-    except (ValueError, RecursionError) as exc:
-        raise MalformedAnswer(f"not JSON ({type(exc).__name__}: {str(exc)[:100]})") from None
-    kv = answer.get(KV_PARAMS) if isinstance(answer, dict) else None
-    if not isinstance(kv, dict):
-        raise MalformedAnswer(f"no {KV_PARAMS} object in {content[:200]!r}")
-    return kv
-
-
-def _text(content: bytes | None) -> str:
-    """An error answer's body, as text (one over :data:`ANSWER_LIMIT` bytes: unread)."""
-    if content is None:
-        return f"(an answer over {ANSWER_LIMIT} bytes)"
-    return content.decode(errors="replace")
-
-
 def _code(error: HTTPError) -> object:
     """The ``code`` of an error answer."""
     return error.body["error"].get("code")
@@ -1111,46 +992,3 @@ def _outcome(status: int) -> str:
     if 400 <= status < 500:
         return "client_error"
     return "engine_error"
-
-
-_NOT_RELAYED = frozenset({"message", "type", "status", "kind", "retry_after"})
-"""Keys of an engine's error body that the relay sets itself."""
-
-
-def _relayed(role: str, engine: str, status: int, text: str) -> HTTPError:
-    """An engine's error answer, for the client.
-
-    A 4xx is the request's fault: relayed as is (the engine named) -- but
-    not a 401 or 403: those refuse the *proxy* (its internal key is not the
-    engine's), so the client gets a 502 saying so, not an "invalid API key"
-    it can do nothing about. A 503 (the engine is overloaded or draining)
-    stays a 503 with ``Retry-After``: the client may retry. Anything else is
-    the engine failing: a 502.
-    """
-    try:
-        error = json.loads(text)["error"]
-        message = str(error["message"])
-    except (ValueError, KeyError, TypeError, RecursionError):
-        error, message = {}, text
-    if not isinstance(error, dict):
-        error = {}
-    if status in (401, 403):
-        return HTTPError(
-            502,
-            f"{role} engine {engine} refused the proxy ({status}): the proxy's internal key "
-            "is not this engine's (--internal-key-file / TRIO_PD_INTERNAL_KEY)",
-            f"{role}_failed",
-            engine=engine,
-        )
-    if 400 <= status < 500 or status == 503:
-        extra = {k: v for k, v in error.items() if k not in _NOT_RELAYED}
-        return HTTPError(
-            status,
-            f"{role} engine {engine}: {message}",
-            str(error.get("type", f"{role}_failed")),
-            retry_after=1 if status == 503 else None,
-            **{"engine": engine, **extra},
-        )
-    return HTTPError(
-        502, f"{role} engine {engine} failed: {status} {message}", f"{role}_failed", engine=engine
-    )

@@ -1,0 +1,267 @@
+"""The prefill engine's first token, and decode-first engines.
+
+A prefill engine runs the prompt's last token too and answers with the first
+generated token (in its completion, and as ``kv_transfer_params.first_token``):
+the decode engine starts from it. A decode-first engine (``--prefill-url``)
+takes clients' requests itself, runs each one's prefill on a prefill engine,
+streams that first token once it holds the blocks, then pulls and decodes.
+
+Real engines (real NIXL agents and ZeroMQ side channels), served over HTTP
+by hypercorn in this process; the same output as one engine serving the
+whole request, token for token.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing, asynccontextmanager
+from typing import Any
+
+import httpx2
+import pytest
+import trio
+
+from trio_pd._serve.app import build_app
+from trio_pd._serve.engine import Engine, EngineSettings
+from trio_pd._serve.keys import BearerKeys
+from trio_pd._serve.model import ModelConfig, TinyLlama, tokenize
+from trio_pd._serve.openai import FIRST_TOKEN_PARAM
+from trio_pd._serve.timing import parse as parse_server_timing
+
+from .test_proxy import closed_port_url, start_http, until
+
+INTERNAL = "the-internal-key-of-these-tests"
+CLIENT = "a-client-key-of-these-tests-0123"
+MODEL = TinyLlama(ModelConfig())  # (one model for every engine here: its weights are seeded)
+
+
+def engine(engine_id: str, **settings: Any) -> Engine:
+    keys = settings.pop("keys", {})
+    return Engine(EngineSettings(engine_id, http_port=0, num_blocks=64, **settings), MODEL, **keys)
+
+
+@asynccontextmanager
+async def serving(*apps: Callable[..., Awaitable[None]]) -> AsyncIterator[list[str]]:
+    """``apps`` over HTTP while the block runs (their lifespans with them)."""
+    async with trio.open_nursery() as nursery:
+        yield [await start_http(nursery, app) for app in apps]
+        nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def deployment(**decode_settings: Any) -> AsyncIterator[tuple[Engine, Engine, str, str]]:
+    """A prefill engine and a decode-first engine in front of it: both, and
+    their URLs (the prefill engine also serves whole requests, as one engine)."""
+    prefill = engine("p0")
+    async with serving(build_app(prefill)) as [prefill_url]:
+        decode = engine("d0", prefill_urls=(prefill_url,), **decode_settings)
+        async with serving(build_app(decode)) as [decode_url]:
+            yield prefill, decode, prefill_url, decode_url
+
+
+async def stream(client: httpx2.AsyncClient, url: str, path: str, body: dict[str, Any]) -> Any:
+    """A streamed request: its token ids, its events and its ``Server-Timing``."""
+    ids: list[int] = []
+    events = []
+    async with (
+        client.stream("POST", f"{url}{path}", json={**body, "stream": True}) as response,
+        aclosing(response.aiter_lines()) as lines,
+    ):
+        assert response.status_code == 200, await response.aread()
+        async for line in lines:
+            if line.startswith("data: {"):
+                event = json.loads(line.removeprefix("data: "))
+                events.append(event)
+                for choice in event["choices"]:
+                    ids += choice["token_ids"]
+    return ids, events, parse_server_timing(response.headers.get("server-timing", ""))
+
+
+PROMPTS = ["a", "x" * 15, "y" * 16, "z" * 17, "tell me about trio nurseries " * 3]
+
+
+async def test_a_prefill_engine_answers_the_first_token_a_single_engine_would() -> None:
+    prefill = engine("p0")
+    async with serving(build_app(prefill)) as [url], httpx2.AsyncClient(timeout=30) as client:
+        with trio.fail_after(60):
+            for prompt in PROMPTS:
+                body = {"prompt": prompt, "max_tokens": 1}
+                whole = (await client.post(f"{url}/v1/completions", json=body)).json()
+                remote = {**body, "kv_transfer_params": {"do_remote_decode": True}}
+                answer = (await client.post(f"{url}/v1/completions", json=remote)).json()
+                [token] = whole["choices"][0]["token_ids"]
+                assert answer["choices"][0]["token_ids"] == [token]
+                assert answer["choices"][0]["text"] == chr(token)
+                assert answer["kv_transfer_params"][FIRST_TOKEN_PARAM] == token
+                # (every prompt position is in the blocks, its last token's too)
+                blocks = ModelConfig().blocks_for(len(tokenize(prompt)))
+                assert len(answer["kv_transfer_params"]["remote_block_ids"]) == blocks
+
+
+async def test_a_decode_first_engine_serves_what_one_engine_would() -> None:
+    """Completions and chat, streamed or not, 1 to 9 tokens, prompts across
+    block boundaries: the same tokens as the prefill engine serving them whole."""
+    async with (
+        deployment() as (prefill, decode, prefill_url, decode_url),
+        httpx2.AsyncClient(timeout=30) as client,
+    ):
+        with trio.fail_after(120):
+            for i, prompt in enumerate(PROMPTS):
+                for path, body in (
+                    ("/v1/completions", {"prompt": prompt}),
+                    ("/v1/chat/completions", chat(prompt)),
+                ):
+                    body = {**body, "max_tokens": 1 + 2 * i}
+                    whole = await client.post(f"{prefill_url}{path}", json=body)
+                    expected = whole.json()["choices"][0]["token_ids"]
+                    answer = await client.post(f"{decode_url}{path}", json=body)
+                    assert answer.status_code == 200, answer.text
+                    assert answer.json()["choices"][0]["token_ids"] == expected
+                    assert answer.json()["usage"]["completion_tokens"] == len(expected)
+                    ids, events, _ = await stream(client, decode_url, path, body)
+                    assert ids == expected
+                    assert events[-1]["choices"][0]["finish_reason"] == "length"
+            # Every exposure was read: nothing given back, nothing left.
+            [producer] = prefill.connectors
+            await until(lambda: producer.statistics().exposures_released == 4 * len(PROMPTS))
+            assert producer.statistics().exposures_pending == 0
+            assert producer.statistics().exposures_abandoned == 0
+            await until(lambda: prefill.pool.free == prefill.pool.num_blocks)
+            await until(lambda: decode.pool.free == decode.pool.num_blocks)
+
+
+async def test_the_first_token_is_streamed_before_the_pull() -> None:
+    """The stream's headers (with its first token) leave once the blocks are
+    held: their ``Server-Timing`` has the prefill and the hold, not yet the pull."""
+    async with deployment() as (_, _, _, decode_url), httpx2.AsyncClient(timeout=30) as client:
+        with trio.fail_after(60):
+            body = {"prompt": "the first token comes from the prefill", "max_tokens": 4}
+            _, events, timing = await stream(client, decode_url, "/v1/completions", body)
+    assert {"prefill", "prefill.forward", "hold"} <= set(timing)
+    assert not {"pull", "admission"} & set(timing)
+    assert len(events) == 4  # (the first token's event, then the three decoded here)
+
+
+async def test_a_decode_first_engine_refuses_kv_transfer_params_from_clients() -> None:
+    """A client's parameters -- a replay of another request's, say -- are a
+    400, and the exposure they name is not abandoned (its reader still reads it)."""
+    async with (
+        deployment() as (prefill, decode, prefill_url, decode_url),
+        httpx2.AsyncClient(timeout=30) as client,
+    ):
+        given_back: list[object] = []
+        real_give_back = decode.give_back
+
+        def give_back(body: object) -> None:
+            given_back.append(body)
+            real_give_back(body)
+
+        decode.give_back = give_back  # type: ignore[method-assign]  # (a spy: it still gives back)
+        with trio.fail_after(60):
+            body = {"prompt": "someone else's request", "max_tokens": 2}
+            remote = {**body, "kv_transfer_params": {"do_remote_decode": True}}
+            exposed = await client.post(f"{prefill_url}/v1/completions", json=remote)
+            params = exposed.json()["kv_transfer_params"]
+            for sent in ({**body, "kv_transfer_params": params}, remote):
+                refused = await client.post(f"{decode_url}/v1/completions", json=sent)
+                assert refused.status_code == 400, refused.text
+                error = refused.json()["error"]
+                assert error["param"] == "kv_transfer_params"
+                assert "decode-first" in error["message"]
+            assert given_back == []  # (what would abandon it)
+            [producer] = prefill.connectors
+            assert producer.statistics().exposures_abandoned == 0
+            assert producer.statistics().exposures_pending == 1
+
+
+async def test_a_prefill_engine_that_cannot_be_reached_is_a_502_naming_it() -> None:
+    dead = closed_port_url()
+    decode = engine("d0", prefill_urls=(dead,))
+    async with serving(build_app(decode)) as [url], httpx2.AsyncClient(timeout=30) as client:
+        with trio.fail_after(30):
+            answer = await client.post(f"{url}/v1/completions", json={"prompt": "hi"})
+    assert answer.status_code == 502, answer.text
+    error = answer.json()["error"]
+    assert (error["engine"], error["type"]) == (dead, "prefill_failed")
+
+
+async def test_keys_clients_present_theirs_the_engine_sends_the_internal_one() -> None:
+    internal = BearerKeys([INTERNAL], audience="internal")
+    prefill = engine("p0", keys={"internal_keys": internal})
+    async with serving(build_app(prefill)) as [prefill_url]:
+        for sent, status in ((INTERNAL, 200), ("not-the-internal-key-0123", 502)):
+            decode = engine(
+                "d0",
+                prefill_urls=(prefill_url,),
+                keys={
+                    "internal_keys": internal,
+                    "client_keys": BearerKeys([CLIENT], audience="client"),
+                    "internal_key": sent,
+                },
+            )
+            async with serving(build_app(decode)) as [url], httpx2.AsyncClient(timeout=30) as c:
+                with trio.fail_after(60):
+                    body = {"prompt": "keys", "max_tokens": 2}
+                    bare = await c.post(f"{url}/v1/completions", json=body)
+                    assert bare.status_code == 401  # (no client key)
+                    internal_only = await c.post(
+                        f"{url}/v1/completions", json=body, headers=auth(INTERNAL)
+                    )
+                    assert internal_only.status_code == 401  # (it faces clients)
+                    answer = await c.post(f"{url}/v1/completions", json=body, headers=auth(CLIENT))
+                    assert answer.status_code == status, answer.text
+                    if status == 502:
+                        assert (
+                            "refused decode-first engine d0 (401)"
+                            in answer.json()["error"]["message"]
+                        )
+
+
+def chat(prompt: str) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": prompt}]}
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.mark.parametrize("forged", [999, -1, "a", True, 1.5])
+async def test_a_bad_first_token_from_the_prefill_engine_is_a_502_and_its_blocks_go_back(
+    forged: object,
+) -> None:
+    """The prefill engine's parameters are the deployment's, not the client's:
+    a first token out of the vocabulary is a deployment fault naming both
+    engines, and the exposure is given back at once (not left to its lease)."""
+    prefill = engine("p0")
+    real = build_app(prefill)
+
+    async def forging(scope: Any, receive: Any, send: Any) -> None:
+        async def rewrite(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body" and message.get("body"):
+                answer = json.loads(message["body"])
+                answer["kv_transfer_params"][FIRST_TOKEN_PARAM] = forged
+                message = {**message, "body": json.dumps(answer).encode()}
+            elif message["type"] == "http.response.start":  # (the length changes)
+                headers = [h for h in message["headers"] if h[0].lower() != b"content-length"]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await real(scope, receive, rewrite if scope["type"] == "http" else send)
+
+    async with serving(forging) as [prefill_url]:
+        decode = engine("d0", prefill_urls=(prefill_url,))
+        async with serving(build_app(decode)) as [url], httpx2.AsyncClient(timeout=30) as client:
+            with trio.fail_after(30):
+                body = {"prompt": "forged", "max_tokens": 3, "stream": True}
+                answer = await client.post(f"{url}/v1/completions", json=body)
+                assert answer.status_code == 502, answer.text
+                error = answer.json()["error"]
+                assert error["type"] == "deployment_error"
+                assert (error["engine"], error["prefill_engine"]) == ("d0", prefill_url)
+                assert f"kv_transfer_params.{FIRST_TOKEN_PARAM}" in error["message"]
+                [producer] = prefill.connectors
+                # (at once, not after its lease: 5 s)
+                await until(lambda: producer.statistics().exposures_abandoned == 1)
+                await until(lambda: prefill.pool.free == prefill.pool.num_blocks)
+                await until(lambda: decode.pool.free == decode.pool.num_blocks)
