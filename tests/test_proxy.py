@@ -24,6 +24,7 @@ import attrs
 import httpx2
 import pytest
 import trio
+import trio.testing
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
@@ -1177,6 +1178,40 @@ async def test_lines_that_come_a_few_bytes_at_a_time_are_read_whole() -> None:
                 with trio.move_on_after(0.0005):  # (cancelled mid-line, then resumed)
                     await second.params()
             assert second.value == KV
+
+
+async def test_the_parameters_are_read_once_the_body_ended() -> None:
+    """Line 2 is taken once the body's end came too, so that no answer can
+    end while the request is still arriving: a server that closes such a
+    connection has it reset, and the proxy lost the end of a stream (seen
+    in a full run once the decode engine's answer could end within a
+    millisecond of line 2). A third line in a later part of the body is a 400."""
+    lines = json.dumps(BODY).encode() + b"\n" + json.dumps({"kv_transfer_params": KV}).encode()
+    for rest, refused in ((b"", False), (b"{}\n", True)):
+        send, parts = trio.open_memory_channel[dict[str, Any]](3)
+        second = SecondLine(parts.receive, 30)
+        got: list[object] = []
+
+        async def read(second: SecondLine = second, got: list[object] = got) -> None:
+            try:
+                got.append(await second.params())
+            except HTTPError as exc:
+                got.append(exc)
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                await send.send({"type": "http.request", "body": lines + b"\n", "more_body": True})
+                assert await second.first() == BODY
+                nursery.start_soon(read)
+                await trio.testing.wait_all_tasks_blocked()
+                assert got == []  # (line 2 is whole: the body has not ended)
+                await send.send({"type": "http.request", "body": rest, "more_body": False})
+        if refused:
+            [error] = got
+            assert isinstance(error, HTTPError)
+            assert "more than two lines" in str(error)
+        else:
+            assert got == [KV]
 
 
 @pytest.mark.parametrize("prefill", [math.inf, 1200.0])

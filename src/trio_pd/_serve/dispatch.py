@@ -167,6 +167,7 @@ class SecondLine:
             data = _parsed(await self._line(KV_PARAMS), "the body's second line")
             named = data.get(KV_PARAMS) if isinstance(data, dict) else None
             self.named = named if isinstance(named, dict) else None
+            await self._end()
             if self._buffer:
                 raise HTTPError(400, "the body has more than two lines", "invalid_request_error")
             kv = named if isinstance(data, dict) and len(data) == 1 else None
@@ -191,6 +192,34 @@ class SecondLine:
         self.value = kv
         self.read.set()
         return kv
+
+    async def _end(self) -> None:
+        """Read the body to its end (it ends right after line 2).
+
+        So that the request is whole before its answer can end: a server
+        that closes a connection whose body is still arriving makes the
+        kernel reset it, and the client can lose the end of the answer
+        (seen with answers that end within a millisecond of line 2).
+        """
+        with trio.move_on_at(self.deadline):
+            while not self._ended:
+                message = await self._receive()
+                if message["type"] == "http.disconnect":
+                    raise HTTPError(499, "the client went away", "disconnect")
+                self._buffer += message.get("body", b"")
+                self._ended = not message.get("more_body")
+                if len(self._buffer) > BODY_LIMIT:
+                    raise HTTPError(
+                        413, f"request body over {BODY_LIMIT} bytes", "invalid_request_error"
+                    )
+            return
+        raise HTTPError(
+            408,
+            f"the request's body did not end within {self.within:g} s of its start "
+            f"({PARAMS_WITHIN_HEADER})",
+            "invalid_request_error",
+            code="params_timeout",
+        )
 
     async def _line(self, what: str) -> bytes:
         """The next line of the body (without its newline)."""
