@@ -1161,12 +1161,14 @@ async def bench_producer_cpu(quick: bool) -> Result:
 
 
 async def bench_serve(quick: bool) -> Result:
-    """``trio-pd serve``: time to first token and tokens/s through the P/D proxy
+    """``trio-pd serve``: time to first token and tokens/s disaggregated
     against one engine serving the whole request, the same prompts, at 1, 8
-    and 32 clients. Two proxies in front of the same engines: ``serve``'s
-    own, with ``--dispatch concurrent``, and a ``trio-pd proxy
-    --dispatch sequential`` process (the default path). At 1 client the three
-    targets take turns request by request (every prompt three times), and
+    and 32 clients. Three disaggregated targets: a decode-first engine
+    (``trio-pd engine --prefill-url``, with a prefill engine of its own), and two
+    proxies in front of ``serve``'s engines: ``serve``'s own, with
+    ``--dispatch concurrent``, and a ``trio-pd proxy --dispatch sequential``
+    process (the default path). At 1 client the four targets take turns
+    request by request (every prompt three times), and
     each answer's ``Server-Timing`` splits its time to first token
     (:func:`_ttft_breakdown`); at 8 and 32 the targets take turns by client
     count."""
@@ -1204,6 +1206,8 @@ async def bench_serve(quick: bool) -> Result:
             stderr=subprocess.DEVNULL,
         )
         sequential: trio.Process | None = None
+        decode_first: trio.Process | None = None
+        first_prefill: trio.Process | None = None
         try:
             with trio.fail_after(120):
                 while not ready.exists():  # (another process writes it)
@@ -1222,11 +1226,46 @@ async def bench_serve(quick: bool) -> Result:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
+            # And the decode-first path: a prefill engine and a decode-first
+            # engine of their own (the same engine code as serve's; CURVE from
+            # the internal key, one exposure secret), which clients call.
+            engine_env = {
+                **os.environ,
+                "NIXL_LOG_LEVEL": "WARN",
+                "TRIO_PD_INTERNAL_KEY": internal_key,
+                "TRIO_PD_EXPOSURE_SECRET": secrets.token_hex(32),
+            }
+            engine = [sys.executable, "-m", "trio_pd", "engine", "--port", "0"]
+            ready_prefill, ready_first = (
+                Path(scratch) / "ready-prefill.json",
+                Path(scratch) / "ready-decode-first.json",
+            )
+            first_prefill = await trio.lowlevel.open_process(
+                [*engine, "--role", "prefill", "--ready-file", str(ready_prefill)],
+                env=engine_env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             with trio.fail_after(60):
-                while not ready_sequential.exists():
+                while not ready_prefill.exists():
+                    assert first_prefill.poll() is None, "trio-pd engine exited early"
+                    await trio.sleep(0.05)
+            decode_first = await trio.lowlevel.open_process(
+                [
+                    *[*engine, "--role", "decode", "--ready-file", str(ready_first)],
+                    *["--prefill-url", json.loads(ready_prefill.read_text())["url"]],
+                ],
+                env=engine_env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            with trio.fail_after(60):
+                while not (ready_sequential.exists() and ready_first.exists()):
                     assert sequential.poll() is None, "trio-pd proxy exited early"
+                    assert decode_first.poll() is None, "trio-pd engine exited early"
                     await trio.sleep(0.05)
             targets = {
+                DECODE_FIRST: json.loads(ready_first.read_text())["url"],
                 PROXY: urls["proxy"],
                 SEQUENTIAL: json.loads(ready_sequential.read_text())["url"],
                 ONE_ENGINE: urls["decode"][0],
@@ -1234,9 +1273,19 @@ async def bench_serve(quick: bool) -> Result:
 
             def served_cpu_seconds() -> float:
                 assert sequential is not None
-                return _tree_cpu_seconds(process.pid) + _cpu_seconds(sequential.pid)
+                assert decode_first is not None
+                assert first_prefill is not None
+                return (
+                    _tree_cpu_seconds(process.pid)
+                    + _cpu_seconds(sequential.pid)
+                    + _cpu_seconds(first_prefill.pid)
+                    + _cpu_seconds(decode_first.pid)
+                )
 
-            limits = httpx2.Limits(max_connections=None)
+            # (idle connections closed within 2 s, before the servers' own
+            # 5 s keep-alive timeout does: a target waits while the others run,
+            # and a connection the server is closing made "Server disconnected")
+            limits = httpx2.Limits(max_connections=None, keepalive_expiry=2.0)
             auth = {"Authorization": f"Bearer {internal_key}"}
             async with httpx2.AsyncClient(timeout=60, limits=limits, headers=auth) as client:
 
@@ -1251,11 +1300,16 @@ async def bench_serve(quick: bool) -> Result:
                     ):
                         headers = time.perf_counter() - started
                         if response.status_code != 200:
-                            raise RuntimeError(f"{url}: {response.status_code}")
+                            text = (await response.aread())[:500]
+                            raise RuntimeError(f"{url}: {response.status_code} {text!r}")
                         async for line in lines:
                             if line.startswith("data: {"):
+                                if '"error"' in line:  # (measure answers, not failures)
+                                    raise RuntimeError(f"{url}: {line}")
                                 tokens += 1
                                 first = first or time.perf_counter() - started
+                    if tokens != max_tokens:
+                        raise RuntimeError(f"{url}: {tokens} of {max_tokens} tokens")
                     timing = parse_server_timing(response.headers.get("server-timing", ""))
                     return {
                         "headers": headers,
@@ -1324,7 +1378,7 @@ async def bench_serve(quick: bool) -> Result:
                             ),
                         }
         finally:
-            for server in (sequential, process):
+            for server in (decode_first, first_prefill, sequential, process):
                 if server is not None:
                     server.send_signal(signal.SIGTERM)
                     with trio.move_on_after(30, shield=True):
@@ -1334,17 +1388,18 @@ async def bench_serve(quick: bool) -> Result:
         "max_tokens": max_tokens,
         "passes_at_1_client": passes,
         "by_clients": {str(c): r for c, r in rows.items()},
-        **_serve_ratios(rows, PROXY),
-        "sequential": _serve_ratios(rows, SEQUENTIAL),
-        "ttft_breakdown_ms": _ttft_breakdown(
-            {name: answers[name] for name in (PROXY, SEQUENTIAL, ONE_ENGINE)}
-        ),
+        "targets": [name for name in targets if name != ONE_ENGINE],
+        "ratios": {name: _serve_ratios(rows, name) for name in targets if name != ONE_ENGINE},
+        "ttft_breakdown_ms": _ttft_breakdown(answers),
     }
 
 
+DECODE_FIRST = "decode-first engine (P/D)"
 PROXY, SEQUENTIAL, ONE_ENGINE = "proxy (P/D)", "proxy (P/D), sequential", "one engine"
-"""Benchmark 11's targets: ``serve``'s proxy (``--dispatch concurrent``),
-a proxy dispatching sequentially (the default), and one engine."""
+"""Benchmark 11's targets: a decode-first engine (``--prefill-url``: clients
+call it, it runs the prefill on ``serve``'s prefill engine), ``serve``'s
+proxy (``--dispatch concurrent``), a proxy dispatching sequentially (the
+default), and one engine."""
 
 
 def _serve_ratios(rows: dict[int, dict[str, dict[str, float]]], proxy: str) -> Result:
@@ -1388,12 +1443,24 @@ def _ttft_breakdown(answers: dict[str, list[Result]]) -> Result:
     ``prefill`` and ``decode`` requests are taken out.
     """
 
-    def phases(answer: Result, proxy: bool) -> dict[str, float]:
+    def phases(answer: Result, name: str) -> dict[str, float]:
         t = answer["timing"]
         headers, first = answer["headers"] * 1e3, answer["first"] * 1e3
-        if not proxy:
+        if name == ONE_ENGINE:
             forward = t.get("admission", 0.0) + t.get("forward", 0.0)
             return {"front": headers - forward, "forward": forward, "first_step": first - headers}
+        if name == DECODE_FIRST:  # (its headers leave with the first token, once held)
+            forward = t.get("prefill.admission", 0.0) + t.get("prefill.forward", 0.0)
+            expose = t.get("prefill.expose", 0.0)
+            hold = t.get("hold", 0.0)
+            return {
+                "front": headers - t["prefill"] - hold,
+                "prefill_http": t["prefill"] - forward - expose,
+                "forward": forward,
+                "expose": expose,
+                "hold": hold,
+                "first_step": first - headers,
+            }
         forward = t.get("prefill.admission", 0.0) + t.get("prefill.forward", 0.0)
         expose = t.get("prefill.expose", 0.0)
         hold = t.get("decode.hold", 0.0) + t.get("decode.admission", 0.0)
@@ -1411,11 +1478,10 @@ def _ttft_breakdown(answers: dict[str, list[Result]]) -> Result:
 
     out: Result = {}
     for name, done in answers.items():
-        proxy = name != ONE_ENGINE
         ranked = sorted(done, key=lambda a: float(a["first"]))
         cut = len(ranked) // 10
         middle = ranked[cut : len(ranked) - cut]
-        split = [phases(a, proxy) for a in middle]
+        split = [phases(a, name) for a in middle]
         out[name] = {key: round(statistics.fmean(s[key] for s in split), 3) for key in split[0]}
         out[name]["ttft"] = round(statistics.fmean(a["first"] for a in middle) * 1e3, 3)
     return out

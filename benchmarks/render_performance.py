@@ -18,9 +18,9 @@ GOALS = {
     "concurrent large pulls vs raw NIXL posted at once": ">= 0.95 each",
     "16 concurrent large pulls vs one pull, every round": ">= 0.95 in each of 5",
     "producer CPU, 1000 stale exposures": "<= 0.05 core",
-    "time to first token via the proxy, 1 client (p50)": "<= one engine's + 2 ms",
-    "tokens/s via the proxy vs one engine, 8 clients": ">= 0.95",
-    "tokens/s via the proxy vs one engine, 32 clients": ">= 0.95",
+    "time to first token, disaggregated, 1 client (p50)": "<= one engine's + 2 ms",
+    "tokens/s disaggregated vs one engine, 8 clients": ">= 0.95",
+    "tokens/s disaggregated vs one engine, 32 clients": ">= 0.95",
     "1024 engines handshaked from one decoder": "< 10 s",
     "decoder memory per engine, 1024-engine storm": "< 16 KiB",
     "a confirmed tiny pull's extra time": "<= one side-channel round trip",
@@ -30,15 +30,18 @@ GOALS = {
 TTFT_PHASES = {
     "front": "HTTP to the server the client calls, and that server's own work",
     "prefill_http": "prefill request: HTTP, the prefill engine's request handling",
-    "forward": "admission (free KV blocks) and the prompt's forward",
+    "forward": (
+        "admission (free KV blocks) and the prompt's forward (a prefill engine's: "
+        "with the prompt's last token, which gives the first token)"
+    ),
     "expose": "expose",
     "decode_http": (
         "decode request until its answer starts (concurrent: from its second line): "
         "HTTP, request handling"
     ),
-    "hold": "hold and admission, decode engine",
+    "hold": "hold (behind a proxy: and admission), decode engine",
     "pull": "pull: NIXL READ and notification",
-    "first_step": "first decode step, until the first token reaches the client",
+    "first_step": "from the headers until the first token reaches the client",
 }
 """The rows of benchmark 11's breakdown (``ttft_breakdown_ms`` in pd_bench.py)."""
 
@@ -858,31 +861,30 @@ def _bound_sixteen(r: dict[str, Any]) -> str:
 
 
 def _bound_ttft(r: dict[str, Any]) -> str:
+    split = r["serve"]["ttft_breakdown_ms"]
+    first = split.get("decode-first engine (P/D)", {})
+    one = split["one engine"]
     po = r.get("proxy_overhead", {})
-    split = r["serve"].get("ttft_breakdown_ms", {})
-    saved = ""
-    if SEQUENTIAL in split:
-        took = {name: split[name]["decode_http"] for name in ("proxy (P/D)", SEQUENTIAL)}
-        saved = (
-            f" Concurrent dispatch took the decode request's sending and parsing off the "
-            f"path (its row: {took['proxy (P/D)']} ms against {took[SEQUENTIAL]} ms "
-            "sequential), not its answer, nor the prefill's exchange."
-        )
     return (
-        f"the proxy's two HTTP exchanges alone cost {po.get('added_p50_ms', '?')} ms at p50 "
-        "in one process (benchmark 12), more than the goal before any engine works; "
-        f"section 11 adds up the rest.{saved} The last finding below says what would take "
-        "an exchange off the path."
+        f"the decode-first engine's prefill request -- an HTTP exchange with the prefill "
+        f"engine and its request handling -- took {first.get('prefill_http', '?')} ms, and "
+        f"the client's request to it {first.get('front', '?')} ms against one engine's "
+        f"{one.get('front', '?')} ms (section 11's breakdown): on these 2 shared cores one "
+        "HTTP exchange between two processes costs about as much as the goal's margin "
+        f"(the proxy's two cost {po.get('added_p50_ms', '?')} ms at p50 in one process, "
+        "benchmark 12)."
     )
 
 
 def _bound_tokens(r: dict[str, Any], clients: str = "8") -> str:
-    ratio = r["serve"].get("cpu_per_token_ratio", {}).get(clients)
+    ratios = r["serve"]["ratios"]
+    first = ratios.get("decode-first engine (P/D)", {}).get("cpu_per_token_ratio", {})
+    proxy = ratios.get("proxy (P/D)", {}).get("cpu_per_token_ratio", {})
     return (
-        f"a token through the proxy cost x{ratio} the CPU of one on one engine "
-        "(section 11): on a saturated machine tokens/s can reach at most the inverse; "
-        "concurrent dispatch does not change a token's relay (each is an HTTP chunk "
-        "through the proxy)."
+        f"a token served decode-first cost x{first.get(clients, '?')} the CPU of one on one "
+        f"engine (through the proxy x{proxy.get(clients, '?')}; section 11): on a saturated "
+        "machine tokens/s can reach at most the inverse. What remains is each request's "
+        "prefill exchange and pull, and the two engine processes taking turns on 2 cores."
     )
 
 
@@ -933,9 +935,9 @@ MISSED_BOUNDS = {
     "tiny pulls in flight vs raw NIXL sequential loop": _bound_in_flight,
     "concurrent large pulls vs raw NIXL posted at once": _bound_concurrent,
     "16 concurrent large pulls vs one pull, every round": _bound_sixteen,
-    "time to first token via the proxy, 1 client (p50)": _bound_ttft,
-    "tokens/s via the proxy vs one engine, 8 clients": _bound_tokens,
-    "tokens/s via the proxy vs one engine, 32 clients": _bound_tokens,
+    "time to first token, disaggregated, 1 client (p50)": _bound_ttft,
+    "tokens/s disaggregated vs one engine, 8 clients": _bound_tokens,
+    "tokens/s disaggregated vs one engine, 32 clients": _bound_tokens_32,
     "producer CPU, 1000 stale exposures": _bound_producer_cpu,
     "throughput vs raw NIXL": _bound_throughput,
     "confirmed 1 MiB pulls vs unconfirmed": _bound_confirm_mib,
@@ -1041,220 +1043,193 @@ def _overhead_rows(po: dict[str, Any]) -> list[list[Any]]:
     ]
 
 
+SERVE_TARGETS = {
+    "decode-first engine (P/D)": "decode-first",
+    "proxy (P/D)": "proxy, concurrent",
+    SEQUENTIAL: "proxy, sequential",
+}
+"""Benchmark 11's disaggregated targets (pd_bench.py's names) and their
+columns' names, in the order the tables show them."""
+
+
 def _serve_section(
     sv: dict[str, Any], overhead: dict[str, Any] | None, checks: list[list[str]]
 ) -> list[str]:
     """Section 11 (benchmark ``serve``), and its goal rows."""
-    proxy, one_engine = "proxy (P/D)", "one engine"
-    both = SEQUENTIAL in sv["by_clients"]["1"]  # (a run before concurrent dispatch: one proxy)
+    one_engine = "one engine"
+    names = [name for name in SERVE_TARGETS if name in sv["targets"]]
+    short = [SERVE_TARGETS[name] for name in names]
     rows = []
     for clients, by_target in sv["by_clients"].items():
-        p, o = by_target[proxy], by_target[one_engine]
-        if both:
-            q, seq = by_target[SEQUENTIAL], sv["sequential"]
-            rows.append(
-                [
-                    clients,
-                    p["ttft_p50_ms"],
-                    q["ttft_p50_ms"],
-                    o["ttft_p50_ms"],
-                    sv["ttft_added_ms"][clients],
-                    seq["ttft_added_ms"][clients],
-                    p["tokens_per_s"],
-                    q["tokens_per_s"],
-                    o["tokens_per_s"],
-                    sv["tokens_per_s_ratio"][clients],
-                    seq["tokens_per_s_ratio"][clients],
-                ]
-            )
-        else:
-            rows.append(
-                [
-                    clients,
-                    p["ttft_p50_ms"],
-                    o["ttft_p50_ms"],
-                    sv["ttft_ratio"][clients],
-                    p["tokens_per_s"],
-                    o["tokens_per_s"],
-                    sv["tokens_per_s_ratio"][clients],
-                ]
-            )
+        rows.append(
+            [clients]
+            + [by_target[name]["ttft_p50_ms"] for name in names]
+            + [by_target[one_engine]["ttft_p50_ms"]]
+            + [sv["ratios"][name]["ttft_added_ms"][clients] for name in names]
+            + [by_target[name]["tokens_per_s"] for name in names]
+            + [by_target[one_engine]["tokens_per_s"]]
+            + [sv["ratios"][name]["tokens_per_s_ratio"][clients] for name in names]
+        )
     header = (
-        [
-            "clients",
-            "TTFT, concurrent, ms",
-            "TTFT, sequential, ms",
-            "TTFT one engine, ms",
-            "added, concurrent, ms",
-            "added, sequential, ms",
-            "tokens/s, concurrent",
-            "tokens/s, sequential",
-            "tokens/s one engine",
-            "ratio, concurrent",
-            "ratio, sequential",
-        ]
-        if both
-        else [
-            "clients",
-            "TTFT via proxy, ms",
-            "TTFT one engine, ms",
-            "ratio",
-            "tokens/s via proxy",
-            "tokens/s one engine",
-            "ratio",
-        ]
-    )
-    targets = (
-        "through two proxies in front of the same engines -- `serve`'s own, with "
-        "`--dispatch concurrent` (the decode request goes with the prefill, "
-        "its `kv_transfer_params` a second line of its body), and a `trio-pd proxy "
-        "--dispatch sequential` process (the default: the decode request once the "
-        "prefill answered) -- "
-        if both
-        else "through the proxy "
+        ["clients"]
+        + [f"TTFT, {n}, ms" for n in short]
+        + ["TTFT, one engine, ms"]
+        + [f"added, {n}, ms" for n in short]
+        + [f"tokens/s, {n}" for n in short]
+        + ["tokens/s, one engine"]
+        + [f"ratio, {n}" for n in short]
     )
     out = [
-        "## 11. Serving through the P/D proxy",
+        "## 11. Serving disaggregated: a decode-first engine and the P/D proxy",
         "",
-        f"`trio-pd serve --prefill 1 --decode 1`: {sv['prompts']} prompts, "
-        f"{sv['max_tokens']} tokens each, streamed, {targets}(prefill on one "
-        "engine, the KV cache pulled over NIXL, decode on the other) and on one "
-        "engine serving the whole request, at 1, 8 and 32 clients at once (at 1 "
-        "client the targets take turns request by request, each prompt "
-        f"{sv.get('passes_at_1_client', 1)} times; at 8 and 32 they take turns by "
-        "client count). Time to first token: median; added: over one engine's.",
+        f"{sv['prompts']} prompts, {sv['max_tokens']} tokens each, streamed, served "
+        "disaggregated -- prefill on one engine, the KV cache pulled over NIXL, decode "
+        "on another -- three ways, and by one engine serving the whole request: a "
+        "*decode-first* engine (`trio-pd engine --role decode --prefill-url`: the client "
+        "calls it, it runs the prefill on a prefill engine itself and streams the first "
+        "token, the prefill engine's, once it holds the blocks); `trio-pd serve --prefill 1 "
+        "--decode 1`'s proxy with `--dispatch concurrent` (the decode request goes with the "
+        "prefill, its `kv_transfer_params` a second line of its body); and a `trio-pd proxy "
+        "--dispatch sequential` process (the default: the decode request once the prefill "
+        "answered) in front of the same engines. The decode-first engine has a prefill "
+        "engine of its own (the same code; it idles while the others run); one engine is "
+        "`serve`'s decode engine. At 1, 8 and 32 clients at "
+        "once (at 1 client the targets take turns request by request, each prompt "
+        f"{sv.get('passes_at_1_client', 1)} times; at 8 and 32 they take turns by client "
+        "count). Time to first token: median; added: over one engine's.",
         "",
         _table(header, rows),
         "",
         "On one 2-core machine with a model this small, disaggregation can only "
-        "cost: the proxy adds two HTTP round trips, the prefill request and the "
-        "pull to every request, and both engines share the same cores. What it "
-        "buys -- decode steps that never wait behind another request's long "
-        "prefill -- needs engines on separate hardware and a model whose prefill "
-        "takes time.",
+        "cost: every request adds the prefill engine's HTTP exchange and the pull "
+        "(and, through a proxy, one more exchange and a relay of every token), and "
+        "the engines share the same cores. What it buys -- decode steps that never "
+        "wait behind another request's long prefill -- needs engines on separate "
+        "hardware and a model whose prefill takes time.",
         "",
     ]
-    if "cpu_per_token_ratio" in sv:
-        cpu_rows = []
-        names = [(proxy, sv)] + ([(SEQUENTIAL, sv["sequential"])] if both else [])
-        for name, ratios in names:
-            for clients, ratio in ratios["cpu_per_token_ratio"].items():
-                by_target = sv["by_clients"][clients]
-                cpu_rows.append(
-                    [
-                        clients,
-                        "concurrent" if name == proxy else "sequential",
-                        by_target[name]["server_cpu_ms_per_token"],
-                        by_target[one_engine]["server_cpu_ms_per_token"],
-                        by_target[name]["client_cpu_ms_per_token"],
-                        ratio,
-                        round(1 / ratio, 2),
-                        ratios["tokens_per_s_ratio"][clients],
-                        by_target[name]["machine_busy"],
-                    ]
-                )
-        out += [
-            "What bounds tokens/s with many clients: the machine's CPU. Each row "
-            "gives a token's CPU time in the serving processes (`trio-pd serve`'s "
-            "process tree -- proxy and engines -- and the second proxy) and in this "
-            "benchmark's client, through a proxy and on one engine, and how busy the "
-            "whole machine was. When the machine is saturated, tokens/s through the "
-            "proxy can reach at most one engine's divided by the CPU ratio (its "
-            "inverse, next to the measured ratio).",
-            "",
-            _table(
+    cpu_rows = []
+    for clients in sv["by_clients"]:
+        if clients == "1":
+            continue
+        by_target = sv["by_clients"][clients]
+        for name in names:
+            ratios = sv["ratios"][name]
+            ratio = ratios["cpu_per_token_ratio"][clients]
+            cpu_rows.append(
                 [
-                    "clients",
-                    "dispatch",
-                    "server CPU/token via proxy, ms",
-                    "one engine, ms",
-                    "client CPU/token, ms",
-                    "CPU ratio",
-                    "tokens/s bound",
-                    "tokens/s ratio",
-                    "machine busy",
-                ],
-                cpu_rows,
-            ),
-            "",
-        ]
-    if "ttft_breakdown_ms" in sv:
-        out += _ttft_breakdown(sv, overhead)
+                    clients,
+                    SERVE_TARGETS[name],
+                    by_target[name]["server_cpu_ms_per_token"],
+                    by_target[one_engine]["server_cpu_ms_per_token"],
+                    by_target[name]["client_cpu_ms_per_token"],
+                    ratio,
+                    round(1 / ratio, 2),
+                    ratios["tokens_per_s_ratio"][clients],
+                    by_target[name]["machine_busy"],
+                ]
+            )
+    out += [
+        "What bounds tokens/s with many clients: the machine's CPU. Each row "
+        "gives a token's CPU time in the serving processes (`trio-pd serve`'s "
+        "process tree -- proxy and engines --, the second proxy, the decode-first "
+        "engine and its prefill engine; the idle ones cost next to nothing) and in this "
+        "benchmark's client, "
+        "disaggregated and on one engine, and how busy the whole machine was. When the "
+        "machine is saturated, tokens/s can reach at most one engine's divided by the "
+        "CPU ratio (its inverse, next to the measured ratio).",
+        "",
+        _table(
+            [
+                "clients",
+                "path",
+                "server CPU/token, ms",
+                "one engine, ms",
+                "client CPU/token, ms",
+                "CPU ratio",
+                "tokens/s bound",
+                "tokens/s ratio",
+                "machine busy",
+            ],
+            cpu_rows,
+        ),
+        "",
+    ]
+    out += _ttft_breakdown(sv, names, overhead)
+    best = names[0]  # (the decode-first engine: the path built for these goals)
     one_client = sv["by_clients"]["1"]
-    added = one_client[proxy]["ttft_p50_ms"] - one_client[one_engine]["ttft_p50_ms"]
-    old = ""
-    if both:
-        before = one_client[SEQUENTIAL]["ttft_p50_ms"] - one_client[one_engine]["ttft_p50_ms"]
-        old = f"; sequential +{before:.1f} ms"
+    others = ", ".join(
+        f"{SERVE_TARGETS[n]} +{sv['ratios'][n]['ttft_added_ms']['1']:.1f} ms" for n in names[1:]
+    )
+    added = sv["ratios"][best]["ttft_added_ms"]["1"]
+    ratio = one_client[best]["ttft_p50_ms"] / one_client[one_engine]["ttft_p50_ms"]
     checks.append(
         _goal(
-            "time to first token via the proxy, 1 client (p50)",
-            f"+{added:.1f} ms (x{sv['ttft_ratio']['1']}{old})",
+            "time to first token, disaggregated, 1 client (p50)",
+            f"{SERVE_TARGETS[best]} +{added:.1f} ms (x{ratio:.2f}; {others})",
             added <= 2.0,
         )
     )
     for clients in ("8", "32"):
-        if clients in sv["tokens_per_s_ratio"]:
-            ratio = sv["tokens_per_s_ratio"][clients]
-            old = f" (sequential {sv['sequential']['tokens_per_s_ratio'][clients]})" if both else ""
+        if clients in sv["by_clients"]:
+            got = sv["ratios"][best]["tokens_per_s_ratio"][clients]
+            others = ", ".join(
+                f"{SERVE_TARGETS[n]} {sv['ratios'][n]['tokens_per_s_ratio'][clients]}"
+                for n in names[1:]
+            )
             checks.append(
                 _goal(
-                    f"tokens/s via the proxy vs one engine, {clients} clients",
-                    f"{ratio}{old}",
-                    ratio >= 0.95,
+                    f"tokens/s disaggregated vs one engine, {clients} clients",
+                    f"{SERVE_TARGETS[best]} {got} ({others})",
+                    got >= 0.95,
                 )
             )
     return out
 
 
-def _ttft_breakdown(sv: dict[str, Any], overhead: dict[str, Any] | None) -> list[str]:
+def _ttft_breakdown(
+    sv: dict[str, Any], names: list[str], overhead: dict[str, Any] | None
+) -> list[str]:
     """Benchmark 11's time to first token at 1 client, phase by phase."""
     split = sv["ttft_breakdown_ms"]
-    proxy, one = split["proxy (P/D)"], split["one engine"]
-    sequential = split.get(SEQUENTIAL)  # (a run before concurrent dispatch: none)
+    one = split["one engine"]
     rows = []
     for key, label in TTFT_PHASES.items():
-        p, o = proxy.get(key), one.get(key)
-        added = "" if p is None else round(p - (o or 0.0), 3)
-        row = [label, "" if p is None else p, "" if o is None else o, added]
-        if sequential is not None:
-            q = sequential.get(key)
-            row[2:2] = ["" if q is None else q]
-            row.append("" if q is None else round(q - (o or 0.0), 3))
-        rows.append(row)
-    total = [
-        "**time to first token** (mean of the middle 80%)",
-        proxy["ttft"],
-        one["ttft"],
-        round(proxy["ttft"] - one["ttft"], 3),
-    ]
-    if sequential is not None:
-        total[2:2] = [sequential["ttft"]]
-        total.append(round(sequential["ttft"] - one["ttft"], 3))
-    rows.append(total)
-    header = ["phase", "via proxy", "one engine", "added"]
-    if sequential is not None:
-        header = [
-            "phase",
-            "concurrent",
-            "sequential",
-            "one engine",
-            "added, concurrent",
-            "added, sequential",
-        ]
+        values = [split[name].get(key) for name in names]
+        o = one.get(key)
+        rows.append(
+            [label]
+            + ["" if v is None else v for v in values]
+            + ["" if o is None else o]
+            + ["" if v is None else round(v - (o or 0.0), 3) for v in values]
+        )
+    rows.append(
+        ["**time to first token** (mean of the middle 80%)"]
+        + [split[name]["ttft"] for name in names]
+        + [one["ttft"]]
+        + [round(split[name]["ttft"] - one["ttft"], 3) for name in names]
+    )
+    short = [SERVE_TARGETS[name] for name in names]
+    header = ["phase", *short, "one engine"] + [f"added, {n}" for n in short]
     lines = [
         "Where the time to first token goes at 1 client "
         f"({sv.get('passes_at_1_client', 1) * sv['prompts']} requests to each target, "
         "taking turns), in ms: each phase's mean over the middle 80% of the requests "
         "by time to first token, so the rows add up to the last one. From each "
-        "answer's `Server-Timing` (the engines' phases, the proxy's prefill and "
-        "decode requests) and the client's clock (when the headers and the first "
-        "token arrived). The proxy sends its headers once the decode engine's "
-        "answer started, so the proxy's first row is the client's request to it "
-        "and the proxy's own work; for one engine it is the whole HTTP exchange "
-        "and the engine's request handling. With concurrent dispatch the decode "
-        "request went out during the prefill: its row counts from its second "
-        "line (the parameters) to its answer.",
+        "answer's `Server-Timing` (the engines' phases, the prefill and decode "
+        "requests of the proxy or the decode-first engine) and the client's clock "
+        "(when the headers and the first token arrived). A proxy sends its headers "
+        "once the decode engine's answer started, so its first row is the client's "
+        "request to it and the proxy's own work; for one engine it is the whole HTTP "
+        "exchange and the engine's request handling; a decode-first engine sends its "
+        "headers with the first token once it holds the blocks (its first row: the "
+        "client's request and the engine's own work; it has no decode request, "
+        "and admission and the pull come after its first token). With concurrent "
+        "dispatch the decode request went out during the prefill: its row counts "
+        "from its second line (the parameters) to its answer. The prefill engine "
+        "computes the first token (the prompt's last position), so a decode engine "
+        "behind a proxy sends it as soon as it pulled, without a decode step (and "
+        "one engine's last row holds the step that computes it).",
         "",
         _table(header, rows),
         "",

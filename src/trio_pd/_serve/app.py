@@ -486,18 +486,21 @@ async def _generate(
     request) and send them, whole or as server-sent events; the response's
     ``Server-Timing`` names the phases before the first token (``times``).
 
-    When the prefill engine sent the first token with the parameters, a
-    stream starts with it as soon as every rank holds the blocks, before
-    admission and the pull. A ``decode_first`` request's exposure is given
-    back if it ends before it held it (nobody else knows its parameters).
+    A ``decode_first`` request's stream starts with the prefill engine's
+    first token as soon as every rank holds the blocks, before admission and
+    the pull; its exposure is given back if it ends before it held it
+    (nobody else knows its parameters).
 
     A whole answer is sent once its KV blocks are back in the pool; a stream
     holds them until its last token is sent (a client that stops reading
     holds them until the send timeout resets its connection)."""
     remote = request.kv_transfer_params if request.kind == "decode" and second is None else None
     later = None if second is None else second.params
-    early = None  # (the prefill's first token, sent once the blocks are held)
-    if remote is not None and request.stream:
+    # A decode-first engine streams the prefill's first token once the blocks
+    # are held. Behind a proxy the answer starts after the pull: until then an
+    # exposure_ended is a 409 that the proxy answers by prefilling again.
+    early = None
+    if decode_first and remote is not None and request.stream:
         with contextlib.suppress(HTTPError):  # (a bad one is refused once held)
             early = first_token_of(remote, engine.model.config.vocab)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
