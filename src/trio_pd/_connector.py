@@ -212,7 +212,15 @@ async def open_connector(
             consumer = Consumer(
                 engine_id, tp_rank, tp_size, layout, transfers, channel, config, nursery
             )
-            leases = Leases(engine_id, transfers.agent_name, tp_rank, tp_size, channel, config)
+            leases = Leases(
+                engine_id,
+                transfers.agent_name,
+                tp_rank,
+                tp_size,
+                channel,
+                config,
+                consumer.settled_reads,
+            )
             connector = Connector(engine_id, layout, producer, consumer, leases)
             try:
                 if config.auth is not None:

@@ -12,7 +12,7 @@ Consumer -> producer, one of::
     LeaseRequest    {type: "lease", protocol_version, engine_id,
                      consumer_engine_id, consumer_agent,
                      entries: [LeaseEntry {request_id, token, readers,
-                                           abandon, incarnation}]}
+                                           abandon, incarnation, pins}]}
     ConfirmRequest  {type: "confirm", protocol_version, engine_id,
                      consumer_engine_id, consumer_agent,
                      entries: [ConfirmEntry {seq, request_id, token,
@@ -62,6 +62,7 @@ from typing import Annotated, Final, Literal
 import msgspec
 
 from trio_pd._core._errors import HandshakeError, IncompatibleEngineError, ProtocolError
+from trio_pd._core._exposures import MAX_PINS
 from trio_pd._core._layout import KVLayout
 
 PROTOCOL_VERSION: Final = 5
@@ -82,7 +83,12 @@ class MetadataRequest(msgspec.Struct, tag="metadata_request", tag_field="type", 
     """The consumer's own engine id (informational)."""
 
 
-class LeaseEntry(msgspec.Struct, frozen=True):
+MAX_NONCE: Final = 2**63 - 1
+"""The largest nonce a READ may have (consumers draw theirs at random in
+``[1, MAX_NONCE]``: see :class:`LeaseEntry.pins <LeaseEntry>`)."""
+
+
+class LeaseEntry(msgspec.Struct, frozen=True, omit_defaults=True):
     """One held request in a :class:`LeaseRequest`."""
 
     request_id: str
@@ -97,6 +103,17 @@ class LeaseEntry(msgspec.Struct, frozen=True):
     """The incarnation the consumer's parameters name (``remote_incarnation``:
     rank 0's), so that another rank of a tensor-parallel engine can check a
     token that rank 0 issued."""
+    pins: Annotated[
+        list[Annotated[int, msgspec.Meta(ge=1, le=MAX_NONCE)]], msgspec.Meta(max_length=MAX_PINS)
+    ] = []
+    """With ``abandon``: the nonces of this agent's confirmed READs of the
+    request that have ended (none of them reads any more): the producer ends
+    those READs' pins -- only this agent's -- and frees the blocks at once
+    if nothing else holds them. A READ that may still run is not named; its
+    pin lasts until its notification or its end. Ignored in a renewal;
+    absent (empty) in most entries. At most ``MAX_PINS`` (as many as an
+    exposure holds), each between 1 and :data:`MAX_NONCE`: another list
+    fails the whole request (``bad_request``)."""
 
 
 class LeaseRequest(msgspec.Struct, tag="lease", tag_field="type", frozen=True):
