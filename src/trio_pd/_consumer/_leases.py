@@ -13,7 +13,10 @@ delays the others.
 A hold ends *completed* when a pull of its blocks succeeds inside it (the
 pull's notification releases the exposure), else *abandoned*: the producer
 ranks are told, best effort, that this consumer will not read, so they free
-the blocks at once instead of when the lease runs out. That message is sent
+the blocks at once instead of when the lease runs out. The abandon names
+this agent's confirmed READs of the request that stopped without reading
+(``_settlement.SettledReads``: a pull cancelled or failed inside the hold),
+so that their pins end too; a READ that could not be stopped keeps its pin. That message is sent
 by the *abandon task* (also in :meth:`Leases.run`), not in the exit: a
 request that failed because its producer is gone fails at once, instead of
 waiting up to ``handshake_timeout`` for a courtesy to a dead peer.

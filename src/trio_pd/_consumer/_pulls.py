@@ -352,7 +352,10 @@ class Consumer:
         A READ is confirmed (``_confirm``): the confirmation is sent just
         before the READ is posted, its answer checked once the READ ended,
         and the pull raises :class:`ExposureEndedError` unless the producer
-        held the blocks for this request for the whole READ.
+        held the blocks for this request for the whole READ. A confirmed
+        READ that ended without its notification and reads nothing any more
+        (cancelled or failed, and stopped) is recorded in ``settled_reads``:
+        the exposure's abandon names it, so that its pin ends.
 
         The agent is leased for the transfer: it cannot be unloaded under it.
         (A pull with several parts checkpoints between making its ranks ready

@@ -117,8 +117,8 @@ class Confirmation:
     """What :meth:`ExposureTable.confirm` answers.
 
     ``held_for``: with :attr:`Confirmed.HELD`, how long from the ``now`` of
-    the call the exposure stays pending unless this agent notifies or
-    abandons it (0 otherwise).
+    the call the exposure stays pending unless this READ's notification
+    arrives, or this agent's abandon names the READ as ended (0 otherwise).
     """
 
     state: Confirmed
@@ -420,8 +420,8 @@ class ExposureTable:
         """Resolve ``exposure`` if every consumer is accounted for and no pin
         holds it (READ, or ABANDONED if any abandoned); whether it did.
 
-        (Accounted for while another agent holds a pin: it resolves when
-        the last pin ends, see :meth:`expire`.)
+        (Accounted for while a READ holds a pin: it resolves when the last
+        pin ends, see :meth:`expire`.)
         """
         if exposure.engines_accounted < exposure.consumers or exposure.pins:
             self._schedule(exposure, exposure.ends_at())

@@ -85,7 +85,7 @@ class MetadataRequest(msgspec.Struct, tag="metadata_request", tag_field="type", 
 
 MAX_NONCE: Final = 2**63 - 1
 """The largest nonce a READ may have (consumers draw theirs at random in
-``[1, MAX_NONCE]``: see :class:`LeaseEntry.pins <LeaseEntry>`)."""
+``[1, MAX_NONCE]``, and an abandon names them in ``LeaseEntry.pins``)."""
 
 
 class LeaseEntry(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -107,13 +107,14 @@ class LeaseEntry(msgspec.Struct, frozen=True, omit_defaults=True):
         list[Annotated[int, msgspec.Meta(ge=1, le=MAX_NONCE)]], msgspec.Meta(max_length=MAX_PINS)
     ] = []
     """With ``abandon``: the nonces of this agent's confirmed READs of the
-    request that have ended (none of them reads any more): the producer ends
-    those READs' pins -- only this agent's -- and frees the blocks at once
-    if nothing else holds them. A READ that may still run is not named; its
-    pin lasts until its notification or its end. Ignored in a renewal;
-    absent (empty) in most entries. At most ``MAX_PINS`` (as many as an
-    exposure holds), each between 1 and :data:`MAX_NONCE`: another list
-    fails the whole request (``bad_request``)."""
+    request that have ended without their notification (none of them reads
+    any more): the producer ends those READs' pins -- only this agent's --
+    and frees the blocks at once if nothing else holds them. A READ that
+    may still run is not named: its pin lasts until its notification or its
+    end. Ignored in a renewal; absent in most entries. At most 64 nonces
+    (``MAX_PINS``: as many READs as one exposure pins), each from 1 to
+    2^63 - 1 (``MAX_NONCE``): another list fails the whole request
+    (``bad_request``)."""
 
 
 class LeaseRequest(msgspec.Struct, tag="lease", tag_field="type", frozen=True):
@@ -126,7 +127,7 @@ class LeaseRequest(msgspec.Struct, tag="lease", tag_field="type", frozen=True):
     """The consumer's own engine id (logged)."""
     consumer_agent: str
     """The consumer's NIXL agent name: an abandon counts for this agent as its
-    notification would."""
+    notification would, and ends only this agent's pins."""
     entries: list[LeaseEntry]
     """The held requests, one ``LeaseEntry`` map each."""
 
@@ -176,7 +177,8 @@ class ConfirmRequest(msgspec.Struct, tag="confirm", tag_field="type", frozen=Tru
     """The consumer's own engine id (logged)."""
     consumer_agent: str
     """The consumer's NIXL agent name: each pin is this agent's, and its
-    READ's notification is what ends it."""
+    READ's notification ends it (or this agent's abandon that names the
+    READ: a lease entry's ``pins``)."""
     entries: list[ConfirmEntry]
     """One per READ: the pulls that reach the consumer's socket while an
     earlier request waits for its answer travel together."""
