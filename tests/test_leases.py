@@ -27,7 +27,10 @@ import trio.testing
 import zmq
 
 import trio_pd
+from trio_pd import RemoteBlocks
+from trio_pd._consumer._settlement import SettledReads
 from trio_pd._core import _protocol as protocol
+from trio_pd._core._exposures import MAX_PINS
 from trio_pd._side_channel._fetch import ConnectionLog
 from trio_pd._side_channel._zmq import TrioZmqSocket
 from trio_pd.testing import MemoryFabric, fill_blocks, free_port_range, mismatched_blocks
@@ -198,6 +201,22 @@ async def test_abandon_resolves_the_exposure_abandoned_at_once(
             async with engine(memory_fabric, "d2") as (d2, _):
                 await d2.pull("two", [0], two)
             assert await p.wait_released("two") is trio_pd.Released.ABANDONED
+
+
+def test_the_settled_reads_an_abandon_names_are_bounded_and_taken_once() -> None:
+    # (the consumer's record of its READs that stopped, per exposure and rank)
+    reads = SettledReads(exposures=2)
+    one, two, three = (RemoteBlocks("p", "h", 1, [i], f"r{i}", "inc") for i in (1, 2, 3))
+    rank, other = ("p", "h", 1), ("p", "h", 2)
+    for nonce in range(1, MAX_PINS + 11):  # (more than a producer pins on one exposure)
+        reads.add(one, rank, nonce)
+    reads.add(one, other, 7)
+    reads.add(two, rank, 8)
+    assert reads.take(one) == {rank: list(range(11, MAX_PINS + 11)), other: [7]}  # the latest
+    assert reads.take(one) == {}
+    reads.add(one, rank, 9)
+    reads.add(three, rank, 10)  # (a third exposure: the least recently added is forgotten)
+    assert (len(reads), reads.take(two), reads.take(three)) == (2, {}, {rank: [10]})
 
 
 @pytest.mark.parametrize("leaving", ["hold", "abandon"])
