@@ -531,6 +531,79 @@ def test_abandoning_ranks_count_as_fractions_of_their_engine() -> None:
     assert t.outcome("r1") is Released.ABANDONED
 
 
+def test_an_abandon_ends_the_pins_of_the_agents_reads_it_names_and_resolves_at_once() -> None:
+    # A pull confirmed its READ (pinned), then was cancelled and its READ
+    # stopped: the consumer's abandon names that READ, and nothing holds the
+    # blocks any more.
+    t = table()
+    digest = blocks_digest(BLOCKS)
+    exposure = t.expose("r1", BLOCKS, consumers=1, deadline=30.0, limit=120.0)
+    assert t.confirm("r1", "decode#a", digest, 1.0, 10.0, nonce=7).state is Confirmed.HELD
+    assert t.abandon("r1", "decode#a", pins=[7]) is Notice.RELEASED
+    assert exposure.outcome is Released.ABANDONED
+    assert (exposure.pins, t.pins_ended) == ({}, 1)
+    assert t.next_deadline() is None
+
+
+def test_an_abandon_never_ends_another_agents_pins() -> None:
+    t = table()
+    digest = blocks_digest(BLOCKS)
+    exposure = t.expose("r1", BLOCKS, consumers=2, deadline=3.0, limit=120.0)
+    t.confirm("r1", "victim", digest, 1.0, 10.0, nonce=5)
+    t.confirm("r1", "attacker", digest, 1.0, 10.0, nonce=6)
+    # The attacker names the victim's nonce as well as its own: only its own ends.
+    assert t.abandon("r1", "attacker", pins=[5, 6]) is Notice.COUNTED
+    assert set(exposure.pins) == {("victim", 5)}
+    assert t.pins_ended == 1
+    assert t.expire(10.9) == []  # (the lease ran out at 3.0: the victim's READ still holds it)
+    assert t.notify("r1", "victim", nonce=5) is Notice.RELEASED
+    assert exposure.outcome is Released.ABANDONED
+
+
+def test_an_abandon_keeps_the_pins_of_the_agents_reads_it_does_not_name() -> None:
+    # Two READs of one agent: one stopped (named), one that could not be
+    # stopped (not named): the exposure waits for the second one's pin.
+    t = table()
+    digest = blocks_digest(BLOCKS)
+    exposure = t.expose("r1", BLOCKS, consumers=1, deadline=30.0, limit=120.0)
+    t.confirm("r1", "decode#a", digest, 1.0, 10.0, nonce=7)
+    t.confirm("r1", "decode#a", digest, 2.0, 10.0, nonce=8)
+    assert t.abandon("r1", "decode#a", pins=[7]) is Notice.COUNTED
+    assert set(exposure.pins) == {("decode#a", 8)}
+    assert t.outcome("r1") is None
+    # Its READ ended at last (its notification): the pin ends, it resolves.
+    assert t.notify("r1", "decode#a", nonce=8) is Notice.RELEASED
+    assert exposure.outcome is Released.ABANDONED
+    # ... or, unsettled for good, the pin runs out.
+    exposure = t.expose("r2", BLOCKS, consumers=1, deadline=30.0, limit=120.0)
+    t.confirm("r2", "decode#a", digest, 1.0, 10.0, nonce=9)
+    assert t.abandon("r2", "decode#a", pins=[10]) is Notice.COUNTED
+    assert t.expire(10.9) == []
+    assert t.expire(11.0) == [exposure]
+    assert exposure.outcome is Released.ABANDONED
+
+
+def test_an_agent_already_counted_may_still_end_its_pins_with_an_abandon() -> None:
+    # It abandoned (or read) before; a later abandon names READs that
+    # stopped since: they end, and the exposure resolves if nothing else holds it.
+    t = table()
+    digest = blocks_digest(BLOCKS)
+    exposure = t.expose("r1", BLOCKS, consumers=2, deadline=30.0, limit=120.0)
+    t.notify("r1", "decode#b")
+    t.confirm("r1", "decode#a", digest, 1.0, 10.0, nonce=7)
+    assert t.abandon("r1", "decode#a") is Notice.COUNTED  # (accounted for, but pinned)
+    assert t.abandon("r1", "decode#a", pins=[7]) is Notice.RELEASED
+    assert exposure.outcome is Released.ABANDONED
+    t.expose("r2", BLOCKS, consumers=2, deadline=30.0, limit=120.0)
+    t.confirm("r2", "decode#a", digest, 1.0, 10.0, nonce=7)
+    assert t.abandon("r2", "decode#a", pins=[99]) is Notice.COUNTED
+    assert t.abandon("r2", "decode#a", pins=[7]) is Notice.DUPLICATE  # (b still to account)
+    assert t.pending_exposure("r2") is not None
+    assert t.pending_exposure("r2").pins == {}  # type: ignore[union-attr]
+    assert t.abandon("r2", "decode#b") is Notice.RELEASED
+    assert t.abandon("r2", "decode#a", pins=[7]) is Notice.LATE
+
+
 def test_an_abandoned_exposure_does_not_expire_later() -> None:
     t = table()
     t.expose("r1", BLOCKS, consumers=1, deadline=30.0, limit=120.0)

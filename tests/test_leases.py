@@ -27,7 +27,10 @@ import trio.testing
 import zmq
 
 import trio_pd
+from trio_pd import RemoteBlocks
+from trio_pd._consumer._settlement import SettledReads
 from trio_pd._core import _protocol as protocol
+from trio_pd._core._exposures import MAX_PINS
 from trio_pd._side_channel._fetch import ConnectionLog
 from trio_pd._side_channel._zmq import TrioZmqSocket
 from trio_pd.testing import MemoryFabric, fill_blocks, free_port_range, mismatched_blocks
@@ -45,6 +48,9 @@ LEASES = trio_pd.ConnectorConfig(
     lease_renewal=1.0,
     heartbeat_interval=0.2,
 )
+PINNED = attrs.evolve(LEASES, lease_renewal=30.0, abort_timeout=120.0, transfer_timeout=10.0)
+"""Each confirmed READ pins its exposure for 30 s: a pin left behind holds
+the blocks far longer than "at once"."""
 SECRET = b"leases-test-secret-0123456789"
 AT_ONCE = 0.6
 """How soon "at once" must happen: half of ``lease_initial``."""
@@ -72,6 +78,22 @@ async def wait_timed(conn: trio_pd.Connector, request_id: str) -> tuple[trio_pd.
     started = trio.current_time()
     outcome = await conn.wait_released(request_id)
     return outcome, trio.current_time() - started
+
+
+def pins(conn: trio_pd.Connector, request_id: str) -> set[tuple[str, int]]:
+    """The READs (agent, nonce) that pin ``request_id``'s exposure at ``conn`` now."""
+    exposure = conn._producer._exposures.pending_exposure(request_id)
+    return set() if exposure is None else set(exposure.pins)
+
+
+def forged_abandon(
+    conn: trio_pd.Connector, request_id: str, agent: str, named: list[int]
+) -> protocol.LeaseReply:
+    """An abandon of ``request_id`` claiming to come from ``agent`` and naming
+    ``named`` as its READs that ended, handed to ``conn``'s listener."""
+    entry = protocol.LeaseEntry(request_id, "", 1, True, pins=named)
+    request = protocol.encode_lease_request(conn.engine_id, "mallory", agent, [entry])
+    return protocol.decode_lease_reply(conn._producer.answer(request), 1 << 20)
 
 
 def free_port() -> int:
@@ -179,6 +201,173 @@ async def test_abandon_resolves_the_exposure_abandoned_at_once(
             async with engine(memory_fabric, "d2") as (d2, _):
                 await d2.pull("two", [0], two)
             assert await p.wait_released("two") is trio_pd.Released.ABANDONED
+
+
+def test_the_settled_reads_an_abandon_names_are_bounded_and_taken_once() -> None:
+    # (the consumer's record of its READs that stopped, per exposure and rank)
+    reads = SettledReads(exposures=2)
+    one, two, three = (RemoteBlocks("p", "h", 1, [i], f"r{i}", "inc") for i in (1, 2, 3))
+    rank, other = ("p", "h", 1), ("p", "h", 2)
+    for nonce in range(1, MAX_PINS + 11):  # (more than a producer pins on one exposure)
+        reads.add(one, rank, nonce)
+    reads.add(one, other, 7)
+    reads.add(two, rank, 8)
+    assert reads.take(one) == {rank: list(range(11, MAX_PINS + 11)), other: [7]}  # the latest
+    assert reads.take(one) == {}
+    reads.add(one, rank, 9)
+    reads.add(three, rank, 10)  # (a third exposure: the least recently added is forgotten)
+    assert (len(reads), reads.take(two), reads.take(three)) == (2, {}, {rank: [10]})
+
+
+@pytest.mark.parametrize("leaving", ["hold", "abandon"])
+async def test_a_cancelled_pull_whose_read_stopped_frees_the_blocks_at_once(
+    memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
+    leaving: str,
+) -> None:
+    # The pull confirmed its READ (the producer pinned the exposure for it for
+    # lease_renewal, 30 s here), then was cancelled, and its READ stopped: the
+    # abandon (leaving the hold, or Connector.abandon) names that READ, and
+    # the producer frees the blocks at once instead of when the pin runs out.
+    with trio.fail_after(60):
+        async with (
+            engine(memory_fabric, "p", PINNED) as (p, _),
+            engine(memory_fabric, "d", PINNED) as (d, _),
+        ):
+            memory_fabric.faults("p").read_delay = 5.0
+            remote = p.expose("r", [1, 2])
+
+            async def pull() -> None:
+                if leaving == "hold":
+                    async with d.hold(remote):
+                        await d.pull("r", [0, 1], remote)
+                else:
+                    await d.pull("r", [0, 1], remote)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(pull)
+                await wait_until(lambda: pins(p, "r"))  # (its READ runs, confirmed)
+                nursery.cancel_scope.cancel()
+            assert d.unsettled_blocks() == frozenset()
+            if leaving == "abandon":
+                assert len(pins(p, "r")) == 1
+                await d.abandon(remote)
+            outcome, waited = await wait_timed(p, "r")
+            assert (outcome, waited < AT_ONCE) == (trio_pd.Released.ABANDONED, True)
+            stats = d.statistics()
+            assert (stats.abandons_sent, stats.abandons_failed) == (1, 0)
+            assert (stats.pulls_succeeded, stats.pulls_failed) == (0, 0)
+
+
+async def test_over_zeromq_a_cancelled_pull_frees_the_blocks_long_before_its_pin_ends(
+    memory_fabric: MemoryFabric,
+) -> None:
+    # The same on the real side channel (confirmations batched on a
+    # long-lived socket, abandons on fresh ones), on the real clock: bounded
+    # by fail_after, far below the 30 s pin that would hold the blocks before.
+    with trio.fail_after(30):
+        async with (
+            engine(memory_fabric, "p", PINNED, real=True) as (p, _),
+            engine(memory_fabric, "d", PINNED, real=True) as (d, _),
+        ):
+            await d.pull("warm", [], p.expose("warm", []))  # (the handshake)
+            memory_fabric.faults("p").read_delay = 60.0
+            remote = p.expose("r", [1, 2])
+
+            async def pull() -> None:
+                async with d.hold(remote):
+                    await d.pull("r", [0, 1], remote)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(pull)
+                await wait_until(lambda: pins(p, "r"))
+                nursery.cancel_scope.cancel()
+            with trio.fail_after(5):
+                assert await p.wait_released("r") is trio_pd.Released.ABANDONED
+
+
+async def test_an_abandon_never_ends_another_consumers_pins(
+    memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Two decode engines read one exposure (consumers=2). The victim's READ
+    # runs (5 s); the attacker's pull is cancelled. The attacker's abandon
+    # ends its own READ's pin; naming the victim's READ -- under its own
+    # agent, or claiming the victim's agent with guessed nonces -- ends
+    # nothing: the blocks stay the victim's past the lease, until its READ
+    # ended and notified.
+    with trio.fail_after(60):
+        async with (
+            engine(memory_fabric, "p", PINNED) as (p, kv),
+            engine(memory_fabric, "victim", PINNED) as (victim, local),
+            engine(memory_fabric, "attacker", PINNED) as (attacker, _),
+        ):
+            fill_blocks(kv, [1, 2], seed=3)
+            memory_fabric.faults("p").read_delay = 5.0
+            remote = p.expose("r", [1, 2], consumers=2)
+            started = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(victim.pull, "r", [0, 1], remote)
+                await wait_until(lambda: pins(p, "r"))
+                (victims,) = pins(p, "r")
+                with trio.move_on_after(1.0):
+                    await attacker.pull("r", [0, 1], remote)
+                (attackers,) = pins(p, "r") - {victims}
+                await attacker.abandon(remote)  # (names its own READ, which stopped)
+                assert pins(p, "r") == {victims}
+                for agent, named in [
+                    (attackers[0], [victims[1]]),  # the victim's nonce, as its own
+                    (victims[0], list(range(1, 65))),  # the victim's agent, guessed nonces
+                ]:
+                    assert forged_abandon(p, "r", agent, named) == protocol.LeaseReply(
+                        protocol.PROTOCOL_VERSION, [], []
+                    )
+                    assert pins(p, "r") == {victims}
+                await trio.sleep(2 * PINNED.lease_initial)  # (the lease is over: the pin holds it)
+                assert p.statistics().exposures_pending == 1
+            assert mismatched_blocks(local, [0, 1], seed=3) == []
+            assert await p.wait_released("r") is trio_pd.Released.ABANDONED
+            assert trio.current_time() - started < 5.0 + AT_ONCE  # (its READ's end, not 30 s)
+
+
+async def test_an_abandon_keeps_the_pin_of_a_read_that_could_not_be_stopped(
+    memory_fabric: MemoryFabric,
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Two READs of one exposure, both cancelled: one stopped, one could not
+    # be (a partitioned peer: NIXL cannot stop it). The abandon names the
+    # first alone; the second still pins the blocks, until it ends (its
+    # notification) -- or, if it never does, until its pin runs out.
+    with trio.fail_after(120):
+        async with (
+            engine(memory_fabric, "p", PINNED) as (p, _),
+            engine(memory_fabric, "d", PINNED) as (d, _),
+        ):
+            faults = memory_fabric.faults("p")
+            for request_id, ends in [("ends", True), ("never", False)]:
+                remote = p.expose(request_id, [1])
+                faults.read_delay, faults.unstoppable_reads = 5.0, False
+                with trio.move_on_after(1.0):
+                    await d.pull(request_id, [0], remote)
+                faults.read_delay, faults.unstoppable_reads = 0.0, True
+                with trio.move_on_after(1.0):
+                    await d.pull(request_id, [1], remote)
+                assert d.unsettled_blocks() == {1}
+                assert len(pins(p, request_id)) == 2
+                await d.abandon(remote)
+                assert len(pins(p, request_id)) == 1  # (the READ that stopped: its pin ended)
+                if ends:
+                    await trio.sleep(5.0)
+                    assert p.statistics().exposures_pending == 1
+                    memory_fabric.finish_unstoppable_reads("p")
+                    outcome, waited = await wait_timed(p, request_id)
+                    assert (outcome, waited < AT_ONCE) == (trio_pd.Released.ABANDONED, True)
+                else:
+                    outcome, waited = await wait_timed(p, request_id)
+                    assert outcome is trio_pd.Released.ABANDONED
+                    assert waited > PINNED.lease_renewal - 5.0  # (its pin ran out)
+                    memory_fabric.finish_unstoppable_reads("p")
+                await d.wait_settled([1])
 
 
 async def test_a_hold_never_outlives_abort_timeout(
@@ -392,6 +581,9 @@ async def test_a_malformed_lease_frame_gets_an_error_reply_and_the_listener_keep
         encode({**lease, "entries": "not a list"}),
         encode({**lease, "entries": [{**good_entry, "readers": 0}]}),  # would divide by zero
         encode({**lease, "entries": [{**good_entry, "abandon": "yes"}]}),
+        # an abandon naming far more READs than any exposure pins (it would end
+        # the pins of "r" that it names, were it applied)
+        encode({**lease, "entries": [{**good_entry, "abandon": True, "pins": [*range(1, 5000)]}]}),
         encode({**lease, "engine_id": "other", "entries": [good_entry]}),
         encode({**lease, "protocol_version": 3, "entries": [good_entry]}),
         b"\xc1 not msgpack",
@@ -418,7 +610,7 @@ async def test_a_malformed_lease_frame_gets_an_error_reply_and_the_listener_keep
                     # A valid one from the same socket is served.
                     await dealer.send_multipart([b"", encode({**lease, "entries": [good_entry]})])
                     _, reply = await dealer.receive_multipart()
-            assert codes == ["bad_request"] * 4 + ["wrong_engine", "unsupported_version"] + [
+            assert codes == ["bad_request"] * 5 + ["wrong_engine", "unsupported_version"] + [
                 "bad_request"
             ]
             assert protocol.decode_lease_reply(reply, 1 << 20).unknown == []

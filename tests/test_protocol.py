@@ -378,11 +378,21 @@ def test_deeply_nested_reply_is_a_handshake_error() -> None:
 ENTRIES = [
     LeaseEntry(request_id="r1", token="t" * 32, readers=1, abandon=False, incarnation="inc0"),
     LeaseEntry(request_id="日本", token="", readers=2, abandon=True),
+    LeaseEntry(request_id="r2", token="", readers=1, abandon=True, pins=[1, 2**63 - 1]),
 ]
 
 
 def lease_request(entries: list[LeaseEntry] = ENTRIES, engine_id: str = ENGINE) -> bytes:
     return encode_lease_request(engine_id, "decode-7", "decode-7#abc", entries)
+
+
+GARBLED_PINS: list[object] = ["7", [1.5], [[1]], {"a": 1}, [True], [2**64 - 1], None]
+
+
+def _lease_with_pins(pins: object) -> bytes:
+    """An abandon whose ``pins`` are ``pins``, whatever they are."""
+    entry = {"request_id": "r", "token": "", "readers": 1, "abandon": True, "pins": pins}
+    return encode({**msgspec.msgpack.decode(lease_request()), "entries": [entry]})
 
 
 def test_lease_request_round_trips() -> None:
@@ -410,6 +420,15 @@ def test_lease_request_is_tagged_msgpack() -> None:
     request = decode_request(data, LIMIT)
     assert isinstance(request, LeaseRequest)
     assert request.entries[0].incarnation == ""
+    assert request.entries[0].pins == []
+
+
+def test_an_abandon_names_its_settled_reads_and_a_heartbeat_carries_no_pins_key() -> None:
+    # (heartbeats are as they were: the key is only there when it names something)
+    abandon = {"request_id": "r2", "token": "", "readers": 1, "abandon": True}
+    entries = msgspec.msgpack.decode(lease_request(ENTRIES))["entries"]
+    assert "pins" not in entries[0]
+    assert entries[2] == {**abandon, "pins": [1, 2**63 - 1]}
 
 
 def test_lease_reply_round_trips_and_is_tagged_msgpack() -> None:
@@ -474,6 +493,11 @@ def test_serve_lease_request_applies_pending_entries_and_names_the_rest() -> Non
         (lease_request(engine_id="prefill-9"), "wrong_engine"),
         (lease_request([LeaseEntry("r", "", readers=0, abandon=True)]), "bad_request"),
         (lease_request([LeaseEntry("r", "", readers=-1, abandon=False)]), "bad_request"),
+        # an abandon's list of settled READs: garbled, forged or too long
+        (lease_request([LeaseEntry("r", "", 1, True, pins=[0])]), "bad_request"),
+        (lease_request([LeaseEntry("r", "", 1, True, pins=[-5])]), "bad_request"),
+        (lease_request([LeaseEntry("r", "", 1, True, pins=list(range(1, 66)))]), "bad_request"),
+        *[(_lease_with_pins(pins), "bad_request") for pins in GARBLED_PINS],
         (encode({"type": "lease", "protocol_version": PROTOCOL_VERSION}), "bad_request"),
         (
             encode({"type": "lease", "protocol_version": 3, "engine_id": ENGINE, "entries": []}),

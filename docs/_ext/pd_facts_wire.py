@@ -93,9 +93,12 @@ def message_rows(struct: type[msgspec.Struct]) -> list[tuple[str, str, str]]:
             raise ValueError(f"{struct.__name__}.{field.name} has no docstring in the code")
         meaning = rst_to_myst(" ".join(" ".join(lines).split()))
         kind = wire_type(hints[field.name])
-        if field.default is not msgspec.NODEFAULT:
+        if field.default is not msgspec.NODEFAULT or field.default_factory is not msgspec.NODEFAULT:
+            default = (
+                field.default if field.default is not msgspec.NODEFAULT else field.default_factory()
+            )
             kind += ", optional"
-            meaning += f" Default `{msgspec.json.encode(field.default).decode()}`."
+            meaning += f" Default `{msgspec.json.encode(default).decode()}`."
         rows.append((field.name, kind, meaning))
     return rows
 

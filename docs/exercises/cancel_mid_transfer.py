@@ -3,7 +3,7 @@
 Twice: first a READ that stops when told to (it takes 0.5 s:
 ``MemoryFaults.read_delay``), then one that cannot be stopped, as a NIXL
 transfer to a partitioned peer cannot (``MemoryFaults.unstoppable_reads``).
-Each time the caller gives up after 0.1 s. In-memory data plane
+Each time the caller gives up after 0.1 s, and the exposure is abandoned. In-memory data plane
 (``trio_pd.testing.MemoryFabric``).
 
 Run it with ``python docs/exercises/cancel_mid_transfer.py``.
@@ -18,9 +18,6 @@ import trio_pd
 from trio_pd.testing import MemoryFabric, fill_blocks, mismatched_blocks
 
 CONFIG = trio_pd.ConnectorConfig(close_timeout=0.2)  # default 5 s
-# The producer pins an exposure for each confirmed READ for lease_renewal
-# (default 10 s); 1 s here, so that the program does not wait 10 s for it.
-PRODUCER = trio_pd.ConnectorConfig(lease_renewal=1.0, heartbeat_interval=0.5)
 
 
 def kv_cache() -> list[torch.Tensor]:
@@ -31,9 +28,7 @@ async def main() -> None:
     fabric = MemoryFabric()
     prefill_kv, local = kv_cache(), kv_cache()
     async with (
-        trio_pd.open_connector(
-            "prefill-0", prefill_kv, config=PRODUCER, backend=fabric.backend
-        ) as p,
+        trio_pd.open_connector("prefill-0", prefill_kv, backend=fabric.backend) as p,
         trio_pd.open_connector("decode", local, config=CONFIG, backend=fabric.backend) as d,
     ):
         await d.pull("warm-up", [0], p.expose("warm-up", [0]))  # the handshake, done
@@ -43,16 +38,16 @@ async def main() -> None:
         faults.read_delay = 0.5
         fill_blocks(prefill_kv, [1, 2], seed=1)
         remote = p.expose("stoppable", [1, 2])
-        began = trio.current_time()  # (before the READ's confirmation pins the blocks)
         with trio.move_on_after(0.1) as scope:
             async with d.hold(remote):  # leaving it without a pull abandons the exposure
                 await d.pull("stoppable", [3, 4], remote)
+        cancelled = trio.current_time()
         print(f"cancelled: {scope.cancelled_caught}")
         print(f"blocks without the data: {mismatched_blocks(local, [3, 4], seed=1)}")
         print(f"blocks a transfer may still write: {sorted(d.unsettled_blocks())}")
         released = await p.wait_released("stoppable")
-        pinned = trio.current_time() - began >= PRODUCER.lease_renewal
-        print(f"the producer: {released.name}, once the READ's pin ran out: {pinned}")
+        at_once = trio.current_time() - cancelled < 1.0  # (its READ's pin: lease_renewal, 10 s)
+        print(f"the producer: {released.name}, at once: {at_once}")
         stats = d.statistics()
         print(f"pulls succeeded {stats.pulls_succeeded - 1}, failed {stats.pulls_failed}")
 
@@ -67,10 +62,13 @@ async def main() -> None:
         print(f"cancelled: {scope.cancelled_caught}, after close_timeout too: {waited >= 0.3}")
         print(f"blocks a transfer may still write: {sorted(d.unsettled_blocks())}")
         print(f"transfers unsettled: {d.statistics().transfers_unsettled}")
+        await d.abandon(remote)  # (its READ still runs: the abandon cannot name it)
+        print(f"abandoned; the producer keeps the blocks: {p.statistics().exposures_pending == 1}")
         fabric.finish_unstoppable_reads("prefill-0")  # the link is back: the READ ends
         await d.wait_settled([7, 8])
         print(f"after it ended: unsettled {sorted(d.unsettled_blocks())}, ", end="")
         print(f"blocks without the data: {mismatched_blocks(local, [7, 8], seed=2)}")
+        print(f"the producer: {(await p.wait_released('unstoppable')).name}")
         stats = d.statistics()
         print(f"pulls succeeded {stats.pulls_succeeded - 1}, failed {stats.pulls_failed}")
 

@@ -212,7 +212,15 @@ async def open_connector(
             consumer = Consumer(
                 engine_id, tp_rank, tp_size, layout, transfers, channel, config, nursery
             )
-            leases = Leases(engine_id, transfers.agent_name, tp_rank, tp_size, channel, config)
+            leases = Leases(
+                engine_id,
+                transfers.agent_name,
+                tp_rank,
+                tp_size,
+                channel,
+                config,
+                consumer.settled_reads,
+            )
             connector = Connector(engine_id, layout, producer, consumer, leases)
             try:
                 if config.auth is not None:
@@ -484,7 +492,13 @@ class Connector:
         Leaving the body without one -- it raised, was cancelled, or never
         pulled -- *abandons* it: the producer ranks are told, best effort,
         so they free the blocks at once (:attr:`Released.ABANDONED`) rather
-        than when the lease runs out. The exit does not wait for that: the
+        than when the lease runs out. That includes a pull inside the body
+        that was cancelled or failed after its READ began: the abandon names
+        that READ (it stopped), so its pin on the producer's blocks ends
+        too -- except a READ that could not be stopped (its peer
+        unreachable), whose pin lasts until it ends or for
+        ``lease_renewal``: the producer must not reuse blocks a READ may
+        still read. The exit does not wait for that: the
         connector's lease task sends it (each message bounded by
         ``config.handshake_timeout``), so a request whose producer is gone
         fails at once. The exit raises nothing but the body's own
@@ -515,7 +529,11 @@ class Connector:
         Sends one abandon per producer rank this rank reads, concurrently,
         each bounded by ``config.handshake_timeout``; the producer counts it
         as this engine's read would count (so with ``consumers=1`` the
-        exposure resolves :attr:`Released.ABANDONED` at once). If ``remote``
+        exposure resolves :attr:`Released.ABANDONED` at once). It names this
+        connector's READs of ``remote`` that stopped without reading (pulls
+        cancelled or failed), so that their pins end; a READ still running,
+        or one that could not be stopped, keeps the exposure pending until
+        it ends or its pin runs out (``lease_renewal``). If ``remote``
         is held, its renewals stop and leaving the hold sends nothing more.
         A producer that cannot be reached is logged (naming engine and
         request) and counted in ``abandons_failed``, not raised: the lease

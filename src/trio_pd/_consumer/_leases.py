@@ -13,7 +13,10 @@ delays the others.
 A hold ends *completed* when a pull of its blocks succeeds inside it (the
 pull's notification releases the exposure), else *abandoned*: the producer
 ranks are told, best effort, that this consumer will not read, so they free
-the blocks at once instead of when the lease runs out. That message is sent
+the blocks at once instead of when the lease runs out. The abandon names
+this agent's confirmed READs of the request that stopped without reading
+(``_settlement.SettledReads``: a pull cancelled or failed inside the hold),
+so that their pins end too; a READ that could not be stopped keeps its pin. That message is sent
 by the *abandon task* (also in :meth:`Leases.run`), not in the exit: a
 request that failed because its producer is gone fails at once, instead of
 waiting up to ``handshake_timeout`` for a courtesy to a dead peer.
@@ -35,10 +38,12 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 
 import attrs
+import msgspec
 import trio
 from trio_util import AsyncValue
 
 from trio_pd._config import ConnectorConfig
+from trio_pd._consumer._settlement import SettledReads
 from trio_pd._core import _protocol as protocol
 from trio_pd._core._errors import IncompatibleEngineError, ProtocolError
 from trio_pd._core._public_values import RemoteBlocks
@@ -90,6 +95,9 @@ class Leases:
         side_channel: where heartbeats and abandons go.
         config: ``heartbeat_interval``, ``handshake_timeout`` (abandons),
             ``max_message_bytes``, ``auth``.
+        settled_reads: this connector's confirmed READs that ended without
+            reading (the pulls' record): an abandon names those of its
+            request, so that the producer ends their pins.
     """
 
     def __init__(
@@ -100,9 +108,11 @@ class Leases:
         tp_size: int,
         side_channel: SideChannel,
         config: ConnectorConfig,
+        settled_reads: SettledReads | None = None,
     ) -> None:
         self._engine_id = engine_id
         self._agent_name = agent_name
+        self._settled_reads = SettledReads() if settled_reads is None else settled_reads
         self._tp_rank = tp_rank
         self._tp_size = tp_size
         self._side_channel = side_channel
@@ -321,11 +331,17 @@ class Leases:
     async def _abandon(self, remote: RemoteBlocks, ranks: Sequence[Rank]) -> None:
         """Tell ``ranks`` that we will not read ``remote``, concurrently; never raises.
 
-        Each message is bounded by ``handshake_timeout``, and by the close's
-        deadline once the connector closes; a failure is logged and counted
-        (``abandons_failed``).
+        Each rank's abandon names this agent's confirmed READs of ``remote``
+        there that ended without reading (the pulls' ``settled_reads``),
+        so that the producer ends their pins and frees the blocks at once; a
+        READ that may still run is not named. Each message is bounded by
+        ``handshake_timeout``, and by the close's deadline once the connector
+        closes; a failure is logged and counted (``abandons_failed``).
         """
         entries = self._entries(remote, abandon=True)
+        for rank, nonces in self._settled_reads.take(remote).items():
+            if rank in entries:
+                entries[rank] = msgspec.structs.replace(entries[rank], pins=nonces)
         self._abandons_in_flight.value += 1
         try:
             async with trio.open_nursery() as nursery:

@@ -10,11 +10,12 @@ remote agent. Pulls run in the caller's task.
 from __future__ import annotations
 
 import functools
-import itertools
+import secrets
 from collections.abc import Awaitable, Callable, Sequence
 from types import MappingProxyType
 from typing import NoReturn
 
+import attrs
 import numpy as np
 import trio
 from trio_util import AsyncValue
@@ -23,7 +24,7 @@ from trio_pd._config import ConnectorConfig
 from trio_pd._consumer._counters import ConsumerCounters
 from trio_pd._consumer._handshakes import Handshakes
 from trio_pd._consumer._remote_table import RemoteEngine
-from trio_pd._consumer._settlement import UnsettledBlocks
+from trio_pd._consumer._settlement import SettledReads, UnsettledBlocks
 from trio_pd._core import _protocol as protocol
 from trio_pd._core._errors import (
     ExposureEndedError,
@@ -44,6 +45,7 @@ from trio_pd._core._tensor_parallel import (
 )
 from trio_pd._core._tokens import exposure_token, token_matches
 from trio_pd._exception_groups import first_failure_wins
+from trio_pd._side_channel._confirm import Pending
 from trio_pd._side_channel._seam import SideChannel
 from trio_pd._transfer._backend import (
     BackendClosing,
@@ -94,7 +96,9 @@ class Consumer:
             engine_id, tp_size, layout, backend, side_channel, config, nursery, self._counters
         )
         self._confirms = side_channel.confirmations(engine_id, backend.agent_name)
-        self._nonces = itertools.count(1)  # (names each READ in its notification)
+        self.settled_reads = SettledReads()
+        """Confirmed READs that ended without reading (see ``_settlement``):
+        the abandons (``_leases``) name them, so that their pins end."""
         self.confirm_reads = True
         """Whether READs are confirmed (``_confirm``). Only the benchmarks turn
         it off, to measure what the confirmation costs side by side: without
@@ -265,7 +269,7 @@ class Consumer:
     ) -> Callable[[], Awaitable[None]]:
         """One part's transfer, its block ids checked now (before any part runs)."""
         readers = readers_per_remote_rank(self._tp_size, remote.tp_size)
-        nonce = next(self._nonces)
+        nonce = _nonce()
         notification = protocol.encode_notification(remote.request_id, readers, nonce)
         indices = None
         if local_ids.size:
@@ -348,7 +352,10 @@ class Consumer:
         A READ is confirmed (``_confirm``): the confirmation is sent just
         before the READ is posted, its answer checked once the READ ended,
         and the pull raises :class:`ExposureEndedError` unless the producer
-        held the blocks for this request for the whole READ.
+        held the blocks for this request for the whole READ. A confirmed
+        READ that ended without its notification and reads nothing any more
+        (cancelled or failed, and stopped) is recorded in ``settled_reads``:
+        the exposure's abandon names it, so that its pin ends.
 
         The agent is leased for the transfer: it cannot be unloaded under it.
         (A pull with several parts checkpoints between making its ranks ready
@@ -357,6 +364,7 @@ class Consumer:
         """
         self._pulls_in_flight.value += 1
         pending = None
+        read = None
         try:
             try:
                 async with self._backend.lease(agent):
@@ -378,11 +386,12 @@ class Consumer:
                                     nonce,
                                     remote.exposure,
                                 )
-                            hold = functools.partial(self._unsettled.hold, local_ids.tolist())
+                            read = _Read(self._unsettled, local_ids.tolist(), pending)
                             # (a confirmed READ's schedule point is its answer's wait)
                             await self._backend.read(
-                                agent, *indices, notification, hold, schedule=pending is None
+                                agent, *indices, notification, read.hold, schedule=pending is None
                             )
+                            read.done = True
                     except BackendError as exc:
                         if exc.peer_lost and self._handshakes.peer_lost(engine, agent, request_id):
                             with trio.CancelScope(shield=True):
@@ -415,6 +424,10 @@ class Consumer:
         finally:
             if pending is not None:
                 self._confirms.discard(pending)  # (the READ failed: no answer is awaited)
+            confirmation = None if read is None else read.pinned()
+            if confirmation is not None:
+                # (it ended without its notification: the abandon names it)
+                self.settled_reads.add(remote, confirmation.rank, nonce)
             self._pulls_in_flight.value -= 1
 
     def _fail(
@@ -458,3 +471,38 @@ class Consumer:
     def pulls_in_flight(self) -> int:
         count: int = self._pulls_in_flight.value
         return count
+
+
+def _nonce() -> int:
+    """A READ's nonce: random, so that nobody but this agent (and the
+    producer it reads) can name its READs -- an abandon that names them
+    ends their pins (see ``protocol.LeaseEntry.pins``)."""
+    return secrets.randbelow(protocol.MAX_NONCE) + 1
+
+
+@attrs.define(eq=False)
+class _Read:
+    """How one READ ended, for its pull's cleanup."""
+
+    unsettled_blocks: UnsettledBlocks
+    block_ids: list[int]
+    confirmation: Pending | None
+    done: bool = False
+    """The READ completed (its notification went with it)."""
+    stuck: bool = False
+    """The READ could not be stopped (its blocks are unsettled)."""
+
+    def hold(self) -> Callable[[], None]:
+        """The backend's unsettled hook (``TransferBackend.read``)."""
+        self.stuck = True
+        return self.unsettled_blocks.hold(self.block_ids)
+
+    def pinned(self) -> Pending | None:
+        """The READ's confirmation if the READ ended without its notification
+        and reads nothing any more, while that confirmation may have pinned
+        the exposure (sent, and not answered otherwise than ``held``)."""
+        confirmation = self.confirmation
+        if confirmation is None or self.done or self.stuck or not confirmation.sent:
+            return None
+        reply = confirmation.reply
+        return confirmation if reply is None or reply.state == "held" else None

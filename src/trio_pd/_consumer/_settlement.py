@@ -1,4 +1,6 @@
-"""Which local blocks a transfer may still write (the consumer's promise to its caller).
+"""Which local blocks a transfer may still write (the consumer's promise to its
+caller), and which confirmed READs ended without reading (the producer's pins
+an abandon may end).
 
 A pull normally ends with nothing left running: when it returns or raises,
 its local blocks are the caller's again. The exception is a transfer NIXL
@@ -9,16 +11,36 @@ The backend reports each such transfer through the ``unsettled`` callback of
 :meth:`~trio_pd.TransferBackend.read`; :class:`UnsettledBlocks` keeps count
 per local block until the backend says the transfer ended.
 
+The other side of the same fact: a pull whose READ was confirmed holds a
+*pin* on the producer's blocks (see ``_core._exposures``) until the READ's
+notification arrives or the pin runs out. A READ that ended without its
+notification (the pull was cancelled or failed, and the READ stopped) reads
+nothing any more: :class:`SettledReads` keeps its nonce, per exposure and
+producer rank, so that the abandon of that exposure names it and the
+producer ends its pin at once. A READ that could not be stopped is not kept
+(its pin lasts until it ends, or runs out).
+
 Trio thread only. Nothing here does I/O; waiting is a :class:`trio.Event`
 replaced at each change.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 
 import trio
+
+from trio_pd._core._exposures import MAX_PINS
+from trio_pd._core._public_values import RemoteBlocks
+
+Rank = tuple[str, str, int]
+"""One producer rank: ``(engine_id, host, port)``."""
+
+MAX_EXPOSURES = 4096
+"""Exposures whose settled READs are kept at once (the oldest forgotten past
+it: a pull that failed outside a hold, and was never abandoned, leaves its
+nonces here)."""
 
 
 class UnsettledBlocks:
@@ -64,3 +86,37 @@ class UnsettledBlocks:
         await trio.lowlevel.checkpoint()
         while not wanted.isdisjoint(self._counts):
             await self._changed.wait()
+
+
+class SettledReads:
+    """Nonces of this agent's confirmed READs that ended without reading, per
+    exposure and producer rank, until an abandon of that exposure takes them.
+
+    Bounded: :data:`~trio_pd._core._exposures.MAX_PINS` (as many as a producer
+    pins on one exposure) per exposure and rank, the latest kept, and
+    :data:`MAX_EXPOSURES` exposures, the least recently added forgotten.
+    """
+
+    def __init__(self, exposures: int = MAX_EXPOSURES) -> None:
+        self._exposures = exposures
+        self._reads: OrderedDict[RemoteBlocks, dict[Rank, list[int]]] = OrderedDict()
+
+    def add(self, exposure: RemoteBlocks, rank: Rank, nonce: int) -> None:
+        """READ ``nonce`` of ``exposure`` at producer ``rank`` ended, and reads nothing any more."""
+        ranks = self._reads.get(exposure)
+        if ranks is None:
+            ranks = self._reads[exposure] = {}
+            while len(self._reads) > self._exposures:
+                self._reads.popitem(last=False)
+        else:
+            self._reads.move_to_end(exposure)
+        nonces = ranks.setdefault(rank, [])
+        nonces.append(nonce)
+        del nonces[:-MAX_PINS]
+
+    def take(self, exposure: RemoteBlocks) -> dict[Rank, list[int]]:
+        """The settled READs of ``exposure``, by rank, now forgotten (an abandon names them)."""
+        return self._reads.pop(exposure, {})
+
+    def __len__(self) -> int:
+        return len(self._reads)

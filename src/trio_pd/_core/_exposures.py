@@ -20,11 +20,13 @@ A consumer about to READ asks for a *confirmation*
 agent, and the nonce its notification will carry) gets a *pin* until
 ``now + hold_for`` (at most the cap). While an exposure has pins, it
 resolves neither by expiry nor by the consumers' reads and abandons: those
-are deferred until every pin has ended (its READ's notification arrived, or
-the pin ran out). So a READ that ends before its
+are deferred until every pin has ended (its READ's notification arrived,
+its agent's abandon named it as a READ that ended, or the pin ran out). So
+a READ that ends before its
 pin does read blocks that were its request's for the whole READ: the
 exposure was pending when the pin was given (so since it was exposed) and
-could not end before the pin did. A confirmation that arrives after the
+could not end before the pin did -- unless the READ's own agent said it
+had ended, which only hurts that agent. A confirmation that arrives after the
 READ's own notification was counted answers :attr:`Confirmed.READ`, which
 proves the same thing (the notification is sent after the READ's bytes).
 Exposures are named by request id *and* a digest of their block ids
@@ -115,8 +117,8 @@ class Confirmation:
     """What :meth:`ExposureTable.confirm` answers.
 
     ``held_for``: with :attr:`Confirmed.HELD`, how long from the ``now`` of
-    the call the exposure stays pending unless this agent notifies or
-    abandons it (0 otherwise).
+    the call the exposure stays pending unless this READ's notification
+    arrives, or this agent's abandon names the READ as ended (0 otherwise).
     """
 
     state: Confirmed
@@ -219,6 +221,8 @@ class ExposureTable:
     expired: int = attrs.field(default=0, init=False)
     abandoned: int = attrs.field(default=0, init=False)
     renewed: int = attrs.field(default=0, init=False)
+    pins_ended: int = attrs.field(default=0, init=False)
+    """Pins ended by their agents' abandons (see :meth:`abandon`)."""
 
     @property
     def pending(self) -> int:
@@ -319,8 +323,9 @@ class ExposureTable:
         ``(agent, nonce)`` gets a pin until ``now + hold_for`` (never past
         the exposure's limit; confirming the same READ again renews it):
         until then the exposure does not resolve, unless that READ's own
-        notification arrives (an abandon does not end a pin: a READ may
-        still run). Answered :attr:`Confirmed.READ` if the notification of
+        notification arrives, or an abandon of ``agent`` names it as ended
+        (an abandon that does not name it leaves it: the READ may still
+        run). Answered :attr:`Confirmed.READ` if the notification of
         ``agent``'s READ ``nonce`` was counted while it was pending (whether
         or not it has resolved since, as long as it is remembered): not an
         earlier READ of the same agent, which a replay would be; and why
@@ -351,13 +356,23 @@ class ExposureTable:
         self._schedule(exposure, exposure.ends_at())
         return Confirmation(Confirmed.HELD, until - now)
 
-    def abandon(self, request_id: str, consumer: str, readers: int = 1) -> Notice:
+    def abandon(
+        self, request_id: str, consumer: str, readers: int = 1, pins: Iterable[int] = ()
+    ) -> Notice:
         """``consumer`` will not read ``request_id``: account for it without a read.
 
         ``consumer`` and ``readers`` count exactly as in :meth:`notify`; an
-        agent already counted (read or abandoned) is a duplicate.
+        agent already counted (read or abandoned) is a duplicate. ``pins``:
+        nonces of ``consumer``'s READs of it that have ended (the consumer
+        knows they read nothing more): their pins end (counted in
+        ``pins_ended``), so the exposure resolves at once if nothing else
+        holds it -- also when ``consumer`` was counted already. Only
+        ``consumer``'s own pins: a nonce that names no pin of its (another
+        agent's, one that ended already, a forgery) does nothing. Pins of
+        ``consumer``'s READs not named stay, as every pin, until their
+        notification or their end.
         """
-        return self._account(request_id, consumer, readers, abandon=True)
+        return self._account(request_id, consumer, readers, abandon=True, pins=pins)
 
     def notify(self, request_id: str, consumer: str, readers: int = 1, nonce: int = 0) -> Notice:
         """Count ``consumer``'s notification for ``request_id``.
@@ -369,32 +384,44 @@ class ExposureTable:
         return self._account(request_id, consumer, readers, abandon=False, nonce=nonce)
 
     def _account(
-        self, request_id: str, consumer: str, readers: int, *, abandon: bool, nonce: int = 0
+        self,
+        request_id: str,
+        consumer: str,
+        readers: int,
+        *,
+        abandon: bool,
+        nonce: int = 0,
+        pins: Iterable[int] = (),
     ) -> Notice:
         exposure = self._pending.get(request_id)
         if exposure is None:
             return Notice.LATE if request_id in self._resolved else Notice.UNKNOWN
+        # A notification ends its READ's pin; an abandon, the pins of the
+        # agent's READs it names (keyed by agent: never another agent's).
+        ended = 0
+        for pin in [(consumer, n) for n in pins] if abandon else [(consumer, nonce)]:
+            if exposure.pins.pop(pin, None) is not None:
+                ended += 1
+        if abandon:
+            self.pins_ended += ended
         if consumer in exposure.readers or consumer in exposure.abandoned:
-            # (another READ of the same agent: it ends that READ's pin)
-            ended = not abandon and exposure.pins.pop((consumer, nonce), None) is not None
+            # (another READ of the same agent, or its abandon of READs that ended)
             if not abandon and nonce and len(exposure.read_nonces) < MAX_PINS:
                 exposure.read_nonces.add((consumer, nonce))
             if ended and self._settle(exposure):
                 return Notice.RELEASED
             return Notice.DUPLICATE
         (exposure.abandoned if abandon else exposure.readers)[consumer] = readers
-        if not abandon:
-            if nonce:
-                exposure.read_nonces.add((consumer, nonce))
-            exposure.pins.pop((consumer, nonce), None)
+        if not abandon and nonce:
+            exposure.read_nonces.add((consumer, nonce))
         return Notice.RELEASED if self._settle(exposure) else Notice.COUNTED
 
     def _settle(self, exposure: Exposure) -> bool:
         """Resolve ``exposure`` if every consumer is accounted for and no pin
         holds it (READ, or ABANDONED if any abandoned); whether it did.
 
-        (Accounted for while another agent holds a pin: it resolves when
-        the last pin ends, see :meth:`expire`.)
+        (Accounted for while a READ holds a pin: it resolves when the last
+        pin ends, see :meth:`expire`.)
         """
         if exposure.engines_accounted < exposure.consumers or exposure.pins:
             self._schedule(exposure, exposure.ends_at())

@@ -69,7 +69,8 @@ def serve_lease_request(
     port before a restart), is *unknown*; else, with
     ``verify`` (the producer has an exposure secret), one whose token does
     not verify is *refused*; every other entry is to be applied (renewed,
-    or abandoned for ``request.consumer_agent``). A request id named twice
+    or abandoned for ``request.consumer_agent``, ending the pins of that
+    agent's READs it names: ``ExposureTable.abandon``). A request id named twice
     is decided (and applied) twice: renewing or abandoning is idempotent.
 
     Returns:

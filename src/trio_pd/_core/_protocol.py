@@ -12,7 +12,7 @@ Consumer -> producer, one of::
     LeaseRequest    {type: "lease", protocol_version, engine_id,
                      consumer_engine_id, consumer_agent,
                      entries: [LeaseEntry {request_id, token, readers,
-                                           abandon, incarnation}]}
+                                           abandon, incarnation, pins}]}
     ConfirmRequest  {type: "confirm", protocol_version, engine_id,
                      consumer_engine_id, consumer_agent,
                      entries: [ConfirmEntry {seq, request_id, token,
@@ -62,6 +62,7 @@ from typing import Annotated, Final, Literal
 import msgspec
 
 from trio_pd._core._errors import HandshakeError, IncompatibleEngineError, ProtocolError
+from trio_pd._core._exposures import MAX_PINS
 from trio_pd._core._layout import KVLayout
 
 PROTOCOL_VERSION: Final = 5
@@ -82,7 +83,12 @@ class MetadataRequest(msgspec.Struct, tag="metadata_request", tag_field="type", 
     """The consumer's own engine id (informational)."""
 
 
-class LeaseEntry(msgspec.Struct, frozen=True):
+MAX_NONCE: Final = 2**63 - 1
+"""The largest nonce a READ may have (consumers draw theirs at random in
+``[1, MAX_NONCE]``, and an abandon names them in ``LeaseEntry.pins``)."""
+
+
+class LeaseEntry(msgspec.Struct, frozen=True, omit_defaults=True):
     """One held request in a :class:`LeaseRequest`."""
 
     request_id: str
@@ -97,6 +103,18 @@ class LeaseEntry(msgspec.Struct, frozen=True):
     """The incarnation the consumer's parameters name (``remote_incarnation``:
     rank 0's), so that another rank of a tensor-parallel engine can check a
     token that rank 0 issued."""
+    pins: Annotated[
+        list[Annotated[int, msgspec.Meta(ge=1, le=MAX_NONCE)]], msgspec.Meta(max_length=MAX_PINS)
+    ] = []
+    """With ``abandon``: the nonces of this agent's confirmed READs of the
+    request that have ended without their notification (none of them reads
+    any more): the producer ends those READs' pins -- only this agent's --
+    and frees the blocks at once if nothing else holds them. A READ that
+    may still run is not named: its pin lasts until its notification or its
+    end. Ignored in a renewal; absent in most entries. At most 64 nonces
+    (``MAX_PINS``: as many READs as one exposure pins), each from 1 to
+    2^63 - 1 (``MAX_NONCE``): another list fails the whole request
+    (``bad_request``)."""
 
 
 class LeaseRequest(msgspec.Struct, tag="lease", tag_field="type", frozen=True):
@@ -109,7 +127,7 @@ class LeaseRequest(msgspec.Struct, tag="lease", tag_field="type", frozen=True):
     """The consumer's own engine id (logged)."""
     consumer_agent: str
     """The consumer's NIXL agent name: an abandon counts for this agent as its
-    notification would."""
+    notification would, and ends only this agent's pins."""
     entries: list[LeaseEntry]
     """The held requests, one ``LeaseEntry`` map each."""
 
@@ -159,7 +177,8 @@ class ConfirmRequest(msgspec.Struct, tag="confirm", tag_field="type", frozen=Tru
     """The consumer's own engine id (logged)."""
     consumer_agent: str
     """The consumer's NIXL agent name: each pin is this agent's, and its
-    READ's notification is what ends it."""
+    READ's notification ends it (or this agent's abandon that names the
+    READ: a lease entry's ``pins``)."""
     entries: list[ConfirmEntry]
     """One per READ: the pulls that reach the consumer's socket while an
     earlier request waits for its answer travel together."""

@@ -276,7 +276,9 @@ class Producer:
 
         Without an exposure secret every pending entry is applied; with one,
         only those whose token verifies (the others are refused: counted in
-        ``leases_refused``, logged at debug).
+        ``leases_refused``, logged at debug). An abandon also ends the pins
+        of the READs it names as ended, the requesting agent's only
+        (``ExposureTable.abandon``); names that end no pin are logged at info.
         """
         verify = None if self._config.exposure_secret is None else self._token_verifies
         reply, apply, refused = listener.serve_lease_request(
@@ -300,16 +302,29 @@ class Producer:
             if not entry.abandon:
                 self._exposures.renew(entry.request_id, now, extension)
                 continue
+            ended = self._exposures.pins_ended
             notice = self._exposures.abandon(
-                entry.request_id, request.consumer_agent, entry.readers
+                entry.request_id, request.consumer_agent, entry.readers, entry.pins
             )
+            ended = self._exposures.pins_ended - ended
             logger.debug(
-                "engine %s: %s abandoned request %r (%s)",
+                "engine %s: %s abandoned request %r (%s; %d of its READs ended)",
                 self._engine_id,
                 request.consumer_agent,
                 entry.request_id,
                 notice.value,
+                ended,
             )
+            if ended < len(entry.pins):
+                logger.info(
+                    "engine %s: %s (agent %s) abandoned request %r naming %d READs that hold "
+                    "no pin of that agent (ended already, or not its own): ignored",
+                    self._engine_id,
+                    request.consumer_engine_id,
+                    request.consumer_agent,
+                    entry.request_id,
+                    len(entry.pins) - ended,
+                )
             if notice is Notice.RELEASED:
                 self._release_events.pop(entry.request_id).set()
         return reply
