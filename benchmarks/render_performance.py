@@ -1524,16 +1524,32 @@ FINDINGS = """## What we found
   engines with their own hardware. The decode engine takes no KV blocks before its parameters
   come: admitting it early deadlocked both pools under overload (decode
   blocks waiting for prefills that waited for prefill blocks held by
-  exposures whose decodes waited for those decode blocks). A decode
-  engine that calls a prefill engine itself (a decode-first engine, as
-  NVIDIA Dynamo's decode workers do), not built, would drop the proxy's
-  exchange and its per-token relay, which is what bounds tokens/s at 8
-  clients. It changes what a failure strands, and a decode-first engine
-  faces clients, so it must refuse `kv_transfer_params` from them
-  (replays, see [security](security.md)). With concurrent dispatch a
-  decode engine that dies while the prefill runs leaves the prefill's
-  exposure to its lease, as a sequential decode engine that dies after
-  taking its request does.
+  exposures whose decodes waited for those decode blocks). With concurrent
+  dispatch a decode engine that dies while the prefill runs leaves the
+  prefill's exposure to its lease, as a sequential decode engine that dies
+  after taking its request does.
+* **Decode-first engines and the prefill's first token (issue 33).** The
+  second design is built: a decode engine started with `--prefill-url`
+  calls a prefill engine itself (as NVIDIA Dynamo's decode workers do), so
+  a request makes one exchange between engines instead of the proxy's two,
+  and its tokens go to the client without the proxy's relay (one HTTP
+  chunk more per token through one more process). And the prefill engine
+  now runs the prompt's last token too: its answer carries the first
+  token, which a decode-first engine streams as soon as it holds the
+  blocks -- before its admission, the pull and any decode step -- while a
+  decode engine behind a proxy sends it once it pulled, without a decode
+  step (behind a proxy the answer still starts after the pull, so that an
+  exposure that ended stays a 409 the proxy answers by prefilling again).
+  Section 11 measures the three paths side by side. What is left of the
+  time to first token is the exchange with the prefill engine: the
+  client's request and the prefill request are two HTTP exchanges in
+  series, each about 1.2 ms of httpx2 and hypercorn Python plus the wait
+  for a core on these 2 shared cores. A decode-first engine faces
+  clients, so it refuses `kv_transfer_params` from them (a replay must
+  not end another request's exposure: the refusal abandons nothing); it
+  takes client keys, sends the internal key to its prefill engines, and
+  gives an exposure back at once if its request ends before it held it
+  ([serving](serving.md#decode-first-engines)).
 """
 
 

@@ -429,7 +429,7 @@ async def _give_back(engine: Engine, body: dict[str, Any], second: SecondLine | 
         engine.give_back(body)
         return
     try:
-        kv = await second.params()
+        kv = await second.params(whole=False)
     except HTTPError:
         if second.named is None:
             return

@@ -104,6 +104,10 @@ def _line(data: dict[str, Any]) -> bytes:
     return text.encode() + b"\n"
 
 
+_UNREAD = object()
+"""(line 2 not read yet: ``null`` is a line too)"""
+
+
 class SecondLine:
     """A decode engine's reader of a two-line body (see the module docstring).
 
@@ -121,6 +125,7 @@ class SecondLine:
         self._buffer = bytearray()
         self._ended = False  # (the last body message arrived)
         self._failure: HTTPError | None = None
+        self._second: object = _UNREAD  # (line 2, parsed)
         self.within = within
         self.deadline = trio.current_time() + within
         self.value: dict[str, Any] | None = None  # (line 2's kv_transfer_params, once read)
@@ -151,9 +156,11 @@ class SecondLine:
             )
         return data
 
-    async def params(self) -> dict[str, Any]:
+    async def params(self, *, whole: bool = True) -> dict[str, Any]:
         """Line 2's ``kv_transfer_params`` (checked as an object that asks for a
-        remote prefill; :func:`~.openai.parse_remote_blocks` checks the rest).
+        remote prefill; :func:`~.openai.parse_remote_blocks` checks the rest),
+        once the body ended too (``whole``; a refusal that only needs what
+        line 2 names does not wait for the end).
 
         Raises:
             HTTPError: 400 (malformed, more than two lines, or the body ended
@@ -164,10 +171,11 @@ class SecondLine:
         if self._failure is not None:
             raise self._failure
         try:
-            data = _parsed(await self._line(KV_PARAMS), "the body's second line")
+            if self._second is _UNREAD:  # (a read cancelled while the body ends: kept)
+                self._second = _parsed(await self._line(KV_PARAMS), "the body's second line")
+            data = self._second
             named = data.get(KV_PARAMS) if isinstance(data, dict) else None
             self.named = named if isinstance(named, dict) else None
-            await self._end()
             if self._buffer:
                 raise HTTPError(400, "the body has more than two lines", "invalid_request_error")
             kv = named if isinstance(data, dict) and len(data) == 1 else None
@@ -186,6 +194,12 @@ class SecondLine:
                     "invalid_request_error",
                     param=f"{KV_PARAMS}.do_remote_prefill",
                 )
+            if whole:
+                await self._end()
+                if self._buffer:
+                    raise HTTPError(
+                        400, "the body has more than two lines", "invalid_request_error"
+                    )
         except HTTPError as exc:
             self._failure = exc
             raise
