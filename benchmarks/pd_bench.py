@@ -1183,6 +1183,7 @@ async def bench_serve(quick: bool) -> Result:
     max_tokens = 16 if quick else 32
     client_counts = (1, 8) if quick else (1, 8, 32)
     passes = 1 if quick else 3  # (over the prompts, at 1 client)
+    rounds = 2 if quick else 5  # (at 8 and 32 clients)
     if quick:
         prompts = prompts[:12]
     with tempfile.TemporaryDirectory() as scratch:
@@ -1319,10 +1320,41 @@ async def bench_serve(quick: bool) -> Result:
                         "timing": timing,
                     }
 
+                async def many(url: str, clients: int) -> Result:
+                    """Every prompt once, ``clients`` at a time: tokens/s, time to
+                    first token, and what a token cost in CPU."""
+                    limiter = trio.CapacityLimiter(clients)
+                    answers: list[Result] = []
+
+                    async def client_request(prompt: str) -> None:
+                        async with limiter:
+                            answers.append(await one(url, prompt))
+
+                    started = time.perf_counter()
+                    served_cpu = served_cpu_seconds()
+                    client_cpu = time.process_time()
+                    busy, total = _machine_busy_seconds()
+                    async with trio.open_nursery() as nursery:
+                        for prompt in prompts:
+                            nursery.start_soon(client_request, prompt)
+                    elapsed = time.perf_counter() - started
+                    served_cpu = served_cpu_seconds() - served_cpu
+                    client_cpu = time.process_time() - client_cpu
+                    busy_after, total_after = _machine_busy_seconds()
+                    tokens = sum(a["tokens"] for a in answers)
+                    return {
+                        "ttft_p50_ms": ms(statistics.median(a["first"] for a in answers)),
+                        "tokens_per_s": tokens / elapsed,
+                        # what a token costs the serving processes, and this client
+                        "server_cpu_ms_per_token": served_cpu / tokens * 1e3,
+                        "client_cpu_ms_per_token": client_cpu / tokens * 1e3,
+                        "machine_busy": (busy_after - busy) / max(total_after - total, 1e-9),
+                    }
+
                 for url in targets.values():  # warm-up: handshakes, first allocations
                     for prompt in prompts[:4]:
                         await one(url, prompt)
-                rows: dict[int, dict[str, dict[str, float]]] = {}
+                rows: dict[int, dict[str, Result]] = {}
                 answers: dict[str, list[Result]] = {name: [] for name in targets}
                 for _ in range(passes):  # 1 client: the targets take turns
                     for prompt in prompts:
@@ -1337,46 +1369,18 @@ async def bench_serve(quick: bool) -> Result:
                     }
                     for name, done in answers.items()
                 }
+                # 8 and 32 clients: ROUNDS rounds, the targets taking turns in
+                # an order that rotates by round; each round's own ratios too.
                 for clients in client_counts[1:]:
-                    rows[clients] = {}
-                    for name, url in targets.items():
-                        limiter = trio.CapacityLimiter(clients)
-                        first_tokens: list[float] = []
-                        counted: list[int] = []
-
-                        async def client_request(
-                            url: str = url,
-                            limiter: trio.CapacityLimiter = limiter,
-                            first_tokens: list[float] = first_tokens,
-                            counted: list[int] = counted,
-                            prompt: str = "",
-                        ) -> None:
-                            async with limiter:
-                                answer = await one(url, prompt)
-                                first_tokens.append(answer["first"])
-                                counted.append(answer["tokens"])
-
-                        started = time.perf_counter()
-                        served_cpu = served_cpu_seconds()
-                        client_cpu = time.process_time()
-                        busy, total = _machine_busy_seconds()
-                        async with trio.open_nursery() as nursery:
-                            for prompt in prompts:
-                                nursery.start_soon(functools.partial(client_request, prompt=prompt))
-                        elapsed = time.perf_counter() - started
-                        served_cpu = served_cpu_seconds() - served_cpu
-                        client_cpu = time.process_time() - client_cpu
-                        busy_after, total_after = _machine_busy_seconds()
-                        rows[clients][name] = {
-                            "ttft_p50_ms": ms(statistics.median(first_tokens)),
-                            "tokens_per_s": round(sum(counted) / elapsed),
-                            # what a token costs the serving processes, and this client
-                            "server_cpu_ms_per_token": round(served_cpu / sum(counted) * 1e3, 3),
-                            "client_cpu_ms_per_token": round(client_cpu / sum(counted) * 1e3, 3),
-                            "machine_busy": round(
-                                (busy_after - busy) / max(total_after - total, 1e-9), 2
-                            ),
-                        }
+                    runs: dict[str, list[Result]] = {name: [] for name in targets}
+                    for round_ in range(rounds):
+                        order = list(targets)[round_ % len(targets) :]
+                        order += list(targets)[: round_ % len(targets)]
+                        for name in order:
+                            runs[name].append(await many(targets[name], clients))
+                    rows[clients] = {
+                        name: _serve_rounds(done, runs[ONE_ENGINE]) for name, done in runs.items()
+                    }
         finally:
             for server in (decode_first, first_prefill, sequential, process):
                 if server is not None:
@@ -1387,6 +1391,7 @@ async def bench_serve(quick: bool) -> Result:
         "prompts": len(prompts),
         "max_tokens": max_tokens,
         "passes_at_1_client": passes,
+        "rounds": rounds,
         "by_clients": {str(c): r for c, r in rows.items()},
         "targets": [name for name in targets if name != ONE_ENGINE],
         "ratios": {name: _serve_ratios(rows, name) for name in targets if name != ONE_ENGINE},
@@ -1402,14 +1407,41 @@ proxy (``--dispatch concurrent``), a proxy dispatching sequentially (the
 default), and one engine."""
 
 
-def _serve_ratios(rows: dict[int, dict[str, dict[str, float]]], proxy: str) -> Result:
+def _serve_rounds(runs: list[Result], one_engine: list[Result]) -> Result:
+    """A target's rounds at one client count: medians over the rounds, CPU per
+    token over all of them, and each round's tokens/s over one engine's in the
+    same round (``round_ratios``)."""
+    return {
+        "ttft_p50_ms": ms(statistics.median(r["ttft_p50_ms"] for r in runs) / 1e3),
+        "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in runs)),
+        "server_cpu_ms_per_token": round(
+            statistics.fmean(r["server_cpu_ms_per_token"] for r in runs), 3
+        ),
+        "client_cpu_ms_per_token": round(
+            statistics.fmean(r["client_cpu_ms_per_token"] for r in runs), 3
+        ),
+        "machine_busy": round(statistics.fmean(r["machine_busy"] for r in runs), 2),
+        "round_ratios": [
+            round(r["tokens_per_s"] / o["tokens_per_s"], 2)
+            for r, o in zip(runs, one_engine, strict=True)
+        ],
+    }
+
+
+def _serve_ratios(rows: dict[int, dict[str, Result]], proxy: str) -> Result:
     """``proxy``'s time to first token and tokens/s against one engine's, by client count."""
     ttft = {c: (r[proxy]["ttft_p50_ms"], r[ONE_ENGINE]["ttft_p50_ms"]) for c, r in rows.items()}
     return {
         "ttft_ratio": {str(c): round(p / o, 2) for c, (p, o) in ttft.items()},
         "ttft_added_ms": {str(c): ms((p - o) / 1e3) for c, (p, o) in ttft.items()},
+        # (by client count: with rounds, the median of the rounds' own ratios)
         "tokens_per_s_ratio": {
-            str(c): round(r[proxy]["tokens_per_s"] / r[ONE_ENGINE]["tokens_per_s"], 2)
+            str(c): round(
+                statistics.median(r[proxy]["round_ratios"])
+                if "round_ratios" in r[proxy]
+                else r[proxy]["tokens_per_s"] / r[ONE_ENGINE]["tokens_per_s"],
+                2,
+            )
             for c, r in rows.items()
         },
         # A token's CPU (serving processes and this client) through the proxy over

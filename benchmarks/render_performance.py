@@ -1095,8 +1095,12 @@ def _serve_section(
         "engine of its own (the same code; it idles while the others run); one engine is "
         "`serve`'s decode engine. At 1, 8 and 32 clients at "
         "once (at 1 client the targets take turns request by request, each prompt "
-        f"{sv.get('passes_at_1_client', 1)} times; at 8 and 32 they take turns by client "
-        "count). Time to first token: median; added: over one engine's.",
+        f"{sv.get('passes_at_1_client', 1)} times; at 8 and 32 clients every prompt once "
+        f"per target in each of {sv.get('rounds', 1)} rounds, the targets taking turns in "
+        "an order that rotates by round). Time to first token: median (at 8 and 32 "
+        "clients, the median of the rounds' medians); tokens/s: the median over the "
+        "rounds, and its ratio the median of the rounds' own ratios (each round's below); "
+        "added: over one engine's.",
         "",
         _table(header, rows),
         "",
@@ -1106,6 +1110,20 @@ def _serve_section(
         "the engines share the same cores. What it buys -- decode steps that never "
         "wait behind another request's long prefill -- needs engines on separate "
         "hardware and a model whose prefill takes time.",
+        "",
+    ]
+    out += [
+        "Each round's tokens/s over one engine's in the same round:",
+        "",
+        _table(
+            ["clients", *short],
+            [
+                [clients]
+                + [" ".join(map(str, by_target[name].get("round_ratios", []))) for name in names]
+                for clients, by_target in sv["by_clients"].items()
+                if clients != "1"
+            ],
+        ),
         "",
     ]
     cpu_rows = []
@@ -1131,7 +1149,8 @@ def _serve_section(
             )
     out += [
         "What bounds tokens/s with many clients: the machine's CPU. Each row "
-        "gives a token's CPU time in the serving processes (`trio-pd serve`'s "
+        "gives a token's CPU time (the mean over the rounds) in the serving processes "
+        "(`trio-pd serve`'s "
         "process tree -- proxy and engines --, the second proxy, the decode-first "
         "engine and its prefill engine; the idle ones cost next to nothing) and in this "
         "benchmark's client, "

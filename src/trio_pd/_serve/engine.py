@@ -14,14 +14,16 @@ API (:mod:`trio_pd._serve.openai`; a chat's prompt is its templated
 conversation) and vLLM's P/D conventions (``kv_transfer_params``):
 
 * ``{"do_remote_decode": true}``: prefill only. The engine computes the
-  prompt's KV cache (all but its last token) into blocks, exposes them, and
-  answers with ``kv_transfer_params`` that a decode engine pulls with. The
-  blocks return to the pool when the decode engine has read them (or the
-  exposure expired).
+  prompt's KV cache into blocks and its first generated token, exposes the
+  blocks, and answers with that token and ``kv_transfer_params`` that a
+  decode engine pulls with (``first_token`` among them). The blocks return
+  to the pool when the decode engine has read them (or the exposure expired).
 * ``{"do_remote_prefill": true, ...}`` (what a prefill engine returned): the
-  engine pulls those blocks over NIXL, then decodes from the prompt's last
-  token.
-* neither: the engine runs the whole request itself.
+  engine pulls those blocks over NIXL, then decodes from ``first_token``
+  (without it, vLLM's shape: from the prompt's last token).
+* neither: the engine runs the whole request itself -- or, on a decode-first
+  engine (``prefill_urls``), runs its prefill on a prefill engine and then
+  decodes it as above (:func:`~.app.build_app`'s handlers).
 
 Both paths run the same model steps, so disaggregated output equals
 single-engine output token for token (see :mod:`trio_pd._serve.model`).

@@ -13,11 +13,12 @@ to blocks through its *block table*: position ``p`` lives in block
 ``table[p // block_size]`` at offset ``p % block_size``.
 
 Disaggregated and single-engine serving must produce the same tokens, so both
-use the same two steps: :meth:`TinyLlama.forward` over the prompt without its
-last token (a prefill engine does this and exposes the blocks), then one
-forward per token from the prompt's last token on (a decode engine does this
-after pulling the blocks). The same floats in the same order give the same
-greedy tokens, bit for bit.
+use the same steps: :meth:`TinyLlama.forward` over the prompt without its
+last token, then one forward per token from the prompt's last token on. A
+prefill engine does the first and the second (the prompt's last token,
+which gives the first generated token) and exposes the blocks; a decode
+engine pulls them and goes on from that token. The same floats in the same
+order give the same greedy tokens, bit for bit.
 
 torch is imported where a model computes, not with this module: the proxy and
 ``trio-pd serve`` read :class:`ModelConfig` only, and start without torch's
