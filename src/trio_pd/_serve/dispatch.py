@@ -207,6 +207,20 @@ class SecondLine:
         self.read.set()
         return kv
 
+    async def _receive_part(self) -> None:
+        """The body's next part, into the buffer.
+
+        Raises:
+            HTTPError: 499 (the proxy went away), 413 (over :data:`BODY_LIMIT`).
+        """
+        message = await self._receive()
+        if message["type"] == "http.disconnect":
+            raise HTTPError(499, "the client went away", "disconnect")
+        self._buffer += message.get("body", b"")
+        self._ended = not message.get("more_body")
+        if len(self._buffer) > BODY_LIMIT:
+            raise HTTPError(413, f"request body over {BODY_LIMIT} bytes", "invalid_request_error")
+
     async def _end(self) -> None:
         """Read the body to its end (it ends right after line 2).
 
@@ -217,15 +231,7 @@ class SecondLine:
         """
         with trio.move_on_at(self.deadline):
             while not self._ended:
-                message = await self._receive()
-                if message["type"] == "http.disconnect":
-                    raise HTTPError(499, "the client went away", "disconnect")
-                self._buffer += message.get("body", b"")
-                self._ended = not message.get("more_body")
-                if len(self._buffer) > BODY_LIMIT:
-                    raise HTTPError(
-                        413, f"request body over {BODY_LIMIT} bytes", "invalid_request_error"
-                    )
+                await self._receive_part()
             return
         raise HTTPError(
             408,
@@ -248,15 +254,7 @@ class SecondLine:
                         f"({PARAMS_WITHIN_HEADER}: two lines, each ending in a newline)",
                         "invalid_request_error",
                     )
-                message = await self._receive()
-                if message["type"] == "http.disconnect":
-                    raise HTTPError(499, "the client went away", "disconnect")
-                self._buffer += message.get("body", b"")
-                self._ended = not message.get("more_body")
-                if len(self._buffer) > BODY_LIMIT:
-                    raise HTTPError(
-                        413, f"request body over {BODY_LIMIT} bytes", "invalid_request_error"
-                    )
+                await self._receive_part()
             line = bytes(self._buffer[:end])
             del self._buffer[: end + 1]
             return line
