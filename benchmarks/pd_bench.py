@@ -366,7 +366,9 @@ async def bench_loop_stall(quick: bool) -> Result:
     (``stall_floor``): the stall the machine itself imposes then (the floor).
     """
     engines, regions, blocks = (2, 64, 1024) if quick else (8, 64, 4096)
-    block_bytes, rounds = 16, 3
+    # (rounds are short -- a storm takes about 50 ms -- and the machine's own
+    # stalls move a round's by milliseconds: the medians need many)
+    block_bytes, rounds = 16, 3 if quick else 11
     modes = (
         "trio_pd (worker threads)",
         "NIXL calls on the trio thread",
@@ -390,7 +392,12 @@ async def bench_loop_stall(quick: bool) -> Result:
                     stall_cpu[mode].append(cpu)
                     storms[mode].append(storm)
                     floors[mode].append(bare)
-    out: Result = {"engines": engines, "descriptors_per_engine": regions * blocks, "modes": {}}
+    out: Result = {
+        "engines": engines,
+        "descriptors_per_engine": regions * blocks,
+        "rounds": rounds,
+        "modes": {},
+    }
     for mode in modes:
         above = [s - f["floor"] for s, f in zip(stalls[mode], floors[mode], strict=True)]
         out["modes"][mode] = {

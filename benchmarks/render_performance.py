@@ -543,7 +543,8 @@ def _loop_stall_section(s: dict[str, Any], checks: list[list[str]]) -> list[str]
         f"The longest time the trio loop ran without polling for I/O "
         f"(`trio_pd.testing.LoopStallMonitor`) while {s['engines']} engines with "
         f"{s['descriptors_per_engine']} descriptors each handshake at once "
-        "(a fresh decoder per round; median of 3 rounds, after a warm-up round)."
+        f"(a fresh decoder per round; median of {s.get('rounds', 3)} rounds, after a "
+        "warm-up round)."
         + (
             " Beside every storm, in a process of its own and over the same moments, "
             "a bare trio loop whose one task wakes every 100 us is watched too "
