@@ -257,7 +257,7 @@ async def _lifespan(engine: Engine, receive: Receive, send: Send) -> None:
                 )
                 for rank, regions in enumerate(engine.cache)
             ]
-            if settings.prefill_urls:  # (decode-first: its own HTTP client, closed last)
+            if settings.prefill_urls:  # (decode-first: its own HTTP client, closed first)
                 engine.prefiller = await stack.enter_async_context(
                     open_prefiller(
                         settings.prefill_urls,
