@@ -265,3 +265,88 @@ async def test_a_bad_first_token_from_the_prefill_engine_is_a_502_and_its_blocks
                 await until(lambda: producer.statistics().exposures_abandoned == 1)
                 await until(lambda: prefill.pool.free == prefill.pool.num_blocks)
                 await until(lambda: decode.pool.free == decode.pool.num_blocks)
+
+
+@pytest.mark.parametrize("draining", [False, True])
+async def test_a_request_refused_for_its_shape_abandons_no_client_parameters(
+    draining: bool,
+) -> None:
+    """Parameters a client sent in a request refused before they are looked
+    at (a bad field, a draining engine, a two-line body with a malformed
+    first line) are not given back: a decode-first engine's clients'
+    parameters are never its own, and a replay must not end another's exposure."""
+    async with (
+        deployment() as (prefill, decode, prefill_url, decode_url),
+        httpx2.AsyncClient(timeout=30) as client,
+    ):
+        given_back: list[object] = []
+        decode.give_back = given_back.append  # type: ignore[method-assign]  # (a spy)
+        with trio.fail_after(60):
+            body = {"prompt": "someone else's request", "max_tokens": 2}
+            remote = {**body, "kv_transfer_params": {"do_remote_decode": True}}
+            exposed = await client.post(f"{prefill_url}/v1/completions", json=remote)
+            params = exposed.json()["kv_transfer_params"]
+            decode.accepting = not draining
+            line = json.dumps({"kv_transfer_params": params}).encode() + b"\n"
+            for sent, status in (
+                ({"json": {**body, "max_tokens": 0, "kv_transfer_params": params}}, 400),
+                ({"json": {**body, "prompt": 5, "kv_transfer_params": params}}, 400),
+                (
+                    {
+                        "content": b"{not json\n" + line,
+                        "headers": {"x-trio-pd-params-within": "5"},
+                    },
+                    400,
+                ),
+            ):
+                refused = await client.post(f"{decode_url}/v1/completions", **sent)
+                assert refused.status_code == status, refused.text
+            assert given_back == []
+            [producer] = prefill.connectors
+            assert producer.statistics().exposures_abandoned == 0
+            assert producer.statistics().exposures_pending == 1
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_a_request_that_can_never_run_here_is_a_400_before_its_prefill(
+    streamed: bool,
+) -> None:
+    """Prompt plus max_tokens over what this engine's pool holds (the prefill
+    engine needs only the prompt's blocks): refused before the prefill runs
+    -- and not a stream that starts with the first token, then fails."""
+    async with (
+        deployment() as (prefill, _, _, decode_url),
+        httpx2.AsyncClient(timeout=30) as client,
+    ):
+        with trio.fail_after(60):
+            # (600 + 600 tokens: 75 blocks, the pool has 64; each alone is fine)
+            body = {"prompt": "x" * 600, "max_tokens": 600, "stream": streamed}
+            answer = await client.post(f"{decode_url}/v1/completions", json=body)
+            assert answer.status_code == 400, answer.text
+            assert answer.json()["error"]["param"] == "max_tokens"
+            [producer] = prefill.connectors
+            assert producer.statistics().exposures_released == 0
+            assert producer.statistics().exposures_abandoned == 0
+            assert producer.statistics().exposures_pending == 0
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_a_prefill_engine_with_another_exposure_secret_is_a_deployment_fault(
+    streamed: bool,
+) -> None:
+    """The token check of the prefill engine's parameters fails here (the
+    engines sign with different secrets): a 502 naming both engines, not a
+    400 blaming a client that sent no parameters."""
+    prefill = engine("p0", keys={"exposure_secret": b"a" * 32})
+    async with serving(build_app(prefill)) as [prefill_url]:
+        decode = engine("d0", prefill_urls=(prefill_url,), keys={"exposure_secret": b"b" * 32})
+        async with serving(build_app(decode)) as [url], httpx2.AsyncClient(timeout=30) as client:
+            with trio.fail_after(30):
+                body = {"prompt": "secret", "max_tokens": 3, "stream": streamed}
+                answer = await client.post(f"{url}/v1/completions", json=body)
+                assert answer.status_code == 502, answer.text
+                error = answer.json()["error"]
+                assert error["type"] == "deployment_error"
+                assert (error["engine"], error["prefill_engine"]) == ("d0", prefill_url)
+                assert "kv_transfer_params['remote_token']" in error["message"]
+                await until(lambda: decode.pool.free == decode.pool.num_blocks)

@@ -370,6 +370,9 @@ async def _generation(
                     whole = shapes.whole(text, [first], kv_transfer_params=kv)
                     await send_json(sending, 200, whole, [times.header()])
                 elif prefiller is not None:  # (decode-first)
+                    # (a request that can never run here: before the prefill,
+                    # and before a stream could start with its first token)
+                    engine.check_fits(request.prompt, request.max_tokens)
                     answer = await prefiller.prefill(scope["path"], rid, body, times)
                     request = attrs.evolve(request, kind="decode", kv_transfer_params=answer.kv)
                     await _decode_first(engine, sending, shapes, request, times, answer.engine)
@@ -424,7 +427,13 @@ async def _give_back(engine: Engine, body: dict[str, Any], second: SecondLine | 
     Called from ``except`` blocks that re-raise the refusal: if the request is
     cancelled while this reads the second line, the cancellation replaces
     the refusal -- nothing would answer it any more (flake8-async's ASYNC120
-    is silenced there for this reason)."""
+    is silenced there for this reason).
+
+    A decode-first engine gives nothing back: its clients' parameters are
+    never its own (a replay of another request's must not end its exposure;
+    it gives back its own prefill's itself, :meth:`Engine.generation`)."""
+    if engine.settings.prefill_urls:
+        return
     if second is None:
         engine.give_back(body)
         return
@@ -455,11 +464,19 @@ async def _decode_first(
 
     Raises:
         HTTPError: a 502 (:class:`~.errors.DeploymentFault`) when this engine
-            refuses the parameters its prefill engine issued (a 400 naming one);
+            refuses the parameters its prefill engine issued (a 400 naming one,
+            :class:`ParamsRejectedError` -- another exposure secret, say -- or
+            :class:`~.errors.ParamsInUse`: the client sent none of them);
             the pull's and the request's own errors as for any decode request.
     """
     try:
         await _generate(engine, send, shapes, request, times, decode_first=True)
+    except (ParamsRejectedError, ParamsInUse) as exc:  # (their messages name the field)
+        raise http_error(
+            DeploymentFault(str(exc)),
+            engine=engine.settings.engine_id,
+            prefill_engine=prefill_engine,
+        ) from None
     except HTTPError as exc:
         if exc.status == 400 and str(exc.body["error"].get("param")).startswith(
             "kv_transfer_params"

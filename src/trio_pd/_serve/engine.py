@@ -109,7 +109,7 @@ class EngineSettings:
     send_timeout: float = SEND_TIMEOUT
     # A decode-first engine (--prefill-url): it takes clients' requests and
     # runs their prefill on one of these prefill engines itself
-    # (:mod:`.decode_first`), each attempt within prefill_timeout.
+    # (:mod:`.app`, :mod:`.prefilling`), each attempt within prefill_timeout.
     prefill_urls: tuple[str, ...] = ()
     prefill_timeout: float = defaults.PREFILL_TIMEOUT
 

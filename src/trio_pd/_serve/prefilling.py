@@ -1,7 +1,7 @@
 """Asking a prefill engine for a prompt's KV: the request, which engine, its answer.
 
 Both callers of a prefill engine use it: the proxy (:mod:`.proxy`) and a
-decode-first engine (:mod:`.decode_first`), which runs its requests'
+decode-first engine (:func:`~.app.build_app`), which runs its requests'
 prefill on a prefill engine itself. A :class:`Prefiller` sends the request
 with ``max_tokens: 1`` and ``kv_transfer_params: {"do_remote_decode": true}``
 to the engine of its set with the fewest requests in flight, and returns
