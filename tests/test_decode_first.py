@@ -122,11 +122,13 @@ async def test_a_decode_first_engine_serves_what_one_engine_would() -> None:
                     ids, events, _ = await stream(client, decode_url, path, body)
                     assert ids == expected
                     assert events[-1]["choices"][0]["finish_reason"] == "length"
-            # Every exposure was read: nothing given back, nothing left.
+            # Every exposure was read -- but the four of one token, whose
+            # answer is the prefill's token: given back --, nothing left.
             [producer] = prefill.connectors
-            await until(lambda: producer.statistics().exposures_released == 4 * len(PROMPTS))
+            read = 4 * (len(PROMPTS) - 1)
+            await until(lambda: producer.statistics().exposures_released == read)
+            await until(lambda: producer.statistics().exposures_abandoned == 4)
             assert producer.statistics().exposures_pending == 0
-            assert producer.statistics().exposures_abandoned == 0
             await until(lambda: prefill.pool.free == prefill.pool.num_blocks)
             await until(lambda: decode.pool.free == decode.pool.num_blocks)
 
@@ -350,3 +352,80 @@ async def test_a_prefill_engine_with_another_exposure_secret_is_a_deployment_fau
                 assert (error["engine"], error["prefill_engine"]) == ("d0", prefill_url)
                 assert "kv_transfer_params['remote_token']" in error["message"]
                 await until(lambda: decode.pool.free == decode.pool.num_blocks)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_an_exposure_that_ended_before_the_pull_is_prefilled_again(streamed: bool) -> None:
+    """The prefill's answer comes after its exposure's lease ran out (its first
+    answer is held back until the producer counted the expiry): the pull finds
+    it over, and the engine prefills once more, as the proxy does. A stream
+    that already carries the first token goes on with the second prefill's
+    KV, without sending that token again; the answer is one engine's."""
+    prefill = engine("p0", lease_initial=0.05)
+    real = build_app(prefill)
+    held_back = True  # (not yet: the answer to hold back is the decode-first engine's)
+
+    async def late_once(scope: Any, receive: Any, send: Any) -> None:
+        async def answer(message: dict[str, Any]) -> None:
+            nonlocal held_back
+            if message["type"] == "http.response.start" and not held_back:
+                held_back = True
+                [producer] = prefill.connectors
+                await until(lambda: producer.statistics().exposures_expired == 1)
+            await send(message)
+
+        await real(scope, receive, answer if scope["type"] == "http" else send)
+
+    async with serving(late_once) as [prefill_url]:
+        decode = engine("d0", prefill_urls=(prefill_url,))
+        async with serving(build_app(decode)) as [url], httpx2.AsyncClient(timeout=30) as client:
+            with trio.fail_after(30):
+                body = {"prompt": "a late answer", "max_tokens": 4}
+                whole = await client.post(f"{prefill_url}/v1/completions", json=body)
+                expected = whole.json()["choices"][0]["token_ids"]
+                held_back = False
+                if streamed:
+                    ids, events, _ = await stream(client, url, "/v1/completions", body)
+                    assert len(events) == 4  # (the first token once)
+                else:
+                    answer = await client.post(f"{url}/v1/completions", json=body)
+                    assert answer.status_code == 200, answer.text
+                    ids = answer.json()["choices"][0]["token_ids"]
+                assert ids == expected
+                [consumer] = decode.connectors
+                assert consumer.statistics().pulls_exposure_ended == 1
+                assert consumer.statistics().pulls_succeeded == 1
+                await until(lambda: prefill.pool.free == prefill.pool.num_blocks)
+                await until(lambda: decode.pool.free == decode.pool.num_blocks)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_one_token_is_the_prefills_and_nothing_is_pulled(streamed: bool) -> None:
+    """With ``max_tokens`` 1 the prefill engine's token is the whole answer: the
+    exposure is given back at once (not after its lease: 60 s here), and the
+    decode engine admits nothing and pulls nothing."""
+    prefill = engine("p0", lease_initial=60.0)
+    async with serving(build_app(prefill)) as [prefill_url]:
+        decode = engine("d0", prefill_urls=(prefill_url,))
+        async with serving(build_app(decode)) as [url], httpx2.AsyncClient(timeout=30) as client:
+            with trio.fail_after(30):
+                body = {"prompt": "just one", "max_tokens": 1, "stream": streamed}
+                whole = await client.post(f"{prefill_url}/v1/completions", json=body)
+                if streamed:
+                    expected = [
+                        json.loads(line.removeprefix("data: "))["choices"][0]["token_ids"]
+                        for line in whole.text.splitlines()
+                        if line.startswith("data: {")
+                    ]
+                    ids, _, timing = await stream(client, url, "/v1/completions", body)
+                    assert [ids] == expected
+                    assert "pull" not in timing
+                else:
+                    expected = whole.json()["choices"][0]["token_ids"]
+                    answer = await client.post(f"{url}/v1/completions", json=body)
+                    assert answer.json()["choices"][0]["token_ids"] == expected
+                [producer], [consumer] = prefill.connectors, decode.connectors
+                await until(lambda: producer.statistics().exposures_abandoned == 1)
+                await until(lambda: prefill.pool.free == prefill.pool.num_blocks)
+                assert consumer.statistics().pulls_succeeded == 0
+                assert decode.pool.free == decode.pool.num_blocks

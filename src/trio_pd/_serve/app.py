@@ -22,7 +22,7 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 from typing import Any
 
@@ -51,6 +51,7 @@ from trio_pd._serve.asgi import (
     send_text,
     start_events,
 )
+from trio_pd._serve.defaults import REPREFILLS
 from trio_pd._serve.dispatch import SecondLine, params_within
 from trio_pd._serve.engine import Engine
 from trio_pd._serve.errors import DeploymentFault, HTTPError, ParamsInUse, http_error
@@ -373,9 +374,27 @@ async def _generation(
                     # (a request that can never run here: before the prefill,
                     # and before a stream could start with its first token)
                     engine.check_fits(request.prompt, request.max_tokens)
-                    answer = await prefiller.prefill(scope["path"], rid, body, times)
-                    request = attrs.evolve(request, kind="decode", kv_transfer_params=answer.kv)
-                    await _decode_first(engine, sending, shapes, request, times, answer.engine)
+                    stream = _Stream()  # (what the client got, across prefills)
+                    for round_ in range(1 + REPREFILLS):
+                        answer = await prefiller.prefill(scope["path"], rid, body, times)
+                        request = attrs.evolve(request, kind="decode", kv_transfer_params=answer.kv)
+                        try:
+                            await _decode_first(
+                                engine, sending, shapes, request, times, answer.engine, stream
+                            )
+                            break
+                        except ExposureEndedError as exc:
+                            if round_ == REPREFILLS:
+                                raise
+                            # (as the proxy does: the exposure is gone for good,
+                            # a new prefill gives the same first token and KV)
+                            logger.warning(
+                                "request %s: prefilled again: the exposure on %s ended "
+                                "before its pull (%s)",
+                                request_id,
+                                answer.engine,
+                                exc.outcome,
+                            )
                 else:
                     await _generate(engine, sending, shapes, request, times, second)
         except HTTPError as exc:
@@ -446,6 +465,17 @@ async def _give_back(engine: Engine, body: dict[str, Any], second: SecondLine | 
     engine.give_back({"kv_transfer_params": kv})
 
 
+@attrs.define
+class _Stream:
+    """What a streamed answer has sent so far (a decode-first request may
+    prefill twice: its first token goes out once)."""
+
+    started: bool = False  # (the headers and the first token)
+    decoder: codecs.IncrementalDecoder = attrs.field(
+        factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
+    )
+
+
 async def _decode_first(
     engine: Engine,
     send: Send,
@@ -453,6 +483,7 @@ async def _decode_first(
     request: GenerationRequest,
     times: PhaseTimes,
     prefill_engine: str,
+    stream: _Stream,
 ) -> None:
     """A decode-first engine's request, once its prefill engine answered
     (``request.kv_transfer_params``): pull and decode it here, its first
@@ -470,7 +501,7 @@ async def _decode_first(
             the pull's and the request's own errors as for any decode request.
     """
     try:
-        await _generate(engine, send, shapes, request, times, decode_first=True)
+        await _generate(engine, send, shapes, request, times, stream=stream)
     except (ParamsRejectedError, ParamsInUse) as exc:  # (their messages name the field)
         raise http_error(
             DeploymentFault(str(exc)),
@@ -497,16 +528,19 @@ async def _generate(
     times: PhaseTimes,
     second: SecondLine | None = None,
     *,
-    decode_first: bool = False,
+    stream: _Stream | None = None,
 ) -> None:
     """Generate ``request``'s tokens (pulling its prompt's KV if it is a decode
     request) and send them, whole or as server-sent events; the response's
     ``Server-Timing`` names the phases before the first token (``times``).
 
-    A ``decode_first`` request's stream starts with the prefill engine's
-    first token as soon as every rank holds the blocks, before admission and
-    the pull; its exposure is given back if it ends before it held it
-    (nobody else knows its parameters).
+    A decode-first request (``stream`` given, what was sent of it so far)
+    starts its stream with the prefill engine's first token as soon as every
+    rank holds the blocks, before admission and the pull (once: a second
+    prefill's first token is not sent again); its exposure is given back if
+    it ends before it held it (nobody else knows its parameters). With
+    ``max_tokens`` 1 that token is the whole answer: the exposure is given
+    back, nothing is admitted or pulled.
 
     A whole answer is sent once its KV blocks are back in the pool; a stream
     holds them until its last token is sent (a client that stops reading
@@ -516,28 +550,33 @@ async def _generate(
     # A decode-first engine streams the prefill's first token once the blocks
     # are held. Behind a proxy the answer starts after the pull: until then an
     # exposure_ended is a 409 that the proxy answers by prefilling again.
-    early = None
-    if decode_first and remote is not None and request.stream:
+    decode_first = stream is not None
+    sent = stream if stream is not None else _Stream()
+    decoder = sent.decoder
+    first = None
+    if decode_first and remote is not None:
         with contextlib.suppress(HTTPError):  # (a bad one is refused once held)
-            early = first_token_of(remote, engine.model.config.vocab)
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    started = False
+            first = first_token_of(remote, engine.model.config.vocab)
 
     async def on_held() -> None:
-        nonlocal started
-        if early is None:
+        if first is None or not request.stream or sent.started:
             return
         await start_events(send, [times.header()])
         opening = shapes.first_chunk()
         if opening is not None:
             await send_event(send, opening)
         last = request.max_tokens == 1
-        text = decoder.decode(bytes([early]), final=last)
-        await send_event(send, shapes.chunk(text, [early], last, request.include_usage))
-        started = True
+        text = decoder.decode(bytes([first]), final=last)
+        await send_event(send, shapes.chunk(text, [first], last, request.include_usage))
+        sent.started = True
 
     @asynccontextmanager
     async def generating() -> AsyncIterator[AsyncIterator[int]]:
+        if first is not None and request.max_tokens == 1:
+            # (the prefill's token is the answer: nothing to pull or decode)
+            engine.give_back({"kv_transfer_params": remote})
+            yield _only(first)
+            return
         async with (
             engine.generation(
                 shapes.request_id,
@@ -560,7 +599,8 @@ async def _generate(
         await send_json(send, 200, shapes.whole(text, ids), [times.header()])
         return
     async with generating() as tokens:
-        if not started:
+        early = sent.started
+        if not early:
             await start_events(send, [times.header()])
             opening = shapes.first_chunk()
             if opening is not None:
@@ -568,7 +608,7 @@ async def _generate(
         count = 0
         async for token in tokens:
             count += 1
-            if count == 1 and started:  # (the prefill's first token: sent already)
+            if count == 1 and early:  # (the prefill's first token: sent already)
                 continue
             last = count == request.max_tokens
             text = decoder.decode(bytes([token]), final=last)
@@ -576,3 +616,8 @@ async def _generate(
         if request.include_usage:
             await send_event(send, shapes.usage_chunk(count))
         await send_event(send, "[DONE]", last=True)
+
+
+async def _only(token: int) -> AsyncGenerator[int, None]:
+    """A token stream of one token."""
+    yield token
