@@ -619,5 +619,7 @@ async def _generate(
 
 
 async def _only(token: int) -> AsyncGenerator[int, None]:
-    """A token stream of one token."""
+    """A token stream of one token (a checkpoint first, as every token of a
+    decoded stream is)."""
+    await trio.lowlevel.checkpoint()
     yield token
