@@ -53,8 +53,8 @@ EXIT_STATUSES: Mapping[str, Mapping[int, str]] = MappingProxyType(
             ),
             EXIT_FAILED: (
                 "an engine failed (at start, while serving, or in its drain: killed after "
-                "``--grace`` + 5 s), or the proxy could not start (decode-first: a decode "
-                "engine's address is not this machine's, or in use)"
+                "``--grace`` + 5 s), or the proxy could not start (decode-first: the address "
+                "of a decode engine cannot be bound)"
             ),
             EXIT_USAGE: "bad arguments",
         },

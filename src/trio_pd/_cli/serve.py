@@ -467,12 +467,7 @@ async def _serve_decode_first(
     }
     if options.ready_file:
         write_json_atomically(options.ready_file, ready)
-    console.print(_endpoints_table(ready))
-    if options.api_keys is None:
-        console.print(
-            "[yellow]note: no client keys (--api-key): anyone who reaches a decode engine "
-            "may call it[/]"
-        )
+    console.print(_endpoints_table(ready))  # (without client keys each engine warned)
     console.print(
         "[bold green]serving[/]: clients call the decode engines; Ctrl-C or SIGTERM "
         "drains and stops"
