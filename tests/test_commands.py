@@ -226,9 +226,38 @@ async def test_engines_and_a_proxy_started_as_separate_commands_serve_what_one_e
             2,
             "--prefill-timeout must be",
         ),
+        (
+            ["serve", "--dispatch", "decode-first", "--hosts", "1"],
+            2,
+            "--dispatch decode-first and --hosts: not together",
+        ),
+        (
+            ["serve", "--dispatch", "decode-first", "--decode", "2", "--port", "65535"],
+            2,
+            "need ports past 65535",
+        ),
+        # (decode-first is serve's alone: no proxy dispatches so)
+        (
+            [
+                "proxy",
+                "--prefill",
+                "http://a:1",
+                "--decode",
+                "http://b:1",
+                "--dispatch",
+                "decode-first",
+            ],
+            2,
+            "invalid choice: 'decode-first'",
+        ),
         # 192.0.2.1 (TEST-NET-1) is no address of this machine: serve fails
         # before it starts an engine.
         (["serve", "--port", "0", "--host", "192.0.2.1"], 1, "cannot bind 192.0.2.1:0"),
+        (
+            ["serve", "--dispatch", "decode-first", "--port", "0", "--host", "192.0.2.1"],
+            1,
+            "decode-0: cannot bind 192.0.2.1:0",
+        ),
     ],
 )
 def test_bad_arguments_exit_2_and_an_address_that_is_not_ours_exits_1_in_one_line(
@@ -252,6 +281,15 @@ def test_bad_arguments_exit_2_and_an_address_that_is_not_ours_exits_1_in_one_lin
     line = one_line_error(capsys.readouterr().err)
     assert line.startswith(f"trio-pd {args[0]}: "), line
     assert words in line, line
+
+
+def test_no_proxy_dispatches_decode_first() -> None:
+    """``decode-first`` is ``trio-pd serve``'s alone (it starts no proxy):
+    the proxy's options refuse it, naming the flag, as its parser does."""
+    from trio_pd._cli.proxy import ProxyOptions
+
+    with pytest.raises(ValueError, match="--dispatch 'decode-first': a proxy dispatches"):
+        ProxyOptions(dispatch="decode-first").check()
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1"])

@@ -159,6 +159,8 @@ async def test_the_proxy_serves_exactly_what_one_engine_would(
     """Through the proxy (concurrent dispatch, and sequential dispatch -- the
     default -- by a second proxy), every answer is one engine's, token for token."""
     proxy, [prefill], [decode] = deployment["proxy"], deployment["prefill"], deployment["decode"]
+    # (the ready file says what clients call: the proxy)
+    assert (deployment["dispatch"], deployment["clients"]) == ("concurrent", [proxy])
     cases = prompts()
     through_proxy: dict[int, list[int]] = {}
     sequentially: dict[int, list[int]] = {}

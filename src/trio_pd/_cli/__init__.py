@@ -153,7 +153,9 @@ def _parser() -> argparse.ArgumentParser:
     proxy = commands.add_parser("proxy", help="the P/D proxy in front of engines")
     proxy_command.add_arguments(proxy)
     serve = commands.add_parser(
-        "serve", help="serve the tiny model over HTTP: prefill and decode engines behind a proxy"
+        "serve",
+        help="serve the tiny model over HTTP: prefill and decode engines behind a proxy (or, "
+        "--dispatch decode-first, decode engines that clients call)",
     )
     serving = ServeOptions()
     serve.add_argument(
@@ -191,25 +193,29 @@ def _parser() -> argparse.ArgumentParser:
         advertise="the address the servers are dialled at (default: --host; 127.0.0.1 for a "
         "wildcard)",
         port=serving.port,
-        port_help="the proxy's port (0: any free port)",
+        port_help="the proxy's port (0: any free port); decode-first, the first decode "
+        "engine's, the others' following it",
     )
     serve.add_argument(
         "--ready-file",
         default="",
         metavar="PATH",
-        help='{"proxy": url, "prefill": [urls], "decode": [urls]}, written once every engine '
-        "and the proxy accept requests; removed on exit",
+        help='{"dispatch": ..., "clients": [urls], "proxy": url, "prefill": [urls], "decode": '
+        "[urls]}, written once every engine and the proxy accept requests; removed on exit; "
+        '"clients" is what clients call: [the proxy], or decode-first the decode engines (and '
+        '"proxy" is null)',
     )
     serve.add_argument(
         "--grace",
         type=float,
         default=serving.grace,
         metavar="SECONDS",
-        help="seconds the proxy, then each engine, drains on SIGINT/SIGTERM",
+        help="seconds the proxy, then each engine, drains on SIGINT/SIGTERM (decode-first: "
+        "the decode engines, then the prefill engines)",
     )
     add_send_timeout_argument(serve, serving.send_timeout)
     add_lease_argument(serve, serving.lease_initial)
-    add_dispatch_argument(serve, serving.dispatch)
+    add_dispatch_argument(serve, serving.dispatch, decode_first=True)
     serve.add_argument(
         "--num-blocks",
         type=int,
@@ -223,7 +229,8 @@ def _parser() -> argparse.ArgumentParser:
         default=serving.hosts,
         metavar="N",
         help="run the engines on N test hosts (network namespaces, root only), "
-        "found by the proxy through an etcd run here: the cluster's shape on one machine",
+        "found by the proxy through an etcd run here: the cluster's shape on one machine "
+        "(not with --dispatch decode-first)",
     )
     serve.add_argument(
         "--api-key",
@@ -232,7 +239,8 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY",
         help=f"a client key for the proxy, repeatable (default: ${API_KEY_ENV}); /v1/* "
         "then needs 'Authorization: Bearer KEY'; the engines get an internal key, so clients "
-        "reach them only through the proxy",
+        "reach them only through the proxy (decode-first: the decode engines take the client "
+        "keys, in their environment, and the prefill engines the internal key alone)",
     )
     add_internal_key_argument(
         serve,

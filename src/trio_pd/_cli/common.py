@@ -17,6 +17,11 @@ from trio_pd._curve_keys import ANY_ENGINE, CurveAuth
 from trio_pd._serve.discovery import EtcdMembership, Membership
 from trio_pd._serve.engine import EXPOSURE_SECRET_ENV
 from trio_pd._serve.keys import API_KEY_ENV, INTERNAL_KEY_ENV, BearerKeys
+from trio_pd._serve.proxy import DISPATCHES
+
+DECODE_FIRST = "decode-first"
+"""``trio-pd serve --dispatch decode-first``: no proxy; clients call decode-first
+engines (``trio-pd engine --prefill-url``). Not a proxy's dispatch."""
 
 ETCD_PASSWORD_ENV = "TRIO_PD_ETCD_PASSWORD"
 
@@ -48,7 +53,8 @@ EXIT_STATUSES: Mapping[str, Mapping[int, str]] = MappingProxyType(
             ),
             EXIT_FAILED: (
                 "an engine failed (at start, while serving, or in its drain: killed after "
-                "``--grace`` + 5 s), or the proxy could not start"
+                "``--grace`` + 5 s), or the proxy could not start (decode-first: the address "
+                "of a decode engine cannot be bound)"
             ),
             EXIT_USAGE: "bad arguments",
         },
@@ -236,15 +242,26 @@ def add_send_timeout_argument(parser: argparse.ArgumentParser, default: float) -
     )
 
 
-def add_dispatch_argument(parser: argparse.ArgumentParser, default: str) -> None:
+def add_dispatch_argument(
+    parser: argparse.ArgumentParser, default: str, *, decode_first: bool = False
+) -> None:
+    """``--dispatch``: the proxy's two (``trio-pd proxy``), and with
+    ``decode_first`` (``trio-pd serve``) a third, no proxy at all."""
+    choices = (*DISPATCHES, DECODE_FIRST) if decode_first else DISPATCHES
+    proxyless = (
+        "; decode-first, no proxy at all: each decode engine is decode-first (trio-pd engine "
+        "--prefill-url, naming every prefill engine) and clients call it; --port is then the "
+        "first decode engine's (the M decode engines take --port to --port + M - 1) and "
+        "--api-key guards the decode engines"
+    )
     parser.add_argument(
         "--dispatch",
-        choices=("sequential", "concurrent"),
+        choices=choices,
         default=default,
         help="when the proxy sends a decode request: concurrent, at once with its prefill "
         "request, the prefill's kv_transfer_params following as a second line of its body "
         "(the decode engine reads and checks it meanwhile; needs trio-pd engines); sequential, "
-        f"once the prefill answered (default {default})",
+        f"once the prefill answered{proxyless if decode_first else ''} (default {default})",
     )
 
 
@@ -282,15 +299,15 @@ def internal_key(key_file: str) -> str | None:
 
 
 def client_keys(flag_keys: list[str]) -> BearerKeys | None:
-    """The proxy's client keys: every ``--api-key`` and
-    :data:`~trio_pd._serve.keys.API_KEY_ENV` (``None`` if there are none).
+    """The client keys (of the proxy, or of a decode-first engine): every
+    ``--api-key`` and those of :data:`~trio_pd._serve.keys.API_KEY_ENV`
+    (one key, or several separated by spaces: how ``trio-pd serve`` hands
+    its keys to decode-first engines); ``None`` if there are none.
 
     Raises:
         UsageError: a key is too short or not printable (never printed).
     """
-    keys = [*flag_keys]
-    if env := os.environ.get(API_KEY_ENV, "").strip():
-        keys.append(env)
+    keys = [*flag_keys, *os.environ.get(API_KEY_ENV, "").split()]
     if not keys:
         return None
     try:

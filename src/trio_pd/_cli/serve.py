@@ -13,6 +13,15 @@ SIGTERM and drains the same way (``--grace`` is passed to it), closing its
 connectors last; one still running ``--grace`` + 5 s later is killed.
 During start-up a signal abandons the start (nothing is served).
 
+``--dispatch decode-first`` starts no proxy: the prefill engines start
+first, then each decode engine as a decode-first engine (``trio-pd engine
+--prefill-url``, one for every prefill engine; the client keys in its
+environment), and clients call the decode engines (the ready file's
+``"clients"``). The drain: the decode engines first (their requests in
+flight still prefill, and read exposures, on the prefill engines), then the
+prefill engines (each waits, within ``--grace``, until what it exposed was
+read or given up).
+
 ``--hosts N`` (root) shows the cluster shape on one machine: the engines
 run on N test hosts (network namespaces joined by veth links, routed to each
 other through this one, see :mod:`trio_pd._harness._netns`), engine ``k`` on host
@@ -44,15 +53,16 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import AsyncExitStack, contextmanager
+from contextlib import AsyncExitStack, contextmanager, nullcontext
 from pathlib import Path
+from typing import Any
 
 import attrs
 import trio
 from rich.console import Console
 from rich.table import Table
 
-from trio_pd._cli.common import ETCD_PASSWORD_ENV
+from trio_pd._cli.common import DECODE_FIRST, ETCD_PASSWORD_ENV
 from trio_pd._cli.engine_processes import (
     EngineBoard,
     EngineProcess,
@@ -79,7 +89,7 @@ from trio_pd._serve.engine import EXPOSURE_SECRET_ENV
 from trio_pd._serve.keys import API_KEY_ENV, INTERNAL_KEY_ENV, BearerKeys
 from trio_pd._serve.model import ModelConfig
 from trio_pd._serve.openai import MAX_MODEL_LEN
-from trio_pd._serve.proxy import DISPATCH
+from trio_pd._serve.proxy import DISPATCH, DISPATCHES
 from trio_pd._serve.stopping import StopRequest, stop_requests
 
 
@@ -108,10 +118,20 @@ class ServeOptions:
     etcd_ttl: float = 10.0  # (with hosts: each engine's lease)
     api_keys: BearerKeys | None = None  # (the proxy's client keys; None: open)
     curve: bool = True  # (CURVE on the engines' side channels, keys made per run)
-    dispatch: str = DISPATCH  # (the proxy's: when it sends a decode request)
+    dispatch: str = DISPATCH  # (the proxy's: when it sends a decode request; or DECODE_FIRST)
     # The engines' internal key (--internal-key-file or $TRIO_PD_INTERNAL_KEY;
     # by default one made for this run).
     internal_key: str = attrs.field(factory=lambda: secrets.token_urlsafe(32), repr=False)
+
+    @property
+    def decode_first(self) -> bool:
+        """No proxy: clients call the decode engines, decode-first."""
+        return self.dispatch == DECODE_FIRST
+
+    def decode_port(self, index: int) -> int:
+        """Decode engine ``index``'s HTTP port: 0 (any free one) but with
+        decode-first and a ``--port``, ``--port`` + ``index``."""
+        return self.port + index if self.decode_first and self.port else 0
 
     def max_model_len(self) -> int:
         """What every engine can hold: the model's context, or the pool if smaller."""
@@ -135,6 +155,20 @@ class ServeOptions:
             raise ValueError(f"--num-blocks must be at least 1 (got {self.num_blocks})")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port {self.port} is not a port")
+        if self.dispatch not in (*DISPATCHES, DECODE_FIRST):
+            raise ValueError(
+                f"--dispatch {self.dispatch!r} is none of sequential, concurrent, {DECODE_FIRST}"
+            )
+        if self.decode_first and self.hosts:
+            raise ValueError(
+                f"--dispatch {DECODE_FIRST} and --hosts: not together (decode-first engines "
+                "do not follow etcd yet)"
+            )
+        if self.decode_port(self.decode - 1) > 65535:
+            raise ValueError(
+                f"--port {self.port}: the {self.decode} decode engines (decode-first) would "
+                "need ports past 65535"
+            )
         if not 0 <= self.hosts <= 254:  # (and one more host runs etcd)
             raise ValueError(f"--hosts must be in [0, 254] (got {self.hosts})")
         if not self.etcd_ttl > 0:
@@ -155,30 +189,38 @@ async def run_serve(options: ServeOptions, console: Console) -> None:
 
     Raises:
         ServeError: an engine failed (at start, while serving or in its drain),
-            or the proxy could not start; one line.
+            or the proxy could not start (decode-first: a decode engine's
+            address is not ours, or in use); one line.
     """
     env = {
-        **{k: v for k, v in os.environ.items() if k != API_KEY_ENV},  # (the proxy's alone)
+        # (the client keys are the proxy's, or the decode-first engines': see
+        # _deploy_decode_first; the prefill engines never take them)
+        **{k: v for k, v in os.environ.items() if k != API_KEY_ENV},
         "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN"),
         # This deployment's exposure secret, shared by its engines.
         EXPOSURE_SECRET_ENV: secrets.token_bytes(32).hex(),
-        # Its internal key: the engines answer /v1/* only to the proxy.
+        # Its internal key: the engines answer /v1/* only to the proxy (decode-first:
+        # the prefill engines only to the decode engines, which send it).
         INTERNAL_KEY_ENV: options.internal_key,
     }
     if is_wildcard(options.host) and not options.advertise_host:
         console.print(
-            f"note: --host {options.host} binds every interface; the engines and the proxy "
+            f"note: --host {options.host} binds every interface; the servers "
             "are dialled at 127.0.0.1 (--advertise-host names another address)"
         )
     stop = StopRequest("trio-pd serve", console.print)
     remove_file(options.ready_file)
-    try:
-        # The proxy's address first: one that is not ours, or in use, fails
-        # at once (and the port stays reserved while the engines start).
-        sock = bind_listener(options.host, options.port, send_timeout=options.send_timeout)
-    except BindError as exc:
-        raise ServeError(f"the proxy: {exc}") from None
-    with sock:
+    if options.decode_first:
+        _check_decode_addresses(options)
+        sock = None
+    else:
+        try:
+            # The proxy's address first: one that is not ours, or in use, fails
+            # at once (and the port stays reserved while the engines start).
+            sock = bind_listener(options.host, options.port, send_timeout=options.send_timeout)
+        except BindError as exc:
+            raise ServeError(f"the proxy: {exc}") from None
+    with sock if sock is not None else nullcontext():
         async with unwrapped_errors(), stop_requests(stop, None):
             if not options.hosts:
                 await _deploy(options, sock, env, stop, console, [], None)
@@ -214,6 +256,22 @@ async def run_serve(options: ServeOptions, console: Console) -> None:
                 raise ServeError(f"--hosts: {exc}") from None
 
 
+def _check_decode_addresses(options: ServeOptions) -> None:
+    """Decode-first: each decode engine's address (the clients'), bound and
+    let go, so that one that is not ours, or a port in use, fails before any
+    engine starts (the engine binds it itself a moment later).
+
+    Raises:
+        ServeError: naming the engine.
+    """
+    for index in range(options.decode if options.port else 1):
+        port = options.decode_port(index)
+        try:
+            bind_listener(options.host, port, send_timeout=options.send_timeout).close()
+        except BindError as exc:
+            raise ServeError(f"decode-{index}: {exc}") from None
+
+
 @contextmanager
 def _cancelled_by(stop: StopRequest) -> Iterator[trio.CancelScope]:
     """A cancel scope that ``stop`` cancels (its ``starting`` scope is the
@@ -228,7 +286,7 @@ def _cancelled_by(stop: StopRequest) -> Iterator[trio.CancelScope]:
 
 async def _deploy(
     options: ServeOptions,
-    sock: socket.socket,
+    sock: socket.socket | None,
     env: dict[str, str],
     stop: StopRequest,
     console: Console,
@@ -236,12 +294,13 @@ async def _deploy(
     etcd: EtcdServer | None,
 ) -> None:
     """Start the engines (on ``hosts`` when given, registered on ``etcd``), then
-    the proxy on ``sock``; serve until ``stop``; drain. Raises ServeError
-    (see :func:`run_serve`)."""
+    the proxy on ``sock`` (decode-first: no proxy, no ``sock``; the decode
+    engines once the prefill engines serve); serve until ``stop``; drain.
+    Raises ServeError (see :func:`run_serve`)."""
     failures: list[str] = []
     remove_stale_scratch()
     with tempfile.TemporaryDirectory(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-") as scratch:
-        curve_files = _write_curve_keys(Path(scratch), options) if options.curve else {}
+        curve = _write_curve_keys(Path(scratch), options) if options.curve else {}
         board = EngineBoard(
             [
                 EngineProcess(
@@ -254,40 +313,13 @@ async def _deploy(
             ]
         )
         try:
-            async with trio.open_nursery() as engines:
-                engines.start_soon(notify_when, stop.requested.wait, board.notify)
-                for engine in board.engines:
-                    command = _engine_command(options, engine, etcd, curve_files)
-                    engines.start_soon(
-                        run_engine_process, engine, command, env, options.grace, board, console
-                    )
-                console.print(f"starting {len(board.engines)} engines")
-                with stop.starting:
-                    with trio.move_on_after(options.start_timeout) as waiting:
-                        failures += await _wait_for_engines(board)
-                    if waiting.cancelled_caught:
-                        late = ", ".join(e.name for e in board.engines if not e.url)
-                        failures.append(f"{late} did not start within {options.start_timeout:g} s")
-                    if not failures:
-                        membership = (
-                            EtcdMembership(
-                                etcd.url,
-                                ttl=options.etcd_ttl,
-                                internal_key=options.internal_key,
-                                ca_file=etcd.ca_file,
-                                user=etcd.user,
-                                password=etcd.password,
-                            )
-                            if etcd
-                            else None
-                        )
-                        await _serve_proxy(
-                            options, sock, board, stop, failures, console, membership
-                        )
-                console.print("draining the engines")
-                for engine in board.engines:
-                    engine.stopping = engine.status is None
-                engines.cancel_scope.cancel()  # each engine gets SIGTERM (see run_engine_process)
+            if options.decode_first:
+                await _deploy_decode_first(options, board, env, stop, failures, console, curve)
+            else:
+                assert sock is not None
+                await _deploy_behind_proxy(
+                    options, sock, board, env, stop, failures, console, etcd, curve
+                )
         finally:
             remove_file(options.ready_file)
     failures += [failure for engine in board.engines if (failure := engine.failure())]
@@ -296,10 +328,163 @@ async def _deploy(
         raise ServeError("; ".join(dict.fromkeys(failures)))
 
 
-async def _wait_for_engines(board: EngineBoard) -> list[str]:
-    """Until every engine accepts requests (``[]``) or one exited: why it failed."""
-    await board.wait_until(lambda: all(e.url or e.status is not None for e in board.engines))
-    return [failure for e in board.engines if (failure := e.failure())]
+async def _deploy_behind_proxy(
+    options: ServeOptions,
+    sock: socket.socket,
+    board: EngineBoard,
+    env: dict[str, str],
+    stop: StopRequest,
+    failures: list[str],
+    console: Console,
+    etcd: EtcdServer | None,
+    curve: dict[str, list[str]],
+) -> None:
+    """Every engine at once, then the proxy once they all serve; serve until
+    ``stop``; drain the proxy, then every engine."""
+    async with trio.open_nursery() as engines:
+        engines.start_soon(notify_when, stop.requested.wait, board.notify)
+        for engine in board.engines:
+            command = _engine_command(options, engine, etcd, curve)
+            _start_engine(engines, options, engine, command, env, board, console)
+        console.print(f"starting {len(board.engines)} engines")
+        with stop.starting:
+            with trio.move_on_after(options.start_timeout) as waiting:
+                failures += await _wait_for_engines(board, board.engines)
+            if waiting.cancelled_caught:
+                late = ", ".join(e.name for e in board.engines if not e.url)
+                failures.append(f"{late} did not start within {options.start_timeout:g} s")
+            if not failures:
+                membership = (
+                    EtcdMembership(
+                        etcd.url,
+                        ttl=options.etcd_ttl,
+                        internal_key=options.internal_key,
+                        ca_file=etcd.ca_file,
+                        user=etcd.user,
+                        password=etcd.password,
+                    )
+                    if etcd
+                    else None
+                )
+                await _serve_proxy(options, sock, board, stop, failures, console, membership)
+        console.print("draining the engines")
+        _stop_engines(engines, board.engines)
+
+
+async def _deploy_decode_first(
+    options: ServeOptions,
+    board: EngineBoard,
+    env: dict[str, str],
+    stop: StopRequest,
+    failures: list[str],
+    console: Console,
+    curve: dict[str, list[str]],
+) -> None:
+    """The prefill engines, then (once they all serve) the decode engines,
+    decode-first in front of them; serve until ``stop``; drain the decode
+    engines, then the prefill engines: a decode engine's requests in flight
+    still prefill, and read the blocks exposed for them, on the prefill engines."""
+    prefill = [e for e in board.engines if e.role == "prefill"]
+    decode = [e for e in board.engines if e.role == "decode"]
+    decode_env = {**env}
+    if options.api_keys is not None:  # (the environment: flags show in ps)
+        decode_env[API_KEY_ENV] = options.api_keys.joined()
+    deadline = trio.current_time() + options.start_timeout
+    async with trio.open_nursery() as prefilling:
+        prefilling.start_soon(notify_when, stop.requested.wait, board.notify)
+        for engine in prefill:
+            command = _engine_command(options, engine, None, curve)
+            _start_engine(prefilling, options, engine, command, env, board, console)
+        console.print(f"starting {len(prefill)} prefill engines")
+        async with trio.open_nursery() as decoding:
+            waited = prefill  # (the engines being waited for)
+            with stop.starting:
+                with trio.move_on_at(deadline) as waiting:
+                    failures += await _wait_for_engines(board, prefill)
+                    if not failures:
+                        urls = list(board.urls("prefill"))
+                        waited = decode
+                        for engine in decode:
+                            command = _engine_command(options, engine, None, curve, urls)
+                            _start_engine(
+                                decoding, options, engine, command, decode_env, board, console
+                            )
+                        console.print(f"starting {len(decode)} decode-first engines")
+                        failures += await _wait_for_engines(board, decode)
+                        # (a prefill engine that exited meanwhile fails the start too)
+                        failures += [failure for e in prefill if (failure := e.failure())]
+                if waiting.cancelled_caught:
+                    late = ", ".join(e.name for e in waited if not e.url)
+                    failures.append(f"{late} did not start within {options.start_timeout:g} s")
+                if not failures:
+                    await _serve_decode_first(options, board, stop, console)
+            if waited is decode:
+                console.print("draining the decode engines")
+            _stop_engines(decoding, decode)
+        console.print("draining the prefill engines")
+        _stop_engines(prefilling, prefill)
+
+
+def _start_engine(
+    nursery: trio.Nursery,
+    options: ServeOptions,
+    engine: EngineProcess,
+    command: list[str],
+    env: dict[str, str],
+    board: EngineBoard,
+    console: Console,
+) -> None:
+    nursery.start_soon(run_engine_process, engine, command, env, options.grace, board, console)
+
+
+def _stop_engines(nursery: trio.Nursery, engines: list[EngineProcess]) -> None:
+    """SIGTERM to each of ``engines`` still running (see run_engine_process):
+    the ``nursery`` that runs them is cancelled."""
+    for engine in engines:
+        engine.stopping = engine.status is None
+    nursery.cancel_scope.cancel()
+
+
+async def _wait_for_engines(board: EngineBoard, engines: list[EngineProcess]) -> list[str]:
+    """Until each of ``engines`` accepts requests (``[]``) or one exited: why
+    each that exited failed."""
+    await board.wait_until(lambda: all(e.url or e.status is not None for e in engines))
+    return [failure for e in engines if (failure := e.failure())]
+
+
+async def _serve_decode_first(
+    options: ServeOptions, board: EngineBoard, stop: StopRequest, console: Console
+) -> None:
+    """Announce the decode engines to clients, and serve until ``stop`` or
+    until a role has no engine left."""
+    decode = list(board.urls("decode"))
+    ready = {
+        "dispatch": DECODE_FIRST,
+        "clients": decode,  # (what clients call: the decode engines)
+        "proxy": None,  # (none)
+        "prefill": list(board.urls("prefill")),
+        "decode": decode,
+    }
+    if options.ready_file:
+        write_json_atomically(options.ready_file, ready)
+    console.print(_endpoints_table(ready))  # (without client keys each engine warned)
+    console.print(
+        "[bold green]serving[/]: clients call the decode engines; Ctrl-C or SIGTERM "
+        "drains and stops"
+    )
+    stop.ready = True
+    await _until_stopped(board, stop, console)
+
+
+async def _until_stopped(board: EngineBoard, stop: StopRequest, console: Console) -> None:
+    """Until ``stop``, or until a role has no engine left (said on ``console``)."""
+    await board.wait_until(
+        lambda: (
+            stop.requested.is_set() or not (board.serving("prefill") and board.serving("decode"))
+        )
+    )
+    if not stop.requested.is_set():
+        console.print("[red]a role has no engine left: stopping[/]")
 
 
 async def _serve_proxy(
@@ -341,20 +526,19 @@ async def _serve_proxy(
         except ProxyStartError as exc:
             failures.append(f"the proxy could not start: {exc}")
         else:
-            ready = {"proxy": url, "prefill": list(engines.prefill), "decode": list(engines.decode)}
+            ready = {
+                "dispatch": options.dispatch,
+                "clients": [url],  # (what clients call: the proxy)
+                "proxy": url,
+                "prefill": list(engines.prefill),
+                "decode": list(engines.decode),
+            }
             if options.ready_file:
                 write_json_atomically(options.ready_file, ready)
             console.print(_endpoints_table(ready))
             console.print("[bold green]serving[/]: Ctrl-C or SIGTERM drains and stops")
             stop.ready = True
-            await board.wait_until(
-                lambda: (
-                    stop.requested.is_set()
-                    or not (board.serving("prefill") and board.serving("decode"))
-                )
-            )
-            if not stop.requested.is_set():
-                console.print("[red]a role has no engine left: stopping[/]")
+            await _until_stopped(board, stop, console)
             console.print("draining the proxy")
             done.set()
             # Leaving the nursery waits for the proxy to drain.
@@ -434,10 +618,12 @@ def _engine_command(
     engine: EngineProcess,
     etcd: EtcdServer | None,
     curve_files: dict[str, list[str]],
+    prefill_urls: list[str] | None = None,
 ) -> list[str]:
     """The ``trio-pd engine`` command line that runs ``engine`` (in its test
     host's namespace, registered on ``etcd``, when it has one; with its CURVE
-    key files, when ``curve_files`` has them)."""
+    key files, when ``curve_files`` has them; decode-first, in front of
+    ``prefill_urls``, when given)."""
     tp = options.prefill_tp if engine.role == "prefill" else options.decode_tp
     host = engine.host.address if engine.host else options.host
     flags: dict[str, object] = {
@@ -446,7 +632,7 @@ def _engine_command(
         "--tp": tp,
         "--host": host,
         "--advertise-host": host if engine.host else options.advertised(),
-        "--port": 0,
+        "--port": options.decode_port(engine.index) if engine.role == "decode" else 0,
         "--num-blocks": options.num_blocks,
         "--max-model-len": options.max_model_len(),
         "--grace": options.grace,
@@ -463,6 +649,7 @@ def _engine_command(
         if etcd.user:  # (its password in the environment)
             flags["--etcd-user"] = etcd.user
     command = [sys.executable, "-m", "trio_pd", "engine", *(f"{k}={v}" for k, v in flags.items())]
+    command += [f"--prefill-url={url}" for url in prefill_urls or ()]
     command += curve_files.get(engine.name, []) if options.curve else ["--no-curve"]
     if engine.host is not None:
         # (ip execs the command: the engine is this command's child, and its signals reach it)
@@ -470,14 +657,15 @@ def _engine_command(
     return command
 
 
-def _endpoints_table(ready: dict[str, object]) -> Table:
-    table = Table(title="trio-pd serve")
+def _endpoints_table(ready: dict[str, Any]) -> Table:
+    """The servers of the ready file, those that clients call marked."""
+    table = Table(title=f"trio-pd serve (--dispatch {ready['dispatch']})")
     table.add_column("role")
     table.add_column("URL")
-    table.add_row("proxy", str(ready["proxy"]))
-    for role in ("prefill", "decode"):
-        urls = ready[role]
-        assert isinstance(urls, list)
-        for url in urls:
-            table.add_row(role, url)
+    table.add_column("clients call")
+    rows = [("proxy", ready["proxy"])] if ready["proxy"] else []
+    rows += [(role, url) for role in ("prefill", "decode") for url in ready[role]]
+    for role, url in rows:
+        name = "decode-first" if role == "decode" and ready["dispatch"] == DECODE_FIRST else role
+        table.add_row(name, url, "yes" if url in ready["clients"] else "")
     return table

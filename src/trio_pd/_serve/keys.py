@@ -2,7 +2,8 @@
 
 Two kinds of key guard the HTTP servers of a deployment:
 
-* **client keys** on the proxy (``--api-key``, ``TRIO_PD_API_KEY``): what an
+* **client keys** on the proxy, or on a decode-first engine (``--api-key``,
+  ``TRIO_PD_API_KEY``, which may hold several separated by spaces): what an
   OpenAI client sends as ``Authorization: Bearer <key>``;
 * **the internal key** on the engines (``--internal-key-file``,
   ``TRIO_PD_INTERNAL_KEY``): the deployment's own, which the proxy sends
@@ -56,6 +57,12 @@ class BearerKeys:
 
     def __repr__(self) -> str:  # (never the keys)
         return f"BearerKeys({len(self._keys)} keys, audience={self.audience!r})"
+
+    def joined(self) -> str:
+        """The keys, separated by spaces: the value of ``TRIO_PD_API_KEY`` that
+        hands them to another process (in its environment; never on a command
+        line, and never printed)."""
+        return " ".join(k.decode() for k in self._keys)
 
     def accepts(self, key: str) -> bool:
         """Whether ``key`` is one of the keys (in constant time)."""

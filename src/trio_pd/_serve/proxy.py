@@ -904,11 +904,15 @@ deadline (concurrent dispatch): the proxy gives up first, and says why."""
 
 
 def check_dispatch(dispatch: str, timeouts: ProxyTimeouts, max_attempts: int) -> None:
-    """Raises ValueError (naming the flags) if with ``dispatch`` concurrent
+    """Raises ValueError (naming the flags) if ``dispatch`` is none of
+    :data:`DISPATCHES` (``trio-pd serve``'s ``decode-first`` is no proxy's),
+    or if with ``dispatch`` concurrent
     the prefill's attempts may outlast what a decode engine waits for a
     second line (:data:`~.dispatch.MOST_PARAMS_WITHIN`): it would answer 408
     while the prefill still ran (an infinite ``--prefill-timeout`` was a
     header the engines refuse: every request a 400)."""
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"--dispatch {dispatch!r}: a proxy dispatches {' or '.join(DISPATCHES)}")
     if dispatch != "concurrent":
         return
     most = max_attempts * (timeouts.connect + timeouts.prefill) + PARAMS_SLACK
