@@ -1171,7 +1171,7 @@ async def bench_serve(quick: bool) -> Result:
     """``trio-pd serve``: time to first token and tokens/s disaggregated
     against one engine serving the whole request, the same prompts, at 1, 8
     and 32 clients. Three disaggregated targets: a decode-first engine
-    (``trio-pd engine --prefill-url``, with a prefill engine of its own), and two
+    (a second deployment, ``trio-pd serve --dispatch decode-first``), and two
     proxies in front of ``serve``'s engines: ``serve``'s own, with
     ``--dispatch concurrent``, and a ``trio-pd proxy --dispatch sequential``
     process (the default path). At 1 client the four targets take turns
@@ -1215,7 +1215,6 @@ async def bench_serve(quick: bool) -> Result:
         )
         sequential: trio.Process | None = None
         decode_first: trio.Process | None = None
-        first_prefill: trio.Process | None = None
         try:
             with trio.fail_after(120):
                 while not ready.exists():  # (another process writes it)
@@ -1234,46 +1233,23 @@ async def bench_serve(quick: bool) -> Result:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
-            # And the decode-first path: a prefill engine and a decode-first
-            # engine of their own (the same engine code as serve's; CURVE from
-            # the internal key, one exposure secret), which clients call.
-            engine_env = {
-                **os.environ,
-                "NIXL_LOG_LEVEL": "WARN",
-                "TRIO_PD_INTERNAL_KEY": internal_key,
-                "TRIO_PD_EXPOSURE_SECRET": secrets.token_hex(32),
-            }
-            engine = [sys.executable, "-m", "trio_pd", "engine", "--port", "0"]
-            ready_prefill, ready_first = (
-                Path(scratch) / "ready-prefill.json",
-                Path(scratch) / "ready-decode-first.json",
-            )
-            first_prefill = await trio.lowlevel.open_process(
-                [*engine, "--role", "prefill", "--ready-file", str(ready_prefill)],
-                env=engine_env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-            with trio.fail_after(60):
-                while not ready_prefill.exists():
-                    assert first_prefill.poll() is None, "trio-pd engine exited early"
-                    await trio.sleep(0.05)
+            # And the decode-first path: a second deployment, `trio-pd serve
+            # --dispatch decode-first` (its own prefill and decode engines; the
+            # client calls its decode engine).
+            ready_first = Path(scratch) / "ready-decode-first.json"
             decode_first = await trio.lowlevel.open_process(
-                [
-                    *[*engine, "--role", "decode", "--ready-file", str(ready_first)],
-                    *["--prefill-url", json.loads(ready_prefill.read_text())["url"]],
-                ],
-                env=engine_env,
+                [*command[:-1], "decode-first", "--ready-file", str(ready_first)],
+                env={**os.environ, "NIXL_LOG_LEVEL": "WARN", "TRIO_PD_INTERNAL_KEY": internal_key},
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
             with trio.fail_after(60):
                 while not (ready_sequential.exists() and ready_first.exists()):
                     assert sequential.poll() is None, "trio-pd proxy exited early"
-                    assert decode_first.poll() is None, "trio-pd engine exited early"
+                    assert decode_first.poll() is None, "trio-pd serve (decode-first) exited early"
                     await trio.sleep(0.05)
             targets = {
-                DECODE_FIRST: json.loads(ready_first.read_text())["url"],
+                DECODE_FIRST: json.loads(ready_first.read_text())["clients"][0],
                 PROXY: urls["proxy"],
                 SEQUENTIAL: json.loads(ready_sequential.read_text())["url"],
                 ONE_ENGINE: urls["decode"][0],
@@ -1282,12 +1258,10 @@ async def bench_serve(quick: bool) -> Result:
             def served_cpu_seconds() -> float:
                 assert sequential is not None
                 assert decode_first is not None
-                assert first_prefill is not None
                 return (
                     _tree_cpu_seconds(process.pid)
                     + _cpu_seconds(sequential.pid)
-                    + _cpu_seconds(first_prefill.pid)
-                    + _cpu_seconds(decode_first.pid)
+                    + _tree_cpu_seconds(decode_first.pid)
                 )
 
             # (idle connections closed within 2 s, before the servers' own
@@ -1389,7 +1363,7 @@ async def bench_serve(quick: bool) -> Result:
                         name: _serve_rounds(done, runs[ONE_ENGINE]) for name, done in runs.items()
                     }
         finally:
-            for server in (decode_first, first_prefill, sequential, process):
+            for server in (decode_first, sequential, process):
                 if server is not None:
                     server.send_signal(signal.SIGTERM)
                     with trio.move_on_after(30, shield=True):
