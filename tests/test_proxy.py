@@ -1180,6 +1180,24 @@ async def test_lines_that_come_a_few_bytes_at_a_time_are_read_whole() -> None:
             assert second.value == KV
 
 
+async def test_clients_close_idle_connections_before_the_engines_do() -> None:
+    """A request sent on a connection that the server is closing fails with
+    "Server disconnected without sending a response" (a full benchmark run
+    saw it on decode requests after an idle spell: the proxy's client and
+    hypercorn both kept idle connections 5 s). The clients now let go first.
+    (The pool's expiry is httpx2's private attribute: checked where it is set.)"""
+    from trio_pd._serve import defaults
+    from trio_pd._serve.prefilling import open_prefiller
+
+    assert defaults.CLIENT_KEEP_ALIVE < defaults.SERVER_KEEP_ALIVE
+    async with (
+        open_client() as client,
+        open_prefiller(["http://p:1"], prefill_timeout=1, internal_key=None, caller="c") as p,
+    ):
+        for pool in (client._transport._pool, p._client._transport._pool):  # type: ignore[attr-defined]
+            assert pool._keepalive_expiry == defaults.CLIENT_KEEP_ALIVE
+
+
 async def test_the_parameters_are_read_once_the_body_ended() -> None:
     """Line 2 is taken once the body's end came too, so that no answer can
     end while the request is still arriving: a server that closes such a

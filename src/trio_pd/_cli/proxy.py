@@ -152,6 +152,7 @@ async def serve_proxy(
     config.graceful_timeout = options.grace
     config.accesslog = None
     config.loglevel = "WARNING"
+    config.keep_alive_timeout = defaults.SERVER_KEEP_ALIVE  # (clients close theirs sooner)
     with sock:
         async with (
             unwrapped_errors(),

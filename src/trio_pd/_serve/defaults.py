@@ -102,3 +102,15 @@ def decode_attempts(lease_initial: float, connect_timeout: float, hold_margin: f
 MAX_ATTEMPTS: Final = 3
 """The most engines of a role one request tries (the proxy's ``--max-attempts``;
 a decode-first engine's prefill engines too)."""
+
+SERVER_KEEP_ALIVE: Final = 5.0
+"""Seconds an engine's (and the proxy's) HTTP server keeps an idle
+connection open (hypercorn's ``keep_alive_timeout``, set to this)."""
+
+CLIENT_KEEP_ALIVE: Final = 2.0
+"""Seconds the proxy's and a decode-first engine's HTTP clients keep an idle
+connection to an engine: less than :data:`SERVER_KEEP_ALIVE`, so that a
+client never sends a request on a connection the server is closing (with
+both at 5 s, a decode request after an idle spell failed with "Server
+disconnected without sending a response", and a decode request is not
+retried: benchmark 11's full run, issue 33)."""

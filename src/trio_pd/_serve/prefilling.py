@@ -35,7 +35,13 @@ import httpx2
 import trio
 
 from trio_pd._serve.asgi import parse_json
-from trio_pd._serve.defaults import CONNECT_TIMEOUT, IDLE_TIMEOUT, LEASE_INITIAL, MAX_ATTEMPTS
+from trio_pd._serve.defaults import (
+    CLIENT_KEEP_ALIVE,
+    CONNECT_TIMEOUT,
+    IDLE_TIMEOUT,
+    LEASE_INITIAL,
+    MAX_ATTEMPTS,
+)
 from trio_pd._serve.dispatch import BODY_LIMIT, KV_PARAMS
 from trio_pd._serve.errors import HTTPError, MalformedAnswer, error_status, http_error
 from trio_pd._serve.keys import bearer_header
@@ -223,12 +229,15 @@ async def open_prefiller(
     """A :class:`Prefiller` for the prefill engines at ``urls`` with an HTTP
     client of its own (a decode-first engine's), closed on exit.
 
-    It sends ``internal_key`` (if any) and bounds connecting
-    (:data:`~.defaults.CONNECT_TIMEOUT`) and writing; each prefill attempt
+    It sends ``internal_key`` (if any), bounds connecting
+    (:data:`~.defaults.CONNECT_TIMEOUT`) and writing, and closes idle
+    connections before the engines do (:data:`~.defaults.CLIENT_KEEP_ALIVE`); each prefill attempt
     ends at ``prefill_timeout``. ``caller`` names it in errors (an engine that
     refuses its key)."""
     timeout = httpx2.Timeout(connect=CONNECT_TIMEOUT, read=None, write=IDLE_TIMEOUT, pool=None)
-    limits = httpx2.Limits(max_connections=None, max_keepalive_connections=64)
+    limits = httpx2.Limits(
+        max_connections=None, max_keepalive_connections=64, keepalive_expiry=CLIENT_KEEP_ALIVE
+    )
     async with httpx2.AsyncClient(timeout=timeout, limits=limits) as client:
         yield Prefiller(
             EngineSet(urls),

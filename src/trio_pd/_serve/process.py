@@ -17,6 +17,7 @@ import trio
 from prometheus_client import disable_created_metrics
 
 from trio_pd._curve_keys import CurveAuth, PeerKeys
+from trio_pd._serve import defaults
 from trio_pd._serve.app import build_app
 from trio_pd._serve.binding import (
     BindError,
@@ -132,6 +133,7 @@ async def serve_engine(
     config.shutdown_timeout = settings.grace + 5
     config.accesslog = None
     config.loglevel = "WARNING"
+    config.keep_alive_timeout = defaults.SERVER_KEEP_ALIVE  # (clients close theirs sooner)
     app: Any = build_app(engine)  # (hypercorn's ASGI types are stricter than plain dicts)
     stop = StopRequest(f"engine {settings.engine_id}", report)
     drain = trio.Event()  # (hypercorn's shutdown trigger: set once the engine withdrew)

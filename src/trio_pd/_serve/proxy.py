@@ -131,12 +131,17 @@ class ProxyTimeouts:
 
 def open_client(timeouts: ProxyTimeouts = ProxyTimeouts()) -> httpx2.AsyncClient:
     """The proxy's HTTP client: no cap on connections (the engines' own
-    admission decides what they take). It bounds connecting and writing;
+    admission decides what they take); idle ones closed before the engines
+    close them (:data:`~.defaults.CLIENT_KEEP_ALIVE`). It bounds connecting and writing;
     reads are bounded by the proxy per phase (prefill, first byte, each gap
     in a stream), so no read timeout cuts a phase short."""
     return httpx2.AsyncClient(
         timeout=httpx2.Timeout(connect=timeouts.connect, read=None, write=timeouts.idle, pool=None),
-        limits=httpx2.Limits(max_connections=None, max_keepalive_connections=512),
+        limits=httpx2.Limits(
+            max_connections=None,
+            max_keepalive_connections=512,
+            keepalive_expiry=defaults.CLIENT_KEEP_ALIVE,
+        ),
     )
 
 
