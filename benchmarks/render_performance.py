@@ -873,7 +873,10 @@ def _bound_ttft(r: dict[str, Any]) -> str:
         f"{one.get('front', '?')} ms (section 11's breakdown): on these 2 shared cores one "
         "HTTP exchange between two processes costs about as much as the goal's margin "
         f"(the proxy's two cost {po.get('added_p50_ms', '?')} ms at p50 in one process, "
-        "benchmark 12)."
+        "benchmark 12). Every path built here makes two exchanges in series before the "
+        "first token (the client's, and one to the prefill engine); only a client that "
+        "calls the prefill engine itself -- which would stream its first token and relay "
+        "the decode engine's others, one more hop per token -- makes one. Not built."
     )
 
 

@@ -165,9 +165,11 @@ prefill answered, or at once, its parameters following (:mod:`.dispatch`)."""
 DISPATCH = "sequential"
 """The proxy's default dispatch: sequential, the simpler path. Concurrent
 dispatch was measured no faster on the 2-core machine (time to first token
-at 1 client +11.4 ms over one engine, sequential +11.2 ms; docs/performance.md,
-benchmark 11) and strands an exposure for its lease when a decode engine
-dies during the prefill; it is ``--dispatch concurrent``."""
+at 1 client over one engine's: +11.4 against +11.2 ms sequential in one full
+run, +8.2 against +8.7 ms in another; docs/performance.md, benchmark 11) and
+strands an exposure for its lease when a decode engine dies during the
+prefill; it is ``--dispatch concurrent``. (A decode-first deployment, with
+no proxy, measured +4.7 ms in the second run.)"""
 
 EXPOSURE_ENDED = "exposure_ended"
 """The ``code`` of a decode engine's answer when the exposure it was to read ended."""
