@@ -186,6 +186,11 @@ async def test_a_prefill_engine_that_cannot_be_reached_is_a_502_naming_it() -> N
     assert answer.status_code == 502, answer.text
     error = answer.json()["error"]
     assert (error["engine"], error["type"]) == (dead, "prefill_failed")
+    # (a decode-first request is a decode request in the metrics, failed prefill or not)
+    counted = decode.registry.get_sample_value(
+        "trio_pd_serve_requests_total", {"kind": "decode", "outcome": "error"}
+    )
+    assert counted == 1
 
 
 async def test_keys_clients_present_theirs_the_engine_sends_the_internal_one() -> None:

@@ -374,6 +374,8 @@ async def _generation(
                     # (a request that can never run here: before the prefill,
                     # and before a stream could start with its first token)
                     engine.check_fits(request.prompt, request.max_tokens)
+                    # (counted as a decode request, whatever becomes of its prefill)
+                    request = attrs.evolve(request, kind="decode")
                     stream = _Stream()  # (what the client got, across prefills)
                     for round_ in range(1 + REPREFILLS):
                         answer = await prefiller.prefill(scope["path"], rid, body, times)
