@@ -49,12 +49,26 @@ async def serving(*apps: Callable[..., Awaitable[None]]) -> AsyncIterator[list[s
         nursery.cancel_scope.cancel()
 
 
+Sends = Callable[[Callable[[dict[str, Any]], Awaitable[None]]], Any]
+"""What a prefill engine's answers go through: given the server's ``send``,
+the ``send`` its application calls (to rewrite or hold back a message)."""
+
+
 @asynccontextmanager
-async def deployment(**decode_settings: Any) -> AsyncIterator[tuple[Engine, Engine, str, str]]:
-    """A prefill engine and a decode-first engine in front of it: both, and
-    their URLs (the prefill engine also serves whole requests, as one engine)."""
-    prefill = engine("p0")
-    async with serving(build_app(prefill)) as [prefill_url]:
+async def deployment(
+    prefill: Engine | None = None, sends: Sends | None = None, **decode_settings: Any
+) -> AsyncIterator[tuple[Engine, Engine, str, str]]:
+    """A prefill engine (``prefill``, or a fresh one; its answers through
+    ``sends``) and a decode-first engine in front of it: both, and their
+    URLs (the prefill engine also serves whole requests, as one engine)."""
+    prefill = prefill or engine("p0")
+    real = build_app(prefill)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        wrapped = sends is not None and scope["type"] == "http"
+        await real(scope, receive, sends(send) if wrapped else send)
+
+    async with serving(app) as [prefill_url]:
         decode = engine("d0", prefill_urls=(prefill_url,), **decode_settings)
         async with serving(build_app(decode)) as [decode_url]:
             yield prefill, decode, prefill_url, decode_url
@@ -240,10 +254,8 @@ async def test_a_bad_first_token_from_the_prefill_engine_is_a_502_and_its_blocks
     """The prefill engine's parameters are the deployment's, not the client's:
     a first token out of the vocabulary is a deployment fault naming both
     engines, and the exposure is given back at once (not left to its lease)."""
-    prefill = engine("p0")
-    real = build_app(prefill)
 
-    async def forging(scope: Any, receive: Any, send: Any) -> None:
+    def forging(send: Any) -> Any:
         async def rewrite(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.body" and message.get("body"):
                 answer = json.loads(message["body"])
@@ -254,24 +266,25 @@ async def test_a_bad_first_token_from_the_prefill_engine_is_a_502_and_its_blocks
                 message = {**message, "headers": headers}
             await send(message)
 
-        await real(scope, receive, rewrite if scope["type"] == "http" else send)
+        return rewrite
 
-    async with serving(forging) as [prefill_url]:
-        decode = engine("d0", prefill_urls=(prefill_url,))
-        async with serving(build_app(decode)) as [url], httpx2.AsyncClient(timeout=30) as client:
-            with trio.fail_after(30):
-                body = {"prompt": "forged", "max_tokens": 3, "stream": True}
-                answer = await client.post(f"{url}/v1/completions", json=body)
-                assert answer.status_code == 502, answer.text
-                error = answer.json()["error"]
-                assert error["type"] == "deployment_error"
-                assert (error["engine"], error["prefill_engine"]) == ("d0", prefill_url)
-                assert f"kv_transfer_params.{FIRST_TOKEN_PARAM}" in error["message"]
-                [producer] = prefill.connectors
-                # (at once, not after its lease: 5 s)
-                await until(lambda: producer.statistics().exposures_abandoned == 1)
-                await until(lambda: prefill.pool.free == prefill.pool.num_blocks)
-                await until(lambda: decode.pool.free == decode.pool.num_blocks)
+    async with (
+        deployment(sends=forging) as (prefill, decode, prefill_url, url),
+        httpx2.AsyncClient(timeout=30) as client,
+    ):
+        with trio.fail_after(30):
+            body = {"prompt": "forged", "max_tokens": 3, "stream": True}
+            answer = await client.post(f"{url}/v1/completions", json=body)
+            assert answer.status_code == 502, answer.text
+            error = answer.json()["error"]
+            assert error["type"] == "deployment_error"
+            assert (error["engine"], error["prefill_engine"]) == ("d0", prefill_url)
+            assert f"kv_transfer_params.{FIRST_TOKEN_PARAM}" in error["message"]
+            [producer] = prefill.connectors
+            # (at once, not after its lease: 5 s)
+            await until(lambda: producer.statistics().exposures_abandoned == 1)
+            await until(lambda: prefill.pool.free == prefill.pool.num_blocks)
+            await until(lambda: decode.pool.free == decode.pool.num_blocks)
 
 
 @pytest.mark.parametrize("draining", [False, True])
@@ -345,18 +358,19 @@ async def test_a_prefill_engine_with_another_exposure_secret_is_a_deployment_fau
     engines sign with different secrets): a 502 naming both engines, not a
     400 blaming a client that sent no parameters."""
     prefill = engine("p0", keys={"exposure_secret": b"a" * 32})
-    async with serving(build_app(prefill)) as [prefill_url]:
-        decode = engine("d0", prefill_urls=(prefill_url,), keys={"exposure_secret": b"b" * 32})
-        async with serving(build_app(decode)) as [url], httpx2.AsyncClient(timeout=30) as client:
-            with trio.fail_after(30):
-                body = {"prompt": "secret", "max_tokens": 3, "stream": streamed}
-                answer = await client.post(f"{url}/v1/completions", json=body)
-                assert answer.status_code == 502, answer.text
-                error = answer.json()["error"]
-                assert error["type"] == "deployment_error"
-                assert (error["engine"], error["prefill_engine"]) == ("d0", prefill_url)
-                assert "kv_transfer_params['remote_token']" in error["message"]
-                await until(lambda: decode.pool.free == decode.pool.num_blocks)
+    async with (
+        deployment(prefill, keys={"exposure_secret": b"b" * 32}) as (_, decode, prefill_url, url),
+        httpx2.AsyncClient(timeout=30) as client,
+    ):
+        with trio.fail_after(30):
+            body = {"prompt": "secret", "max_tokens": 3, "stream": streamed}
+            answer = await client.post(f"{url}/v1/completions", json=body)
+            assert answer.status_code == 502, answer.text
+            error = answer.json()["error"]
+            assert error["type"] == "deployment_error"
+            assert (error["engine"], error["prefill_engine"]) == ("d0", prefill_url)
+            assert "kv_transfer_params['remote_token']" in error["message"]
+            await until(lambda: decode.pool.free == decode.pool.num_blocks)
 
 
 @pytest.mark.parametrize("streamed", [False, True])
@@ -367,10 +381,9 @@ async def test_an_exposure_that_ended_before_the_pull_is_prefilled_again(streame
     that already carries the first token goes on with the second prefill's
     KV, without sending that token again; the answer is one engine's."""
     prefill = engine("p0", lease_initial=0.05)
-    real = build_app(prefill)
     held_back = True  # (not yet: the answer to hold back is the decode-first engine's)
 
-    async def late_once(scope: Any, receive: Any, send: Any) -> None:
+    def late_once(send: Any) -> Any:
         async def answer(message: dict[str, Any]) -> None:
             nonlocal held_back
             if message["type"] == "http.response.start" and not held_back:
@@ -379,29 +392,30 @@ async def test_an_exposure_that_ended_before_the_pull_is_prefilled_again(streame
                 await until(lambda: producer.statistics().exposures_expired == 1)
             await send(message)
 
-        await real(scope, receive, answer if scope["type"] == "http" else send)
+        return answer
 
-    async with serving(late_once) as [prefill_url]:
-        decode = engine("d0", prefill_urls=(prefill_url,))
-        async with serving(build_app(decode)) as [url], httpx2.AsyncClient(timeout=30) as client:
-            with trio.fail_after(30):
-                body = {"prompt": "a late answer", "max_tokens": 4}
-                whole = await client.post(f"{prefill_url}/v1/completions", json=body)
-                expected = whole.json()["choices"][0]["token_ids"]
-                held_back = False
-                if streamed:
-                    ids, events, _ = await stream(client, url, "/v1/completions", body)
-                    assert len(events) == 4  # (the first token once)
-                else:
-                    answer = await client.post(f"{url}/v1/completions", json=body)
-                    assert answer.status_code == 200, answer.text
-                    ids = answer.json()["choices"][0]["token_ids"]
-                assert ids == expected
-                [consumer] = decode.connectors
-                assert consumer.statistics().pulls_exposure_ended == 1
-                assert consumer.statistics().pulls_succeeded == 1
-                await until(lambda: prefill.pool.free == prefill.pool.num_blocks)
-                await until(lambda: decode.pool.free == decode.pool.num_blocks)
+    async with (
+        deployment(prefill, late_once) as (_, decode, prefill_url, url),
+        httpx2.AsyncClient(timeout=30) as client,
+    ):
+        with trio.fail_after(30):
+            body = {"prompt": "a late answer", "max_tokens": 4}
+            whole = await client.post(f"{prefill_url}/v1/completions", json=body)
+            expected = whole.json()["choices"][0]["token_ids"]
+            held_back = False
+            if streamed:
+                ids, events, _ = await stream(client, url, "/v1/completions", body)
+                assert len(events) == 4  # (the first token once)
+            else:
+                answer = await client.post(f"{url}/v1/completions", json=body)
+                assert answer.status_code == 200, answer.text
+                ids = answer.json()["choices"][0]["token_ids"]
+            assert ids == expected
+            [consumer] = decode.connectors
+            assert consumer.statistics().pulls_exposure_ended == 1
+            assert consumer.statistics().pulls_succeeded == 1
+            await until(lambda: prefill.pool.free == prefill.pool.num_blocks)
+            await until(lambda: decode.pool.free == decode.pool.num_blocks)
 
 
 @pytest.mark.parametrize("streamed", [False, True])
@@ -409,28 +423,28 @@ async def test_one_token_is_the_prefills_and_nothing_is_pulled(streamed: bool) -
     """With ``max_tokens`` 1 the prefill engine's token is the whole answer: the
     exposure is given back at once (not after its lease: 60 s here), and the
     decode engine admits nothing and pulls nothing."""
-    prefill = engine("p0", lease_initial=60.0)
-    async with serving(build_app(prefill)) as [prefill_url]:
-        decode = engine("d0", prefill_urls=(prefill_url,))
-        async with serving(build_app(decode)) as [url], httpx2.AsyncClient(timeout=30) as client:
-            with trio.fail_after(30):
-                body = {"prompt": "just one", "max_tokens": 1, "stream": streamed}
-                whole = await client.post(f"{prefill_url}/v1/completions", json=body)
-                if streamed:
-                    expected = [
-                        json.loads(line.removeprefix("data: "))["choices"][0]["token_ids"]
-                        for line in whole.text.splitlines()
-                        if line.startswith("data: {")
-                    ]
-                    ids, _, timing = await stream(client, url, "/v1/completions", body)
-                    assert [ids] == expected
-                    assert "pull" not in timing
-                else:
-                    expected = whole.json()["choices"][0]["token_ids"]
-                    answer = await client.post(f"{url}/v1/completions", json=body)
-                    assert answer.json()["choices"][0]["token_ids"] == expected
-                [producer], [consumer] = prefill.connectors, decode.connectors
-                await until(lambda: producer.statistics().exposures_abandoned == 1)
-                await until(lambda: prefill.pool.free == prefill.pool.num_blocks)
-                assert consumer.statistics().pulls_succeeded == 0
-                assert decode.pool.free == decode.pool.num_blocks
+    async with (
+        deployment(engine("p0", lease_initial=60.0)) as (prefill, decode, prefill_url, url),
+        httpx2.AsyncClient(timeout=30) as client,
+    ):
+        with trio.fail_after(30):
+            body = {"prompt": "just one", "max_tokens": 1, "stream": streamed}
+            whole = await client.post(f"{prefill_url}/v1/completions", json=body)
+            if streamed:
+                expected = [
+                    json.loads(line.removeprefix("data: "))["choices"][0]["token_ids"]
+                    for line in whole.text.splitlines()
+                    if line.startswith("data: {")
+                ]
+                ids, _, timing = await stream(client, url, "/v1/completions", body)
+                assert [ids] == expected
+                assert "pull" not in timing
+            else:
+                expected = whole.json()["choices"][0]["token_ids"]
+                answer = await client.post(f"{url}/v1/completions", json=body)
+                assert answer.json()["choices"][0]["token_ids"] == expected
+            [producer], [consumer] = prefill.connectors, decode.connectors
+            await until(lambda: producer.statistics().exposures_abandoned == 1)
+            await until(lambda: prefill.pool.free == prefill.pool.num_blocks)
+            assert consumer.statistics().pulls_succeeded == 0
+            assert decode.pool.free == decode.pool.num_blocks

@@ -316,7 +316,13 @@ async def _generation(
 
     A decode request whose ``kv_transfer_params`` follow as a second line
     (concurrent dispatch, :mod:`.dispatch`) is admitted while they come; one
-    refused for any reason reads them first, and gives their exposure back."""
+    refused for any reason reads them first, and gives their exposure back.
+
+    On a decode-first engine a request without parameters has its prefill
+    run on a prefill engine (:class:`~.prefilling.Prefiller`), then is
+    decoded here (:func:`_decode_first`); prefilled once more if its
+    exposure ended before the pull. Its clients' parameters are refused,
+    and nothing they name is given back."""
     within = params_within(scope.get("headers", ()))
     second = None if within is None else SecondLine(receive, within)
     try:
