@@ -70,24 +70,32 @@ def live_threads() -> int:
 
 
 async def assert_back_to(fds: int, threads: int | None = None) -> None:
-    """Assert that open file descriptors (and threads) are back to a baseline.
+    """Assert that open file descriptors (and threads) are not above a baseline.
 
     A thread or descriptor that a close has already let go of may take a
     moment more to disappear: a trio worker thread is renamed back to
     "Trio thread N" just after its caller was woken, UCX's and ZeroMQ's
     threads exit after their contexts were told to. So the counts are read
-    until they match, for at most 5 s; a leak never goes back, and fails
-    with both numbers.
+    until neither is above its baseline, for at most 5 s; a leak never goes
+    back, and fails with both numbers.
+
+    Fewer than the baseline is not a leak: the baseline may have counted
+    something an earlier test was still letting go of (a worker thread
+    still busy finishing an abandoned call, a context's I/O thread on its
+    way out) that ended since. CI saw exactly that once (4 threads where
+    the baseline had 5), so the check is "not above", which every leak
+    still fails: what a test opens and keeps only adds.
     """
     got = (-1, -1)
     with trio.move_on_after(5.0):
         while True:
             got = (open_fds(), live_threads() if threads is not None else -1)
-            if got == (fds, threads if threads is not None else -1):
+            if got[0] <= fds and (threads is None or got[1] <= threads):
                 return
             await trio.sleep(0.01)
-    assert got[0] == fds, f"file descriptors: {got[0]}, not {fds} as before"
-    assert got[1] == threads, f"threads: {got[1]}, not {threads} as before"
+    assert got[0] <= fds, f"file descriptors: {got[0]}, more than the {fds} before"
+    if threads is not None:
+        assert got[1] <= threads, f"threads: {got[1]}, more than the {threads} before"
 
 
 FAST = trio_pd.ConnectorConfig(handshake_timeout=2.0, transfer_timeout=10.0, close_timeout=5.0)
