@@ -11,8 +11,9 @@ import trio.testing
 import zmq
 
 import trio_pd
+import trio_pd.testing
 from trio_pd._core import _protocol as protocol
-from trio_pd._side_channel._zmq import TrioZmqSocket
+from trio_pd._side_channel._zmq import SocketSetups, TrioZmqSocket
 from trio_pd.testing import free_port_range
 
 from .conftest import FAST, kv_cache, wait_until
@@ -241,3 +242,82 @@ async def test_a_zmq_receive_is_a_checkpoint_whether_it_waited_or_not() -> None:
             assert scope.cancelled_caught
             with trio.testing.assert_checkpoints():
                 assert await pull.receive_multipart() == [b"at once"]
+
+
+class _Passes(trio.abc.Instrument):
+    """Counts the passes of trio's scheduler (each ends polling for I/O)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def before_io_wait(self, timeout: float) -> None:
+        self.count += 1
+
+
+async def test_socket_setups_take_turns_one_per_scheduler_pass() -> None:
+    """Tasks that want a turn at once get it in passes of their own; a turn
+    is a checkpoint even when nobody else waits; a task cancelled while it
+    waits leaves the others their turns."""
+    setups = SocketSetups()
+    passes = _Passes()
+    seen: list[tuple[int, int]] = []
+
+    async def setup(n: int) -> None:
+        async with setups.turn():
+            seen.append((n, passes.count))
+
+    trio.lowlevel.add_instrument(passes)
+    try:
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                for n in range(6):
+                    nursery.start_soon(setup, n)
+                with trio.CancelScope() as cancelled:
+                    nursery.start_soon(setup, 99)  # (it waits behind the six, then is cancelled)
+                    cancelled.cancel()
+                    async with setups.turn():
+                        raise AssertionError("a cancelled wait got a turn")
+    finally:
+        trio.lowlevel.remove_instrument(passes)
+    in_passes = [count for _, count in seen]
+    assert sorted(n for n, _ in seen) == [0, 1, 2, 3, 4, 5, 99]
+    assert len(set(in_passes)) == len(in_passes), seen  # (never two in one pass)
+    with trio.testing.assert_checkpoints():
+        async with setups.turn():
+            pass
+
+
+async def test_a_storm_of_first_pulls_makes_one_socket_per_scheduler_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Four engines, first pulls to each all at once: their metadata fetches
+    and their confirmation channels open DEALER sockets, and trio would run
+    the four tasks' setups in one pass (a loop stall, benchmark 3); the
+    connector makes them in passes of their own."""
+    passes = _Passes()
+    made: list[int] = []
+    socket = zmq.Context.socket
+
+    def counted(self: zmq.Context[zmq.Socket[bytes]], kind: int, **kwargs: object) -> object:
+        if kind == zmq.DEALER and trio.lowlevel.in_trio_run():
+            made.append(passes.count)
+        return socket(self, kind, **kwargs)
+
+    spec = trio_pd.testing.WorkerSpec("storm", regions=2, blocks=16, block_shape=(8, 64), engines=4)
+    with trio.fail_after(60):
+        async with trio_pd.testing.open_prefill_worker(spec) as worker:
+            remotes = [(await worker.expose_many([("r", [e], e)], engine=e))[0] for e in range(4)]
+            local = kv_cache(regions=2, blocks=16, block_shape=(8, 64))
+            async with trio_pd.open_connector("d", local, config=FAST) as consumer:
+                monkeypatch.setattr(zmq.Context, "socket", counted)
+                trio.lowlevel.add_instrument(passes)
+                try:
+                    async with trio.open_nursery() as nursery:
+                        for e, remote in enumerate(remotes):
+                            nursery.start_soon(consumer.pull, f"p{e}", [e], remote)
+                finally:
+                    trio.lowlevel.remove_instrument(passes)
+                    monkeypatch.undo()
+                assert consumer.statistics().pulls_failed == 0
+    assert len(made) >= 8, made  # (a fetch and a confirmation channel per engine)
+    assert len(set(made)) == len(made), made

@@ -373,12 +373,17 @@ class Consumer:
                             await self._backend.notify(agent, notification)
                         else:
                             if self.confirm_reads:
+                                rank = (
+                                    remote.engine_id,
+                                    remote.host,
+                                    remote.port + engine.part.remote_rank,
+                                )
+                                if not self._confirms.is_open(rank):
+                                    # (its first confirmation: a socket to make,
+                                    # in a turn of its own -- SocketSetups)
+                                    await self._confirms.open(rank)
                                 pending = self._confirms.send(
-                                    (
-                                        remote.engine_id,
-                                        remote.host,
-                                        remote.port + engine.part.remote_rank,
-                                    ),
+                                    rank,
                                     remote.request_id,
                                     remote.token,
                                     remote.incarnation,

@@ -54,6 +54,7 @@ timeout) -- :meth:`ConfirmChannels.check` turns that into
 from __future__ import annotations
 
 import abc
+import contextlib
 import itertools
 import logging
 from collections import OrderedDict
@@ -68,6 +69,7 @@ from trio_pd._core import _protocol as protocol
 from trio_pd._core._errors import ExposureEndedError, ProtocolError
 from trio_pd._core._exposures import pin_covers
 from trio_pd._side_channel._fetch import FetchRefused, curve_client
+from trio_pd._side_channel._zmq import SocketSetups
 
 logger = logging.getLogger("trio_pd")
 
@@ -209,6 +211,20 @@ class Confirmations(abc.ABC):
         self._post(pending)
         return pending
 
+    def is_open(self, rank: Rank) -> bool:
+        """Whether a confirmation to ``rank`` goes out without anything to
+        make first (:meth:`open`); the base: always."""
+        return True
+
+    async def open(self, rank: Rank) -> None:
+        """Make what confirmations to ``rank`` travel on, if the transport
+        needs anything made (a checkpoint). A pull calls it before
+        :meth:`send` when :meth:`is_open` says no, so that a new connection
+        is made where it may wait its turn; what cannot be made (no CURVE
+        key for that producer, say) is not raised here: :meth:`send` fails
+        its confirmation with the reason."""
+        await trio.lowlevel.checkpoint()
+
     async def check(
         self, pending: Pending, read_done_at: float, request_id: str, local_ids: list[int]
     ) -> None:
@@ -325,6 +341,8 @@ class ConfirmChannels(Confirmations):
         zmq_context: for the sockets.
         config: ``handshake_timeout`` (how long a reply is awaited),
             ``max_message_bytes``, ``auth``.
+        setups: whose turns a new channel's socket is made in (:meth:`open`;
+            the side channel's, shared with its fetches).
     """
 
     def __init__(
@@ -333,14 +351,30 @@ class ConfirmChannels(Confirmations):
         agent_name: str,
         zmq_context: zmq.Context[zmq.Socket[bytes]],
         config: ConnectorConfig,
+        *,
+        setups: SocketSetups | None = None,
     ) -> None:
         super().__init__(engine_id, agent_name, config)
         self._zmq = zmq_context
+        self._setups = setups or SocketSetups()
         self._channels: OrderedDict[Rank, _Channel] = OrderedDict()
 
     @property
     def open_channels(self) -> int:
         return len(self._channels)
+
+    def is_open(self, rank: Rank) -> bool:
+        return rank in self._channels
+
+    async def open(self, rank: Rank) -> None:
+        """Open ``rank``'s channel in a turn of ``setups`` (its socket is made
+        in a scheduler pass of its own, :class:`~._zmq.SocketSetups`). A
+        failure to make it is left to :meth:`send`, which meets it again and
+        fails that confirmation with it."""
+        async with self._setups.turn():
+            if not self._closed:
+                with contextlib.suppress(FetchRefused, zmq.ZMQError):
+                    self._channel(rank)
 
     def discard(self, pending: Pending) -> None:
         """Stop waiting for ``pending``'s answer (its READ failed)."""

@@ -20,6 +20,7 @@ deadline is still reached.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -34,7 +35,7 @@ from trio_pd._core._errors import HandshakeError, IncompatibleEngineError, Proto
 from trio_pd._core._remote_engine import EngineRecord, FailureCause
 from trio_pd._core._tensor_parallel import tp_mismatch
 from trio_pd._exception_groups import unwrapped_errors
-from trio_pd._side_channel._zmq import TrioZmqSocket
+from trio_pd._side_channel._zmq import SocketSetups, TrioZmqSocket
 
 if TYPE_CHECKING:
     from trio_pd._config import ConnectorConfig
@@ -190,11 +191,14 @@ async def fetch_reply(
     *,
     ipv6: bool = False,
     curve: CurveClient | None = None,
+    setups: SocketSetups | None = None,
 ) -> bytes:
     """Send ``request`` to ``endpoint`` and return the reply payload.
 
     Runs rounds (fresh socket each) until a reply arrives; the caller bounds
-    it with a deadline. Every socket is closed on every exit.
+    it with a deadline. Every socket is closed on every exit. Each round's
+    sockets are made in a turn of ``setups`` (the connector's: one setup per
+    scheduler pass; none given, a turn of their own).
 
     Raises:
         FetchRefused: authentication or mechanism failure (``log.fatal``).
@@ -202,8 +206,9 @@ async def fetch_reply(
         zmq.ZMQError: the endpoint is invalid.
     """
     log.curve = curve is not None
+    setups = setups or SocketSetups()
     while True:
-        reply = await _one_round(context, endpoint, request, log, ipv6, curve)
+        reply = await _one_round(context, endpoint, request, log, ipv6, curve, setups)
         if reply is not None:
             return reply
         if log.fatal is not None:
@@ -218,43 +223,48 @@ async def _one_round(
     log: ConnectionLog,
     ipv6: bool,
     curve: CurveClient | None,
+    setups: SocketSetups,
 ) -> bytes | None:
-    raw = context.socket(zmq.DEALER)
-    dealer = TrioZmqSocket(raw)
-    async with dealer:
-        raw.setsockopt(zmq.LINGER, 0)
-        raw.setsockopt(zmq.MAXMSGSIZE, log.max_reply_bytes)
-        if ipv6:
-            raw.setsockopt(zmq.IPV6, 1)
-        if curve is not None:
-            raw.curve_publickey = curve.public_key
-            raw.curve_secretkey = curve.secret_key
-            raw.curve_serverkey = curve.server_key
-        monitor = TrioZmqSocket(raw.get_monitor_socket(_MONITORED))
-        async with monitor:
-            try:
-                raw.connect(endpoint)
-                result: list[bytes] = []
-                async with unwrapped_errors(), trio.open_nursery() as nursery:
+    with contextlib.ExitStack() as sockets:  # (closed on every exit, the monitor first)
+        async with setups.turn():  # (made in a scheduler pass of their own)
+            raw = context.socket(zmq.DEALER)
+            dealer = TrioZmqSocket(raw)
+            sockets.callback(dealer.close)
+            raw.setsockopt(zmq.LINGER, 0)
+            raw.setsockopt(zmq.MAXMSGSIZE, log.max_reply_bytes)
+            if ipv6:
+                raw.setsockopt(zmq.IPV6, 1)
+            if curve is not None:
+                raw.curve_publickey = curve.public_key
+                raw.curve_secretkey = curve.secret_key
+                raw.curve_serverkey = curve.server_key
+            monitor = TrioZmqSocket(raw.get_monitor_socket(_MONITORED))
+            sockets.callback(monitor.close)
+            sockets.callback(raw.disable_monitor)
+            raw.connect(endpoint)
+        result: list[bytes] = []
+        async with unwrapped_errors(), trio.open_nursery() as nursery:
 
-                    async def watch() -> None:
-                        while True:
-                            event = parse_monitor_message(await monitor.receive_multipart())
-                            log.record(event["event"], event["value"])
-                            if log.ends_round(event["event"]):
-                                nursery.cancel_scope.cancel()
-                                return
+            async def watch() -> None:
+                while True:
+                    event = parse_monitor_message(await monitor.receive_multipart())
+                    log.record(event["event"], event["value"])
+                    if log.ends_round(event["event"]):
+                        nursery.cancel_scope.cancel()
+                        return
 
-                    nursery.start_soon(watch)
-                    await dealer.send_multipart([b"", request])
-                    frames = await dealer.receive_multipart()
-                    if len(frames) != 2 or frames[0] != b"":
-                        raise ValueError(f"malformed reply: {len(frames)} frames, expected 2")
-                    result.append(frames[1])
-                    nursery.cancel_scope.cancel()
-                return result[0] if result else None
-            finally:
-                raw.disable_monitor()
+            nursery.start_soon(watch)
+            await dealer.send_multipart([b"", request])
+            frames = await dealer.receive_multipart()
+            if len(frames) != 2 or frames[0] != b"":
+                raise ValueError(f"malformed reply: {len(frames)} frames, expected 2")
+            result.append(frames[1])
+            nursery.cancel_scope.cancel()
+        # (closed in a turn too, on this path: a storm's replies come together;
+        # on any other, at once, as the stack unwinds)
+        async with setups.turn():
+            sockets.close()
+        return result[0] if result else None
 
 
 @contextmanager

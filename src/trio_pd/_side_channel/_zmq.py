@@ -15,12 +15,45 @@ thread-safe, and one fd cannot be awaited twice): concurrent use raises
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from typing import cast
 
 import trio
 import zmq
+
+
+class SocketSetups:
+    """Where one connector makes its new ZeroMQ sockets: one at a time, each
+    in a pass of trio's scheduler of its own.
+
+    Making a socket is the most the trio thread does for a handshake in one
+    step: ``zmq_socket``, its options, a monitor's inproc pair and
+    ``connect`` are each a command to ZeroMQ's I/O thread, 0.1-0.6 ms of the
+    trio thread's CPU together on this project's 2-core machine
+    (docs/performance.md, benchmark 3). A storm of first pulls to new
+    engines makes them all at once -- a metadata fetch's socket and monitor
+    per engine, then a confirmation channel per producer rank -- and trio
+    runs every task that is ready in one batch before it polls for I/O
+    again: eight at once kept the loop from polling for 2-5 ms. Inside
+    :meth:`turn`, one task makes its sockets; the others wait for theirs,
+    each in a later batch, and the loop polls between them.
+
+    What a turn holds: nothing but its lock. The body must not wait for
+    anything (a turn is for synchronous setup; a send or a receive comes
+    after it), or every other setup would wait with it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = trio.Lock()
+
+    @asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        """This task's turn to make sockets: a checkpoint (a cancel point while
+        it waits; a schedule point even when no other task waits, so that
+        the setup runs in a batch of its own)."""
+        async with self._lock:
+            yield
 
 
 class TrioZmqSocket:

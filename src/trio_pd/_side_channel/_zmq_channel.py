@@ -14,6 +14,10 @@
 * confirmations: ``_confirm.ConfirmChannels``, one long-lived DEALER per
   producer rank, batching.
 
+The fetches' and the confirmation channels' sockets are made in turns of
+one :class:`~._zmq.SocketSetups` (one setup per pass of trio's scheduler:
+a storm of first pulls does not stall the loop making them all at once).
+
 Every socket is closed by the task that opened it, on every exit path; the
 context is destroyed by :meth:`ZmqSideChannel.close`, after them.
 """
@@ -33,7 +37,7 @@ from trio_pd._side_channel._auth import serve_zap
 from trio_pd._side_channel._confirm import ConfirmChannels
 from trio_pd._side_channel._fetch import ConnectionLog, curve_client, fetch_reply
 from trio_pd._side_channel._seam import Listener, Peer
-from trio_pd._side_channel._zmq import TrioZmqSocket
+from trio_pd._side_channel._zmq import SocketSetups, TrioZmqSocket
 
 logger = logging.getLogger("trio_pd")
 
@@ -61,6 +65,7 @@ class ZmqSideChannel:
         # uses (a confirmation socket per producer rank pulled from at once): the
         # process's file limit, which bounds them anyway, is the cap instead.
         self._context.set(zmq.MAX_SOCKETS, max_sockets())
+        self._setups = SocketSetups()  # (the fetches' and the confirmations' sockets)
 
     @classmethod
     def create(cls, agent_name: str, config: ConnectorConfig) -> ZmqSideChannel:
@@ -133,12 +138,15 @@ class ZmqSideChannel:
                 log,
                 ipv6=":" in host,
                 curve=curve_client(self._config, engine_id),
+                setups=self._setups,
             )
         except zmq.ZMQError as exc:
             raise ValueError(str(exc)) from exc
 
     def confirmations(self, engine_id: str, agent_name: str) -> ConfirmChannels:
-        return ConfirmChannels(engine_id, agent_name, self._context, self._config)
+        return ConfirmChannels(
+            engine_id, agent_name, self._context, self._config, setups=self._setups
+        )
 
     def close(self) -> None:
         """Destroy the context (every socket of ours is closed by then)."""
