@@ -192,11 +192,19 @@ async def test_a_decode_first_engine_refuses_kv_transfer_params_from_clients() -
 
 
 async def test_a_prefill_engine_that_cannot_be_reached_is_a_502_naming_it() -> None:
+    """... and the engine's /health says so: 503 ``failing`` while its every
+    prefill engine failed its last request (it cannot serve one then)."""
     dead = closed_port_url()
     decode = engine("d0", prefill_urls=(dead,))
     async with serving(build_app(decode)) as [url], httpx2.AsyncClient(timeout=30) as client:
         with trio.fail_after(30):
+            before = await client.get(f"{url}/health")
             answer = await client.post(f"{url}/v1/completions", json={"prompt": "hi"})
+            after = await client.get(f"{url}/health")
+    assert before.status_code == 200, before.text
+    assert (before.json()["status"], before.json()["prefill"]) == ("ok", 1)
+    assert after.status_code == 503, after.text
+    assert (after.json()["status"], after.json()["failing"]) == ("failing", ["prefill"])
     assert answer.status_code == 502, answer.text
     error = answer.json()["error"]
     assert (error["engine"], error["type"]) == (dead, "prefill_failed")

@@ -200,7 +200,15 @@ class _Response:
 async def _health(engine: Engine, send: Send) -> None:
     """200 while the engine serves; 503 draining, or while NIXL is stuck in a load.
     The body also names the process, rank 0's side-channel port and the
-    engine's CURVE public key (when it has one)."""
+    engine's CURVE public key (when it has one).
+
+    A decode-first engine says how many prefill engines it has
+    (``"prefill"``), and is 503 ``failing`` (``"failing": ["prefill"]``)
+    while every one of them failed its last request -- refused the
+    connection, answered a 5xx, timed out -- as the proxy's ``/health`` is
+    for a role: it cannot serve a request then, and a balancer in front of
+    it should know. The first request a prefill engine answers makes it
+    healthy again."""
     stuck = [c.statistics().backend_stuck_call for c in engine.connectors]
     stuck = [call for call in stuck if call]
     health: dict[str, Any] = {"pid": os.getpid()}
@@ -208,12 +216,17 @@ async def _health(engine: Engine, send: Send) -> None:
         health["side_channel_port"] = engine.connectors[0].address[1]
     if engine.curve is not None:
         health["curve_public_key"] = engine.curve.public_key
+    prefill = None if engine.prefiller is None else engine.prefiller.engines
+    if prefill is not None:
+        health["prefill"] = len(prefill.engines)
     if stuck:
         health.update(status="stuck", stuck_call=stuck[0])
-    elif engine.accepting and engine.connectors:
-        health.update(status="ok")
-    else:
+    elif not (engine.accepting and engine.connectors):
         health.update(status="draining")
+    elif prefill is not None and prefill.failing(trio.current_time()):
+        health.update(status="failing", failing=["prefill"])
+    else:
+        health.update(status="ok")
     await send_json(send, 200 if health["status"] == "ok" else 503, health)
 
 
