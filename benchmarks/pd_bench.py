@@ -49,6 +49,7 @@ from comparison import (
     raw_replay_loads,
 )
 from stall_floor import StallFloor, open_stall_floor
+from zmq_echo import open_zmq_echo
 
 import trio_pd
 from trio_pd._config import tuned
@@ -1602,7 +1603,9 @@ async def bench_confirm(quick: bool) -> Result:
     after another; and waves of many tiny pulls at once (each pull timed, as
     a request waiting for its KV would see it). One side-channel round trip
     (a lease request naming nothing, on a kept DEALER) is timed in the same
-    rounds: the issue allows a tiny pull at most that much more.
+    rounds: the issue allows a tiny pull at most that much more. Beside each,
+    the same request to a trio process that only echoes it (``zmq_echo``):
+    the floor of a round trip between two trio processes over ZeroMQ here.
     """
     import zmq
 
@@ -1613,7 +1616,10 @@ async def bench_confirm(quick: bool) -> Result:
     big_blocks = (1 << 20) // (regions * block_bytes)  # 1 MiB per pull
     tiny, big, wave, waves = (200, 20, 64, 2) if quick else (2000, 200, 256, 4)
     out: Result = {"block_bytes": block_bytes, "regions": regions, "rounds": CONFIRM_ROUNDS}
-    async with open_prefill_worker(spec("confirm", regions, blocks, block_bytes)) as w:
+    async with (
+        open_prefill_worker(spec("confirm", regions, blocks, block_bytes)) as w,
+        open_zmq_echo() as echo_endpoint,
+    ):
         local = kv(regions, blocks, block_bytes)
         async with (
             trio_pd.open_connector("dec-on", local) as on,
@@ -1662,6 +1668,7 @@ async def bench_confirm(quick: bool) -> Result:
 
             lease = protocol.encode_lease_request("confirm", "bench", "bench#0", [])
             rtts: list[float] = []
+            echo_rtts: list[float] = []
             tiny_on: list[float] = []
             tiny_off: list[float] = []
             big_on: list[float] = []
@@ -1670,9 +1677,12 @@ async def bench_confirm(quick: bool) -> Result:
             wave_off: list[float] = []
             with zmq.Context() as context:
                 dealer = TrioZmqSocket(context.socket(zmq.DEALER))
-                async with dealer:
+                echo = TrioZmqSocket(context.socket(zmq.DEALER))
+                async with dealer, echo:
                     dealer.zmq_socket.setsockopt(zmq.LINGER, 0)
                     dealer.zmq_socket.connect(protocol.endpoint(host, port))
+                    echo.zmq_socket.setsockopt(zmq.LINGER, 0)
+                    echo.zmq_socket.connect(echo_endpoint)
                     for round_ in range(CONFIRM_ROUNDS):
                         first, second = (on, off) if round_ % 2 == 0 else (off, on)
                         for conn in (first, second):
@@ -1685,10 +1695,11 @@ async def bench_confirm(quick: bool) -> Result:
                             )
                             (wave_on if on_ else wave_off).extend(await waves_of(conn))
                         for _ in range(tiny // CONFIRM_ROUNDS // 4):
-                            started = time.perf_counter()
-                            await dealer.send_multipart([b"", lease])
-                            await dealer.receive_multipart()
-                            rtts.append(time.perf_counter() - started)
+                            for socket, times in ((dealer, rtts), (echo, echo_rtts)):
+                                started = time.perf_counter()
+                                await socket.send_multipart([b"", lease])
+                                await socket.receive_multipart()
+                                times.append(time.perf_counter() - started)
             for conn in (on, off):
                 assert conn.statistics().pulls_failed == 0
             assert off.statistics().pulls_exposure_ended == 0
@@ -1698,6 +1709,7 @@ async def bench_confirm(quick: bool) -> Result:
 
     rtt = statistics.median(rtts)
     out["side_channel_rtt_ms_p50"] = round(rtt * 1e3, 4)
+    out["echo_rtt_ms_p50"] = round(statistics.median(echo_rtts) * 1e3, 4)
     out["tiny"] = {
         "pulls": len(tiny_on),
         "confirmed_ms_p50": p(tiny_on, 50),

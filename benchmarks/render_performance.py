@@ -803,6 +803,17 @@ def _bound_stall(r: dict[str, Any]) -> str:
     return text
 
 
+def _echo_floor(c: dict[str, Any]) -> str:
+    """The round trip's floor, measured beside it (``benchmarks/zmq_echo.py``)."""
+    if "echo_rtt_ms_p50" not in c:
+        return ""
+    return (
+        f", and the same request to a trio process that only echoes it "
+        f"(`benchmarks/zmq_echo.py`, the floor of any round trip between two trio "
+        f"processes over ZeroMQ on this machine) {c['echo_rtt_ms_p50']} ms"
+    )
+
+
 def _bound_sequential(r: dict[str, Any]) -> str:
     q = r["small_pulls"]["sequential"]
     rounds = _rounds(q.get("round_ratios", []))
@@ -820,6 +831,13 @@ def _bound_sequential(r: dict[str, Any]) -> str:
             f"trip ({c['side_channel_rtt_ms_p50']} ms here; section 13: "
             f"{c['tiny']['extra_ms_p50']} ms per pull) against a READ of about 0.1 ms."
         )
+        if "echo_rtt_ms_p50" in c:
+            text += (
+                " That round trip is at its floor: a trio process that only echoes the "
+                f"request answered in {c['echo_rtt_ms_p50']} ms (section 13), so no "
+                "producer could answer sooner over ZeroMQ here, and a confirmed tiny pull "
+                "cannot reach x0.9 of a loop that waits for no answer."
+            )
     return text
 
 
@@ -966,7 +984,7 @@ def _confirm_section(c: dict[str, Any], checks: list[list[str]]) -> list[str]:
         f"{c['regions']} x {c['block_bytes']} B) one after another, 1 MiB pulls one "
         f"after another, and waves of {w['in_flight']} tiny pulls at once. One "
         "side-channel round trip (a lease request naming nothing, on a kept socket) "
-        f"took {c['side_channel_rtt_ms_p50']} ms at p50 in the same rounds.",
+        f"took {c['side_channel_rtt_ms_p50']} ms at p50 in the same rounds" + _echo_floor(c) + ".",
         "",
         _table(
             ["", "confirmed, ms", "unconfirmed, ms", "unconfirmed ÷ confirmed"],
