@@ -586,14 +586,22 @@ def _loop_stall_section(s: dict[str, Any], checks: list[list[str]]) -> list[str]
         f"x{s['stall_ratio_loop_vs_threads']} longer. Since descriptor lists are "
         "prepared from one strided row per region, a handshake's NIXL calls are "
         "short. The benchmark, like the demo after start-up, calls "
-        "`gc.freeze()` first; the last row is without it. What bounds the "
-        "remaining stall is the third column: of the longest batch, the trio "
-        "thread itself ran only that long; the rest of the time it was not "
-        "running. A sampler of the trio thread's stack during stalls found it "
-        "mostly inside C calls that release the GIL (a ZeroMQ send), and a "
-        "shorter GIL switch interval (0.5 ms instead of 5) did not shorten the "
-        "stalls: on 2 cores the producer process (8 engines answering), UCX's "
-        "and ZeroMQ's threads and the handshake thread take turns with it.",
+        "`gc.freeze()` first; the last row is without it. The longest batches "
+        "were the storm's ZeroMQ sockets: timing every task step of the loop "
+        "(an instrument, outside this benchmark) found batches of 8 metadata "
+        "fetches each making its socket and monitor and connecting, and of pulls "
+        "each opening its confirmation channel, 0.3-0.6 ms of the trio thread's "
+        "CPU apiece, all in one pass of trio's scheduler. A connector now makes "
+        "its sockets in turns, one per pass (`SocketSetups`, "
+        "[internals](internals.md#zeromq-under-trio)): in two runs of this "
+        "benchmark before and after, the median stall went from 3.4 and 2.9 ms to "
+        "2.5 and 2.3 ms, the trio thread's CPU in it from 1.9 and 1.8 ms to 1.4 "
+        "and 0.5 ms. What bounds the rest is the third column: of the longest "
+        "batch, the trio thread itself ran only that long; the rest of the time "
+        "it was not running -- on 2 cores the producer process (8 engines "
+        "answering), UCX's and ZeroMQ's threads and the handshake thread take "
+        "turns with it (a shorter GIL switch interval, 0.5 ms instead of 5, did "
+        "not shorten the stalls).",
         "",
     ]
     stall = first["longest_stall_ms"]
@@ -832,11 +840,13 @@ def _bound_sequential(r: dict[str, Any]) -> str:
             f"{c['tiny']['extra_ms_p50']} ms per pull) against a READ of about 0.1 ms."
         )
         if "echo_rtt_ms_p50" in c:
+            above = round(c["side_channel_rtt_ms_p50"] - c["echo_rtt_ms_p50"], 4)
             text += (
-                " That round trip is at its floor: a trio process that only echoes the "
-                f"request answered in {c['echo_rtt_ms_p50']} ms (section 13), so no "
-                "producer could answer sooner over ZeroMQ here, and a confirmed tiny pull "
-                "cannot reach x0.9 of a loop that waits for no answer."
+                " That round trip is close to its floor: a trio process that only echoes "
+                f"the request answered in {c['echo_rtt_ms_p50']} ms (section 13; the "
+                f"producer {above:+g} ms), so no producer could answer much sooner over "
+                "ZeroMQ here, and a confirmed tiny pull cannot reach x0.9 of a loop that "
+                "waits for no answer."
             )
     return text
 
@@ -1504,6 +1514,19 @@ FINDINGS = """## What we found
   pull far from raw NIXL (benchmark 5 shows both side by side): its answer
   takes a side-channel round trip (benchmark 13), 2-3 times a tiny READ,
   and a sequential pull cannot overlap it with anything but its own READ.
+  That round trip is close to its floor: benchmark 13 sends the same
+  request to a trio process that only echoes it (`benchmarks/zmq_echo.py`),
+  and a producer answers within a few hundredths of a millisecond of it
+  (section 13 has both); measured outside the benchmarks (medians of 3000, 0.2 ms
+  apart), a ZeroMQ round trip between two processes took 0.12 ms with
+  blocking sockets on both sides, 0.17 ms with a trio loop on one side and
+  0.28-0.30 ms with trio on both, as trio_pd's are: each trio side adds a
+  wake-up from `epoll` and a pass of its scheduler. And the unconfirmed
+  path, measured alone against raw NIXL's loop (three turns of 2000 pulls,
+  nothing else interleaved), ran at x0.90-0.98, its trio thread's CPU per
+  pull 129-145 us against raw NIXL's 120-137 us: with four loops taking
+  turns of 100 pulls on a busy machine (benchmark 5), the rounds move with
+  which loop the other work falls on.
   Not done, and measured as the next steps: under load a third of the
   inline reads outlasted `inline_read_spin` (0.5 ms) and went to the
   driver through two thread hand-offs (benchmark 5 counts them); the
