@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
@@ -13,6 +15,7 @@ import zmq
 import trio_pd
 import trio_pd.testing
 from trio_pd._core import _protocol as protocol
+from trio_pd._side_channel._confirm import ConfirmChannels
 from trio_pd._side_channel._zmq import SocketSetups, TrioZmqSocket
 from trio_pd.testing import free_port_range
 
@@ -255,36 +258,69 @@ class _Passes(trio.abc.Instrument):
 
 
 async def test_socket_setups_take_turns_one_per_scheduler_pass() -> None:
-    """Tasks that want a turn at once get it in passes of their own; a turn
-    is a checkpoint even when nobody else waits; a task cancelled while it
-    waits leaves the others their turns."""
+    """Tasks that want a turn at once get it in passes of their own; a task
+    cancelled while it waits leaves the others their turns; a turn is a
+    checkpoint even when nobody else waits."""
     setups = SocketSetups()
     passes = _Passes()
     seen: list[tuple[int, int]] = []
+    waiting = trio.CancelScope()
 
     async def setup(n: int) -> None:
         async with setups.turn():
             seen.append((n, passes.count))
 
+    async def cancelled_while_waiting() -> None:
+        with waiting:
+            async with setups.turn():
+                raise AssertionError("a cancelled wait got a turn")
+
     trio.lowlevel.add_instrument(passes)
     try:
         with trio.fail_after(5):
-            async with trio.open_nursery() as nursery:
-                for n in range(6):
+            # (the test holds a turn: every task below waits for it)
+            async with trio.open_nursery() as nursery, setups.turn():
+                for n in range(3):
                     nursery.start_soon(setup, n)
-                with trio.CancelScope() as cancelled:
-                    nursery.start_soon(setup, 99)  # (it waits behind the six, then is cancelled)
-                    cancelled.cancel()
-                    async with setups.turn():
-                        raise AssertionError("a cancelled wait got a turn")
+                nursery.start_soon(cancelled_while_waiting)
+                for n in range(3, 6):
+                    nursery.start_soon(setup, n)
+                await trio.testing.wait_all_tasks_blocked()
+                waiting.cancel()
+                await trio.testing.wait_all_tasks_blocked()
     finally:
         trio.lowlevel.remove_instrument(passes)
+    assert waiting.cancelled_caught
+    assert sorted(n for n, _ in seen) == [0, 1, 2, 3, 4, 5]
     in_passes = [count for _, count in seen]
-    assert sorted(n for n, _ in seen) == [0, 1, 2, 3, 4, 5, 99]
     assert len(set(in_passes)) == len(in_passes), seen  # (never two in one pass)
     with trio.testing.assert_checkpoints():
         async with setups.turn():
             pass
+
+
+async def test_first_pulls_to_one_rank_wait_for_one_channel_not_for_a_turn_each() -> None:
+    """Twenty first confirmations to one producer rank at once: one socket,
+    made in one turn; the others wait for it (a turn each would take twenty
+    passes of the scheduler)."""
+    passes = _Passes()
+    setups = SocketSetups()
+    with zmq.Context() as context:
+        channels = ConfirmChannels("d", "d#1", context, FAST, setups=setups)
+        rank = ("p", "127.0.0.1", free_port_range(1))  # (nothing listens: connect is lazy)
+        trio.lowlevel.add_instrument(passes)
+        try:
+            with trio.fail_after(5):
+                first = passes.count
+                async with trio.open_nursery() as nursery:
+                    for _ in range(20):
+                        nursery.start_soon(channels.open, rank)
+                took = passes.count - first
+        finally:
+            trio.lowlevel.remove_instrument(passes)
+            channels.close()
+    assert channels.is_open(rank) is False  # (closed)
+    assert took <= 4, took
 
 
 async def test_a_storm_of_first_pulls_makes_one_socket_per_scheduler_pass(
@@ -321,3 +357,47 @@ async def test_a_storm_of_first_pulls_makes_one_socket_per_scheduler_pass(
                 assert consumer.statistics().pulls_failed == 0
     assert len(made) >= 8, made  # (a fetch and a confirmation channel per engine)
     assert len(set(made)) == len(made), made
+
+
+async def test_every_dealer_of_a_first_pull_is_made_in_a_turn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fetch's and the confirmation channel's DEALERs are made inside a
+    turn, not by the confirmation's send on the pull's path (found by review:
+    the storm test above passes without the pull's ``open``, its channels
+    happening to be made in different passes)."""
+    inside = 0
+    made: list[bool] = []
+    socket = zmq.Context.socket
+    turn = SocketSetups.turn
+
+    def counted(self: zmq.Context[zmq.Socket[bytes]], kind: int, **kwargs: object) -> object:
+        if kind == zmq.DEALER and trio.lowlevel.in_trio_run():
+            made.append(inside > 0)
+        return socket(self, kind, **kwargs)
+
+    @contextlib.asynccontextmanager
+    async def flagged(self: SocketSetups) -> AsyncIterator[None]:
+        nonlocal inside
+        async with turn(self):
+            inside += 1
+            try:
+                yield
+            finally:
+                inside -= 1
+
+    spec = trio_pd.testing.WorkerSpec("turns", regions=2, blocks=16, block_shape=(8, 64), engines=2)
+    with trio.fail_after(60):
+        async with trio_pd.testing.open_prefill_worker(spec) as worker:
+            remotes = [(await worker.expose_many([("r", [e], e)], engine=e))[0] for e in range(2)]
+            local = kv_cache(regions=2, blocks=16, block_shape=(8, 64))
+            async with trio_pd.open_connector("d", local, config=FAST) as consumer:
+                monkeypatch.setattr(zmq.Context, "socket", counted)
+                monkeypatch.setattr(SocketSetups, "turn", flagged)
+                try:
+                    for e, remote in enumerate(remotes):
+                        await consumer.pull(f"p{e}", [e], remote)
+                finally:
+                    monkeypatch.undo()
+    assert len(made) >= 4, made  # (a fetch and a channel per engine)
+    assert all(made), made

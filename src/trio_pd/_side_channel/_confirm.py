@@ -251,6 +251,8 @@ class Confirmations(abc.ABC):
         elif reply is not None:
             self._ended(pending, reply.state, request_id, local_ids)
         # The pin ended before the READ did, or no answer: once more, now.
+        if not self.is_open(pending.rank):  # (dropped for want of an answer, say)
+            await self.open(pending.rank)
         again = attrs.evolve(
             pending, seq=-1, sent=False, done=False, wake=None, reply=None, failure=""
         )
@@ -358,6 +360,7 @@ class ConfirmChannels(Confirmations):
         self._zmq = zmq_context
         self._setups = setups or SocketSetups()
         self._channels: OrderedDict[Rank, _Channel] = OrderedDict()
+        self._opening: dict[Rank, trio.Event] = {}  # (set once that rank's open ends)
 
     @property
     def open_channels(self) -> int:
@@ -368,13 +371,25 @@ class ConfirmChannels(Confirmations):
 
     async def open(self, rank: Rank) -> None:
         """Open ``rank``'s channel in a turn of ``setups`` (its socket is made
-        in a scheduler pass of its own, :class:`~._zmq.SocketSetups`). A
-        failure to make it is left to :meth:`send`, which meets it again and
-        fails that confirmation with it."""
-        async with self._setups.turn():
-            if not self._closed:
-                with contextlib.suppress(FetchRefused, zmq.ZMQError):
-                    self._channel(rank)
+        in a scheduler pass of its own, :class:`~._zmq.SocketSetups`). Pulls
+        to the same rank that come meanwhile wait for that one, not for
+        turns of their own (a burst of first pulls to a new producer would
+        otherwise take a pass each). A failure to make it is left to
+        :meth:`send`, which meets it again and fails that confirmation with
+        it."""
+        opening = self._opening.get(rank)
+        if opening is not None:  # (another pull is making it)
+            await opening.wait()
+            return
+        self._opening[rank] = opening = trio.Event()
+        try:
+            async with self._setups.turn():
+                if not self._closed and rank not in self._channels:
+                    with contextlib.suppress(FetchRefused, zmq.ZMQError):
+                        self._channel(rank)
+        finally:
+            del self._opening[rank]
+            opening.set()
 
     def discard(self, pending: Pending) -> None:
         """Stop waiting for ``pending``'s answer (its READ failed)."""

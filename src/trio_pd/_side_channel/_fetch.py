@@ -260,8 +260,9 @@ async def _one_round(
                 raise ValueError(f"malformed reply: {len(frames)} frames, expected 2")
             result.append(frames[1])
             nursery.cancel_scope.cancel()
-        # (closed in a turn too, on this path: a storm's replies come together;
-        # on any other, at once, as the stack unwinds)
+        # (closed in a turn too when the round ended -- a reply, or the monitor
+        # ended it --: a storm's replies come together; on an error or a
+        # cancellation, at once, as the stack unwinds)
         async with setups.turn():
             sockets.close()
         return result[0] if result else None
