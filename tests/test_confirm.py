@@ -223,3 +223,29 @@ async def test_a_request_whose_pulls_all_gave_up_no_longer_holds_back_the_next()
                 await confirms.check(first, trio.current_time(), "a", [1])  # type: ignore[arg-type]
             send(confirms, producer.port, 2)  # (nobody waits for it yet: sent at once)
             await wait_until(lambda: len(producer.seen) == 2)
+
+
+async def test_a_channel_whose_socket_cannot_be_set_up_is_closed_and_fails_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A socket option ZeroMQ refuses fails that confirmation with the reason
+    and closes the socket it made (found by review: only a failed connect
+    closed it; the context's ``term`` waits forever for a socket left open)."""
+    context = zmq.Context()
+    confirms = ConfirmChannels("d", "d#1", context, CONFIG)
+    setsockopt = zmq.Socket.setsockopt
+
+    def refusing(self: zmq.Socket[bytes], option: int, value: object) -> None:
+        if option == zmq.MAXMSGSIZE:
+            raise zmq.ZMQError(zmq.EINVAL, "refused by this test")
+        setsockopt(self, option, value)
+
+    monkeypatch.setattr(zmq.Socket, "setsockopt", refusing)
+    pending = send(confirms, 9)
+    monkeypatch.undo()
+    assert pending.done  # type: ignore[attr-defined]
+    assert "refused by this test" in pending.failure  # type: ignore[attr-defined]
+    assert confirms.open_channels == 0
+    confirms.close()
+    with trio.fail_after(10):
+        await trio.to_thread.run_sync(context.term, abandon_on_cancel=True)

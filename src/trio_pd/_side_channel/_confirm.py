@@ -559,19 +559,19 @@ class ConfirmChannels(Confirmations):
             return channel
         curve = curve_client(self._config, rank[0])
         raw = self._zmq.socket(zmq.DEALER)
-        raw.setsockopt(zmq.LINGER, 0)
-        raw.setsockopt(zmq.SNDHWM, 0)
-        raw.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
-        raw.setsockopt(zmq.MAXMSGSIZE, self._config.max_message_bytes)
-        if ":" in rank[1]:
-            raw.setsockopt(zmq.IPV6, 1)
-        if curve is not None:
-            raw.curve_publickey = curve.public_key
-            raw.curve_secretkey = curve.secret_key
-            raw.curve_serverkey = curve.server_key
-        try:
+        try:  # (a socket that cannot be set up or connected is closed at once)
+            raw.setsockopt(zmq.LINGER, 0)
+            raw.setsockopt(zmq.SNDHWM, 0)
+            raw.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
+            raw.setsockopt(zmq.MAXMSGSIZE, self._config.max_message_bytes)
+            if ":" in rank[1]:
+                raw.setsockopt(zmq.IPV6, 1)
+            if curve is not None:
+                raw.curve_publickey = curve.public_key
+                raw.curve_secretkey = curve.secret_key
+                raw.curve_serverkey = curve.server_key
             raw.connect(protocol.endpoint(rank[1], rank[2]))
-        except zmq.ZMQError:
+        except BaseException:
             raw.close(linger=0)
             raise
         channel = _Channel(rank, raw, cast(int, raw.getsockopt(zmq.FD)))
