@@ -309,6 +309,7 @@ def run(args: argparse.Namespace) -> int:
         curve=curve,
         membership=membership,
         parent_pid=args.parent_pid,
+        freeze_heap=True,
     )
     try:
         trio.run(serving)

@@ -54,6 +54,7 @@ from trio_pd._serve.binding import (
 )
 from trio_pd._serve.defaults import MAX_ATTEMPTS
 from trio_pd._serve.discovery import EngineSet, Membership
+from trio_pd._serve.heap import freeze_start_up_heap
 from trio_pd._serve.keys import API_KEY_ENV, BearerKeys
 from trio_pd._serve.openai import MAX_MODEL_LEN
 from trio_pd._serve.proxy import (
@@ -124,6 +125,7 @@ async def serve_proxy(
     *,
     membership: Membership | None = None,
     sock: socket.socket | None = None,
+    freeze_heap: bool = False,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the proxy until ``shutdown()`` returns, then drain it (at most ``options.grace`` s).
@@ -133,7 +135,9 @@ async def serve_proxy(
     :func:`~trio_pd._serve.binding.bind_listener` with ``options.send_timeout``;
     closed on return) instead
     of binding ``options.host:options.port``. ``task_status.started(url)``
-    once it accepts requests (``url``: the advertised address).
+    once it accepts requests (``url``: the advertised address); just before,
+    with ``freeze_heap`` (a process of its own: ``trio-pd proxy``, ``trio-pd
+    serve``), :func:`~trio_pd._serve.heap.freeze_start_up_heap`.
 
     Raises:
         ProxyStartError: its address cannot be bound, or it has no engines.
@@ -177,6 +181,8 @@ async def serve_proxy(
                     functools.partial(serve, app, config, shutdown_trigger=shutdown)
                 )
                 sock.close()  # (hypercorn serves on its duplicate)
+                if freeze_heap:
+                    freeze_start_up_heap()
                 task_status.started(url)
                 await shutdown()
                 router.proxy.accepting = False
@@ -405,6 +411,7 @@ async def _main(
                         None if membership else engines,
                         stop.requested.wait,
                         membership=membership,
+                        freeze_heap=True,
                     )
                 )
                 if ready_file:

@@ -521,6 +521,7 @@ async def _serve_proxy(
                     done.wait,
                     membership=membership,
                     sock=sock,
+                    freeze_heap=True,  # (serve's own process: the proxy's)
                 )
             )
         except ProxyStartError as exc:

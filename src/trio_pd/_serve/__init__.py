@@ -21,7 +21,8 @@ to read in one sitting. By concept:
   no I/O), ``errors`` (one table from exceptions to HTTP answers), ``keys``
   (bearer keys), ``asgi`` (the little ASGI both need), ``binding``
   (listening sockets, advertised addresses, ready files), ``stopping``
-  (signals and drains), ``timing`` (``Server-Timing``), ``metrics``
+  (signals and drains), ``heap`` (the start-up heap frozen out of the
+  garbage collector's way), ``timing`` (``Server-Timing``), ``metrics``
   (Prometheus), ``defaults`` (the deadlines, chosen together), ``ports``
   (free ports).
 

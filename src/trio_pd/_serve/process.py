@@ -35,6 +35,7 @@ from trio_pd._serve.discovery import (
     Role,
 )
 from trio_pd._serve.engine import Engine, EngineSettings
+from trio_pd._serve.heap import freeze_start_up_heap
 from trio_pd._serve.keys import BearerKeys
 from trio_pd._serve.model import ModelConfig, TinyLlama
 from trio_pd._serve.stopping import StopRequest, stop_requests
@@ -66,6 +67,7 @@ async def serve_engine(
     membership: Membership | None = None,
     parent_pid: int | None = None,
     report: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+    freeze_heap: bool = False,
 ) -> None:
     """Serve one engine until SIGTERM or SIGINT, then drain it.
 
@@ -81,7 +83,10 @@ async def serve_engine(
     all of it within ``settings.grace`` s of the signal), close the connectors. Further signals are
     reported and ignored. With ``parent_pid``, the engine also drains when
     that process is no longer its parent (the deployment that started it
-    died).
+    died). With ``freeze_heap`` (the engine's own process: ``trio-pd
+    engine``), the process's heap is frozen once the engine started
+    (:func:`~.heap.freeze_start_up_heap`; not for a caller whose process
+    goes on with other work, a test say).
 
     The ready file is removed on every exit path (a stale one, left by an
     engine that was killed, is removed before start-up).
@@ -152,6 +157,8 @@ async def serve_engine(
                     # The lifespan failed, and hypercorn reported a start
                     # regardless (its own error follows).
                     raise EngineStartError(engine.startup_failure or "the lifespan did not start")
+                if freeze_heap:  # (the model and the connectors are made)
+                    freeze_start_up_heap()
                 if membership is not None:
                     _, side_port = engine.connectors[0].address
                     host = settings.advertise_host or settings.host
