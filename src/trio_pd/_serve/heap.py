@@ -4,10 +4,10 @@ Every serving process -- ``trio-pd engine``'s (:func:`~.process.serve_engine`
 with ``freeze_heap``), the proxy's in ``trio-pd proxy`` and ``trio-pd serve``
 (:func:`~trio_pd._cli.proxy.serve_proxy` with ``freeze_heap``) -- calls
 :func:`freeze_start_up_heap` once it has started, before it reports ready;
-the demo and the benchmarks do the same. (Not by default: a caller whose
-process goes on with other work, a test say, would freeze its objects too.) An
-embedding server should too (see docs/performance.md, "The garbage
-collector").
+the demo and the benchmarks do the same, and an embedding server should
+too (docs/performance.md, "The garbage collector"). Neither function does it
+unless asked: a caller whose process goes on with other work (a test, say)
+would freeze that work's objects with it.
 """
 
 from __future__ import annotations
