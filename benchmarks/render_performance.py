@@ -135,7 +135,7 @@ def render(results: dict[str, Any]) -> str:
         "numbers (p99, the longest stall) move most between runs on this 2-core "
         "machine: read them as ranges.",
         "",
-        "To reproduce: `nox -s bench` (about 9 minutes and 3 GB of memory, as root "
+        "To reproduce: `nox -s bench` (9 to 11 minutes and 3 GB of memory, as root "
         "for benchmark 8; "
         "rewrites this page and `docs/performance.json`).",
         "",

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractContextManager
 
 import msgspec
 import pytest
@@ -323,6 +324,45 @@ async def test_first_pulls_to_one_rank_wait_for_one_channel_not_for_a_turn_each(
     assert took <= 4, took
 
 
+async def _first_pulls(
+    monkeypatch: pytest.MonkeyPatch,
+    engines: int,
+    made: Callable[[], None],
+    *,
+    at_once: bool,
+    during: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+) -> None:
+    """First pulls to ``engines`` engines of a prefill worker (all at once, or
+    one after another), calling ``made()`` for every DEALER socket the trio
+    thread makes meanwhile, with ``during()`` entered around them."""
+    socket = zmq.Context.socket
+
+    def counted(self: zmq.Context[zmq.Socket[bytes]], kind: int, **kwargs: object) -> object:
+        if kind == zmq.DEALER and trio.lowlevel.in_trio_run():
+            made()
+        return socket(self, kind, **kwargs)
+
+    spec = trio_pd.testing.WorkerSpec(
+        "first", regions=2, blocks=16, block_shape=(8, 64), engines=engines
+    )
+    with trio.fail_after(60):
+        async with trio_pd.testing.open_prefill_worker(spec) as worker:
+            remotes = [
+                (await worker.expose_many([("r", [e], e)], engine=e))[0] for e in range(engines)
+            ]
+            local = kv_cache(regions=2, blocks=16, block_shape=(8, 64))
+            async with trio_pd.open_connector("d", local, config=FAST) as consumer:
+                with monkeypatch.context() as patched, during():
+                    patched.setattr(zmq.Context, "socket", counted)
+                    async with trio.open_nursery() as nursery:
+                        for e, remote in enumerate(remotes):
+                            if at_once:
+                                nursery.start_soon(consumer.pull, f"p{e}", [e], remote)
+                            else:
+                                await consumer.pull(f"p{e}", [e], remote)
+                assert consumer.statistics().pulls_failed == 0
+
+
 async def test_a_storm_of_first_pulls_makes_one_socket_per_scheduler_pass(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -332,29 +372,18 @@ async def test_a_storm_of_first_pulls_makes_one_socket_per_scheduler_pass(
     connector makes them in passes of their own."""
     passes = _Passes()
     made: list[int] = []
-    socket = zmq.Context.socket
 
-    def counted(self: zmq.Context[zmq.Socket[bytes]], kind: int, **kwargs: object) -> object:
-        if kind == zmq.DEALER and trio.lowlevel.in_trio_run():
-            made.append(passes.count)
-        return socket(self, kind, **kwargs)
+    @contextlib.contextmanager
+    def counting_passes() -> Iterator[None]:
+        trio.lowlevel.add_instrument(passes)
+        try:
+            yield
+        finally:
+            trio.lowlevel.remove_instrument(passes)
 
-    spec = trio_pd.testing.WorkerSpec("storm", regions=2, blocks=16, block_shape=(8, 64), engines=4)
-    with trio.fail_after(60):
-        async with trio_pd.testing.open_prefill_worker(spec) as worker:
-            remotes = [(await worker.expose_many([("r", [e], e)], engine=e))[0] for e in range(4)]
-            local = kv_cache(regions=2, blocks=16, block_shape=(8, 64))
-            async with trio_pd.open_connector("d", local, config=FAST) as consumer:
-                monkeypatch.setattr(zmq.Context, "socket", counted)
-                trio.lowlevel.add_instrument(passes)
-                try:
-                    async with trio.open_nursery() as nursery:
-                        for e, remote in enumerate(remotes):
-                            nursery.start_soon(consumer.pull, f"p{e}", [e], remote)
-                finally:
-                    trio.lowlevel.remove_instrument(passes)
-                    monkeypatch.undo()
-                assert consumer.statistics().pulls_failed == 0
+    await _first_pulls(
+        monkeypatch, 4, lambda: made.append(passes.count), at_once=True, during=counting_passes
+    )
     assert len(made) >= 8, made  # (a fetch and a confirmation channel per engine)
     assert len(set(made)) == len(made), made
 
@@ -368,13 +397,7 @@ async def test_every_dealer_of_a_first_pull_is_made_in_a_turn(
     happening to be made in different passes)."""
     inside = 0
     made: list[bool] = []
-    socket = zmq.Context.socket
     turn = SocketSetups.turn
-
-    def counted(self: zmq.Context[zmq.Socket[bytes]], kind: int, **kwargs: object) -> object:
-        if kind == zmq.DEALER and trio.lowlevel.in_trio_run():
-            made.append(inside > 0)
-        return socket(self, kind, **kwargs)
 
     @contextlib.asynccontextmanager
     async def flagged(self: SocketSetups) -> AsyncIterator[None]:
@@ -386,18 +409,7 @@ async def test_every_dealer_of_a_first_pull_is_made_in_a_turn(
             finally:
                 inside -= 1
 
-    spec = trio_pd.testing.WorkerSpec("turns", regions=2, blocks=16, block_shape=(8, 64), engines=2)
-    with trio.fail_after(60):
-        async with trio_pd.testing.open_prefill_worker(spec) as worker:
-            remotes = [(await worker.expose_many([("r", [e], e)], engine=e))[0] for e in range(2)]
-            local = kv_cache(regions=2, blocks=16, block_shape=(8, 64))
-            async with trio_pd.open_connector("d", local, config=FAST) as consumer:
-                monkeypatch.setattr(zmq.Context, "socket", counted)
-                monkeypatch.setattr(SocketSetups, "turn", flagged)
-                try:
-                    for e, remote in enumerate(remotes):
-                        await consumer.pull(f"p{e}", [e], remote)
-                finally:
-                    monkeypatch.undo()
+    monkeypatch.setattr(SocketSetups, "turn", flagged)
+    await _first_pulls(monkeypatch, 2, lambda: made.append(inside > 0), at_once=False)
     assert len(made) >= 4, made  # (a fetch and a channel per engine)
     assert all(made), made
