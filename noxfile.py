@@ -51,6 +51,7 @@ STARTABLE = ",".join(
         "serve_proxy",
         "hold_registration",
         "watch_engines",
+        "serve_prefill_channel",
         "hostile",
         "_held",
         "open_one",

@@ -1171,11 +1171,13 @@ async def bench_producer_cpu(quick: bool) -> Result:
 async def bench_serve(quick: bool) -> Result:
     """``trio-pd serve``: time to first token and tokens/s disaggregated
     against one engine serving the whole request, the same prompts, at 1, 8
-    and 32 clients. Three disaggregated targets: a decode-first engine
-    (a second deployment, ``trio-pd serve --dispatch decode-first``), and two
-    proxies in front of ``serve``'s engines: ``serve``'s own, with
-    ``--dispatch concurrent``, and a ``trio-pd proxy --dispatch sequential``
-    process (the default path). At 1 client the four targets take turns
+    and 32 clients. Four disaggregated targets: a decode-first engine
+    (a second deployment, ``trio-pd serve --dispatch decode-first``), the
+    same with its prefill requests over HTTP (a third, with
+    ``--no-prefill-channel``), and two proxies in front of ``serve``'s
+    engines: ``serve``'s own, with ``--dispatch concurrent``, and a
+    ``trio-pd proxy --dispatch sequential`` process (the default path). At
+    1 client the five targets take turns
     request by request (every prompt three times), and
     each answer's ``Server-Timing`` splits its time to first token
     (:func:`_ttft_breakdown`); at 8 and 32 the targets take turns by client
@@ -1216,6 +1218,7 @@ async def bench_serve(quick: bool) -> Result:
         )
         sequential: trio.Process | None = None
         decode_first: trio.Process | None = None
+        decode_first_http: trio.Process | None = None
         try:
             with trio.fail_after(120):
                 while not ready.exists():  # (another process writes it)
@@ -1244,13 +1247,32 @@ async def bench_serve(quick: bool) -> Result:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
+            # The decode-first path before its prefill channel, beside it: a
+            # third deployment whose engines send and take prefill requests
+            # over HTTP only (--no-prefill-channel).
+            ready_http = Path(scratch) / "ready-decode-first-http.json"
+            decode_first_http = await trio.lowlevel.open_process(
+                [
+                    *command[:-1],
+                    *["decode-first", "--no-prefill-channel", "--ready-file", str(ready_http)],
+                ],
+                env={**os.environ, "NIXL_LOG_LEVEL": "WARN", "TRIO_PD_INTERNAL_KEY": internal_key},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             with trio.fail_after(60):
-                while not (ready_sequential.exists() and ready_first.exists()):
+                while not (
+                    ready_sequential.exists() and ready_first.exists() and ready_http.exists()
+                ):
                     assert sequential.poll() is None, "trio-pd proxy exited early"
                     assert decode_first.poll() is None, "trio-pd serve (decode-first) exited early"
+                    assert decode_first_http.poll() is None, (
+                        "trio-pd serve (decode-first, --no-prefill-channel) exited early"
+                    )
                     await trio.sleep(0.05)
             targets = {
                 DECODE_FIRST: json.loads(ready_first.read_text())["clients"][0],
+                DECODE_FIRST_HTTP: json.loads(ready_http.read_text())["clients"][0],
                 PROXY: urls["proxy"],
                 SEQUENTIAL: json.loads(ready_sequential.read_text())["url"],
                 ONE_ENGINE: urls["decode"][0],
@@ -1259,10 +1281,12 @@ async def bench_serve(quick: bool) -> Result:
             def served_cpu_seconds() -> float:
                 assert sequential is not None
                 assert decode_first is not None
+                assert decode_first_http is not None
                 return (
                     _tree_cpu_seconds(process.pid)
                     + _cpu_seconds(sequential.pid)
                     + _tree_cpu_seconds(decode_first.pid)
+                    + _tree_cpu_seconds(decode_first_http.pid)
                 )
 
             # (idle connections closed within 2 s, before the servers' own
@@ -1364,7 +1388,7 @@ async def bench_serve(quick: bool) -> Result:
                         name: _serve_rounds(done, runs[ONE_ENGINE]) for name, done in runs.items()
                     }
         finally:
-            for server in (decode_first, sequential, process):
+            for server in (decode_first_http, decode_first, sequential, process):
                 if server is not None:
                     server.send_signal(signal.SIGTERM)
                     with trio.move_on_after(30, shield=True):
@@ -1382,11 +1406,14 @@ async def bench_serve(quick: bool) -> Result:
 
 
 DECODE_FIRST = "decode-first engine (P/D)"
+DECODE_FIRST_HTTP = "decode-first engine, prefill over HTTP (P/D)"
 PROXY, SEQUENTIAL, ONE_ENGINE = "proxy (P/D)", "proxy (P/D), sequential", "one engine"
 """Benchmark 11's targets: a decode-first engine (``--prefill-url``: clients
-call it, it runs the prefill on ``serve``'s prefill engine), ``serve``'s
-proxy (``--dispatch concurrent``), a proxy dispatching sequentially (the
-default), and one engine."""
+call it, it runs the prefill on a prefill engine of its deployment, over
+that engine's prefill channel), the same with its prefill requests over HTTP
+(``--no-prefill-channel``: a deployment of its own), ``serve``'s proxy
+(``--dispatch concurrent``), a proxy dispatching sequentially (the default),
+and one engine."""
 
 
 def _serve_rounds(runs: list[Result], one_engine: list[Result]) -> Result:
@@ -1463,7 +1490,7 @@ def _ttft_breakdown(answers: dict[str, list[Result]]) -> Result:
         if name == ONE_ENGINE:
             forward = t.get("admission", 0.0) + t.get("forward", 0.0)
             return {"front": headers - forward, "forward": forward, "first_step": first - headers}
-        if name == DECODE_FIRST:  # (its headers leave with the first token, once held)
+        if name in (DECODE_FIRST, DECODE_FIRST_HTTP):  # (headers with the first token, once held)
             forward = t.get("prefill.admission", 0.0) + t.get("prefill.forward", 0.0)
             expose = t.get("prefill.expose", 0.0)
             hold = t.get("hold", 0.0)

@@ -29,7 +29,10 @@ GOALS = {
 
 TTFT_PHASES = {
     "front": "HTTP to the server the client calls, and that server's own work",
-    "prefill_http": "prefill request: HTTP, the prefill engine's request handling",
+    "prefill_http": (
+        "prefill request: its exchange (HTTP; decode-first: the prefill channel), the "
+        "prefill engine's request handling"
+    ),
     "forward": (
         "admission (free KV blocks) and the prompt's forward (a prefill engine's: "
         "with the prompt's last token, which gives the first token)"
@@ -892,20 +895,27 @@ def _bound_sixteen(r: dict[str, Any]) -> str:
 def _bound_ttft(r: dict[str, Any]) -> str:
     split = r["serve"]["ttft_breakdown_ms"]
     first = split.get("decode-first engine (P/D)", {})
+    http = split.get("decode-first engine, prefill over HTTP (P/D)", {})
     one = split["one engine"]
-    po = r.get("proxy_overhead", {})
     return (
-        f"the decode-first engine's prefill request -- an HTTP exchange with the prefill "
-        f"engine and its request handling -- took {first.get('prefill_http', '?')} ms, and "
-        f"the client's request to it {first.get('front', '?')} ms against one engine's "
-        f"{one.get('front', '?')} ms (section 11's breakdown): on these 2 shared cores one "
-        "HTTP exchange between two processes costs about as much as the goal's margin "
-        f"(the proxy's two cost {po.get('added_p50_ms', '?')} ms at p50 in one process, "
-        "benchmark 12). Every path built here makes two exchanges in series before the "
-        "first token (the client's, and one to the prefill engine); only a client that "
-        "calls the prefill engine itself -- which would stream its first token and relay "
-        "the decode engine's others, one more hop per token -- makes one. Not built."
+        f"the decode-first engine's prefill request -- its exchange with the prefill "
+        f"engine over the prefill channel, and the prefill engine's request handling -- "
+        f"took {first.get('prefill_http', '?')} ms (over HTTP, in the same run: "
+        f"{http.get('prefill_http', '?')} ms), expose and hold "
+        f"{_plus(first.get('expose'), first.get('hold'))} ms, and the client's request to "
+        f"it {first.get('front', '?')} ms against one engine's {one.get('front', '?')} ms "
+        "(section 11's breakdown). What is left of the prefill request is not Python but "
+        "waiting: for each process to be woken (the prefill engine, its forward's worker "
+        "thread and back, the decode-first engine) on 2 cores that five busy processes "
+        "share; see What we found, the prefill channel."
     )
+
+
+def _plus(*values: Any) -> str:
+    """The sum of ``values`` (rounded), or ``?`` if one is missing."""
+    if any(not isinstance(v, int | float) for v in values):
+        return "?"
+    return str(round(sum(values), 3))
 
 
 def _bound_tokens(r: dict[str, Any], clients: str = "8") -> str:
@@ -1077,6 +1087,7 @@ def _overhead_rows(po: dict[str, Any]) -> list[list[Any]]:
 
 SERVE_TARGETS = {
     "decode-first engine (P/D)": "decode-first",
+    "decode-first engine, prefill over HTTP (P/D)": "decode-first, HTTP",
     "proxy (P/D)": "proxy, concurrent",
     SEQUENTIAL: "proxy, sequential",
 }
@@ -1116,16 +1127,18 @@ def _serve_section(
         "",
         f"{sv['prompts']} prompts, {sv['max_tokens']} tokens each, streamed, served "
         "disaggregated -- prefill on one engine, the KV cache pulled over NIXL, decode "
-        "on another -- three ways, and by one engine serving the whole request: a "
+        "on another -- four ways, and by one engine serving the whole request: a "
         "*decode-first* engine (`trio-pd engine --role decode --prefill-url`: the client "
-        "calls it, it runs the prefill on a prefill engine itself and streams the first "
-        "token, the prefill engine's, once it holds the blocks: a second deployment, "
-        "`trio-pd serve --dispatch decode-first`); `trio-pd serve --prefill 1 "
+        "calls it, it runs the prefill on a prefill engine itself, over that engine's "
+        "prefill channel, and streams the first token, the prefill engine's, once it "
+        "holds the blocks: a second deployment, `trio-pd serve --dispatch decode-first`); "
+        "the same with its prefill requests over HTTP (a third deployment, with "
+        "`--no-prefill-channel`: the path before the channel); `trio-pd serve --prefill 1 "
         "--decode 1`'s proxy with `--dispatch concurrent` (the decode request goes with the "
         "prefill, its `kv_transfer_params` a second line of its body); and a `trio-pd proxy "
         "--dispatch sequential` process (the default: the decode request once the prefill "
-        "answered) in front of the same engines. The decode-first deployment has engines "
-        "of its own (the same code; they idle while the others run); one engine is the "
+        "answered) in front of the same engines. The decode-first deployments have engines "
+        "of their own (the same code; they idle while the others run); one engine is the "
         "first deployment's decode engine. At 1, 8 and 32 clients at "
         "once (at 1 client the targets take turns request by request, each prompt "
         f"{sv.get('passes_at_1_client', 1)} times; at 8 and 32 clients every prompt once "
@@ -1138,7 +1151,7 @@ def _serve_section(
         _table(header, rows),
         "",
         "On one 2-core machine with a model this small, disaggregation can only "
-        "cost: every request adds the prefill engine's HTTP exchange and the pull "
+        "cost: every request adds an exchange with the prefill engine and the pull "
         "(and, through a proxy, one more exchange and a relay of every token), and "
         "the engines share the same cores. What it buys -- decode steps that never "
         "wait behind another request's long prefill -- needs engines on separate "
@@ -1607,16 +1620,47 @@ FINDINGS = """## What we found
   decode engine behind a proxy sends it once it pulled, without a decode
   step (behind a proxy the answer still starts after the pull, so that an
   exposure that ended stays a 409 the proxy answers by prefilling again).
-  Section 11 measures the three paths side by side. What is left of the
-  time to first token is the exchange with the prefill engine: the
-  client's request and the prefill request are two HTTP exchanges in
-  series, each about 1.2 ms of httpx2 and hypercorn Python plus the wait
-  for a core on these 2 shared cores. A decode-first engine faces
+  Section 11 measures the paths side by side. A decode-first engine faces
   clients, so it refuses `kv_transfer_params` from them (a replay must
   not end another request's exposure: the refusal abandons nothing); it
   takes client keys, sends the internal key to its prefill engines, and
   gives an exposure back at once if its request ends before it held it
   ([serving](serving.md#decode-first-engines)).
+* **The prefill channel (issue 33).** Over HTTP, a decode-first engine's
+  prefill request was most of what its first token waited for beyond one
+  engine's: timestamps (`time.perf_counter`, one clock for every process)
+  at each step of 400 requests put 3.2-3.6 ms of the prefill request
+  outside the prefill engine's forward, admission and expose, where a
+  do-nothing answer from hypercorn took 1.7 ms to a plain client; a
+  profile of the prefill engine put a fifth of its trio thread in
+  hypercorn's h11 writes alone. Now the engine takes the same request over
+  a kept TCP connection, one frame each way, answered by its own ASGI
+  application in process ([serving](serving.md#the-prefill-channel)).
+  ZeroMQ was built first and measured: a round trip between two trio
+  processes took 0.57-0.66 ms over ZeroMQ against 0.23-0.25 ms over a
+  plain trio stream (2000 of each, interleaved: ZeroMQ's I/O threads add
+  two wake-ups to each direction), and the prefill request's transit was
+  0.52 ms out and 0.42 ms back against 0.22 and 0.16. The rest of what the
+  request waited for, step by step (p50 of 330 requests, wall clock, ms):
+  from its arrival to the application 0.24, then 0.12 once the task that
+  read a request runs it at once (reading goes on in a fresh task); the
+  application before the forward 0.33-0.39 and after it 0.39-0.64 (expose,
+  the answer); the answer's write 0.38, then 0.10 once a frame goes to the
+  socket at once when no other is being written (a lock taken and
+  `send_all` were two schedule points, each a wait on a busy loop); the
+  hand-off to the forward's worker thread and back 0.46-0.75 -- once per
+  request now: the prompt's two steps (all but its last token, then that
+  token) run in one trip to the thread instead of two, and a request from
+  the channel is cancelled by the channel itself rather than by a task
+  watching for its disconnect (a nursery and a task per request, about
+  0.3 ms of the trio thread). In all, the prefill request's time outside
+  the forward went from 3.1 ms (ZeroMQ, before these) to 2.0 ms. Side by
+  side at 1 client, outside the benchmarks (300 requests to each of three
+  deployments, taking turns, twice, the machine busy with other work): the
+  decode-first engine over its channel +1.8 and +2.3 ms over one engine,
+  over HTTP +4.2 and +4.5 ms. What is
+  left is waiting, not Python: on 2 cores shared by five busy processes,
+  each step that needs another process or thread to run waits for a core.
 """
 
 

@@ -254,6 +254,12 @@ def _parser() -> argparse.ArgumentParser:
         "this run, the prefill engines letting only the decode engines in)",
     )
     serve.add_argument(
+        "--no-prefill-channel",
+        action="store_true",
+        help="the engines send and take prefill requests over HTTP only (by default a "
+        "decode-first engine sends them over ZeroMQ to its prefill engines' channels)",
+    )
+    serve.add_argument(
         "--etcd-ttl",
         type=float,
         default=serving.etcd_ttl,
@@ -345,6 +351,7 @@ def _serve(args: argparse.Namespace) -> int:
         etcd_ttl=args.etcd_ttl,
         api_keys=client_keys(args.api_key),
         curve=not args.no_curve,
+        prefill_channel=not args.no_prefill_channel,
         dispatch=args.dispatch,
     )
     if key := internal_key(args.internal_key_file):

@@ -162,6 +162,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "soon as the KV is held; kv_transfer_params from clients are refused",
     )
     parser.add_argument(
+        "--no-prefill-channel",
+        action="store_true",
+        help="prefill requests over HTTP only: this engine opens no ZeroMQ listener for them "
+        "(by default it does, on a port of its own that its prefill answers name), and, "
+        "decode-first, sends them over HTTP (by default over a prefill engine's channel once "
+        "connected: docs/serving.md)",
+    )
+    parser.add_argument(
         "--prefill-timeout",
         type=float,
         default=defaults.prefill_timeout,
@@ -210,6 +218,7 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         lease_initial=args.lease_initial,
         prefill_urls=tuple(url.rstrip("/") for url in args.prefill_url),
         prefill_timeout=args.prefill_timeout,
+        prefill_channel=not args.no_prefill_channel,
     )
     if settings.prefill_urls and args.role != "decode":
         raise UsageError("--prefill-url makes a decode engine decode-first: it needs --role decode")

@@ -118,6 +118,7 @@ class ServeOptions:
     etcd_ttl: float = 10.0  # (with hosts: each engine's lease)
     api_keys: BearerKeys | None = None  # (the proxy's client keys; None: open)
     curve: bool = True  # (CURVE on the engines' side channels, keys made per run)
+    prefill_channel: bool = True  # (False: prefill requests over HTTP only)
     dispatch: str = DISPATCH  # (the proxy's: when it sends a decode request; or DECODE_FIRST)
     # The engines' internal key (--internal-key-file or $TRIO_PD_INTERNAL_KEY;
     # by default one made for this run).
@@ -652,6 +653,7 @@ def _engine_command(
     command = [sys.executable, "-m", "trio_pd", "engine", *(f"{k}={v}" for k, v in flags.items())]
     command += [f"--prefill-url={url}" for url in prefill_urls or ()]
     command += curve_files.get(engine.name, []) if options.curve else ["--no-curve"]
+    command += [] if options.prefill_channel else ["--no-prefill-channel"]
     if engine.host is not None:
         # (ip execs the command: the engine is this command's child, and its signals reach it)
         return ["ip", "netns", "exec", engine.host.netns, *command]

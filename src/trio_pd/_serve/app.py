@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -39,6 +40,7 @@ from trio_pd._core._errors import (
     TransferError,
 )
 from trio_pd._serve.asgi import (
+    App,
     Receive,
     Scope,
     Send,
@@ -65,6 +67,7 @@ from trio_pd._serve.openai import (
 )
 from trio_pd._serve.pool import OutOfBlocks
 from trio_pd._serve.ports import free_port_range
+from trio_pd._serve.prefill_channel import PORT_HEADER, serve_prefill_channel
 from trio_pd._serve.prefilling import open_prefiller
 from trio_pd._serve.responses import Shapes, model_card, model_list
 from trio_pd._serve.timing import PhaseTimes
@@ -97,7 +100,7 @@ def build_app(engine: Engine) -> Callable[[Scope, Receive, Send], Any]:
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(engine, receive, send)
+            await _lifespan(engine, receive, send, completing)
             return
         if scope["type"] != "http":
             return
@@ -118,7 +121,8 @@ def build_app(engine: Engine) -> Callable[[Scope, Receive, Send], Any]:
             )
             await response.error(http_error(exc, row_of=Exception, request_id=request_id))
 
-    return response_completes(app)
+    completing = response_completes(app)
+    return completing
 
 
 async def _route(engine: Engine, scope: Scope, receive: Receive, send: Send, rid: str) -> None:
@@ -230,11 +234,15 @@ async def _health(engine: Engine, send: Send) -> None:
     await send_json(send, 200 if health["status"] == "ok" else 503, health)
 
 
-async def _lifespan(engine: Engine, receive: Receive, send: Send) -> None:
+async def _lifespan(engine: Engine, receive: Receive, send: Send, app: App) -> None:
     """Open the connectors for the server's life; close them after the last request.
 
     A decode-first engine also opens its :class:`~.prefilling.Prefiller`
-    (an HTTP client to its prefill engines), closed before the connectors.
+    (an HTTP client to its prefill engines, and its prefill channels to
+    them), closed before the connectors. Any other engine (unless
+    ``prefill_channel`` is off) answers prefill requests over ZeroMQ too
+    (:func:`~.prefill_channel.serve_prefill_channel`, with ``app``): that
+    listener is a task of the nursery below, cancelled with it.
 
     Inside it, a nursery holds the tasks that give exposed blocks back to the
     pool; at shutdown (hypercorn sends it once every request has drained)
@@ -278,16 +286,23 @@ async def _lifespan(engine: Engine, receive: Receive, send: Send) -> None:
                         prefill_timeout=settings.prefill_timeout,
                         internal_key=engine.internal_key,
                         caller=f"decode-first engine {settings.engine_id}",
+                        channels=settings.prefill_channel,
                     )
                 )
             nursery = await stack.enter_async_context(trio.open_nursery())
+            if settings.prefill_channel and not settings.prefill_urls:
+                engine.prefill_channel_port = await nursery.start(
+                    functools.partial(
+                        serve_prefill_channel, app, settings.host, in_flight=engine.channel_requests
+                    )
+                )
             engine.connectors, engine.nursery, engine.accepting = connectors, nursery, True
             started = engine.started = True
             await send({"type": "lifespan.startup.complete"})
             await receive()  # lifespan.shutdown
             engine.accepting = False
             await _wait_for_exposures(engine)
-            engine.connectors = []
+            engine.connectors, engine.prefill_channel_port = [], None
             nursery.cancel_scope.cancel()
     except Exception as exc:
         if not started:
@@ -312,6 +327,9 @@ async def _wait_for_exposures(engine: Engine) -> None:
     if deadline == math.inf:  # (a shutdown without a drain: wait up to --grace)
         deadline = trio.current_time() + engine.settings.grace
     with trio.move_on_at(deadline):
+        # (prefill requests that came over the channel: hypercorn drained
+        # the HTTP ones before the lifespan's shutdown, not these)
+        await engine.channel_requests.wait_value(0)
         await engine.exposures_unresolved.wait_value(0)
     if engine.exposures_unresolved.value:
         logger.warning(
@@ -383,12 +401,17 @@ async def _generation(
     sending = SendWatch(send_tracked)
     try:
         try:
-            async with cancel_on_disconnect(receive, None if second is None else second.read):
+            async with cancel_on_disconnect(
+                receive, None if second is None else second.read, scope
+            ):
                 if request.kind == "prefill":
                     first, kv = await engine.prefill_for_remote(request_id, request.prompt, times)
                     text = bytes([first]).decode(errors="replace")
                     whole = shapes.whole(text, [first], kv_transfer_params=kv)
-                    await send_json(sending, 200, whole, [times.header()])
+                    headers = [times.header()]
+                    if engine.prefill_channel_port is not None:  # (where to send the next)
+                        headers.append((PORT_HEADER.encode(), b"%d" % engine.prefill_channel_port))
+                    await send_json(sending, 200, whole, headers)
                 elif prefiller is not None:  # (decode-first)
                     # (a request that can never run here: before the prefill,
                     # and before a stream could start with its first token)

@@ -27,6 +27,10 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
+CANCEL_SCOPES = "trio_pd.cancel_scopes"
+"""The ASGI extension of a transport that cancels a request itself when its
+caller goes away (:func:`cancel_on_disconnect`)."""
+
 
 def parse_json(data: bytes | bytearray | str) -> Any:
     """``data`` as one JSON document -- as :func:`json.loads` reads it, except
@@ -139,7 +143,7 @@ async def send_event(send: Send, data: Any, *, last: bool = False) -> None:
 
 @asynccontextmanager
 async def cancel_on_disconnect(
-    receive: Receive, after: trio.Event | None = None
+    receive: Receive, after: trio.Event | None = None, scope: Scope | None = None
 ) -> AsyncIterator[None]:
     """Run the block in a scope that the client's disconnect cancels.
 
@@ -149,7 +153,23 @@ async def cancel_on_disconnect(
     it never cancels the last ``send``.) With ``after``, the watch starts
     once it is set: the block itself reads the rest of the body until then
     (and sees a disconnect there), and the watch takes what is left of it.
+
+    A transport that cancels its requests itself (the request's ASGI
+    ``scope`` has the extension :data:`CANCEL_SCOPES`: a set, to which the
+    block's cancel scope is added while it runs) needs no watching task:
+    the block's scope is cancelled by the transport instead
+    (:mod:`.prefill_channel`, which saves a task per request).
     """
+    scopes = None if scope is None else scope.get("extensions", {}).get(CANCEL_SCOPES)
+    if scopes is not None and after is None:
+        cancel = trio.CancelScope()
+        scopes.add(cancel)
+        try:
+            with cancel:
+                yield
+        finally:
+            scopes.discard(cancel)
+        return
 
     async def watch(scope: trio.CancelScope) -> None:
         if after is not None:

@@ -112,6 +112,10 @@ class EngineSettings:
     # (:mod:`.app`, :mod:`.prefilling`), each attempt within prefill_timeout.
     prefill_urls: tuple[str, ...] = ()
     prefill_timeout: float = defaults.PREFILL_TIMEOUT
+    # Prefill requests over ZeroMQ (:mod:`.prefill_channel`): an engine that
+    # serves them listens for them there too; a decode-first engine sends
+    # them there once connected. False: HTTP only (either side).
+    prefill_channel: bool = True
 
     def advertised(self) -> str:
         """The host that peers and the proxy dial."""
@@ -221,6 +225,8 @@ class Engine:
         self.client_keys = client_keys
         self.internal_key = internal_key
         self.prefiller: Prefiller | None = None
+        self.prefill_channel_port: int | None = None  # (set by the lifespan, while serving)
+        self.channel_requests = AsyncValue(0)  # (prefill channel requests running now)
         self.curve = curve  # the side channel's CURVE keys, if set
         self.model = model
         self.cache = model.new_cache(settings.num_blocks, settings.tp_size)
@@ -268,6 +274,13 @@ class Engine:
         return await trio.to_thread.run_sync(
             self.model.forward, self.cache, table, tokens, start, limiter=self.compute
         )
+
+    def _prompt_steps(self, table: Sequence[int], prompt: list[int]) -> int:
+        """A whole request's first two steps (in a worker thread): the prompt
+        without its last token, then that token; the first generated token."""
+        if len(prompt) > 1:
+            self.model.forward(self.cache, table, prompt[:-1], 0)
+        return self.model.forward(self.cache, table, prompt[-1:], len(prompt) - 1)
 
     def admission_deadline(self) -> float:
         return trio.current_time() + self.settings.admission_timeout
@@ -326,10 +339,10 @@ class Engine:
                 self.model.config.blocks_for(len(prompt)), deadline=self.admission_deadline()
             )
         try:
-            with times.phase("forward"):
-                if len(prompt) > 1:
-                    await self.step(blocks, prompt[:-1], 0)
-                first = await self.step(blocks, prompt[-1:], len(prompt) - 1)
+            with times.phase("forward"):  # (both steps in one trip to the worker thread)
+                first = await trio.to_thread.run_sync(
+                    self._prompt_steps, blocks, prompt, limiter=self.compute
+                )
             # Every rank exposes its head slice; rank 0's parameters go to the
             # decode engine (they name the base port and the TP size).
             with times.phase("expose"):

@@ -46,6 +46,7 @@ from trio_pd._serve.dispatch import BODY_LIMIT, KV_PARAMS
 from trio_pd._serve.errors import HTTPError, MalformedAnswer, error_status, http_error
 from trio_pd._serve.keys import bearer_header
 from trio_pd._serve.openai import LEASE_PARAM
+from trio_pd._serve.prefill_channel import ChannelAnswer, PrefillChannels, open_prefill_channels
 from trio_pd._serve.routing import EngineSet
 from trio_pd._serve.timing import PhaseTimes
 
@@ -91,6 +92,8 @@ class Prefiller:
             (``kind``: its row's ``counted``, or ``"status"`` for a 5xx, 401 or 403).
         caller: who sends the requests, in the error for an engine that
             refuses its internal key.
+        channels: prefill channels to the engines (:mod:`.prefill_channel`):
+            a request goes over its engine's when that is connected.
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class Prefiller:
         headers: dict[str, str] | None = None,
         count_error: Callable[[str, str], None] = lambda engine, kind: None,
         caller: str = "the proxy",
+        channels: PrefillChannels | None = None,
     ) -> None:
         self.engines = engines
         self._caller = caller
@@ -111,6 +115,7 @@ class Prefiller:
         self._max_attempts = max_attempts
         self._headers = dict(headers or {})
         self._count_error = count_error
+        self._channels = channels
 
     async def prefill(
         self,
@@ -143,14 +148,19 @@ class Prefiller:
             request["max_completion_tokens"] = 1
         engines = self.engines
         failure: HTTPError | None = None
+        # (as httpx2 encodes a json= body: compact, UTF-8, no NaN)
+        encoded = json.dumps(
+            request, ensure_ascii=False, separators=(",", ":"), allow_nan=False
+        ).encode()
         for engine in engines.candidates(trio.current_time(), self._max_attempts):
             with engines.attempt(engine):
                 limit = min(self._prefill_timeout, deadline - trio.current_time())
                 try:
                     with times.phase("prefill"), trio.fail_after(max(limit, 0)):
-                        response, content = await self._post_capped(
-                            f"{engine}{path}",
-                            request,
+                        response, content = await self._post(
+                            engine,
+                            path,
+                            encoded,
                             {REQUEST_ID_HEADER: request_id, **self._headers},
                             trace,
                         )
@@ -199,17 +209,36 @@ class Prefiller:
         the request's."""
         judge(self.engines, engine, status, self._count_error)
 
-    async def _post_capped(
-        self, url: str, request: dict[str, Any], headers: dict[str, str], trace: Trace | None
-    ) -> tuple[httpx2.Response, bytes | None]:
-        """POST ``request``: the answer, and its body -- ``None`` if it is over
-        :data:`ANSWER_LIMIT` bytes."""
+    async def _post(
+        self, engine: str, path: str, request: bytes, headers: dict[str, str], trace: Trace | None
+    ) -> tuple[httpx2.Response | ChannelAnswer, bytes | None]:
+        """POST ``request`` (JSON) to ``engine``: over its prefill channel when
+        it has a connected one (and no ``trace`` follows the request), else
+        over HTTP (whose answer may name the channel's port). The answer, and
+        its body -- ``None`` if it is over :data:`ANSWER_LIMIT` bytes.
+
+        Raises:
+            ChannelLost: the channel broke while the request waited.
+            httpx2.HTTPError: the HTTP request failed.
+        """
+        channels = self._channels
+        if channels is not None and trace is None:
+            answer = await channels.post(engine, path, request, headers)
+            if answer is not None:
+                capped = answer.content if len(answer.content) <= ANSWER_LIMIT else None
+                return answer, capped
         extensions = {} if trace is None else {"trace": trace}
         built = self._client.build_request(
-            "POST", url, json=request, headers=headers, extensions=extensions
+            "POST",
+            f"{engine}{path}",
+            content=request,
+            headers={"content-type": "application/json", **headers},
+            extensions=extensions,
         )
         response = await self._client.send(built, stream=True)
         try:
+            if channels is not None and response.status_code == 200:
+                channels.learn(engine, response.headers)
             content = bytearray()
             async with aclosing(response.aiter_bytes()) as chunks:
                 async for chunk in chunks:
@@ -224,10 +253,16 @@ class Prefiller:
 
 @asynccontextmanager
 async def open_prefiller(
-    urls: Sequence[str], *, prefill_timeout: float, internal_key: str | None, caller: str
+    urls: Sequence[str],
+    *,
+    prefill_timeout: float,
+    internal_key: str | None,
+    caller: str,
+    channels: bool = True,
 ) -> AsyncIterator[Prefiller]:
     """A :class:`Prefiller` for the prefill engines at ``urls`` with an HTTP
-    client of its own (a decode-first engine's), closed on exit.
+    client of its own (a decode-first engine's), and -- with ``channels`` --
+    prefill channels to them (:mod:`.prefill_channel`), closed on exit.
 
     It sends ``internal_key`` (if any), bounds connecting
     (:data:`~.defaults.CONNECT_TIMEOUT`) and writing, and closes idle
@@ -238,7 +273,10 @@ async def open_prefiller(
     limits = httpx2.Limits(
         max_connections=None, max_keepalive_connections=64, keepalive_expiry=CLIENT_KEEP_ALIVE
     )
-    async with httpx2.AsyncClient(timeout=timeout, limits=limits) as client:
+    async with (
+        httpx2.AsyncClient(timeout=timeout, limits=limits) as client,
+        open_prefill_channels() as opened,
+    ):
         yield Prefiller(
             EngineSet(urls),
             client,
@@ -246,6 +284,7 @@ async def open_prefiller(
             max_attempts=MAX_ATTEMPTS,
             headers=bearer_header(internal_key) if internal_key else {},
             caller=caller,
+            channels=opened if channels else None,
         )
 
 

@@ -1,0 +1,572 @@
+"""Prefill requests over a kept TCP connection: decode-first engines to prefill engines.
+
+A decode-first engine (:mod:`.prefilling`) asks a prefill engine for every
+request's KV before it can stream a first token, so that exchange is on
+every request's time to first token. Over HTTP it cost 3-4 ms on this
+project's 2-core machine, most of it hypercorn's and httpx2's own Python on
+both sides (h11's parsing and framing, the send locks, the client's pool);
+the prefill engine's forward is the rest. Here the same request is one
+frame each way on a TCP connection that stays open, read and written by
+trio on both sides. (ZeroMQ was measured first: its I/O threads add two
+thread wake-ups to each direction, a round trip between two trio processes
+took 0.57-0.66 ms where a plain trio stream took 0.23-0.25 ms; a prefill
+request needs none of what ZeroMQ adds -- routing, reconnection, queueing
+for a peer that is not there -- and is better off knowing at once that
+its connection broke.)
+
+Every engine that serves prefill requests also listens here (on its HTTP
+host, a port of its own), and says where in the ``x-trio-pd-prefill-port``
+header of its HTTP prefill answers. What arrives is the same request as
+over HTTP -- the path, the headers (the deployment's internal key among
+them), the JSON body -- and it is answered by the same ASGI application, in
+process (:func:`serve_prefill_channel`): the same checks, the same keys, the
+same errors, the same ``Server-Timing``. Only the transport differs, so
+nothing else in the engine knows which one a request came by.
+
+A decode-first engine keeps one connection per prefill engine
+(:class:`PrefillChannels`), opened when an HTTP answer names the port (to
+the host of the engine's URL: the header names a port only), and sends a
+prefill over it while it is connected; while it is not -- before the first
+answer, after the engine went away, a port that refuses -- the request goes
+over HTTP, which tells a refused connection (the next engine is tried) from
+a broken one. A connection that breaks while a request waits for its answer
+fails that request as a broken HTTP connection would (:class:`ChannelLost`,
+a 502 naming the engine: it may have run). A request whose caller stops
+waiting (its deadline, its client's disconnect) sends a cancel: the prefill
+engine cancels it as it would on an HTTP disconnect; a connection that
+closes cancels every request it sent.
+
+Frames, each way: two 32-bit big-endian lengths (the head's, the body's),
+the head -- a msgpack :class:`Request`, :class:`Cancel` or :class:`Answer`
+-- and the body (a request's JSON, an answer's body; empty for a cancel).
+Whatever arrives may be hostile: a head that does not parse is dropped (and
+logged at debug), a frame over :data:`HEAD_LIMIT` and :data:`REQUEST_LIMIT`
+closes its connection, a request's path must be a generation route, at most
+:data:`MAX_IN_FLIGHT` requests run at once (then: a 503 answer), and an
+answer over :data:`ANSWER_LIMIT` bytes is an error answer instead. A peer
+can only fail its own requests.
+
+Not encrypted: like the HTTP it replaces, the channel carries the internal
+key as a bearer header, in clear (a deployment across untrusted networks
+puts both on a private network, as it does HTTP).
+
+What is owned: :func:`serve_prefill_channel` its listeners, its connections
+and the tasks of the requests in flight (cancelled when it is); a
+:class:`PrefillChannels` its connections and one task each (cancelled with
+the nursery :func:`open_prefill_channels` opens). Every write of a frame is
+shielded (a frame cut in half would break the connection for every request
+on it) and bounded by :data:`SEND_TIMEOUT` (then the connection is closed).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import struct
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from urllib.parse import urlsplit
+
+import attrs
+import httpx2
+import msgspec
+import trio
+from trio_util import AsyncValue
+
+from trio_pd._serve.asgi import CANCEL_SCOPES, App, Message
+from trio_pd._serve.defaults import CONNECT_TIMEOUT
+
+logger = logging.getLogger("trio_pd.serve")
+
+PORT_HEADER = "x-trio-pd-prefill-port"
+"""The header of an engine's HTTP prefill answers that names its channel's port."""
+
+ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
+"""The paths a channel request may name (any other: a 404 answer)."""
+
+HEAD_LIMIT = 64 << 10
+"""The most bytes of one frame's head (the headers); more closes the connection."""
+
+REQUEST_LIMIT = 1 << 20
+"""The most bytes of one request's body (more closes the connection): as an
+HTTP request body's limit."""
+
+ANSWER_LIMIT = 1 << 20
+"""The most bytes of one answer's body (a larger answer is a 500 instead;
+a prefill answer is a few hundred bytes)."""
+
+MAX_IN_FLIGHT = 1024
+"""Requests one engine runs at once from its channel (more: a 503 answer)."""
+
+SEND_TIMEOUT = 10.0
+"""How long one frame's write may wait for a peer that does not read (then
+its connection is closed)."""
+
+_LENGTHS = struct.Struct("!II")
+
+
+class Request(msgspec.Struct, tag="request", frozen=True):
+    """A request: ``id`` (the sender's, echoed in its answer), the path and
+    the headers (lower-case names)."""
+
+    id: int
+    path: str
+    headers: list[tuple[str, str]]
+
+
+class Cancel(msgspec.Struct, tag="cancel", frozen=True):
+    """The sender no longer waits for request ``id``: cancel it."""
+
+    id: int
+
+
+class Answer(msgspec.Struct, tag="answer", frozen=True):
+    """Request ``id``'s answer: status and headers (its body is the frame's)."""
+
+    id: int
+    status: int
+    headers: list[tuple[str, str]]
+
+
+_decode_head = msgspec.msgpack.Decoder(Request | Cancel)
+_decode_answer = msgspec.msgpack.Decoder(Answer)
+_encode = msgspec.msgpack.Encoder()
+
+
+def frame(head: Request | Cancel | Answer, body: bytes = b"") -> bytes:
+    """One frame: the lengths, the head, the body."""
+    encoded = _encode.encode(head)
+    return b"".join((_LENGTHS.pack(len(encoded), len(body)), encoded, body))
+
+
+class FrameTooLarge(Exception):
+    """A frame's lengths are over the limits: the connection is closed."""
+
+
+class _Frames:
+    """The frames arriving on one stream (a buffer and its reader; no parsing of heads)."""
+
+    def __init__(self, stream: trio.abc.ReceiveStream, body_limit: int) -> None:
+        self._stream = stream
+        self._body_limit = body_limit
+        self._buffer = bytearray()
+
+    async def _fill(self, size: int) -> bool:
+        while len(self._buffer) < size:
+            data = await self._stream.receive_some(max(65536, size - len(self._buffer)))
+            if not data:
+                return False
+            self._buffer += data
+        return True
+
+    async def next(self) -> tuple[bytes, bytes] | None:
+        """The next frame's head and body; ``None`` at the end of the stream.
+
+        Raises:
+            FrameTooLarge: its lengths are over the limits.
+            trio.BrokenResourceError: the connection broke.
+        """
+        if not await self._fill(_LENGTHS.size):
+            return None
+        head_length, body_length = _LENGTHS.unpack_from(self._buffer)
+        if head_length > HEAD_LIMIT or body_length > self._body_limit:
+            raise FrameTooLarge(f"a frame of {head_length} + {body_length} bytes")
+        end = _LENGTHS.size + head_length + body_length
+        if not await self._fill(end):
+            return None
+        head = bytes(self._buffer[_LENGTHS.size : _LENGTHS.size + head_length])
+        body = bytes(self._buffer[_LENGTHS.size + head_length : end])
+        del self._buffer[:end]
+        return head, body
+
+
+class _Connection:
+    """One connection's stream and its writers' turn."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self._writing = trio.Lock()
+
+    async def send(self, data: bytes) -> bool:
+        """Write one whole frame; ``False`` if it could not be written (the
+        connection is closed then).
+
+        When no other frame is being written, it goes to the socket at once,
+        without a schedule point (a frame is small: the kernel's buffer takes
+        it whole; on a machine whose loop is busy, every schedule point
+        before the write was a wait on the request's path). Whatever the
+        kernel did not take, or a frame that waits for another's turn, is
+        written by ``send_all``, shielded (a frame cut in half would break
+        the connection for every request on it) and bounded by
+        :data:`SEND_TIMEOUT`."""
+        try:
+            self._writing.acquire_nowait()
+        except trio.WouldBlock:
+            await self._writing.acquire()
+        else:
+            try:
+                data = data[os.write(self.stream.socket.fileno(), data) :]
+            except BlockingIOError:
+                pass
+            except OSError:  # (the connection broke, or was closed)
+                self._writing.release()
+                await trio.aclose_forcefully(self.stream)
+                return False
+        try:
+            if not data:
+                return True
+            with trio.CancelScope(shield=True) as scope:
+                scope.deadline = trio.current_time() + SEND_TIMEOUT
+                try:
+                    await self.stream.send_all(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    scope.cancel()
+            if scope.cancelled_caught:
+                await trio.aclose_forcefully(self.stream)
+                return False
+            return True
+        finally:
+            self._writing.release()
+
+
+class ChannelLost(httpx2.ReadError):
+    """The connection to a prefill engine's channel broke while a request waited
+    for its answer (the request may have run): answered as a broken HTTP
+    connection is (:data:`~.errors.ERROR_STATUSES`' ``httpx2.HTTPError`` row)."""
+
+
+# The prefill engine's side.
+
+
+@attrs.define(eq=False)
+class _Call:
+    """A request running now: whether its sender cancelled it, and the
+    application's cancel scopes to cancel then (``asgi.CANCEL_SCOPES``)."""
+
+    disconnected: trio.Event = attrs.field(factory=trio.Event)
+    cancel_scopes: set[trio.CancelScope] = attrs.field(factory=set)
+
+    def cancel(self) -> None:
+        self.disconnected.set()
+        for scope in self.cancel_scopes:
+            scope.cancel()
+
+
+@attrs.define
+class _Running:
+    """How many requests run now (every connection's)."""
+
+    count: AsyncValue[int]
+    limit: int
+
+
+async def serve_prefill_channel(
+    app: App,
+    host: str,
+    *,
+    max_in_flight: int = MAX_IN_FLIGHT,
+    in_flight: AsyncValue[int] | None = None,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Answer channel requests with ``app`` until cancelled (see the module docstring).
+
+    Listens on ``host`` (a port of its own), reports the port, then serves
+    each connection in a task of its own, and each request in a task of its
+    own (counted in ``in_flight`` while it runs: an engine's drain waits for
+    them): ``app`` is called with an HTTP scope of the request's path and
+    headers, ``receive`` gives its body, and what ``app`` sends is collected
+    into the answer. A cancel, or the connection's end, cancels the request
+    (as an HTTP disconnect would) and it is not answered. Cancelled (the
+    engine closing): every connection is closed, every request still
+    running cancelled.
+
+    Raises:
+        OSError: ``host`` cannot be bound (before ``started``).
+    """
+    listeners = await trio.open_tcp_listeners(0, host=host)
+    port = listeners[0].socket.getsockname()[1]
+    running = _Running(in_flight or AsyncValue(0), max_in_flight)
+
+    async def connection(stream: trio.SocketStream) -> None:
+        await _serve_connection(stream, app, running)
+
+    async with trio.open_nursery() as nursery:
+        task_status.started(port)
+        await trio.serve_listeners(connection, listeners, handler_nursery=nursery)
+
+
+async def _serve_connection(stream: trio.SocketStream, app: App, running: _Running) -> None:
+    """One peer's requests, until it closes the connection (or breaks a rule:
+    a frame over the limits); then its requests still running are cancelled."""
+    reading = _Reading(_Connection(stream), _Frames(stream, REQUEST_LIMIT), running, app)
+    async with stream, trio.open_nursery() as nursery:
+        await _read(reading, nursery)
+
+
+@attrs.define(eq=False)
+class _Reading:
+    """One connection's frames and what its requests share."""
+
+    connection: _Connection
+    frames: _Frames
+    running: _Running
+    app: App
+    calls: dict[int, _Call] = attrs.field(factory=dict)
+
+
+async def _read(reading: _Reading, nursery: trio.Nursery) -> None:
+    """Read the connection's frames until one is a request to run; then hand
+    the reading on to a fresh task and run that request here, at once (it
+    waits for no other task to be scheduled: a request's first step is on
+    its time to first token). At the connection's end, cancel its requests."""
+    try:
+        while (got := await reading.frames.next()) is not None:
+            request = _take(*got, reading, nursery)
+            if request is not None:
+                nursery.start_soon(_read, reading, nursery)
+                await _run(reading, *request)
+                return
+    except (trio.BrokenResourceError, trio.ClosedResourceError, FrameTooLarge) as exc:
+        logger.debug("prefill channel: a connection closed: %s", exc)
+    for call in reading.calls.values():
+        call.cancel()
+
+
+def _take(
+    head: bytes, body: bytes, reading: _Reading, nursery: trio.Nursery
+) -> tuple[Request, bytes, _Call] | None:
+    """What one frame asks: a request to run (counted, its call registered),
+    or ``None`` (a cancel done, an error answer on its way, a frame dropped)."""
+    try:
+        message = _decode_head.decode(head)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        logger.debug("prefill channel: dropped a frame that does not parse: %s", exc)
+        return None
+    calls, running = reading.calls, reading.running
+    if isinstance(message, Cancel):
+        cancelled = calls.get(message.id)
+        if cancelled is not None:
+            cancelled.cancel()
+        return None
+    if message.id in calls:
+        logger.debug("prefill channel: dropped request %d (its id is in use)", message.id)
+        return None
+    if message.path not in ROUTES:
+        error = _error(message.id, 404, f"Invalid URL (POST {message.path[:200]})")
+        nursery.start_soon(reading.connection.send, error)
+        return None
+    if running.count.value >= running.limit:
+        error = _error(message.id, 503, "too many prefill requests in flight")
+        nursery.start_soon(reading.connection.send, error)
+        return None
+    calls[message.id] = call = _Call()
+    running.count.value += 1
+    return message, body, call
+
+
+async def _run(reading: _Reading, request: Request, body: bytes, call: _Call) -> None:
+    """One request through the application; its answer sent (none if it was cancelled)."""
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": request.path,
+        "raw_path": request.path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in request.headers],
+        "client": None,
+        "server": None,
+        "extensions": {CANCEL_SCOPES: call.cancel_scopes},
+    }
+    delivered = False
+    status, headers, content, too_long = 500, list[tuple[str, str]](), bytearray(), False
+
+    async def receive() -> Message:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await call.disconnected.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:  # noqa: ASYNC124 (ASGI: collects, never waits)
+        nonlocal status, headers, too_long
+        if message["type"] == "http.response.start":
+            status = int(message["status"])
+            headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message["headers"]]
+        elif message["type"] == "http.response.body" and not too_long:
+            content.extend(message.get("body", b""))
+            too_long = len(content) > ANSWER_LIMIT
+
+    try:
+        await reading.app(scope, receive, send)
+    finally:
+        del reading.calls[request.id]
+        reading.running.count.value -= 1
+    if call.disconnected.is_set():
+        return  # (its sender stopped waiting)
+    if too_long:
+        answer = _error(request.id, 500, f"an answer over {ANSWER_LIMIT} bytes")
+    else:
+        answer = frame(Answer(request.id, status, headers), bytes(content))
+    await reading.connection.send(answer)
+
+
+def _error(request_id: int, status: int, text: str) -> bytes:
+    """The frame of an error answer that the channel gives itself."""
+    error = {"error": {"message": text, "type": "invalid_request_error", "param": None}}
+    head = Answer(request_id, status, [("content-type", "application/json")])
+    return frame(head, msgspec.json.encode(error))
+
+
+# The decode-first engine's side.
+
+
+@attrs.frozen
+class ChannelAnswer:
+    """A prefill engine's answer that came over its channel."""
+
+    status_code: int
+    headers: Mapping[str, str]
+    content: bytes
+
+
+@attrs.define(eq=False)
+class _Waiter:
+    done: trio.Event = attrs.field(factory=trio.Event)
+    answer: ChannelAnswer | None = None
+
+
+@attrs.define(eq=False)
+class _Channel:
+    """One prefill engine's channel: its connection (once open) and what waits on it."""
+
+    engine: str
+    port: int
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    connection: _Connection | None = None
+    waiting: dict[int, _Waiter] = attrs.field(factory=dict)
+
+    def lose(self) -> None:
+        """Every request waiting on this channel gets no answer."""
+        waiting, self.waiting = self.waiting, {}
+        for waiter in waiting.values():
+            waiter.done.set()
+
+
+class PrefillChannels:
+    """A decode-first engine's channels to its prefill engines (see the module
+    docstring); made by :func:`open_prefill_channels`.
+
+    Attributes:
+        answered: requests answered over a channel so far.
+    """
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+        self._channels: dict[str, _Channel] = {}
+        self._ids = itertools.count(1)
+        self.answered = 0
+
+    def connected(self, engine: str) -> bool:
+        """Whether ``engine``'s channel is connected now."""
+        channel = self._channels.get(engine)
+        return channel is not None and channel.connection is not None
+
+    def learn(self, engine: str, headers: Mapping[str, str]) -> None:
+        """``engine``'s HTTP answer came with ``headers``: connect to the port
+        they name (instead of another port), if any, in the background."""
+        text = headers.get(PORT_HEADER, "")
+        if not (text.isascii() and text.isdigit() and 0 < int(text) < 65536):
+            return
+        port, host = int(text), urlsplit(engine).hostname
+        channel = self._channels.get(engine)
+        if host is None or (channel is not None and channel.port == port):
+            return
+        if channel is not None:
+            channel.scope.cancel()
+        self._channels[engine] = channel = _Channel(engine, port)
+        self._nursery.start_soon(self._serve, channel, host)
+
+    async def post(
+        self, engine: str, path: str, body: bytes, headers: Mapping[str, str]
+    ) -> ChannelAnswer | None:
+        """Send a request to ``engine`` over its channel and wait for its answer;
+        ``None`` if it has no connected channel, or the request could not be
+        written whole (it did not run: send it over HTTP). A caller that
+        stops waiting (cancelled) sends a cancel.
+
+        Raises:
+            ChannelLost: the connection broke before the answer came.
+        """
+        channel = self._channels.get(engine)
+        if channel is None or channel.connection is None:
+            return None
+        request_id = next(self._ids)
+        request = frame(Request(request_id, path, list(headers.items())), body)
+        channel.waiting[request_id] = waiter = _Waiter()
+        try:
+            if not await channel.connection.send(request):
+                return None
+            await waiter.done.wait()
+        finally:
+            if channel.waiting.pop(request_id, None) is not None and not waiter.done.is_set():
+                connection = channel.connection
+                if connection is not None:  # (cancelled: tell the engine)
+                    self._nursery.start_soon(connection.send, frame(Cancel(request_id)))
+        if waiter.answer is None:
+            raise ChannelLost(f"the prefill channel to {engine} (port {channel.port}) broke")
+        return waiter.answer
+
+    async def _serve(self, channel: _Channel, host: str) -> None:
+        """Connect ``channel``, then hand its answers to their requests until
+        it closes (or is replaced); owns the connection."""
+        try:
+            with channel.scope:
+                with trio.fail_after(CONNECT_TIMEOUT):
+                    stream = await trio.open_tcp_stream(host, channel.port)
+                async with stream:
+                    channel.connection = _Connection(stream)
+                    frames = _Frames(stream, ANSWER_LIMIT)
+                    while (got := await frames.next()) is not None:
+                        self._dispatch(channel, *got)
+        except (
+            OSError,
+            trio.BrokenResourceError,
+            trio.ClosedResourceError,
+            trio.TooSlowError,
+            FrameTooLarge,
+        ) as exc:
+            logger.debug("prefill channel to %s closed: %s", channel.engine, exc)
+        finally:
+            channel.connection = None
+            channel.lose()
+            if self._channels.get(channel.engine) is channel:
+                del self._channels[channel.engine]
+
+    def _dispatch(self, channel: _Channel, head: bytes, body: bytes) -> None:
+        try:
+            answer = _decode_answer.decode(head)
+        except (msgspec.DecodeError, RecursionError) as exc:
+            logger.debug("prefill channel %s: dropped an answer: %s", channel.engine, exc)
+            return
+        waiter = channel.waiting.pop(answer.id, None)
+        if waiter is None:
+            return  # (its request was cancelled, or the engine made it up)
+        headers = {name.lower(): value for name, value in answer.headers}
+        waiter.answer = ChannelAnswer(answer.status, headers, body)
+        waiter.done.set()
+        self.answered += 1
+
+
+@asynccontextmanager
+async def open_prefill_channels() -> AsyncIterator[PrefillChannels]:
+    """A :class:`PrefillChannels` whose tasks run in a nursery of its own,
+    cancelled on exit (closing every connection)."""
+    async with trio.open_nursery() as nursery:
+        yield PrefillChannels(nursery)
+        nursery.cancel_scope.cancel()
