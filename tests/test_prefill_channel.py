@@ -31,11 +31,14 @@ from trio_pd._serve.prefill_channel import (
     Answer,
     Cancel,
     ChannelLost,
+    Closing,
+    PrefillChannelServer,
     Request,
+    _CancelScopes,
+    _Connection,
     _Frames,
     frame,
     open_prefill_channels,
-    serve_prefill_channel,
 )
 
 from .test_decode_first import INTERNAL, PROMPTS, deployment, engine, serving, stream
@@ -318,7 +321,7 @@ async def test_a_channel_that_breaks_while_a_request_waits_is_channel_lost() -> 
                 channels.learn(refusing, {PORT_HEADER: closed_port_url().rsplit(":", 1)[1]})
                 await trio.sleep(0.1)
                 assert await channels.post(refusing, "/v1/completions", b"{}", {}) is None
-                for bad in ("0", "65536", "x", "-1", "", "\u0663"):
+                for bad in ("0", "65536", "x", "-1", "", "\u0663", "1" * 5000, "08000"):
                     channels.learn("http://127.0.0.1:3", {PORT_HEADER: bad})
                 assert not channels.connected("http://127.0.0.1:3")
         nursery.cancel_scope.cancel()
@@ -336,7 +339,7 @@ async def test_frames_written_at_once_never_interleave() -> None:
     (more than the kernel's buffers take at once: writes are cut and wait
     their turns): every answer is its own request's body."""
     async with trio.open_nursery() as nursery, open_prefill_channels() as channels:
-        port = await nursery.start(serve_prefill_channel, echo, "127.0.0.1")
+        port = await nursery.start(PrefillChannelServer(echo).serve, "127.0.0.1")
         url = "http://127.0.0.1:4"
         with trio.fail_after(30):
             channels.learn(url, {PORT_HEADER: str(port)})
@@ -380,3 +383,138 @@ async def test_a_peer_that_does_not_read_is_dropped_after_the_send_timeout(
             assert await channels.post(url, "/v1/completions", body, {}) is None
             await until(lambda: not channels.connected(url))
         nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_that_floods_without_reading_holds_only_its_own_connection() -> None:
+    """Twenty thousand frames that each get an error answer (an unknown path),
+    from a peer that reads none: the channel stops reading that connection
+    once its answers no longer fit (no task or answer piles up per frame),
+    and serves another connection meanwhile."""
+    async with prefill_engine() as (prefill, _, peer):
+        with trio.fail_after(30):
+            tasks = trio.lowlevel.current_statistics().tasks_living
+            flood = request(1, {}, path="/x")
+            with trio.move_on_after(2):  # (until the kernel's buffers are full)
+                for _ in range(20_000):
+                    await peer.send(flood)
+            await trio.sleep(0.2)
+            assert trio.lowlevel.current_statistics().tasks_living < tasks + 20
+            async with await Peer.connect(prefill.prefill_channel_port) as other:
+                await other.send(request(2, {"prompt": "served meanwhile", **PREFILL}))
+                head, _body = await other.answer()
+                assert (head.id, head.status) == (2, 200)
+
+
+async def test_a_frame_that_cannot_be_written_whole_is_not_sent() -> None:
+    """A frame bigger than the kernel's buffers, to a peer that closes the
+    connection while it is written: ``send`` says so (False) and closes
+    the stream -- the request did not reach the engine whole, so it goes
+    over HTTP, not to a 502."""
+    got_some = trio.Event()
+
+    async def reads_a_little_then_closes(stream: trio.SocketStream) -> None:
+        await stream.receive_some(1024)
+        got_some.set()
+        await trio.aclose_forcefully(stream)
+
+    async with trio.open_nursery() as nursery:
+        serve = functools.partial(trio.serve_tcp, reads_a_little_then_closes, 0, host="127.0.0.1")
+        [listener] = await nursery.start(serve)
+        with trio.fail_after(30):
+            stream = await trio.open_tcp_stream("127.0.0.1", listener.socket.getsockname()[1])
+            connection = _Connection(stream)
+            assert await connection.send(b"x" * (64 << 20)) is False
+            assert got_some.is_set()
+            assert await connection.send(b"more") is False  # (closed: at once)
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_channel_binds_as_the_http_socket_does() -> None:
+    """``host=""`` is every IPv4 interface (as for the engine's HTTP socket):
+    the engine starts and its channel answers on 127.0.0.1."""
+    async with prefill_engine(host="", advertise_host="127.0.0.1") as (_, _, peer):
+        with trio.fail_after(30):
+            await peer.send(request(1, {"prompt": "every interface", **PREFILL}))
+            head, _body = await peer.answer()
+            assert (head.id, head.status) == (1, 200)
+
+
+async def test_closing_answers_what_was_read_and_says_so() -> None:
+    """The drain's close: a request already running is answered, then the
+    peer gets Closing and the end of the connection; a new connection is
+    not taken."""
+    async with prefill_engine(admission_timeout=30.0) as (prefill, _, peer):
+        with trio.fail_after(30):
+            held = await full_pool(prefill)
+            await peer.send(request(1, {"prompt": "running at the close", **PREFILL}))
+            await until(lambda: prefill.channel_requests.value == 1)
+            channel = prefill.prefill_channel
+            assert channel is not None
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(channel.close)
+                await trio.sleep(0.1)
+                prefill.pool.release(held)
+            head, _body = await peer.answer()
+            assert (head.id, head.status) == (1, 200)
+            got = await peer.frames.next()
+            assert got is not None
+            assert isinstance(msgspec.msgpack.decode(got[0], type=Answer | Closing), Closing)
+            assert await peer.frames.next() is None
+            with pytest.raises(OSError, match="onnect"):
+                await Peer.connect(prefill.prefill_channel_port)
+
+
+async def test_a_request_the_engine_closed_before_reading_goes_over_http() -> None:
+    """A prefill engine that answers Closing before a request's answer: that
+    request was never read (post returns None: HTTP), and the channel is
+    no longer used."""
+    url = "http://127.0.0.1:6"
+
+    async def closes_without_answering(stream: trio.SocketStream) -> None:
+        await stream.receive_some()
+        await stream.send_all(frame(Closing()))
+        await stream.aclose()
+
+    async with trio.open_nursery() as nursery, open_prefill_channels() as channels:
+        serve = functools.partial(trio.serve_tcp, closes_without_answering, 0, host="127.0.0.1")
+        [listener] = await nursery.start(serve)
+        with trio.fail_after(30):
+            channels.learn(url, {PORT_HEADER: str(listener.socket.getsockname()[1])})
+            await until(lambda: channels.connected(url))
+            assert await channels.post(url, "/v1/completions", b"{}", {}) is None
+            assert not channels.connected(url)
+            assert channels.answered == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_application_that_raises_is_a_500_for_its_request_only() -> None:
+    async def raises(scope: Any, receive: Any, send: Any) -> None:
+        if json.loads((await receive())["body"])["fail"]:
+            raise RuntimeError("a bug")
+        await echo_body(send, b"fine")
+
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(PrefillChannelServer(raises).serve, "127.0.0.1")
+        async with await Peer.connect(port) as peer:
+            with trio.fail_after(30):
+                await peer.send(request(1, {"fail": True}))
+                head, error = await peer.answer()
+                assert (head.id, head.status) == (1, 500), error
+                await peer.send(request(2, {"fail": False}))
+                got = await peer.frames.next()
+                assert got is not None
+                assert msgspec.msgpack.decode(got[0], type=Answer).status == 200
+        nursery.cancel_scope.cancel()
+
+
+async def echo_body(send: Any, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": body})
+
+
+def test_a_scope_added_after_the_cancel_is_cancelled_at_once() -> None:
+    scopes = _CancelScopes()
+    scopes.cancelled = True
+    scope = trio.CancelScope()
+    scopes.add(scope)
+    assert scope.cancel_called

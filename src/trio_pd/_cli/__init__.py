@@ -257,7 +257,8 @@ def _parser() -> argparse.ArgumentParser:
         "--no-prefill-channel",
         action="store_true",
         help="the engines send and take prefill requests over HTTP only (by default a "
-        "decode-first engine sends them over ZeroMQ to its prefill engines' channels)",
+        "decode-first engine sends them over its prefill engines' prefill channels: "
+        "docs/serving.md)",
     )
     serve.add_argument(
         "--etcd-ttl",

@@ -164,7 +164,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-prefill-channel",
         action="store_true",
-        help="prefill requests over HTTP only: this engine opens no ZeroMQ listener for them "
+        help="prefill requests over HTTP only: this engine opens no prefill channel for them "
         "(by default it does, on a port of its own that its prefill answers name), and, "
         "decode-first, sends them over HTTP (by default over a prefill engine's channel once "
         "connected: docs/serving.md)",

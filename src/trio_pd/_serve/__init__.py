@@ -16,7 +16,8 @@ to read in one sitting. By concept:
   ``prefilling`` (a prefill request to a prefill engine and its answer:
   the proxy's, and a decode-first engine's, which runs its requests'
   prefill itself), ``prefill_channel`` (the same prefill requests over
-  ZeroMQ: a prefill engine's listener, a decode-first engine's sockets);
+  a kept TCP connection: a prefill engine's listener, a decode-first
+  engine's connections);
 * the HTTP surface both share: ``openai``, ``fields`` and ``responses``
   (OpenAI-compatible requests and bodies, vLLM's ``kv_transfer_params``;
   no I/O), ``errors`` (one table from exceptions to HTTP answers), ``keys``

@@ -67,7 +67,7 @@ from trio_pd._serve.openai import (
 )
 from trio_pd._serve.pool import OutOfBlocks
 from trio_pd._serve.ports import free_port_range
-from trio_pd._serve.prefill_channel import PORT_HEADER, serve_prefill_channel
+from trio_pd._serve.prefill_channel import PORT_HEADER, PrefillChannelServer
 from trio_pd._serve.prefilling import open_prefiller
 from trio_pd._serve.responses import Shapes, model_card, model_list
 from trio_pd._serve.timing import PhaseTimes
@@ -240,9 +240,10 @@ async def _lifespan(engine: Engine, receive: Receive, send: Send, app: App) -> N
     A decode-first engine also opens its :class:`~.prefilling.Prefiller`
     (an HTTP client to its prefill engines, and its prefill channels to
     them), closed before the connectors. Any other engine (unless
-    ``prefill_channel`` is off) answers prefill requests over ZeroMQ too
-    (:func:`~.prefill_channel.serve_prefill_channel`, with ``app``): that
-    listener is a task of the nursery below, cancelled with it.
+    ``prefill_channel`` is off) answers prefill requests over its prefill
+    channel too (:class:`~.prefill_channel.PrefillChannelServer`, with
+    ``app``): a task of the nursery below, closed in order by the drain
+    (:func:`_wait_for_exposures`), cancelled with the nursery.
 
     Inside it, a nursery holds the tasks that give exposed blocks back to the
     pool; at shutdown (hypercorn sends it once every request has drained)
@@ -291,11 +292,13 @@ async def _lifespan(engine: Engine, receive: Receive, send: Send, app: App) -> N
                 )
             nursery = await stack.enter_async_context(trio.open_nursery())
             if settings.prefill_channel and not settings.prefill_urls:
+                channel = PrefillChannelServer(app, in_flight=engine.channel_requests)
                 engine.prefill_channel_port = await nursery.start(
                     functools.partial(
-                        serve_prefill_channel, app, settings.host, in_flight=engine.channel_requests
+                        channel.serve, settings.host, send_timeout=settings.send_timeout
                     )
                 )
+                engine.prefill_channel = channel
             engine.connectors, engine.nursery, engine.accepting = connectors, nursery, True
             started = engine.started = True
             await send({"type": "lifespan.startup.complete"})
@@ -303,6 +306,7 @@ async def _lifespan(engine: Engine, receive: Receive, send: Send, app: App) -> N
             engine.accepting = False
             await _wait_for_exposures(engine)
             engine.connectors, engine.prefill_channel_port = [], None
+            engine.prefill_channel = None
             nursery.cancel_scope.cancel()
     except Exception as exc:
         if not started:
@@ -322,14 +326,19 @@ async def _wait_for_exposures(engine: Engine) -> None:
     up, or its lease expired), or the drain's deadline: a prefill engine that
     closed its connectors earlier would fail the pulls of requests that
     another engine is finishing. What is left at the deadline is logged (its
-    readers then fail, naming this engine)."""
+    readers then fail, naming this engine). The prefill channel's requests
+    are waited for first, then the channel closes (each connection told so)."""
     deadline = engine.drain_deadline
     if deadline == math.inf:  # (a shutdown without a drain: wait up to --grace)
         deadline = trio.current_time() + engine.settings.grace
     with trio.move_on_at(deadline):
         # (prefill requests that came over the channel: hypercorn drained
-        # the HTTP ones before the lifespan's shutdown, not these)
+        # the HTTP ones before the lifespan's shutdown, not these; then the
+        # channel tells each peer it closes, so that a request it sent
+        # meanwhile goes elsewhere, known not to have run)
         await engine.channel_requests.wait_value(0)
+        if engine.prefill_channel is not None:
+            await engine.prefill_channel.close()
         await engine.exposures_unresolved.wait_value(0)
     if engine.exposures_unresolved.value:
         logger.warning(

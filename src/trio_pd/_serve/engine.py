@@ -74,6 +74,7 @@ from trio_pd._serve.openai import (
     parse_remote_blocks,
 )
 from trio_pd._serve.pool import BlockPool
+from trio_pd._serve.prefill_channel import PrefillChannelServer
 from trio_pd._serve.prefilling import Prefiller
 from trio_pd._serve.routing import url_problem
 from trio_pd._serve.timing import PhaseTimes
@@ -112,7 +113,7 @@ class EngineSettings:
     # (:mod:`.app`, :mod:`.prefilling`), each attempt within prefill_timeout.
     prefill_urls: tuple[str, ...] = ()
     prefill_timeout: float = defaults.PREFILL_TIMEOUT
-    # Prefill requests over ZeroMQ (:mod:`.prefill_channel`): an engine that
+    # Prefill requests over a kept TCP connection (:mod:`.prefill_channel`): an engine that
     # serves them listens for them there too; a decode-first engine sends
     # them there once connected. False: HTTP only (either side).
     prefill_channel: bool = True
@@ -225,6 +226,7 @@ class Engine:
         self.client_keys = client_keys
         self.internal_key = internal_key
         self.prefiller: Prefiller | None = None
+        self.prefill_channel: PrefillChannelServer | None = None  # (set by the lifespan)
         self.prefill_channel_port: int | None = None  # (set by the lifespan, while serving)
         self.channel_requests = AsyncValue(0)  # (prefill channel requests running now)
         self.curve = curve  # the side channel's CURVE keys, if set

@@ -15,11 +15,12 @@ for a peer that is not there -- and is better off knowing at once that
 its connection broke.)
 
 Every engine that serves prefill requests also listens here (on its HTTP
-host, a port of its own), and says where in the ``x-trio-pd-prefill-port``
+host, bound as its HTTP socket is, a port of its own), and says where in
+the ``x-trio-pd-prefill-port``
 header of its HTTP prefill answers. What arrives is the same request as
 over HTTP -- the path, the headers (the deployment's internal key among
 them), the JSON body -- and it is answered by the same ASGI application, in
-process (:func:`serve_prefill_channel`): the same checks, the same keys, the
+process (:class:`PrefillChannelServer`): the same checks, the same keys, the
 same errors, the same ``Server-Timing``. Only the transport differs, so
 nothing else in the engine knows which one a request came by.
 
@@ -31,31 +32,42 @@ answer, after the engine went away, a port that refuses -- the request goes
 over HTTP, which tells a refused connection (the next engine is tried) from
 a broken one. A connection that breaks while a request waits for its answer
 fails that request as a broken HTTP connection would (:class:`ChannelLost`,
-a 502 naming the engine: it may have run). A request whose caller stops
-waiting (its deadline, its client's disconnect) sends a cancel: the prefill
-engine cancels it as it would on an HTTP disconnect; a connection that
-closes cancels every request it sent.
+a 502 naming the engine: it may have run); a prefill engine whose host
+died is found within :data:`DEAD_PEER_TIMEOUT` (keepalive,
+``TCP_USER_TIMEOUT``), after which its requests go over HTTP. A request
+whose caller stops waiting (its deadline, its client's disconnect) sends a
+cancel: the prefill engine cancels it as it would on an HTTP disconnect; a
+connection that closes cancels every request it sent. A draining engine
+answers the requests it runs, then sends :class:`Closing` on each
+connection: the requests still unanswered then were never read, and go
+over HTTP (to the next engine).
 
 Frames, each way: two 32-bit big-endian lengths (the head's, the body's),
-the head -- a msgpack :class:`Request`, :class:`Cancel` or :class:`Answer`
--- and the body (a request's JSON, an answer's body; empty for a cancel).
-Whatever arrives may be hostile: a head that does not parse is dropped (and
-logged at debug), a frame over :data:`HEAD_LIMIT` and :data:`REQUEST_LIMIT`
-closes its connection, a request's path must be a generation route, at most
-:data:`MAX_IN_FLIGHT` requests run at once (then: a 503 answer), and an
-answer over :data:`ANSWER_LIMIT` bytes is an error answer instead. A peer
-can only fail its own requests.
+the head -- a msgpack :class:`Request`, :class:`Cancel`, :class:`Answer` or
+:class:`Closing` -- and the body (a request's JSON, an answer's body; empty
+for the others). Whatever arrives may be hostile: a head that does not
+parse is dropped (and logged at debug), a frame over :data:`HEAD_LIMIT` and
+:data:`REQUEST_LIMIT` closes its connection, a request's path must be a
+generation route, at most :data:`MAX_IN_FLIGHT` requests run at once
+(then: a 503 answer), an answer over :data:`ANSWER_LIMIT` bytes is an error
+answer instead, and an error answer is written before the connection's
+next frame is read (a peer that does not read its answers stops only its
+own connection, and is reset after the engine's send timeout). What a peer
+sends fails its own requests and holds its own connection; every other
+peer is served meanwhile.
 
 Not encrypted: like the HTTP it replaces, the channel carries the internal
 key as a bearer header, in clear (a deployment across untrusted networks
 puts both on a private network, as it does HTTP).
 
-What is owned: :func:`serve_prefill_channel` its listeners, its connections
-and the tasks of the requests in flight (cancelled when it is); a
+What is owned: a :class:`PrefillChannelServer` its listener, its connections
+and the tasks of the requests in flight (cancelled when it is; closed in
+order by :meth:`~PrefillChannelServer.close`, which a drain calls); a
 :class:`PrefillChannels` its connections and one task each (cancelled with
 the nursery :func:`open_prefill_channels` opens). Every write of a frame is
 shielded (a frame cut in half would break the connection for every request
-on it) and bounded by :data:`SEND_TIMEOUT` (then the connection is closed).
+on it) and bounded by :data:`SEND_TIMEOUT` (then the connection is closed):
+a write may outlast its caller's deadline by up to that much.
 """
 
 from __future__ import annotations
@@ -63,6 +75,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import socket
 import struct
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -75,6 +88,7 @@ import trio
 from trio_util import AsyncValue
 
 from trio_pd._serve.asgi import CANCEL_SCOPES, App, Message
+from trio_pd._serve.binding import bind_listener
 from trio_pd._serve.defaults import CONNECT_TIMEOUT
 
 logger = logging.getLogger("trio_pd.serve")
@@ -103,6 +117,11 @@ SEND_TIMEOUT = 10.0
 """How long one frame's write may wait for a peer that does not read (then
 its connection is closed)."""
 
+DEAD_PEER_TIMEOUT = 5.0
+"""How soon a decode-first engine finds a channel whose prefill engine's host
+died or is cut off (keepalive, ``TCP_USER_TIMEOUT``): then its requests go
+over HTTP, which tries the next engine."""
+
 _LENGTHS = struct.Struct("!II")
 
 
@@ -129,12 +148,18 @@ class Answer(msgspec.Struct, tag="answer", frozen=True):
     headers: list[tuple[str, str]]
 
 
+class Closing(msgspec.Struct, tag="closing", frozen=True):
+    """The engine closes this connection (its drain is over): every request
+    it read was answered before this frame, so one not answered by now was
+    never read, and did not run."""
+
+
 _decode_head = msgspec.msgpack.Decoder(Request | Cancel)
-_decode_answer = msgspec.msgpack.Decoder(Answer)
+_decode_answer = msgspec.msgpack.Decoder(Answer | Closing)
 _encode = msgspec.msgpack.Encoder()
 
 
-def frame(head: Request | Cancel | Answer, body: bytes = b"") -> bytes:
+def frame(head: Request | Cancel | Answer | Closing, body: bytes = b"") -> bytes:
     """One frame: the lengths, the head, the body."""
     encoded = _encode.encode(head)
     return b"".join((_LENGTHS.pack(len(encoded), len(body)), encoded, body))
@@ -204,30 +229,32 @@ class _Connection:
             self._writing.acquire_nowait()
         except trio.WouldBlock:
             await self._writing.acquire()
+            fast = False
         else:
-            try:
-                data = data[os.write(self.stream.socket.fileno(), data) :]
-            except BlockingIOError:
-                pass
-            except OSError:  # (the connection broke, or was closed)
-                self._writing.release()
-                await trio.aclose_forcefully(self.stream)
-                return False
+            fast = True
         try:
-            if not data:
-                return True
-            with trio.CancelScope(shield=True) as scope:
-                scope.deadline = trio.current_time() + SEND_TIMEOUT
+            failed = False
+            if fast:
                 try:
-                    await self.stream.send_all(data)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    scope.cancel()
-            if scope.cancelled_caught:
-                await trio.aclose_forcefully(self.stream)
-                return False
-            return True
+                    data = data[os.write(self.stream.socket.fileno(), data) :]
+                except BlockingIOError:
+                    pass
+                except OSError:  # (the connection broke, or was closed)
+                    failed = True
+            if data and not failed:
+                with trio.CancelScope(shield=True) as scope:
+                    scope.deadline = trio.current_time() + SEND_TIMEOUT
+                    try:
+                        await self.stream.send_all(data)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        failed = True
+                failed = failed or scope.cancelled_caught
         finally:
             self._writing.release()
+        if failed:
+            await trio.aclose_forcefully(self.stream)
+            return False
+        return True
 
 
 class ChannelLost(httpx2.ReadError):
@@ -239,134 +266,205 @@ class ChannelLost(httpx2.ReadError):
 # The prefill engine's side.
 
 
+class _CancelScopes(set[trio.CancelScope]):
+    """A request's ``asgi.CANCEL_SCOPES``: the application's scopes to cancel
+    when its sender cancels it -- and one added after that is cancelled at once."""
+
+    cancelled = False
+
+    def add(self, scope: trio.CancelScope) -> None:
+        super().add(scope)
+        if self.cancelled:
+            scope.cancel()
+
+
 @attrs.define(eq=False)
 class _Call:
     """A request running now: whether its sender cancelled it, and the
-    application's cancel scopes to cancel then (``asgi.CANCEL_SCOPES``)."""
+    application's cancel scopes to cancel then."""
 
     disconnected: trio.Event = attrs.field(factory=trio.Event)
-    cancel_scopes: set[trio.CancelScope] = attrs.field(factory=set)
+    cancel_scopes: _CancelScopes = attrs.field(factory=_CancelScopes)
 
     def cancel(self) -> None:
         self.disconnected.set()
+        self.cancel_scopes.cancelled = True
         for scope in self.cancel_scopes:
             scope.cancel()
 
 
-@attrs.define
-class _Running:
-    """How many requests run now (every connection's)."""
+class PrefillChannelServer:
+    """A prefill engine's channel: its listener, its connections and the
+    requests they run (see the module docstring).
 
-    count: AsyncValue[int]
-    limit: int
-
-
-async def serve_prefill_channel(
-    app: App,
-    host: str,
-    *,
-    max_in_flight: int = MAX_IN_FLIGHT,
-    in_flight: AsyncValue[int] | None = None,
-    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Answer channel requests with ``app`` until cancelled (see the module docstring).
-
-    Listens on ``host`` (a port of its own), reports the port, then serves
-    each connection in a task of its own, and each request in a task of its
-    own (counted in ``in_flight`` while it runs: an engine's drain waits for
-    them): ``app`` is called with an HTTP scope of the request's path and
-    headers, ``receive`` gives its body, and what ``app`` sends is collected
-    into the answer. A cancel, or the connection's end, cancels the request
-    (as an HTTP disconnect would) and it is not answered. Cancelled (the
-    engine closing): every connection is closed, every request still
-    running cancelled.
-
-    Raises:
-        OSError: ``host`` cannot be bound (before ``started``).
+    Args:
+        app: the engine's ASGI application, which answers every request.
+        max_in_flight: requests run at once, every connection's (more: 503s).
+        in_flight: counts the requests running, until their answers are
+            written (an engine's drain waits for them to reach 0).
     """
-    listeners = await trio.open_tcp_listeners(0, host=host)
-    port = listeners[0].socket.getsockname()[1]
-    running = _Running(in_flight or AsyncValue(0), max_in_flight)
 
-    async def connection(stream: trio.SocketStream) -> None:
-        await _serve_connection(stream, app, running)
+    def __init__(
+        self,
+        app: App,
+        *,
+        max_in_flight: int = MAX_IN_FLIGHT,
+        in_flight: AsyncValue[int] | None = None,
+    ) -> None:
+        self.app = app
+        self.limit = max_in_flight
+        self.in_flight = in_flight or AsyncValue(0)
+        self._connections: set[_Reading] = set()
+        self._open = AsyncValue(0)  # (connections)
+        self._accepting = trio.CancelScope()
+        self._closing = False
 
-    async with trio.open_nursery() as nursery:
-        task_status.started(port)
-        await trio.serve_listeners(connection, listeners, handler_nursery=nursery)
+    async def serve(
+        self,
+        host: str,
+        *,
+        send_timeout: float = SEND_TIMEOUT,
+        task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Listen on ``host`` (a port of its own: bound as the engine's HTTP
+        socket is, :func:`~.binding.bind_listener`, its connections reset
+        by the kernel after ``send_timeout`` of unacknowledged data), report
+        the port, then serve each connection in a task of its own until
+        cancelled (every connection closed, every request running cancelled)
+        -- or, after :meth:`close`, until the last connection closed.
 
+        Raises:
+            BindError: ``host`` cannot be bound (before ``started``).
+        """
+        sock = bind_listener(host, 0, send_timeout=send_timeout)
+        try:
+            sock.listen()
+            listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+        except BaseException:
+            sock.close()
+            raise
+        async with listener, trio.open_nursery() as connections:
+            task_status.started(sock.getsockname()[1])
+            with self._accepting:
+                await trio.serve_listeners(
+                    self._serve_connection, [listener], handler_nursery=connections
+                )
 
-async def _serve_connection(stream: trio.SocketStream, app: App, running: _Running) -> None:
-    """One peer's requests, until it closes the connection (or breaks a rule:
-    a frame over the limits); then its requests still running are cancelled."""
-    reading = _Reading(_Connection(stream), _Frames(stream, REQUEST_LIMIT), running, app)
-    async with stream, trio.open_nursery() as nursery:
-        await _read(reading, nursery)
+    async def close(self) -> None:
+        """Stop taking connections and requests; let every connection's
+        requests write their answers, send it :class:`Closing` and close it
+        (bound it with a deadline: a peer that does not read holds its own
+        connection up to the send timeout)."""
+        self._closing = True
+        self._accepting.cancel()
+        for reading in list(self._connections):
+            reading.stop()
+        await self._open.wait_value(0)
+
+    async def _serve_connection(self, stream: trio.SocketStream) -> None:
+        reading = _Reading(_Connection(stream), _Frames(stream, REQUEST_LIMIT), self)
+        if self._closing:
+            reading.stop()
+        self._connections.add(reading)
+        self._open.value += 1
+        try:
+            async with stream, trio.open_nursery() as nursery:
+                await _read(reading, nursery)
+        finally:
+            self._connections.discard(reading)
+            self._open.value -= 1
 
 
 @attrs.define(eq=False)
 class _Reading:
-    """One connection's frames and what its requests share."""
+    """One connection: its frames, its requests, and whether it is closing."""
 
     connection: _Connection
     frames: _Frames
-    running: _Running
-    app: App
+    server: PrefillChannelServer
     calls: dict[int, _Call] = attrs.field(factory=dict)
+    idle: AsyncValue[bool] = attrs.field(factory=lambda: AsyncValue(True))
+    stopped: bool = False
+    scope: trio.CancelScope | None = None  # (the current reader's wait for a frame)
+
+    def stop(self) -> None:
+        """Read no more frames (the server closes)."""
+        self.stopped = True
+        if self.scope is not None:
+            self.scope.cancel()
 
 
 async def _read(reading: _Reading, nursery: trio.Nursery) -> None:
     """Read the connection's frames until one is a request to run; then hand
     the reading on to a fresh task and run that request here, at once (it
     waits for no other task to be scheduled: a request's first step is on
-    its time to first token). At the connection's end, cancel its requests."""
+    its time to first token). An error answer is written before the next
+    frame is read: a peer that does not read its answers stops only its own
+    connection.
+
+    At the connection's end, its requests are cancelled; when the server
+    closes, they finish and write their answers, then :class:`Closing` is
+    sent (every frame read was answered: the peer knows the others did not
+    run)."""
     try:
-        while (got := await reading.frames.next()) is not None:
-            request = _take(*got, reading, nursery)
+        while not reading.stopped:
+            with trio.CancelScope() as reading.scope:
+                got = await reading.frames.next()
+            reading.scope = None
+            if reading.stopped or got is None:
+                break
+            request = await _take(*got, reading)
             if request is not None:
                 nursery.start_soon(_read, reading, nursery)
                 await _run(reading, *request)
                 return
     except (trio.BrokenResourceError, trio.ClosedResourceError, FrameTooLarge) as exc:
         logger.debug("prefill channel: a connection closed: %s", exc)
+    else:
+        if reading.stopped:
+            await reading.idle.wait_value(True)
+            await reading.connection.send(frame(Closing()))
+            return
     for call in reading.calls.values():
         call.cancel()
 
 
-def _take(
-    head: bytes, body: bytes, reading: _Reading, nursery: trio.Nursery
-) -> tuple[Request, bytes, _Call] | None:
+async def _take(head: bytes, body: bytes, reading: _Reading) -> tuple[Request, bytes, _Call] | None:
     """What one frame asks: a request to run (counted, its call registered),
-    or ``None`` (a cancel done, an error answer on its way, a frame dropped)."""
+    or ``None`` (a cancel done, an error answer written, a frame dropped)."""
     try:
         message = _decode_head.decode(head)
     except (msgspec.DecodeError, RecursionError) as exc:
         logger.debug("prefill channel: dropped a frame that does not parse: %s", exc)
+        await trio.lowlevel.checkpoint()
         return None
-    calls, running = reading.calls, reading.running
+    calls, server = reading.calls, reading.server
     if isinstance(message, Cancel):
         cancelled = calls.get(message.id)
         if cancelled is not None:
             cancelled.cancel()
+        await trio.lowlevel.checkpoint()
         return None
     if message.id in calls:
         logger.debug("prefill channel: dropped request %d (its id is in use)", message.id)
+        await trio.lowlevel.checkpoint()
         return None
     if message.path not in ROUTES:
-        error = _error(message.id, 404, f"Invalid URL (POST {message.path[:200]})")
-        nursery.start_soon(reading.connection.send, error)
+        path = message.path[:200]
+        await reading.connection.send(_error(message.id, 404, f"Invalid URL (POST {path})"))
         return None
-    if running.count.value >= running.limit:
-        error = _error(message.id, 503, "too many prefill requests in flight")
-        nursery.start_soon(reading.connection.send, error)
+    if server.in_flight.value >= server.limit:
+        await reading.connection.send(_error(message.id, 503, "too many requests in flight"))
         return None
     calls[message.id] = call = _Call()
-    running.count.value += 1
+    reading.idle.value = False
+    server.in_flight.value += 1
     return message, body, call
 
 
 async def _run(reading: _Reading, request: Request, body: bytes, call: _Call) -> None:
-    """One request through the application; its answer sent (none if it was cancelled)."""
+    """One request through the application; its answer written (none if it
+    was cancelled); counted in the server's ``in_flight`` until then."""
     scope = {
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": "2.3"},
@@ -403,17 +501,26 @@ async def _run(reading: _Reading, request: Request, body: bytes, call: _Call) ->
             too_long = len(content) > ANSWER_LIMIT
 
     try:
-        await reading.app(scope, receive, send)
+        try:
+            await reading.server.app(scope, receive, send)
+        except Exception:  # (the engine's application answers every error itself)
+            logger.exception("prefill channel: request %d failed unexpectedly", request.id)
+            status, headers, content, too_long = 500, [], bytearray(), False
+            content += msgspec.json.encode(
+                {"error": {"message": "internal error (logged)", "type": "server_error"}}
+            )
+        if call.disconnected.is_set():
+            return  # (its sender stopped waiting)
+        if too_long:
+            answer = _error(request.id, 500, f"an answer over {ANSWER_LIMIT} bytes")
+        else:
+            answer = frame(Answer(request.id, status, headers), bytes(content))
+        await reading.connection.send(answer)
     finally:
         del reading.calls[request.id]
-        reading.running.count.value -= 1
-    if call.disconnected.is_set():
-        return  # (its sender stopped waiting)
-    if too_long:
-        answer = _error(request.id, 500, f"an answer over {ANSWER_LIMIT} bytes")
-    else:
-        answer = frame(Answer(request.id, status, headers), bytes(content))
-    await reading.connection.send(answer)
+        reading.server.in_flight.value -= 1
+        if not reading.calls:
+            reading.idle.value = True
 
 
 def _error(request_id: int, status: int, text: str) -> bytes:
@@ -439,6 +546,7 @@ class ChannelAnswer:
 class _Waiter:
     done: trio.Event = attrs.field(factory=trio.Event)
     answer: ChannelAnswer | None = None
+    not_run: bool = False  # (the engine closed the channel before reading it)
 
 
 @attrs.define(eq=False)
@@ -481,7 +589,7 @@ class PrefillChannels:
         """``engine``'s HTTP answer came with ``headers``: connect to the port
         they name (instead of another port), if any, in the background."""
         text = headers.get(PORT_HEADER, "")
-        if not (text.isascii() and text.isdigit() and 0 < int(text) < 65536):
+        if not (len(text) <= 5 and text.isascii() and text.isdigit() and 0 < int(text) < 65536):
             return
         port, host = int(text), urlsplit(engine).hostname
         channel = self._channels.get(engine)
@@ -518,6 +626,8 @@ class PrefillChannels:
                 connection = channel.connection
                 if connection is not None:  # (cancelled: tell the engine)
                     self._nursery.start_soon(connection.send, frame(Cancel(request_id)))
+        if waiter.not_run:
+            return None
         if waiter.answer is None:
             raise ChannelLost(f"the prefill channel to {engine} (port {channel.port}) broke")
         return waiter.answer
@@ -530,10 +640,12 @@ class PrefillChannels:
                 with trio.fail_after(CONNECT_TIMEOUT):
                     stream = await trio.open_tcp_stream(host, channel.port)
                 async with stream:
+                    _detect_dead_peers(stream)
                     channel.connection = _Connection(stream)
                     frames = _Frames(stream, ANSWER_LIMIT)
                     while (got := await frames.next()) is not None:
-                        self._dispatch(channel, *got)
+                        if not self._dispatch(channel, *got):
+                            break  # (Closing)
         except (
             OSError,
             trio.BrokenResourceError,
@@ -548,19 +660,40 @@ class PrefillChannels:
             if self._channels.get(channel.engine) is channel:
                 del self._channels[channel.engine]
 
-    def _dispatch(self, channel: _Channel, head: bytes, body: bytes) -> None:
+    def _dispatch(self, channel: _Channel, head: bytes, body: bytes) -> bool:
+        """Hand one answer to its request; ``False`` at :class:`Closing`
+        (every request still waiting then was never read: sent elsewhere)."""
         try:
             answer = _decode_answer.decode(head)
         except (msgspec.DecodeError, RecursionError) as exc:
             logger.debug("prefill channel %s: dropped an answer: %s", channel.engine, exc)
-            return
+            return True
+        if isinstance(answer, Closing):
+            channel.connection = None  # (no request more)
+            for unread in channel.waiting.values():
+                unread.not_run = True
+            channel.lose()
+            return False
         waiter = channel.waiting.pop(answer.id, None)
         if waiter is None:
-            return  # (its request was cancelled, or the engine made it up)
+            return True  # (its request was cancelled, or the engine made it up)
         headers = {name.lower(): value for name, value in answer.headers}
         waiter.answer = ChannelAnswer(answer.status, headers, body)
         waiter.done.set()
         self.answered += 1
+        return True
+
+
+def _detect_dead_peers(stream: trio.SocketStream) -> None:
+    """A prefill engine whose host died (no reset ever comes) is found within
+    :data:`DEAD_PEER_TIMEOUT`: TCP keepalive probes an idle connection, and
+    the kernel resets one whose data waited that long unacknowledged."""
+    stream.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 1)
+    stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+    stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+    milliseconds = int(DEAD_PEER_TIMEOUT * 1000)
+    stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, milliseconds)
 
 
 @asynccontextmanager
