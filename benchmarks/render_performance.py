@@ -30,8 +30,8 @@ GOALS = {
 TTFT_PHASES = {
     "front": "HTTP to the server the client calls, and that server's own work",
     "prefill_http": (
-        "prefill request: its exchange (HTTP; decode-first: the prefill channel), the "
-        "prefill engine's request handling"
+        "prefill request: its exchange (over the prefill channel; over HTTP in the column "
+        "so named), the prefill engine's request handling"
     ),
     "forward": (
         "admission (free KV blocks) and the prompt's forward (a prefill engine's: "
@@ -1635,7 +1635,8 @@ FINDINGS = """## What we found
   profile of the prefill engine put a fifth of its trio thread in
   hypercorn's h11 writes alone. Now the engine takes the same request over
   a kept TCP connection, one frame each way, answered by its own ASGI
-  application in process ([serving](serving.md#the-prefill-channel)).
+  application in process ([serving](serving.md#the-prefill-channel));
+  the proxy sends its prefills there too (section 11's proxy rows).
   ZeroMQ was built first and measured: a round trip between two trio
   processes took 0.57-0.66 ms over ZeroMQ against 0.23-0.25 ms over a
   plain trio stream (2000 of each, interleaved: ZeroMQ's I/O threads add

@@ -42,13 +42,13 @@ from trio_pd._serve.prefill_channel import (
 )
 
 from .test_decode_first import INTERNAL, PROMPTS, deployment, engine, serving, stream
-from .test_proxy import closed_port_url, until
+from .test_proxy import closed_port_url, proxy_for, until
 
 PREFILL = {"kv_transfer_params": {"do_remote_decode": True}, "max_tokens": 1}
 
 
 def prefiller_channels(decode: Any) -> Any:
-    return decode.prefiller._channels
+    return decode.prefiller.channels
 
 
 async def test_after_the_first_answer_prefills_go_over_the_channel() -> None:
@@ -73,6 +73,36 @@ async def test_after_the_first_answer_prefills_go_over_the_channel() -> None:
             assert channels.answered == len(PROMPTS) - 1
             await until(lambda: prefill.pool.free == prefill.pool.num_blocks)
             assert prefill.channel_requests.value == 0
+
+
+@pytest.mark.parametrize("dispatch", ["sequential", "concurrent"])
+async def test_the_proxy_sends_its_prefills_over_the_channel_too(dispatch: str) -> None:
+    """A proxy in front of real engines: the first prefill over HTTP, the
+    others over the prefill engine's channel (with concurrent dispatch, the
+    decode request goes once the prefill's frame is written); the tokens
+    are one engine's."""
+    prefill, decode = engine("p0"), engine("d0")
+    async with (
+        serving(build_app(prefill), build_app(decode)) as [prefill_url, decode_url],
+        proxy_for([prefill_url], [decode_url], dispatch=dispatch) as (proxy, proxy_url),
+        httpx2.AsyncClient(timeout=30) as client,
+    ):
+        with trio.fail_after(60):
+            channels = proxy._prefiller.channels
+            assert channels is not None
+            for i, prompt in enumerate(PROMPTS):
+                body = {"prompt": prompt, "max_tokens": 3}
+                expected = (await client.post(f"{prefill_url}/v1/completions", json=body)).json()
+                answer = await client.post(f"{proxy_url}/v1/completions", json=body)
+                assert answer.status_code == 200, answer.text
+                assert (
+                    answer.json()["choices"][0]["token_ids"] == expected["choices"][0]["token_ids"]
+                )
+                assert channels.answered == i
+                if i == 0:
+                    await until(lambda: channels.connected(prefill_url))
+            await until(lambda: prefill.pool.free == prefill.pool.num_blocks)
+            await until(lambda: decode.pool.free == decode.pool.num_blocks)
 
 
 async def test_an_engine_without_the_channel_is_asked_over_http() -> None:

@@ -77,7 +77,7 @@ import logging
 import os
 import socket
 import struct
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from urllib.parse import urlsplit
 
@@ -601,12 +601,20 @@ class PrefillChannels:
         self._nursery.start_soon(self._serve, channel, host)
 
     async def post(
-        self, engine: str, path: str, body: bytes, headers: Mapping[str, str]
+        self,
+        engine: str,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        *,
+        written: Callable[[], Awaitable[None]] | None = None,
     ) -> ChannelAnswer | None:
         """Send a request to ``engine`` over its channel and wait for its answer;
         ``None`` if it has no connected channel, or the request could not be
-        written whole (it did not run: send it over HTTP). A caller that
-        stops waiting (cancelled) sends a cancel.
+        written whole, or the engine closed the channel before reading it
+        (it did not run: send it over HTTP). ``written`` is awaited once the
+        request is written whole. A caller that stops waiting (cancelled)
+        sends a cancel.
 
         Raises:
             ChannelLost: the connection broke before the answer came.
@@ -620,6 +628,8 @@ class PrefillChannels:
         try:
             if not await channel.connection.send(request):
                 return None
+            if written is not None:
+                await written()
             await waiter.done.wait()
         finally:
             if channel.waiting.pop(request_id, None) is not None and not waiter.done.is_set():

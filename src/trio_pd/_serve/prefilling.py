@@ -61,6 +61,11 @@ REQUEST_ID_HEADER = "x-request-id"
 Trace = Callable[[str, dict[str, Any]], Any]
 """httpx2's ``trace`` extension: called with each step of a request."""
 
+BODY_SENT = "http11.send_request_body.complete"
+"""The step of ``trace`` that says the request was written whole (httpx2's
+name; a request over a prefill channel reports it too, once its frame is
+written)."""
+
 
 @attrs.frozen
 class Prefill:
@@ -93,7 +98,9 @@ class Prefiller:
         caller: who sends the requests, in the error for an engine that
             refuses its internal key.
         channels: prefill channels to the engines (:mod:`.prefill_channel`):
-            a request goes over its engine's when that is connected.
+            a request goes over its engine's when that is connected (the
+            proxy sets them for its server's life, a decode-first engine
+            at its start).
     """
 
     def __init__(
@@ -115,7 +122,7 @@ class Prefiller:
         self._max_attempts = max_attempts
         self._headers = dict(headers or {})
         self._count_error = count_error
-        self._channels = channels
+        self.channels = channels
 
     async def prefill(
         self,
@@ -213,17 +220,23 @@ class Prefiller:
         self, engine: str, path: str, request: bytes, headers: dict[str, str], trace: Trace | None
     ) -> tuple[httpx2.Response | ChannelAnswer, bytes | None]:
         """POST ``request`` (JSON) to ``engine``: over its prefill channel when
-        it has a connected one (and no ``trace`` follows the request), else
-        over HTTP (whose answer may name the channel's port). The answer, and
-        its body -- ``None`` if it is over :data:`ANSWER_LIMIT` bytes.
+        it has a connected one, else over HTTP (whose answer may name the
+        channel's port). The answer, and its body -- ``None`` if it is over
+        :data:`ANSWER_LIMIT` bytes. ``trace`` is told when the request is
+        written whole (:data:`BODY_SENT`), over either.
 
         Raises:
             ChannelLost: the channel broke while the request waited.
             httpx2.HTTPError: the HTTP request failed.
         """
-        channels = self._channels
-        if channels is not None and trace is None:
-            answer = await channels.post(engine, path, request, headers)
+        channels = self.channels
+        if channels is not None:
+
+            async def written() -> None:  # (as httpx2 tells ``trace`` the body went)
+                if trace is not None:
+                    await trace(BODY_SENT, {})
+
+            answer = await channels.post(engine, path, request, headers, written=written)
             if answer is not None:
                 capped = answer.content if len(answer.content) <= ANSWER_LIMIT else None
                 return answer, capped

@@ -98,7 +98,9 @@ from trio_pd._serve.openai import (
     parse_completions_request,
     request_id_from_headers,
 )
+from trio_pd._serve.prefill_channel import open_prefill_channels
 from trio_pd._serve.prefilling import (
+    BODY_SENT,
     REQUEST_ID_HEADER,
     Prefiller,
     judge,
@@ -294,7 +296,14 @@ class Proxy:
     def app(self) -> Callable[[Scope, Receive, Send], Any]:
         async def app(scope: Scope, receive: Receive, send: Send) -> None:
             if scope["type"] == "lifespan":
-                await trivial_lifespan(receive, send)
+                # (the prefill channels live as long as the server: requests
+                # go over an engine's once its HTTP answer named it)
+                async with open_prefill_channels() as channels:
+                    self._prefiller.channels = channels
+                    try:
+                        await trivial_lifespan(receive, send)
+                    finally:
+                        self._prefiller.channels = None
                 return
             if scope["type"] != "http":
                 return
@@ -946,7 +955,7 @@ class _Prefilled:
 
     async def trace(self, event: str, info: dict[str, Any]) -> None:
         """The prefill request's progress (httpx2's ``trace`` extension)."""
-        if event == "http11.send_request_body.complete":
+        if event == BODY_SENT:
             self.sent.set()
 
     def set(self, kv: dict[str, Any], expires: float, engine: str) -> None:
