@@ -1,9 +1,9 @@
 """Prefill requests over a kept TCP connection (``trio_pd._serve.prefill_channel``).
 
-A decode-first engine sends its prefill requests over a prefill engine's
-channel once an HTTP answer named its port, and over HTTP while it has no
-connected channel. Real engines and real connections; the hostile peer
-is a plain TCP connection writing what it likes.
+A decode-first engine (and the proxy) sends its prefill requests over a
+prefill engine's channel once an HTTP answer named its port, and over HTTP
+while it has no connected channel. Real engines and real connections; the
+hostile peer is a plain TCP connection writing what it likes.
 """
 
 from __future__ import annotations
