@@ -567,8 +567,8 @@ class _Channel:
 
 
 class PrefillChannels:
-    """A decode-first engine's channels to its prefill engines (see the module
-    docstring); made by :func:`open_prefill_channels`.
+    """A decode-first engine's (or the proxy's) channels to its prefill
+    engines (see the module docstring); made by :func:`open_prefill_channels`.
 
     Attributes:
         answered: requests answered over a channel so far.
@@ -625,17 +625,20 @@ class PrefillChannels:
         request_id = next(self._ids)
         request = frame(Request(request_id, path, list(headers.items())), body)
         channel.waiting[request_id] = waiter = _Waiter()
+        sent = False
         try:
             if not await channel.connection.send(request):
                 return None
+            sent = True
             if written is not None:
                 await written()
             await waiter.done.wait()
         finally:
-            if channel.waiting.pop(request_id, None) is not None and not waiter.done.is_set():
-                connection = channel.connection
-                if connection is not None:  # (cancelled: tell the engine)
-                    self._nursery.start_soon(connection.send, frame(Cancel(request_id)))
+            unanswered = channel.waiting.pop(request_id, None) is not None
+            connection = channel.connection
+            if sent and unanswered and not waiter.done.is_set() and connection is not None:
+                # (cancelled while the engine runs it: tell the engine)
+                self._nursery.start_soon(connection.send, frame(Cancel(request_id)))
         if waiter.not_run:
             return None
         if waiter.answer is None:

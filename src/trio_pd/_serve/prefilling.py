@@ -4,10 +4,12 @@ Both callers of a prefill engine use it: the proxy (:mod:`.proxy`) and a
 decode-first engine (:func:`~.app.build_app`), which runs its requests'
 prefill on a prefill engine itself. A :class:`Prefiller` sends the request
 with ``max_tokens: 1`` and ``kv_transfer_params: {"do_remote_decode": true}``
-to the engine of its set with the fewest requests in flight, and returns
-what the engine answered: its ``kv_transfer_params`` (which carry the first
-token, :data:`~.openai.FIRST_TOKEN_PARAM`), when their lease runs out, and
-the engine.
+to the engine of its set with the fewest requests in flight -- over the
+engine's prefill channel when the caller's :class:`~.prefill_channel.PrefillChannels`
+has a connected one, else over HTTP -- and returns what the engine
+answered: its ``kv_transfer_params`` (which carry the first token,
+:data:`~.openai.FIRST_TOKEN_PARAM`), when their lease runs out, and the
+engine.
 
 Retries only where the request cannot have had an effect: an engine that
 refuses the connection never saw it (the next is tried, the refusing one
@@ -16,10 +18,13 @@ of KV blocks). Anything else fails the request, naming the engine: a
 timeout, a broken connection, a 5xx (502), the engine's own 4xx (relayed),
 an answer that is too long or has no parameters (502).
 
-What it owns: nothing but its engine set's bookkeeping; the HTTP client is
-the caller's. What it raises: :class:`~.errors.HTTPError`, the client's
-answer. Cancelled with its caller (the request's scope): the response is
-closed, shielded, on every exit.
+What it owns: nothing but its engine set's bookkeeping; the HTTP client and
+the prefill channels are the caller's. A request that could not be written
+whole to a channel, or that the engine closed the channel without reading,
+did not run: it goes over HTTP in the same attempt. What it raises:
+:class:`~.errors.HTTPError`, the client's answer. Cancelled with its
+caller (the request's scope): the response is closed, shielded, on every
+exit (a channel request sends a cancel).
 """
 
 from __future__ import annotations
