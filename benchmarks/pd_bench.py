@@ -1178,7 +1178,8 @@ async def bench_serve(quick: bool) -> Result:
     engines: ``serve``'s own, with ``--dispatch concurrent``, and a
     ``trio-pd proxy --dispatch sequential`` process (the default path). At
     1 client the five targets take turns
-    request by request (every prompt three times), and
+    request by request (every prompt three times, the order rotating by
+    prompt), and
     each answer's ``Server-Timing`` splits its time to first token
     (:func:`_ttft_breakdown`); at 8 and 32 the targets take turns by client
     count."""
@@ -1362,10 +1363,15 @@ async def bench_serve(quick: bool) -> Result:
                         await one(url, prompt)
                 rows: dict[int, dict[str, Result]] = {}
                 answers: dict[str, list[Result]] = {name: [] for name in targets}
-                for _ in range(passes):  # 1 client: the targets take turns
-                    for prompt in prompts:
-                        for name, url in targets.items():
-                            answers[name].append(await one(url, prompt))
+                # 1 client: the targets take turns, request by request, in an
+                # order that rotates by prompt (a target that always followed
+                # the same one would always find the same processes warm)
+                names = list(targets)
+                for pass_ in range(passes):
+                    for i, prompt in enumerate(prompts):
+                        turn = (pass_ * len(prompts) + i) % len(names)
+                        for name in names[turn:] + names[:turn]:
+                            answers[name].append(await one(targets[name], prompt))
                 rows[1] = {
                     name: {
                         "ttft_p50_ms": ms(statistics.median(a["first"] for a in done)),
