@@ -1542,7 +1542,20 @@ FINDINGS = """## What we found
   nothing else interleaved), ran at x0.90-0.98, its trio thread's CPU per
   pull 129-145 us against raw NIXL's 120-137 us: with four loops taking
   turns of 100 pulls on a busy machine (benchmark 5), the rounds move with
-  which loop the other work falls on.
+  which loop the other work falls on. Measured again later (benchmark 5's
+  sequential part alone, each in a fresh process, 5000 pulls per loop, only
+  the turn's size changed), that long-turn figure did not hold as a
+  measure: with turns of 1000 pulls the unconfirmed path's median was x1.05
+  of raw NIXL's but its rounds went from x0.55 to x1.68 (whichever loop a
+  burst of the machine's other load fell on), its CPU per pull 161 us
+  against raw NIXL's 157; with turns of 100 (the benchmark's) x0.65 and
+  x0.78 in two runs (rounds x0.62-0.89), and with turns of 10 x0.79, x0.74
+  and x0.70 in three (each run's rounds within 0.06-0.11 of each other),
+  its CPU per pull 1.23-1.33 times raw NIXL's in all five. Interleaved
+  finely, the unconfirmed path is about three
+  quarters of raw NIXL's loop on this machine: what separates them is the
+  pull's own Python and its one schedule point (20-27 us), which raw NIXL's
+  loop, a plain loop of NIXL calls, does not have.
   Not done, and measured as the next steps: under load a third of the
   inline reads outlasted `inline_read_spin` (0.5 ms) and went to the
   driver through two thread hand-offs (benchmark 5 counts them); the
@@ -1663,6 +1676,34 @@ FINDINGS = """## What we found
   over HTTP +4.2 and +4.5 ms. What is
   left is waiting, not Python: on 2 cores shared by five busy processes,
   each step that needs another process or thread to run waits for a core.
+* **Where a decode-first first token still waits (issue 33).** Timestamps
+  (`time.perf_counter`, one clock for every process) at each step of 300
+  streamed requests to a decode-first deployment, beside a second one and
+  one engine taking turns (a synchronous httpx2 client; medians, ms): the
+  client's request until the decode-first engine's application has it
+  1.39, the request's parsing and checks 0.41 (as on one engine), building
+  the prefill request 0.07, the prefill request 6.06 (the prefill engine's
+  admission, forward and expose 4.58 of it), reading its answer 0.14, from
+  there to the hold and through it 0.25 (the hold 0.11), the headers'
+  write 0.41 (hypercorn's `send` of them: it wakes the client), the first
+  token's 0.21, and 0.85 from that write until the client had parsed the
+  token. One engine's headers leave before the step that computes its first
+  token, so its client handles them while that step runs; a decode-first
+  engine's leave with the first token, so the client's own handling of the
+  headers is on the path. Two changes were measured in this setting and
+  not kept: the headers and the first token in one write (hypercorn patched
+  for the experiment) left the time from the hold to the client's first
+  token where it was (1.44 against 1.46 ms): the client's handling of what
+  it gets bounds it, not the writes; and the headers sent as soon as the
+  request was accepted, before its prefill, saved 0.13 ms but answers 200
+  before a prefill that can still fail (its 502s and 503s would become
+  errors inside the stream) and without the prefill's `Server-Timing`. In
+  the same setting decode-first measured +1.84 to +2.08 ms over one engine
+  in seven runs; a cProfile of the prefill engine puts its expose at about
+  75 us of the trio thread's CPU (the token's HMAC, the block ids, the
+  records), each in the tens of microseconds. And section 11's 1-client
+  turns now rotate: before, one engine's request always came right after
+  the sequential proxy's, whose decode had just run on the same process.
 """
 
 

@@ -537,6 +537,38 @@ async def test_an_application_that_raises_is_a_500_for_its_request_only() -> Non
         nursery.cancel_scope.cancel()
 
 
+async def test_an_answer_leaves_once_sent_whole_not_when_the_application_returns() -> None:
+    """The answer's frame is written from the application's last ``send``:
+    what the application still does after it (an engine's metrics, its
+    log line) is not on the requester's path. An application that raises
+    after its answer left sends nothing more for that request."""
+    go_on = [trio.Event() for _ in range(3)]  # (each request's application waits on its own)
+    returned = [False] * 3
+
+    async def slow_tail(scope: Any, receive: Any, send: Any) -> None:
+        asked = json.loads((await receive())["body"])
+        await echo_body(send, b"early")
+        await go_on[asked["i"]].wait()
+        returned[asked["i"]] = True
+        if asked["fail"]:
+            raise RuntimeError("a bug after the answer")
+
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(PrefillChannelServer(slow_tail).serve, "127.0.0.1")
+        async with await Peer.connect(port) as peer:
+            with trio.fail_after(30):
+                for i, fail in enumerate((False, True, False)):
+                    await peer.send(request(i, {"i": i, "fail": fail}))
+                    got = await peer.frames.next()  # (request 2's: no 500 came for 1)
+                    assert got is not None
+                    assert got[1] == b"early"
+                    assert msgspec.msgpack.decode(got[0], type=Answer).id == i
+                    assert not returned[i]  # (its application had not returned)
+                    go_on[i].set()
+                    await until(functools.partial(returned.__getitem__, i))
+        nursery.cancel_scope.cancel()
+
+
 async def echo_body(send: Any, body: bytes) -> None:
     await send({"type": "http.response.start", "status": 200, "headers": []})
     await send({"type": "http.response.body", "body": body})

@@ -464,7 +464,12 @@ async def _take(head: bytes, body: bytes, reading: _Reading) -> tuple[Request, b
 
 async def _run(reading: _Reading, request: Request, body: bytes, call: _Call) -> None:
     """One request through the application; its answer written (none if it
-    was cancelled); counted in the server's ``in_flight`` until then."""
+    was cancelled); counted in the server's ``in_flight`` until then.
+
+    The answer is written as soon as the application sends its last body
+    message, from within that ``send``: what the application still does
+    after it (its metrics, its log line, leaving its scopes) is not on the
+    requester's path."""
     scope = {
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": "2.3"},
@@ -480,7 +485,7 @@ async def _run(reading: _Reading, request: Request, body: bytes, call: _Call) ->
         "server": None,
         "extensions": {CANCEL_SCOPES: call.cancel_scopes},
     }
-    delivered = False
+    delivered = answered = False
     status, headers, content, too_long = 500, list[tuple[str, str]](), bytearray(), False
 
     async def receive() -> Message:
@@ -491,31 +496,42 @@ async def _run(reading: _Reading, request: Request, body: bytes, call: _Call) ->
         await call.disconnected.wait()
         return {"type": "http.disconnect"}
 
-    async def send(message: Message) -> None:  # noqa: ASYNC124 (ASGI: collects, never waits)
+    async def answer() -> None:
+        """Write the answer (once), unless its sender stopped waiting."""
+        nonlocal answered
+        if answered or call.disconnected.is_set():
+            return
+        answered = True
+        if too_long:
+            written = _error(request.id, 500, f"an answer over {ANSWER_LIMIT} bytes")
+        else:
+            written = frame(Answer(request.id, status, headers), bytes(content))
+        await reading.connection.send(written)
+
+    async def send(message: Message) -> None:
         nonlocal status, headers, too_long
         if message["type"] == "http.response.start":
             status = int(message["status"])
             headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message["headers"]]
-        elif message["type"] == "http.response.body" and not too_long:
-            content.extend(message.get("body", b""))
-            too_long = len(content) > ANSWER_LIMIT
+        elif message["type"] == "http.response.body":
+            if not too_long:
+                content.extend(message.get("body", b""))
+                too_long = len(content) > ANSWER_LIMIT
+            if not message.get("more_body", False):
+                await answer()
 
     try:
         try:
             await reading.server.app(scope, receive, send)
         except Exception:  # (the engine's application answers every error itself)
             logger.exception("prefill channel: request %d failed unexpectedly", request.id)
+            if answered:
+                return
             status, headers, content, too_long = 500, [], bytearray(), False
             content += msgspec.json.encode(
                 {"error": {"message": "internal error (logged)", "type": "server_error"}}
             )
-        if call.disconnected.is_set():
-            return  # (its sender stopped waiting)
-        if too_long:
-            answer = _error(request.id, 500, f"an answer over {ANSWER_LIMIT} bytes")
-        else:
-            answer = frame(Answer(request.id, status, headers), bytes(content))
-        await reading.connection.send(answer)
+        await answer()  # (an application that returned without ending its answer)
     finally:
         del reading.calls[request.id]
         reading.server.in_flight.value -= 1
