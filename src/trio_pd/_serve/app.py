@@ -42,6 +42,7 @@ from trio_pd._core._errors import (
 from trio_pd._serve.asgi import (
     App,
     Receive,
+    RequestBody,
     Scope,
     Send,
     SendWatch,
@@ -106,11 +107,14 @@ def build_app(engine: Engine) -> Callable[[Scope, Receive, Send], Any]:
             return
         request_id = request_id_from_headers(scope.get("headers", ()))
         response = _Response(send, request_id)
+        body = RequestBody(receive, scope)
         try:
-            await _route(engine, scope, receive, response.send, request_id)
+            await _route(engine, scope, body, response.send, request_id)
         except HTTPError as exc:
             level = logging.WARNING if exc.status >= 500 else logging.INFO
             logger.log(level, "request %s: %d %s", request_id, exc.status, exc)
+            if not response.started:  # (the connection kept only if the body came whole)
+                exc.headers += await body.finish()
             await response.error(exc)
         except Exception as exc:
             logger.exception(
@@ -119,7 +123,10 @@ def build_app(engine: Engine) -> Callable[[Scope, Receive, Send], Any]:
                 scope["method"],
                 scope["path"][:200],
             )
-            await response.error(http_error(exc, row_of=Exception, request_id=request_id))
+            error = http_error(exc, row_of=Exception, request_id=request_id)
+            if not response.started:
+                error.headers += await body.finish()
+            await response.error(error)
 
     completing = response_completes(app)
     return completing

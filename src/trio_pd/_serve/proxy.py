@@ -62,6 +62,7 @@ from trio_pd._exception_groups import unwrapped_errors
 from trio_pd._serve import defaults
 from trio_pd._serve.asgi import (
     Receive,
+    RequestBody,
     Scope,
     Send,
     SendWatch,
@@ -311,6 +312,7 @@ class Proxy:
             request_id = request_id_from_headers(scope.get("headers", []))
             headers = [(REQUEST_ID_HEADER.encode(), request_id.encode())]
             started = False
+            receive = body = RequestBody(receive, scope)
 
             async def sending(message: dict[str, Any]) -> None:
                 nonlocal started
@@ -359,14 +361,18 @@ class Proxy:
                 else:
                     raise HTTPError(404, f"no route {scope['method']} {scope['path']}", "not_found")
             except HTTPError as exc:
-                if not started:
-                    await send_json(send, exc.status, exc.body, [*exc.headers, *headers])
+                if not started:  # (the connection kept only if the body came whole)
+                    closing = await body.finish()
+                    await send_json(send, exc.status, exc.body, [*exc.headers, *headers, *closing])
             except Exception as exc:
                 # A bug: answered in the same JSON shape (never hypercorn's bare 500).
                 logger.exception("request %s: internal error", request_id)
                 error = http_error(exc, row_of=Exception, request_id=request_id)
                 if not started:
-                    await send_json(send, error.status, error.body, [*error.headers, *headers])
+                    closing = await body.finish()
+                    await send_json(
+                        send, error.status, error.body, [*error.headers, *headers, *closing]
+                    )
                 else:  # (a stream had started: its last event says so)
                     await send_event(send, json.dumps(error.body), last=True)
             finally:
