@@ -1220,6 +1220,7 @@ async def bench_serve(quick: bool) -> Result:
         sequential: trio.Process | None = None
         decode_first: trio.Process | None = None
         decode_first_http: trio.Process | None = None
+        one_engine: trio.Process | None = None
         try:
             with trio.fail_after(120):
                 while not ready.exists():  # (another process writes it)
@@ -1261,33 +1262,50 @@ async def bench_serve(quick: bool) -> Result:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
+            # And one engine of its own, serving whole requests: a fourth
+            # deployment's decode engine (the same flags as every other), idle
+            # while the others run, as the decode-first deployments' are (the
+            # first deployment's decode engine also serves both proxies).
+            ready_one = Path(scratch) / "ready-one-engine.json"
+            one_engine = await trio.lowlevel.open_process(
+                [*command[:-2], "--ready-file", str(ready_one)],
+                env={**os.environ, "NIXL_LOG_LEVEL": "WARN", "TRIO_PD_INTERNAL_KEY": internal_key},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             with trio.fail_after(60):
                 while not (
-                    ready_sequential.exists() and ready_first.exists() and ready_http.exists()
+                    ready_sequential.exists()
+                    and ready_first.exists()
+                    and ready_http.exists()
+                    and ready_one.exists()
                 ):
                     assert sequential.poll() is None, "trio-pd proxy exited early"
                     assert decode_first.poll() is None, "trio-pd serve (decode-first) exited early"
                     assert decode_first_http.poll() is None, (
                         "trio-pd serve (decode-first, --no-prefill-channel) exited early"
                     )
+                    assert one_engine.poll() is None, "trio-pd serve (one engine) exited early"
                     await trio.sleep(0.05)
             targets = {
                 DECODE_FIRST: json.loads(ready_first.read_text())["clients"][0],
                 DECODE_FIRST_HTTP: json.loads(ready_http.read_text())["clients"][0],
                 PROXY: urls["proxy"],
                 SEQUENTIAL: json.loads(ready_sequential.read_text())["url"],
-                ONE_ENGINE: urls["decode"][0],
+                ONE_ENGINE: json.loads(ready_one.read_text())["decode"][0],
             }
 
             def served_cpu_seconds() -> float:
                 assert sequential is not None
                 assert decode_first is not None
                 assert decode_first_http is not None
+                assert one_engine is not None
                 return (
                     _tree_cpu_seconds(process.pid)
                     + _cpu_seconds(sequential.pid)
                     + _tree_cpu_seconds(decode_first.pid)
                     + _tree_cpu_seconds(decode_first_http.pid)
+                    + _tree_cpu_seconds(one_engine.pid)
                 )
 
             # (idle connections closed within 2 s, before the servers' own
@@ -1394,7 +1412,7 @@ async def bench_serve(quick: bool) -> Result:
                         name: _serve_rounds(done, runs[ONE_ENGINE]) for name, done in runs.items()
                     }
         finally:
-            for server in (decode_first_http, decode_first, sequential, process):
+            for server in (one_engine, decode_first_http, decode_first, sequential, process):
                 if server is not None:
                     server.send_signal(signal.SIGTERM)
                     with trio.move_on_after(30, shield=True):
@@ -1419,7 +1437,8 @@ call it, it runs the prefill on a prefill engine of its deployment, over
 that engine's prefill channel), the same with its prefill requests over HTTP
 (``--no-prefill-channel``: a deployment of its own), ``serve``'s proxy
 (``--dispatch concurrent``), a proxy dispatching sequentially (the default),
-and one engine."""
+and one engine (a fourth deployment's decode engine, serving whole requests:
+idle while the others run, as the decode-first deployments' engines are)."""
 
 
 def _serve_rounds(runs: list[Result], one_engine: list[Result]) -> Result:

@@ -1138,8 +1138,10 @@ def _serve_section(
         "prefill, its `kv_transfer_params` a second line of its body); and a `trio-pd proxy "
         "--dispatch sequential` process (the default: the decode request once the prefill "
         "answered) in front of the same engines. The decode-first deployments have engines "
-        "of their own (the same code; they idle while the others run); one engine is the "
-        "first deployment's decode engine. At 1, 8 and 32 clients at "
+        "of their own (the same code; they idle while the others run), and so does one "
+        "engine: a fourth deployment's decode engine, serving whole requests (not the "
+        "first deployment's, which the proxies' requests keep busy). At 1, 8 and 32 "
+        "clients at "
         "once (at 1 client the targets take turns request by request, in an order that "
         "rotates by prompt, each prompt "
         f"{sv.get('passes_at_1_client', 1)} times; at 8 and 32 clients every prompt once "
@@ -1701,9 +1703,18 @@ FINDINGS = """## What we found
   the same setting decode-first measured +1.84 to +2.08 ms over one engine
   in seven runs; a cProfile of the prefill engine puts its expose at about
   75 us of the trio thread's CPU (the token's HMAC, the block ids, the
-  records), each in the tens of microseconds. And section 11's 1-client
-  turns now rotate: before, one engine's request always came right after
-  the sequential proxy's, whose decode had just run on the same process.
+  records), each in the tens of microseconds.
+* **Section 11's anchor was a busy engine (issue 33).** One engine, the
+  anchor of every disaggregated row, was the first deployment's decode
+  engine, which both proxies' requests also ran on, and at 1 client its
+  request always came right after the sequential proxy's: its process was
+  warm, the decode-first deployments' engines had idled while four other
+  requests ran. Now one engine is a fourth deployment's decode engine,
+  idle while the others run as theirs are, and the 1-client turns rotate.
+  In a full run with the old anchor (only the turns' rotation in), one
+  engine's time to first token was 7.97 ms at 1 client and decode-first
+  added 2.51 ms; in a section-11 run with its own engine, 10.94 ms and
+  1.58 ms: the anchor had been about 1 ms ahead for being busy.
 """
 
 
