@@ -105,15 +105,17 @@ async def test_the_proxy_asks_clients_for_a_key_and_shows_engines_the_internal_o
             assert prefill.authorizations == decode.authorizations == [f"Bearer {INTERNAL_KEY}"]
 
 
-async def early_answers(url: str, later: bytes | None) -> tuple[bytes, bytes]:
-    """A POST whose body comes 50 ms after its headers (``later``: then, instead
-    of the rest of it, only that), then a second request on the same
-    connection: the first answer, and the second's (or ``b""`` if the server
-    closed the connection)."""
+async def early_answers(
+    url: str, later: bytes | None, request: str = "POST /v1/completions"
+) -> tuple[bytes, bytes]:
+    """A ``request`` whose body comes 50 ms after its headers (``later``: then,
+    instead of the rest of it, only that), then the same request whole on
+    the same connection: the first answer, and the second's (or ``b""`` if
+    the server closed the connection)."""
     body = json.dumps(BODY).encode()
     host, port = url.removeprefix("http://").split(":")
     head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"{request} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
     ).encode()
     stream = await trio.open_tcp_stream(host, int(port))
@@ -153,15 +155,19 @@ async def http_answer(stream: trio.SocketStream) -> bytes:
 
 
 @pytest.mark.parametrize("server", ["engine", "proxy"])
-async def test_a_401_before_the_body_came_keeps_the_connection_or_says_it_closes(
-    server: str,
+@pytest.mark.parametrize(
+    ("request_line", "status"), [("POST /v1/completions", b"401"), ("GET /health", b"200")]
+)
+async def test_an_answer_before_the_body_came_keeps_the_connection_or_says_it_closes(
+    server: str, request_line: str, status: bytes
 ) -> None:
-    """An answer given before the request's body was read (here a missing
-    key): the server reads the rest of the body first, so the connection
-    takes the client's next request (hypercorn closed it without a word, and
-    a client's next request on it was cut: a flaky test found it); a body
-    that does not come whole within the drain's bound gets ``connection:
-    close``, which tells the client not to send another."""
+    """An answer that starts before the request's body was read (a missing
+    key; a route that takes no body, here with one): the server reads the
+    rest of the body first, so the connection takes the client's next
+    request (hypercorn closed it without a word, and a client's next request
+    on it was cut: a flaky test found it); a body that does not come whole
+    within the drain's bound gets ``connection: close``, which tells the
+    client not to send another."""
     from trio_pd._serve import asgi
     from trio_pd._serve.app import build_app
 
@@ -178,16 +184,51 @@ async def test_a_401_before_the_body_came_keeps_the_connection_or_says_it_closes
             serving(build_app(engine("e0", keys={"internal_keys": guard}))) as [engine_url],
         ):
             url = proxy_url if server == "proxy" else engine_url
-            first, second = await early_answers(url, None)
-            assert first.startswith(b"HTTP/1.1 401"), first
+            answered = b"HTTP/1.1 " + status
+            first, second = await early_answers(url, None, request_line)
+            assert first.startswith(answered), first
             assert b"connection: close" not in first.lower()
-            assert second.startswith(b"HTTP/1.1 401"), second  # (the connection took it)
+            assert second.startswith(answered), second  # (the connection took it)
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(asgi, "DRAIN_SECONDS", 0.05)
-                first, second = await early_answers(url, b"{")  # (the rest never comes)
-            assert first.startswith(b"HTTP/1.1 401"), first
+                first, second = await early_answers(url, b"{", request_line)  # (never whole)
+            assert first.startswith(answered), first
             assert b"connection: close" in first.lower()
             assert second == b""
+
+
+async def test_a_request_body_is_waited_for_only_where_it_can_keep_the_connection() -> None:
+    """What :class:`~trio_pd._serve.asgi.RequestBody` reads before an answer:
+    the rest of a body, except for a 408, 413 or 429 or a body it must not
+    drain (``connection: close`` at once); nothing where the headers
+    announce no body, every ``content-length`` and ``transfer-encoding``
+    counted."""
+    from trio_pd._serve.asgi import RequestBody
+
+    parts = [b"{", b"}"]
+
+    async def receive() -> dict[str, Any]:
+        body = parts.pop(0)
+        return {"type": "http.request", "body": body, "more_body": bool(parts)}
+
+    def scope(*headers: tuple[bytes, bytes]) -> dict[str, Any]:
+        return {"headers": list(headers)}
+
+    sized = (b"content-length", b"2")
+    for status in (408, 413, 429):
+        assert await RequestBody(receive, scope(sized)).finish(status) == [
+            (b"connection", b"close")
+        ]
+    assert await RequestBody(receive, scope(sized), drain=False).finish(401) == [
+        (b"connection", b"close")
+    ]
+    assert parts == [b"{", b"}"]  # (nothing was read)
+    assert await RequestBody(receive, scope(sized)).finish(401) == []
+    assert parts == []  # (read to its end)
+    chunked = scope((b"content-length", b"0"), (b"transfer-encoding", b"chunked"))
+    assert not RequestBody(receive, chunked).ended
+    assert RequestBody(receive, scope((b"content-length", b"0"))).ended
+    assert RequestBody(receive, scope()).ended
 
 
 # ---- a deployment: trio-pd serve with a client key ------------------------------------

@@ -55,7 +55,7 @@ from trio_pd._serve.asgi import (
     start_events,
 )
 from trio_pd._serve.defaults import REPREFILLS
-from trio_pd._serve.dispatch import SecondLine, params_within
+from trio_pd._serve.dispatch import PARAMS_WITHIN_HEADER, SecondLine, params_within
 from trio_pd._serve.engine import Engine
 from trio_pd._serve.errors import DeploymentFault, HTTPError, ParamsInUse, http_error
 from trio_pd._serve.openai import (
@@ -96,6 +96,9 @@ ROUTES: dict[str, tuple[str, ...]] = {
 """The engine's paths and the methods each takes."""
 
 
+PARAMS_WITHIN = PARAMS_WITHIN_HEADER.encode()
+
+
 def build_app(engine: Engine) -> Callable[[Scope, Receive, Send], Any]:
     """The engine's ASGI application (lifespan: the connectors)."""
 
@@ -106,15 +109,17 @@ def build_app(engine: Engine) -> Callable[[Scope, Receive, Send], Any]:
         if scope["type"] != "http":
             return
         request_id = request_id_from_headers(scope.get("headers", ()))
-        response = _Response(send, request_id)
-        body = RequestBody(receive, scope)
+        # (an answer that starts before the body was read reads it first: the
+        # connection then takes the client's next request; not a body whose
+        # second line carries an exposure's parameters, see _give_back)
+        drain = not any(name.lower() == PARAMS_WITHIN for name, _ in scope.get("headers", ()))
+        body = RequestBody(receive, scope, drain=drain)
+        response = _Response(body.answering(send), request_id)
         try:
             await _route(engine, scope, body, response.send, request_id)
         except HTTPError as exc:
             level = logging.WARNING if exc.status >= 500 else logging.INFO
             logger.log(level, "request %s: %d %s", request_id, exc.status, exc)
-            if not response.started:  # (the connection kept only if the body came whole)
-                exc.headers += await body.finish()
             await response.error(exc)
         except Exception as exc:
             logger.exception(
@@ -123,10 +128,7 @@ def build_app(engine: Engine) -> Callable[[Scope, Receive, Send], Any]:
                 scope["method"],
                 scope["path"][:200],
             )
-            error = http_error(exc, row_of=Exception, request_id=request_id)
-            if not response.started:
-                error.headers += await body.finish()
-            await response.error(error)
+            await response.error(http_error(exc, row_of=Exception, request_id=request_id))
 
     completing = response_completes(app)
     return completing

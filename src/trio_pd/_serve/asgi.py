@@ -64,23 +64,37 @@ DRAIN_LIMIT = 1 << 20
 """How many bytes of such a body it reads at most (then: ``connection: close``)."""
 
 
+CLOSE_AT_ONCE = frozenset({408, 413, 429})
+"""Answers whose request's unread body is not waited for: too slow, too
+large, too many requests (the connection closes after them)."""
+
+
 class RequestBody:
-    """A request's ``receive``, which knows whether the body was read to its end.
+    """A request's ``receive``, which knows whether the body was read to its
+    end, and a ``send`` that reads the rest before an answer starts.
 
     hypercorn takes a client's next request on the same connection only if
     the request's body had come whole when the answer ended; otherwise it
     closes the connection, without saying so in the answer, and a client
     that had already sent its next request on it sees that one cut
     ("Server disconnected without sending a response"; measured: a 401 to a
-    client whose body came 50 ms after its headers). An answer given before
-    the body was read -- a missing key, an unknown path, a draining server
-    -- calls :meth:`finish` first. A request whose headers announce no body
-    (no ``content-length`` above 0, no ``transfer-encoding``) has none to
-    read. Use the object as the application's ``receive``.
+    client whose body came 50 ms after its headers, and a ``GET /health``
+    that carried a body). So an answer that starts before the body was read
+    whole -- a missing key, an unknown path or method, a route that takes
+    no body -- first reads the rest (:meth:`finish`), except where waiting
+    makes no sense (:data:`CLOSE_AT_ONCE`; and with ``drain=False``: a
+    decode request whose second line carries an exposure's parameters, which
+    only its own reader may take); an answer whose body did not end then
+    says ``connection: close``. A request whose headers announce no body
+    (every ``content-length`` 0, no ``transfer-encoding``) has none to read.
+
+    Use the object as the application's ``receive`` and :meth:`answering`
+    of its ``send`` as its ``send``.
     """
 
-    def __init__(self, receive: Receive, scope: Scope) -> None:
+    def __init__(self, receive: Receive, scope: Scope, *, drain: bool = True) -> None:
         self._receive = receive
+        self._drain = drain
         self.ended = not _announces_body(scope.get("headers", ()))
 
     async def __call__(self) -> Message:
@@ -89,26 +103,40 @@ class RequestBody:
             self.ended = True  # (the body's last part, or the client went away)
         return message
 
-    async def finish(self) -> list[tuple[bytes, bytes]]:
-        """Read what is left of the body (:data:`DRAIN_LIMIT` bytes and
-        :data:`DRAIN_SECONDS` at most) and return the headers the answer
-        needs: none once the body ended (the connection takes the client's
-        next request), else ``connection: close`` (the client knows not to
-        send another on it; hypercorn closes it after the answer)."""
+    def answering(self, send: Send) -> Send:
+        """``send``, except that a response's start first reads what is left of
+        the body (:meth:`finish`) and says ``connection: close`` if it did not end."""
+
+        async def answer(message: Message) -> None:
+            if message["type"] == "http.response.start" and not self.ended:
+                closing = await self.finish(int(message["status"]))
+                message = {**message, "headers": [*message.get("headers", ()), *closing]}
+            await send(message)
+
+        return answer
+
+    async def finish(self, status: int = 200) -> list[tuple[bytes, bytes]]:
+        """Read what is left of the body (at most :data:`DRAIN_LIMIT` bytes
+        more, within :data:`DRAIN_SECONDS`; nothing for a ``status`` in
+        :data:`CLOSE_AT_ONCE` or a body not to drain) and return the headers
+        the answer needs: none once the body ended (the connection takes the
+        client's next request), else ``connection: close`` (the client knows
+        not to send another on it; hypercorn closes it after the answer)."""
         read = 0
-        with trio.move_on_after(DRAIN_SECONDS):
-            while not self.ended and read <= DRAIN_LIMIT:
-                read += len((await self()).get("body", b""))
+        if self._drain and status not in CLOSE_AT_ONCE:
+            with trio.move_on_after(DRAIN_SECONDS):
+                while not self.ended and read <= DRAIN_LIMIT:
+                    read += len((await self()).get("body", b""))
         return [] if self.ended else [(b"connection", b"close")]
 
 
 def _announces_body(headers: Any) -> bool:
-    for name, value in headers:
-        if name == b"transfer-encoding":
-            return True
-        if name == b"content-length":
-            return value.strip() not in (b"0", b"")
-    return False
+    """Whether any ``transfer-encoding``, or a ``content-length`` other than 0,
+    is among ``headers`` (ASGI's: lowercase names, bytes)."""
+    return any(
+        name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0")
+        for name, value in headers
+    )
 
 
 async def read_json(receive: Receive, limit: int = 1 << 20) -> dict[str, Any]:

@@ -312,7 +312,10 @@ class Proxy:
             request_id = request_id_from_headers(scope.get("headers", []))
             headers = [(REQUEST_ID_HEADER.encode(), request_id.encode())]
             started = False
-            receive = body = RequestBody(receive, scope)
+            # (an answer that starts before the body was read reads it first:
+            # the connection then takes the client's next request)
+            body = RequestBody(receive, scope)
+            receive, send = body, body.answering(send)
 
             async def sending(message: dict[str, Any]) -> None:
                 nonlocal started
@@ -361,18 +364,14 @@ class Proxy:
                 else:
                     raise HTTPError(404, f"no route {scope['method']} {scope['path']}", "not_found")
             except HTTPError as exc:
-                if not started:  # (the connection kept only if the body came whole)
-                    closing = await body.finish()
-                    await send_json(send, exc.status, exc.body, [*exc.headers, *headers, *closing])
+                if not started:
+                    await send_json(send, exc.status, exc.body, [*exc.headers, *headers])
             except Exception as exc:
                 # A bug: answered in the same JSON shape (never hypercorn's bare 500).
                 logger.exception("request %s: internal error", request_id)
                 error = http_error(exc, row_of=Exception, request_id=request_id)
                 if not started:
-                    closing = await body.finish()
-                    await send_json(
-                        send, error.status, error.body, [*error.headers, *headers, *closing]
-                    )
+                    await send_json(send, error.status, error.body, [*error.headers, *headers])
                 else:  # (a stream had started: its last event says so)
                     await send_event(send, json.dumps(error.body), last=True)
             finally:
