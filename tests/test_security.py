@@ -208,6 +208,7 @@ async def test_a_request_body_is_waited_for_only_where_it_can_keep_the_connectio
     parts = [b"{", b"}"]
 
     async def receive() -> dict[str, Any]:
+        await trio.lowlevel.checkpoint()
         body = parts.pop(0)
         return {"type": "http.request", "body": body, "more_body": bool(parts)}
 
