@@ -55,7 +55,7 @@ from trio_pd._serve.asgi import (
     start_events,
 )
 from trio_pd._serve.defaults import REPREFILLS
-from trio_pd._serve.dispatch import PARAMS_WITHIN_HEADER, SecondLine, params_within
+from trio_pd._serve.dispatch import SecondLine, has_second_line, params_within
 from trio_pd._serve.engine import Engine
 from trio_pd._serve.errors import DeploymentFault, HTTPError, ParamsInUse, http_error
 from trio_pd._serve.openai import (
@@ -96,9 +96,6 @@ ROUTES: dict[str, tuple[str, ...]] = {
 """The engine's paths and the methods each takes."""
 
 
-PARAMS_WITHIN = PARAMS_WITHIN_HEADER.encode()
-
-
 def build_app(engine: Engine) -> Callable[[Scope, Receive, Send], Any]:
     """The engine's ASGI application (lifespan: the connectors)."""
 
@@ -112,8 +109,7 @@ def build_app(engine: Engine) -> Callable[[Scope, Receive, Send], Any]:
         # (an answer that starts before the body was read reads it first: the
         # connection then takes the client's next request; not a body whose
         # second line carries an exposure's parameters, see _give_back)
-        drain = not any(name.lower() == PARAMS_WITHIN for name, _ in scope.get("headers", ()))
-        body = RequestBody(receive, scope, drain=drain)
+        body = RequestBody(receive, scope, drain=not has_second_line(scope.get("headers", ())))
         response = _Response(body.answering(send), request_id)
         try:
             await _route(engine, scope, body, response.send, request_id)

@@ -82,6 +82,14 @@ def params_within(headers: Any) -> float | None:
     return None
 
 
+def has_second_line(headers: Any) -> bool:
+    """Whether a request's headers say its parameters follow as a second line
+    (an ``X-Trio-PD-Params-Within`` header, well-formed or not: only the
+    request's own reader, :class:`SecondLine`, may take that line)."""
+    name = PARAMS_WITHIN_HEADER.encode()
+    return any(key.lower() == name for key, _ in headers)
+
+
 def first_line(body: dict[str, Any]) -> bytes:
     """The proxy's line 1: ``body`` (its own ``kv_transfer_params`` left out)."""
     return _line({key: value for key, value in body.items() if key != KV_PARAMS})

@@ -16,10 +16,10 @@ its connection broke.)
 
 Every engine that serves prefill requests also listens here (on its HTTP
 host, bound as its HTTP socket is, a port of its own), and says where in
-the ``x-trio-pd-prefill-port``
-header of its HTTP prefill answers. What arrives is the same request as
-over HTTP -- the path, the headers (the deployment's internal key among
-them), the JSON body -- and it is answered by the same ASGI application, in
+the ``x-trio-pd-prefill-port`` header of its HTTP prefill answers. What
+arrives is the same request as over HTTP -- the path, the headers (the
+deployment's internal key among them), the JSON body -- and it is answered
+by the same ASGI application, in
 process (:class:`PrefillChannelServer`): the same checks, the same keys, the
 same errors, the same ``Server-Timing``. Only the transport differs, so
 nothing else in the engine knows which one a request came by.
