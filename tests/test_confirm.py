@@ -8,6 +8,7 @@ end to end in ``tests/test_isolation.py``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -16,6 +17,7 @@ import trio
 import zmq
 
 import trio_pd
+from trio_pd._consumer import _pulls
 from trio_pd._core import _protocol as protocol
 from trio_pd._side_channel._confirm import ConfirmChannels
 from trio_pd._side_channel._zmq import TrioZmqSocket
@@ -249,3 +251,21 @@ async def test_a_channel_whose_socket_cannot_be_set_up_is_closed_and_fails_alone
     confirms.close()
     with trio.fail_after(10):
         await trio.to_thread.run_sync(context.term, abandon_on_cancel=True)
+
+
+def test_read_nonces_are_distinct_in_range_and_drawn_64_per_system_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    draws: list[int] = []
+    urandom = os.urandom
+
+    def counted(n: int) -> bytes:
+        draws.append(n)
+        return urandom(n)
+
+    monkeypatch.setattr(_pulls.os, "urandom", counted)
+    _pulls._nonces.clear()
+    nonces = [_pulls._nonce() for _ in range(640)]
+    assert all(1 <= n <= protocol.MAX_NONCE for n in nonces)
+    assert len(set(nonces)) == len(nonces)
+    assert draws == [8 * 64] * 10

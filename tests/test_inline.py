@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import types
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -25,7 +26,7 @@ import trio_pd
 from trio_pd._config import tuned
 from trio_pd._transfer._backend import BackendError
 from trio_pd._transfer._nixl._driver import TransferDriver
-from trio_pd._transfer._nixl._inline import InlineReads
+from trio_pd._transfer._nixl._inline import NOT_TAKEN, InlineReads, no_task_runnable
 from trio_pd._transfer._nixl._jobs import JobCancelled
 from trio_pd._transfer._nixl._notifications import NotificationPoller
 from trio_pd.testing import CapturedBackends, WorkerSpec, mismatched_blocks, open_prefill_worker
@@ -223,6 +224,88 @@ async def test_control_c_waits_until_an_inline_read_ended_or_was_adopted() -> No
             assert protected == [True]
 
 
+@pytest.mark.parametrize("then", ["idle", "driver given work", "load started"])
+async def test_a_read_checked_after_a_schedule_point_goes_to_the_driver_if_the_loop_moved_on(
+    then: str,
+) -> None:
+    """``start`` posts, the pull's task lets the others run while the READ
+    runs, ``finish`` checks it. If meanwhile a task gave the driver work (its
+    thread now calls NIXL too) or started a load (NIXL's writer lock, which
+    the trio thread must never wait behind), the driver takes the READ over."""
+    agent = ScriptedAgent()
+    agent.script = lambda handle: setattr(handle, "polls", 1)  # (PROC once, then DONE)
+    loads_idle = True
+    lock = threading.Lock()
+    with trio.fail_after(5):
+        async with inline(agent, idle_loads=lambda: loads_idle, other_calls=lock) as (
+            reads,
+            transfers,
+        ):
+            one = job([1], "r1")
+            handle = reads.start(one)
+            assert handle is not NOT_TAKEN
+            assert handle is not None
+            assert (reads.posted, one.finished.is_set()) == (1, False)
+            assert lock.locked()  # (held until finish: no get_new_notifs meanwhile)
+            other = job([2], "r2")
+            if then == "driver given work":
+                transfers.submit(other)
+            elif then == "load started":
+                loads_idle = False
+            reads.finish(one, handle)
+            assert not lock.locked()
+            if then == "idle":
+                assert (one.ended, one.error, reads.adopted) == (True, None, 0)
+            else:
+                assert reads.adopted == 1
+                await one.finished.wait()
+                assert one.error is None
+            await one.settled.wait()
+            assert agent.posted[0].released
+            if then == "driver given work":
+                await other.settled.wait()
+            assert transfers.transfers_posted == (1 if then == "driver given work" else 0)
+
+
+async def test_start_answers_not_taken_or_ended_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    agent = ScriptedAgent()
+
+    def transfer(handle: Handle) -> str:
+        agent.posted.append(handle)
+        return "DONE"  # (a READ that ended while it was posted)
+
+    monkeypatch.setattr(agent, "transfer", transfer)
+    lock = threading.Lock()
+    with trio.fail_after(5):
+        async with inline(agent, other_calls=lock) as (reads, _):
+            one = job([1], "r1")
+            assert reads.start(one) is None  # (DONE when posted: ended here)
+            assert (one.ended, one.error, one.finished.is_set()) == (True, None, True)
+            assert agent.posted[0].released
+            assert not lock.locked()
+            with lock:
+                assert reads.start(job([2], "r2")) is NOT_TAKEN  # (the poller is in NIXL)
+            assert reads.posted == 1
+
+
+async def test_the_run_queue_check_says_what_current_statistics_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def public() -> bool:
+        return trio.lowlevel.current_statistics().tasks_runnable == 0
+
+    with trio.fail_after(5):
+        assert no_task_runnable() is public() is True
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.lowlevel.checkpoint)
+            assert no_task_runnable() is public() is False
+            # A trio that moved its run queue: the public call answers.
+            with monkeypatch.context() as patched:
+                patched.setattr(trio._core._run, "GLOBAL_RUN_CONTEXT", types.SimpleNamespace())
+                assert no_task_runnable() is False
+        assert no_task_runnable() is True
+
+
 class NotifyingAgent(ScriptedAgent):
     """A scripted agent whose ``get_new_notifs`` stays in NIXL until ``leave`` is set."""
 
@@ -341,6 +424,61 @@ async def test_an_inline_pull_is_a_checkpoint_confirmed_or_not() -> None:
                     await d.pull("cancelled", [9], remote)
                 assert scope.cancelled_caught
                 assert backend.reads_inline - before == 4  # (nothing posted)
+
+
+async def test_an_unconfirmed_inline_pull_lets_other_tasks_run_while_its_read_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its schedule point comes between posting the READ and checking it (the
+    READ runs meanwhile), not after the READ: what other tasks do then costs
+    the pull nothing. (A confirmed pull's schedule point is its answer's wait.)"""
+    captured = CapturedBackends()
+    with trio.fail_after(60):
+        async with open_prefill_worker(WorkerSpec("prefill-overlap", **SPEC)) as worker:
+            local = kv_cache(regions=4, blocks=16, block_shape=(1024,))
+            async with trio_pd.open_connector(
+                "decode-overlap", local, config=QUIET, backend=captured
+            ) as d:
+                [backend] = captured.backends
+                await d.pull("warm", [0], await worker.expose("warm", [0], seed=0))
+                d._consumer.confirm_reads = False
+                agent = backend.agent
+                posting = agent.transfer
+                posted = trio.Event()
+
+                def transfer(handle: object, *args: object) -> str:
+                    posting(handle, *args)
+                    posted.set()
+                    return "PROC"  # (even if it ended already: checked after the others ran)
+
+                checking = agent.check_xfer_state
+                checks: list[object] = []
+
+                def check_xfer_state(handle: object) -> str:
+                    checks.append(handle)
+                    state: str = checking(handle)
+                    return state
+
+                monkeypatch.setattr(agent, "transfer", transfer)
+                monkeypatch.setattr(agent, "check_xfer_state", check_xfer_state)
+                seen: list[tuple[int, int, bool]] = []
+                pulled = trio.Event()
+
+                async def meanwhile() -> None:
+                    await posted.wait()
+                    seen.append((backend.reads_inline, len(checks), pulled.is_set()))
+
+                remote = await worker.expose("r1", [3, 4], seed=1)
+                before = backend.reads_inline
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(meanwhile)
+                    await trio.testing.wait_all_tasks_blocked()
+                    await d.pull("r1", [3, 4], remote)
+                    pulled.set()
+                # Posted inline, not checked yet, the pull not done; then checked.
+                assert seen == [(before + 1, 0, False)]
+                assert checks
+                assert mismatched_blocks(local, [3, 4], 1) == []
 
 
 async def test_with_inline_reads_off_every_pull_goes_to_the_driver() -> None:

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trio_pd._core._layout import KVLayout, as_block_ids, layout_of_tensors
+from trio_pd._core._layout import KVLayout, as_block_ids, few_block_ids, layout_of_tensors
 
 
 def layout(
@@ -123,9 +123,14 @@ def test_selected_descriptors_are_exactly_the_requested_blocks(data: st.DataObje
         st.lists(st.integers(0, num_blocks - 1), unique=True, max_size=num_blocks), label="ids"
     )
     lay = KVLayout(base_addrs=bases, block_lens=lens, num_blocks=num_blocks)
+    # (as an array or as the few ids themselves: up to 256 indices are
+    # computed in Python, more with numpy -- both drawn here)
+    checked = data.draw(st.sampled_from([as_block_ids, few_block_ids]), label="checked by")
 
-    selected = lay.descriptors()[lay.descriptor_indices(as_block_ids(ids, num_blocks, "ids"))]
+    indices = lay.descriptor_indices(checked(ids, num_blocks, "ids"))
+    selected = lay.descriptors()[indices]
 
+    assert indices.dtype == np.int32
     expected = [(bases[r] + b * lens[r], lens[r]) for r in range(num_regions) for b in ids]
     assert [(int(a), int(n)) for a, n, _dev in selected] == expected
 
@@ -210,6 +215,34 @@ def test_invalid_block_ids_raise_a_message_starting_with_what(values: object, ma
     with pytest.raises(ValueError, match=match) as info:
         as_block_ids(values, 4, "local block ids of request 'r1'")  # type: ignore[arg-type]
     assert str(info.value).startswith("local block ids of request 'r1': ")
+
+
+@pytest.mark.parametrize("values", [[3, 0, 2], (1,), tuple(range(64))])
+def test_a_few_valid_block_ids_come_back_as_they_were_given(values: list[int]) -> None:
+    assert few_block_ids(values, 64, "ids") is values
+
+
+@pytest.mark.parametrize("values", [list(range(65)), np.array([1, 2]), []])
+def test_other_valid_block_ids_come_back_as_as_block_ids_makes_them(values: object) -> None:
+    ids = few_block_ids(values, 65, "remote block ids")  # type: ignore[arg-type]
+    assert isinstance(ids, np.ndarray)
+    assert ids.tolist() == as_block_ids(values, 65, "ids").tolist()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("values", "match"),
+    [
+        ([True, False], "expected ints, got bool"),
+        ([0, 64], r"block id 64 is outside \[0, 64\)"),
+        ([2, 2], "block ids repeat"),
+        ([1.0], "expected ints, got float64"),
+        ([[1]], "expected a flat sequence of ints"),
+    ],
+)
+def test_invalid_block_ids_raise_what_as_block_ids_raises(values: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match) as info:
+        few_block_ids(values, 64, "remote block ids")  # type: ignore[arg-type]
+    assert str(info.value).startswith("remote block ids: ")
 
 
 def test_block_id_range_ends_at_num_blocks_minus_one() -> None:

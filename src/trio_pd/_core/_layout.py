@@ -211,13 +211,24 @@ class KVLayout:
             kv_heads=self.kv_heads // count,
         )
 
-    def descriptor_indices(self, block_ids: BlockIds) -> npt.NDArray[np.int32]:
+    def descriptor_indices(self, block_ids: BlockIds | Sequence[int]) -> npt.NDArray[np.int32]:
         """Descriptor indices of ``block_ids`` in every region, region-major.
 
-        ``block_ids`` must already be validated (see ``as_block_ids``).
+        ``block_ids`` must already be validated (see ``as_block_ids`` and
+        ``few_block_ids``). A few indices (most pulls' -- up to
+        ``_FEW_INDICES``) are computed in Python and made an array once:
+        each numpy call has a fixed cost, several times this arithmetic on
+        a core that has just run other code (a NIXL call, the scheduler).
         """
-        offsets = _region_offsets(self.num_regions, self.num_blocks)
-        return (offsets + block_ids.astype(np.int32)).reshape(-1)
+        num_regions = len(self.base_addrs)
+        if len(block_ids) * num_regions <= _FEW_INDICES:
+            ids = block_ids.tolist() if isinstance(block_ids, np.ndarray) else block_ids
+            step = self.num_blocks
+            return np.array(
+                [region * step + b for region in range(num_regions) for b in ids], dtype=np.int32
+            )
+        offsets = _region_offsets(num_regions, self.num_blocks)
+        return (offsets + np.asarray(block_ids).astype(np.int32)).reshape(-1)
 
     def mismatch(self, remote: KVLayout) -> str | None:
         """Why blocks of ``remote`` cannot be copied into this layout, or ``None``.
@@ -237,6 +248,10 @@ class KVLayout:
         if remote.dtype != self.dtype:
             return f"remote dtype {remote.dtype}, local dtype {self.dtype}"
         return None
+
+
+_FEW_INDICES = 256
+"""Descriptor indices that ``KVLayout.descriptor_indices`` computes in Python."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -278,16 +293,32 @@ def as_block_ids(values: Sequence[int] | npt.ArrayLike, num_blocks: int, what: s
     return ids
 
 
+def few_block_ids(values: Sequence[int], num_blocks: int, what: str) -> Sequence[int] | BlockIds:
+    """``as_block_ids``'s checks and errors, without making an array of a few ids.
+
+    A short list or tuple of valid ids is returned as it is (a tuple, such
+    as ``RemoteBlocks.block_ids``, if the caller needs it never to change);
+    anything else as :func:`as_block_ids` returns it. For ids that only go
+    to :meth:`KVLayout.descriptor_indices`.
+
+    Raises:
+        ValueError: as :func:`as_block_ids`.
+    """
+    if _few_valid_ints(values, num_blocks):
+        return values
+    return as_block_ids(values, num_blocks, what)
+
+
 def _few_valid_ints(values: object, num_blocks: int) -> bool:
     """Whether ``values`` is a short list or tuple of distinct ints in range: most
     pulls' few ids from JSON, checked in Python at a quarter of numpy's fixed
     cost (anything else takes numpy's path, and its errors)."""
-    return (
-        isinstance(values, list | tuple)
-        and 0 < len(values) <= 64
-        and all(type(v) is int and 0 <= v < num_blocks for v in values)
-        and len(set(values)) == len(values)
-    )
+    if not isinstance(values, list | tuple) or not 0 < len(values) <= 64:
+        return False
+    for v in values:  # (a plain loop: a generator would cost a frame per id)
+        if type(v) is not int or not 0 <= v < num_blocks:
+            return False
+    return len(set(values)) == len(values)
 
 
 def _repeats(ids: BlockIds) -> bool:

@@ -65,7 +65,7 @@ from trio_pd._transfer._backend import (
 from trio_pd._transfer._nixl._agent import create_agent, release_agent
 from trio_pd._transfer._nixl._driver import TransferDriver
 from trio_pd._transfer._nixl._errors import nixl_call
-from trio_pd._transfer._nixl._inline import InlineReads
+from trio_pd._transfer._nixl._inline import NOT_TAKEN, InlineReads
 from trio_pd._transfer._nixl._jobs import Job, job_for
 from trio_pd._transfer._nixl._notifications import NotificationPoller
 from trio_pd._transfer._nixl._remotes import NixlRemotes
@@ -406,26 +406,34 @@ class NixlBackend:
         self._live_agent()
         return job_for(remote, local_indices, remote_indices, notification, self._config)
 
+    @trio.lowlevel.enable_ki_protection
     async def _run_job(self, job: Job, schedule: bool = True) -> None:
         """Run ``job`` inline (see ``_inline``) or submit it, and wait until it
         finished, even when cancelled.
 
         A cancelled wait asks the driver to stop the job and waits, shielded,
         for it to say so: within ``close_timeout`` plus a turn. (An inline
-        read has no await in it: it ends, or the driver adopts it, before
-        cancellation can be delivered.) An inline read that ended here is
-        followed by a schedule point unless ``schedule`` is false (see
-        :meth:`read`).
+        read has no cancel point in it: it ends, or the driver adopts it,
+        before cancellation can be delivered.) An inline read's schedule
+        point comes while its READ runs, between posting it and checking
+        it (the other tasks' turn costs the pull nothing then: it would
+        wait for the READ anyway), or after it if it ended at once; none
+        if ``schedule`` is false (see :meth:`read`). Protected from
+        KeyboardInterrupt: between posting and checking, it would leave a
+        running transfer's handle neither released nor adopted.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        if self._inline.read(job):
+        handle = self._inline.start(job)
+        if handle is NOT_TAKEN:
+            self._driver.submit(job)
+        else:
+            if schedule:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+            if handle is not None:
+                self._inline.finish(job, handle)
             if job.finished.is_set():  # (it ended here)
-                if schedule:
-                    await trio.lowlevel.cancel_shielded_checkpoint()
                 self._observe(job)
                 return
-        else:
-            self._driver.submit(job)
         try:
             await job.finished.wait()
         finally:

@@ -27,7 +27,8 @@ thread with no checkpoint between the check and the NIXL calls):
   producer). It holds ``other_calls`` around each call; the read takes that
   lock without waiting, or does not run, and holds it until it returns, so
   a poll waits for it instead (at most one small copy plus the spin);
-* no other task is runnable (``trio.lowlevel.current_statistics()``): when
+* no other task is runnable (trio's run queue is empty, see
+  :func:`no_task_runnable`): when
   tasks are waiting, their pulls go to the driver, which batches them. (trio
   counts only the next batch of its scheduler: tasks still to run in the
   current one are not seen, and wait this one read. After it, the pull's
@@ -67,6 +68,28 @@ from trio_pd._transfer._nixl._errors import nixl_error, release_or_keep
 from trio_pd._transfer._nixl._jobs import Job
 
 
+def no_task_runnable() -> bool:
+    """Whether trio's run queue is empty (the scheduler's next batch has no task).
+
+    :func:`trio.lowlevel.current_statistics` says it too (``tasks_runnable``),
+    but builds its I/O statistics on the way by walking every registered
+    file descriptor: in a server with thousands of connections, that walk
+    would be most of an inline read's check. So this reads the length of the
+    runner's queue, the very number ``tasks_runnable`` reports, and falls
+    back to the public call if a trio release moves it (a test compares the
+    two).
+    """
+    runner = getattr(trio._core._run.GLOBAL_RUN_CONTEXT, "runner", None)
+    runq = getattr(runner, "runq", None)
+    if runq is None:
+        return trio.lowlevel.current_statistics().tasks_runnable == 0
+    return not runq
+
+
+NOT_TAKEN: Any = object()
+"""What :meth:`InlineReads.start` returns for a job it did not take (submit it)."""
+
+
 class InlineReads:
     """Reads the trio thread posts itself when the driver and the loop are idle.
 
@@ -92,27 +115,67 @@ class InlineReads:
         self.adopted = 0  # of those, handed to the driver still running
         self.stuck: list[Any] = []  # handles NIXL refused to release (released at close)
 
-    @trio.lowlevel.enable_ki_protection
     def read(self, job: Job) -> bool:
-        """Run ``job`` here if it may be; return whether it was taken.
+        """Run ``job`` here if it may be, without a schedule point; return whether it was taken.
 
         Taken means: it ended here (``job.error`` set, its events set), or
         its transfer runs on and the driver adopted it (wait on
         ``job.finished`` as for any submitted job). Not taken: submit it.
+        (:meth:`start` then :meth:`finish`, nothing between them.)
+        """
+        handle = self.start(job)
+        if handle is NOT_TAKEN:
+            return False
+        if handle is not None:
+            self.finish(job, handle)
+        return True
+
+    @trio.lowlevel.enable_ki_protection
+    def start(self, job: Job) -> Any:
+        """Post ``job``'s READ here if it may be.
+
+        Returns :data:`NOT_TAKEN` (submit it instead); ``None`` when it
+        ended here at once (``job.error`` set, its events set); or the
+        running transfer's handle, which the caller must pass to
+        :meth:`finish` -- after a schedule point, if it likes (see
+        ``NixlBackend._run_job``): ``other_calls`` stays held until then, so
+        the notification thread makes no NIXL call meanwhile.
 
         Protected from KeyboardInterrupt (it arrives at the caller's next
         checkpoint): raised between two NIXL calls here, it would leave a
         running transfer's handle neither released nor adopted.
         """
         if not self._eligible(job) or not self._other_calls.acquire(blocking=False):
-            return False
+            return NOT_TAKEN
+        handle = None
         try:
-            self._read(job)
+            handle = self._post(job)
+        finally:
+            if handle is None:
+                self._other_calls.release()
+        return handle
+
+    @trio.lowlevel.enable_ki_protection
+    def finish(self, job: Job, handle: Any) -> None:
+        """Check the READ that :meth:`start` posted until it ends, here, or hand it on.
+
+        Here while the driver and the loads are still idle (a schedule point
+        since :meth:`start` may have given the driver work, or started a
+        load), for at most ``inline_read_spin``: the handle is released and
+        the job ends here. Otherwise the driver adopts the running transfer.
+        Releases ``other_calls``.
+        """
+        try:
+            if self._driver.idle and self._idle_loads():
+                handle = self._check(job, handle)
+            if handle is not None:
+                self.adopted += 1
+                self._driver.adopt(job, handle)
         finally:
             self._other_calls.release()
-        return True
 
-    def _read(self, job: Job) -> None:
+    def _post(self, job: Job) -> Any:
+        """Post the READ; return its handle if it runs on, ``None`` if it ended."""
         agent = self._agent()
         now = time.monotonic()
         job.submitted_at = job.posted_at = now
@@ -128,25 +191,38 @@ class InlineReads:
             )
         except Exception as exc:
             self._end(job, nixl_error("make_prepped_xfer", exc))
-            return
+            return None
         self.posted += 1
-        call = "transfer"
         try:
             state = agent.transfer(handle)
-            call = "check_xfer_state"
+        except Exception as exc:
+            self._release(handle)
+            self._end(job, nixl_error("transfer", exc))
+            return None
+        if state == "PROC":
+            return handle
+        self._release(handle)
+        self._end(job, None if state == "DONE" else BackendError(f"transfer state {state}"))
+        return None
+
+    def _check(self, job: Job, handle: Any) -> Any:
+        """``check_xfer_state`` until the READ ends or the spin passed; return
+        the handle if it still runs, ``None`` if it ended (released, job ended)."""
+        agent = self._agent()
+        state = "PROC"
+        try:
             spin_until = time.monotonic() + self._config._tuning.inline_read_spin
             while state == "PROC" and time.monotonic() < spin_until:
                 state = agent.check_xfer_state(handle)
         except Exception as exc:
             self._release(handle)
-            self._end(job, nixl_error(call, exc))
-            return
+            self._end(job, nixl_error("check_xfer_state", exc))
+            return None
         if state == "PROC":
-            self.adopted += 1
-            self._driver.adopt(job, handle)
-            return
+            return handle
         self._release(handle)
         self._end(job, None if state == "DONE" else BackendError(f"transfer state {state}"))
+        return None
 
     def _eligible(self, job: Job) -> bool:
         limit = self._config.inline_read_bytes
@@ -155,7 +231,7 @@ class InlineReads:
             and job.size * job.descriptor_bytes <= limit
             and self._driver.idle
             and self._idle_loads()
-            and trio.lowlevel.current_statistics().tasks_runnable == 0
+            and no_task_runnable()
         )
 
     def _end(self, job: Job, error: BackendError | None) -> None:
