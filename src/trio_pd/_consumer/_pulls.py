@@ -19,7 +19,6 @@ from typing import NoReturn
 import attrs
 import numpy as np
 import trio
-from trio_util import AsyncValue
 
 from trio_pd._config import ConnectorConfig
 from trio_pd._consumer._counters import ConsumerCounters
@@ -105,7 +104,8 @@ class Consumer:
         """Whether READs are confirmed (``_confirm``). Only the benchmarks turn
         it off, to measure what the confirmation costs side by side: without
         it a pull may return another request's bytes."""
-        self._pulls_in_flight: AsyncValue = AsyncValue(0)
+        self._pulls_in_flight = 0
+        self._no_pull_in_flight: trio.Event | None = None  # (set when that count gets to 0)
         self._unsettled = UnsettledBlocks()
         self._closed = False
 
@@ -322,7 +322,7 @@ class Consumer:
             engines_ready=self._handshakes.ready_count(),
             pulls_succeeded=c.pulls_succeeded,
             pulls_failed=c.pulls_failed,
-            pulls_in_flight=self._pulls_in_flight.value,
+            pulls_in_flight=self._pulls_in_flight,
             pulls_rejected_in_backoff=c.pulls_rejected_in_backoff,
             restarts_detected=c.restarts_detected,
             peers_disconnected=c.peers_disconnected,
@@ -364,7 +364,7 @@ class Consumer:
         and leasing them; an agent retired in that gap fails the pull before
         anything is read.)
         """
-        self._pulls_in_flight.value += 1
+        self._pulls_in_flight += 1
         pending = None
         read = None
         try:
@@ -393,7 +393,7 @@ class Consumer:
                                     nonce,
                                     remote.exposure,
                                 )
-                            read = _Read(self._unsettled, local_ids.tolist(), pending)
+                            read = _Read(self._unsettled, local_ids, pending)
                             # (a confirmed READ's schedule point is its answer's wait)
                             await self._backend.read(
                                 agent, *indices, notification, read.hold, schedule=pending is None
@@ -435,7 +435,10 @@ class Consumer:
             if confirmation is not None:
                 # (it ended without its notification: the abandon names it)
                 self.settled_reads.add(remote, confirmation.rank, nonce)
-            self._pulls_in_flight.value -= 1
+            self._pulls_in_flight -= 1
+            if not self._pulls_in_flight and self._no_pull_in_flight is not None:
+                self._no_pull_in_flight.set()
+                self._no_pull_in_flight = None
 
     def _fail(
         self,
@@ -471,13 +474,17 @@ class Consumer:
         self._confirms.close()
 
     async def wait_pulls_done(self) -> None:
-        """Until no pull is in flight (bound it with a cancel scope)."""
-        await self._pulls_in_flight.wait_value(lambda n: n == 0)
+        """Until no pull is in flight (bound it with a cancel scope). A checkpoint."""
+        if not self._pulls_in_flight:
+            await trio.lowlevel.checkpoint()
+            return
+        if self._no_pull_in_flight is None:
+            self._no_pull_in_flight = trio.Event()
+        await self._no_pull_in_flight.wait()
 
     @property
     def pulls_in_flight(self) -> int:
-        count: int = self._pulls_in_flight.value
-        return count
+        return self._pulls_in_flight
 
 
 _NONCES_PER_DRAW = 64
@@ -507,7 +514,7 @@ class _Read:
     """How one READ ended, for its pull's cleanup."""
 
     unsettled_blocks: UnsettledBlocks
-    block_ids: list[int]
+    block_ids: BlockIds
     confirmation: Pending | None
     done: bool = False
     """The READ completed (its notification went with it)."""
@@ -517,7 +524,7 @@ class _Read:
     def hold(self) -> Callable[[], None]:
         """The backend's unsettled hook (``TransferBackend.read``)."""
         self.stuck = True
-        return self.unsettled_blocks.hold(self.block_ids)
+        return self.unsettled_blocks.hold(self.block_ids.tolist())
 
     def pinned(self) -> Pending | None:
         """The READ's confirmation if the READ ended without its notification
