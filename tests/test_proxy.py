@@ -16,7 +16,7 @@ import json
 import math
 import re
 import socket
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
@@ -126,11 +126,20 @@ class Scripted:
             await send_json(send, 200, {"choices": [{"text": "ok"}]}, timing)
 
 
-async def start_http(nursery: trio.Nursery, app: Any) -> str:
+async def start_http(
+    nursery: trio.Nursery, app: Any, shutdown_trigger: Callable[[], Awaitable[None]] | None = None
+) -> str:
+    """Serve ``app`` in ``nursery`` on a free loopback port; return its URL.
+
+    Cancel the nursery to stop it, or await ``shutdown_trigger`` (hypercorn's
+    graceful shutdown: its connections close as they end, not under a
+    cancellation that leaves their sockets to the garbage collector)."""
     config = Config()
     config.bind = ["127.0.0.1:0"]
     config.accesslog = None
-    binds = await nursery.start(functools.partial(serve, app, config))
+    binds = await nursery.start(
+        functools.partial(serve, app, config, shutdown_trigger=shutdown_trigger)
+    )
     return str(binds[0])
 
 

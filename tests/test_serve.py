@@ -141,6 +141,7 @@ async def sequential_proxy(deployment: dict[str, Any]) -> AsyncIterator[str]:
 
     from .test_proxy import start_http
 
+    stop = trio.Event()
     async with open_client() as upstream, trio.open_nursery() as nursery:
         proxy = Proxy(
             deployment["prefill"],
@@ -149,8 +150,11 @@ async def sequential_proxy(deployment: dict[str, Any]) -> AsyncIterator[str]:
             internal_key=INTERNAL_KEY,
             dispatch="sequential",
         )
-        yield await start_http(nursery, proxy.app())
-        nursery.cancel_scope.cancel()
+        yield await start_http(nursery, proxy.app(), stop.wait)
+        # Gracefully: the block's client has closed its connections, and
+        # hypercorn closes its side as each ends (cancelled, a connection
+        # still closing would leave its socket to the garbage collector).
+        stop.set()
 
 
 async def test_the_proxy_serves_exactly_what_one_engine_would(
