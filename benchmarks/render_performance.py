@@ -1563,6 +1563,40 @@ FINDINGS = """## What we found
   driver through two thread hand-offs (benchmark 5 counts them); the
   descriptor indices and block-id checks could be cached per request
   shape.
+* **A tiny pull's Python, moved beside its READ and cut (issue 33).**
+  Stamps (`time.monotonic`, wall) around an unconfirmed pull's steps, raw
+  NIXL's loop interleaved with it (turns of 10, 4000 pulls each, medians):
+  raw NIXL's Python before `transfer()` (its two descriptor-index arrays)
+  took about 10 us, trio_pd's 85 us, and trio_pd's schedule point after the
+  READ 22 us; NIXL's own calls, the READ's wait included, took the same
+  time in both. Where Python runs matters, measured on raw NIXL's loop
+  itself (3000 READs each, interleaved): 60 us of busy work after
+  `transfer()` returned cost the loop nothing per READ (120 us: +18 us),
+  the same 60 us before posting +37 us (120 us: +134 us). So an
+  unconfirmed inline read now passes its schedule point *while its READ
+  runs*, between posting and checking it (the inline reads' `start` and
+  `finish`; the driver adopts the READ if the other tasks gave it work
+  meanwhile, see [internals](internals.md#inline-reads-when-the-trio-thread-posts-a-read-itself)),
+  and the Python before posting lost what it could: the run-queue check
+  reads trio's queue length (`current_statistics()` also walks every
+  registered file descriptor: per pull, in a server with many
+  connections), a nonce costs one system call per 64 pulls, a few
+  descriptor indices are computed in Python and made one array (each
+  numpy call's fixed cost is several times that arithmetic on a core that
+  has just run NIXL's), the remote ids are checked without an array, and
+  the pulls in flight are a plain count (trio_util's `AsyncValue` walked
+  its waiters on every change). After: 57-62 us before posting, 2 us
+  after the READ, the median ratio x0.83 and x0.91 against raw NIXL in
+  that harness (before: x0.62 and x0.65, run beside them). Benchmark 5
+  (section 5) had given x0.63-0.70 with its four loops; alone, it gave
+  x0.81, x0.85 and x0.87 three times in a row after the changes, the
+  trio thread's CPU per pull 1.11-1.14 times raw NIXL's (1.23-1.33
+  before). What still separates them is that Python before posting,
+  45-50 us more than raw NIXL's own. A confirmed pull gains from the cut
+  but not from the overlap (its schedule point is its answer's wait,
+  after the READ), and the issue's "trio-thread CPU per pull halved" is
+  out of reach this way: most of that CPU is NIXL's calls and the check
+  until done, which raw NIXL's loop spends too.
 * **Sleeps that end on time.** The transfer driver and the producer's
   notification thread sleep `poll_interval` (100 us) between checks; with
   Linux's default 50 us timer slack each sleep took about 170 us. Both
