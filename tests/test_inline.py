@@ -16,6 +16,7 @@ import threading
 import types
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import attrs
 import pytest
@@ -25,6 +26,8 @@ import trio.testing
 import trio_pd
 from trio_pd._config import tuned
 from trio_pd._transfer._backend import BackendError
+from trio_pd._transfer._nixl import _notifications
+from trio_pd._transfer._nixl._backend import NixlBackend
 from trio_pd._transfer._nixl._driver import TransferDriver
 from trio_pd._transfer._nixl._inline import NOT_TAKEN, InlineReads, no_task_runnable
 from trio_pd._transfer._nixl._jobs import JobCancelled
@@ -224,14 +227,15 @@ async def test_control_c_waits_until_an_inline_read_ended_or_was_adopted() -> No
             assert protected == [True]
 
 
-@pytest.mark.parametrize("then", ["idle", "driver given work", "load started"])
+@pytest.mark.parametrize("then", ["idle", "driver given work", "load started", "poll started"])
 async def test_a_read_checked_after_a_schedule_point_goes_to_the_driver_if_the_loop_moved_on(
     then: str,
 ) -> None:
     """``start`` posts, the pull's task lets the others run while the READ
     runs, ``finish`` checks it. If meanwhile a task gave the driver work (its
-    thread now calls NIXL too) or started a load (NIXL's writer lock, which
-    the trio thread must never wait behind), the driver takes the READ over."""
+    thread now calls NIXL too), started a load or a notification poll (NIXL's
+    writer lock, which the trio thread must never wait behind), the driver
+    takes the READ over."""
     agent = ScriptedAgent()
     agent.script = lambda handle: setattr(handle, "polls", 1)  # (PROC once, then DONE)
     loads_idle = True
@@ -246,14 +250,18 @@ async def test_a_read_checked_after_a_schedule_point_goes_to_the_driver_if_the_l
             assert handle is not NOT_TAKEN
             assert handle is not None
             assert (reads.posted, one.finished.is_set()) == (1, False)
-            assert lock.locked()  # (held until finish: no get_new_notifs meanwhile)
+            assert not lock.locked()  # (a poll may run meanwhile, on any thread)
             other = job([2], "r2")
             if then == "driver given work":
                 transfers.submit(other)
             elif then == "load started":
                 loads_idle = False
+            elif then == "poll started":
+                lock.acquire()
             reads.finish(one, handle)
-            assert not lock.locked()
+            assert lock.locked() is (then == "poll started")
+            if then == "poll started":
+                lock.release()
             if then == "idle":
                 assert (one.ended, one.error, reads.adopted) == (True, None, 0)
             else:
@@ -265,6 +273,96 @@ async def test_a_read_checked_after_a_schedule_point_goes_to_the_driver_if_the_l
             if then == "driver given work":
                 await other.settled.wait()
             assert transfers.transfers_posted == (1 if then == "driver given work" else 0)
+
+
+async def test_a_read_adopted_once_the_driver_stopped_is_kept_not_settled() -> None:
+    """The driver stopped during the schedule point (a close, or a crash):
+    nothing polls the READ any more, and NIXL cannot stop it, so the job
+    ends still running, never settled, its handle kept unreleased."""
+    agent = ScriptedAgent()
+    running = threading.Event()
+    agent.script = lambda handle: setattr(handle, "forever", running)
+    try:
+        with trio.fail_after(5):
+            async with inline(agent) as (reads, transfers):
+                one = job([1], "r1")
+                handle = reads.start(one)
+                assert handle is not NOT_TAKEN
+                await transfers.stop()
+                reads.finish(one, handle)
+                await one.finished.wait()
+                assert (one.still_running, one.settled.is_set()) == (True, False)
+                assert isinstance(one.error, BackendError)
+                assert transfers.transfers_kept == 1
+                assert not agent.posted[0].released
+    finally:
+        running.set()
+
+
+class TimedLock:
+    """``other_calls``, but a blocking acquire gives up after 1 s (instead of
+    hanging the test) and says so."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.waited_on_itself = False
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(timeout=1.0):
+            self.waited_on_itself = True
+            raise AssertionError("the trio thread waited on other_calls, held by its own task")
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+async def on_the_trio_thread(limiter: trio.CapacityLimiter, fn: Any, *args: Any) -> Any:
+    """A ``run_blocking`` that calls NIXL on the trio thread (benchmark 3's
+    ``NixlOnEventLoop``): polls take ``other_calls`` there, blocking."""
+    await trio.lowlevel.checkpoint()
+    return fn(*args)
+
+
+async def test_a_poll_on_the_trio_thread_during_a_reads_schedule_point_does_not_deadlock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``other_calls`` is not held across the schedule point: a poll that runs
+    then on the trio thread itself takes it (and the READ goes to the driver
+    if the poll still has it)."""
+    # (a poll sets its thread's timer slack: here, the test's own thread)
+    monkeypatch.setattr(_notifications, "fine_timer_slack", lambda: None)
+    agent = NotifyingAgent()
+    agent.leave.set()
+    agent.script = lambda handle: setattr(handle, "polls", 1)
+    lock = TimedLock()
+    poller = NotificationPoller(lambda: agent, CONFIG, threading.Event(), on_the_trio_thread)
+    poller.calls = lock  # type: ignore[assignment]
+    with trio.fail_after(30):
+        async with inline(agent, other_calls=lock) as (reads, transfers):  # type: ignore[arg-type]
+            backend = types.SimpleNamespace(
+                _inline=reads, _driver=transfers, _observe=lambda job: None
+            )
+
+            async def pull(i: int) -> None:
+                await trio.lowlevel.checkpoint()  # (in the same batch as the poll's task)
+                await NixlBackend._run_job(backend, job([i], f"r{i}"), True)  # type: ignore[arg-type]
+
+            for i in range(20):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(poller.notifications, 0.0)
+                    nursery.start_soon(pull, i)
+                await trio.testing.wait_all_tasks_blocked()
+            assert not lock.waited_on_itself
+            assert reads.posted == 20
 
 
 async def test_start_answers_not_taken_or_ended_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -429,9 +527,9 @@ async def test_an_inline_pull_is_a_checkpoint_confirmed_or_not() -> None:
 async def test_an_unconfirmed_inline_pull_lets_other_tasks_run_while_its_read_runs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Its schedule point comes between posting the READ and checking it (the
-    READ runs meanwhile), not after the READ: what other tasks do then costs
-    the pull nothing. (A confirmed pull's schedule point is its answer's wait.)"""
+    """Its schedule point (a pass of trio's scheduler: the other tasks' turn)
+    comes between posting the READ and checking it, while the READ runs, not
+    after the READ. (A confirmed pull's schedule point is its answer's wait.)"""
     captured = CapturedBackends()
     with trio.fail_after(60):
         async with open_prefill_worker(WorkerSpec("prefill-overlap", **SPEC)) as worker:
@@ -461,22 +559,26 @@ async def test_an_unconfirmed_inline_pull_lets_other_tasks_run_while_its_read_ru
 
                 monkeypatch.setattr(agent, "transfer", transfer)
                 monkeypatch.setattr(agent, "check_xfer_state", check_xfer_state)
-                seen: list[tuple[int, int, bool]] = []
-                pulled = trio.Event()
+                # Each pass of trio's scheduler (its I/O check, between two
+                # batches of tasks): how many READs were posted inline, and
+                # how many checks they had had.
+                passes: list[tuple[int, int]] = []
 
-                async def meanwhile() -> None:
-                    await posted.wait()
-                    seen.append((backend.reads_inline, len(checks), pulled.is_set()))
+                class Passes(trio.abc.Instrument):
+                    def before_io_wait(self, timeout: float) -> None:
+                        passes.append((backend.reads_inline, len(checks)))
 
                 remote = await worker.expose("r1", [3, 4], seed=1)
                 before = backend.reads_inline
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(meanwhile)
-                    await trio.testing.wait_all_tasks_blocked()
+                instrument = Passes()
+                trio.lowlevel.add_instrument(instrument)
+                try:
                     await d.pull("r1", [3, 4], remote)
-                    pulled.set()
-                # Posted inline, not checked yet, the pull not done; then checked.
-                assert seen == [(before + 1, 0, False)]
+                finally:
+                    trio.lowlevel.remove_instrument(instrument)
+                assert posted.is_set()
+                # A pass came with the READ posted and not yet checked; then it was.
+                assert (before + 1, 0) in passes
                 assert checks
                 assert mismatched_blocks(local, [3, 4], 1) == []
 

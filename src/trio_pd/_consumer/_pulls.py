@@ -500,10 +500,12 @@ def _nonce() -> int:
     per 64 pulls, not one each), in ``[1, MAX_NONCE]``; a forked child
     draws its own.
     """
-    if not _nonces:
-        drawn = struct.unpack(f"<{_NONCES_PER_DRAW}Q", os.urandom(8 * _NONCES_PER_DRAW))
-        _nonces.extend((n >> 1) or 1 for n in drawn)  # (63 bits: MAX_NONCE is 2**63 - 1)
-    return _nonces.pop()
+    while True:
+        try:
+            return _nonces.pop()  # (atomic: connectors in several threads' trio loops share it)
+        except IndexError:
+            drawn = struct.unpack(f"<{_NONCES_PER_DRAW}Q", os.urandom(8 * _NONCES_PER_DRAW))
+            _nonces.extend((n >> 1) or 1 for n in drawn)  # (63 bits: MAX_NONCE is 2**63 - 1)
 
 
 os.register_at_fork(after_in_child=_nonces.clear)

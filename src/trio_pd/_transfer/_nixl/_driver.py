@@ -122,6 +122,7 @@ class TransferDriver:
         self._jobs: collections.deque[Job] = collections.deque()  # not finished
         self._transfers: list[_Transfer] = []  # running (some only for finished jobs)
         self._stuck: list[Any] = []  # handles NIXL refused to release
+        self._kept: list[Any] = []  # adopted once the thread had stopped: never released
         self._to_finish: list[Job] = []
         self._to_settle: list[Job] = []
 
@@ -142,6 +143,9 @@ class TransferDriver:
         if self._crash is not None or self._ended:  # (nobody else will answer it: do it here)
             for queued in self._drain_inbox():
                 queued.ended = True
+                if self._keep_adopted(queued):
+                    queued.finished.set()
+                    continue
                 queued.error = self._crashed() if self._crash is not None else BackendClosing()
                 queued.finished.set()
                 queued.settled.set()
@@ -165,7 +169,13 @@ class TransferDriver:
     def adopt(self, job: Job, handle: Any) -> None:
         """Take ``job``, whose one transfer the trio thread posted and which
         still runs (see ``_inline``): from now on the thread owns ``handle``
-        and finishes ``job`` as if it had posted it."""
+        and finishes ``job`` as if it had posted it.
+
+        A driver that has stopped (or crashed) cannot poll it: the job then
+        ends at once, as one that could not be stopped (``still_running``,
+        its ``settled`` never set), and the handle is kept, never released
+        (:attr:`transfers_kept` counts it): its READ may still write.
+        """
         job.adopted, job.running = handle, 1
         self.submit(job)
 
@@ -191,9 +201,11 @@ class TransferDriver:
             self._loop()
             self._ended = True  # (from now on, submit() answers new jobs itself)
             for job in self._drain_inbox():  # submitted during the last turn
-                job.ended, job.error = True, BackendClosing()
+                job.ended = True
                 self._to_finish.append(job)
-                self._to_settle.append(job)
+                if not self._keep_adopted(job):
+                    job.error = BackendClosing()
+                    self._to_settle.append(job)
             self._deliver()
         # A bug (whatever it raises: this is a plain thread, trio.Cancelled
         # cannot reach it): fail every job rather than hang its task.
@@ -210,6 +222,19 @@ class TransferDriver:
                     self._to_finish.append(job)
                 self._to_settle.append(job)
             self._deliver()
+
+    def _keep_adopted(self, job: Job) -> bool:
+        """A job adopted after the thread stopped: keep its running transfer
+        (see :meth:`adopt`); whether it had one. (Once the thread has ended,
+        or in its last act.)"""
+        if job.adopted is None:
+            return False
+        self._kept.append(job.adopted)
+        job.adopted = None
+        job.still_running = True
+        job.error = unstoppable(job, "closing", 0.0)
+        self.transfers_kept += 1
+        return True
 
     def _crashed(self) -> BackendError:
         """A job's error once the thread crashed (a fresh one for each job)."""

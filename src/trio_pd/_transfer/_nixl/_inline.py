@@ -25,8 +25,10 @@ thread with no checkpoint between the check and the NIXL calls):
 * the notification thread is not in a NIXL call: its ``get_new_notifs``
   takes the writer lock too (on the same agent: every connector is also a
   producer). It holds ``other_calls`` around each call; the read takes that
-  lock without waiting, or does not run, and holds it until it returns, so
-  a poll waits for it instead (at most one small copy plus the spin);
+  lock without waiting, or does not run, and holds it while it posts and
+  while it checks (not across a schedule point between: a poll may run on
+  the trio thread itself), so a poll waits for it instead (at most one
+  small copy, or the spin);
 * no other task is runnable (trio's run queue is empty, see
   :func:`no_task_runnable`): when
   tasks are waiting, their pulls go to the driver, which batches them. (trio
@@ -37,9 +39,12 @@ thread with no checkpoint between the check and the NIXL calls):
   batch.)
 
 What: ``make_prepped_xfer`` and ``transfer`` with the notification attached
-(as the driver does for a one-transfer job), then ``check_xfer_state`` until
-it ends or ``config._tuning.inline_read_spin`` passed. If it ended, the handle is
-released and the job ends here (``job.error``: ``None``, or NIXL's
+(as the driver does for a one-transfer job: :meth:`InlineReads.start`), then
+-- after the caller's schedule point, if it passes one while the READ runs
+(``NixlBackend._run_job``) -- ``check_xfer_state`` until it ends or
+``config._tuning.inline_read_spin`` passed (:meth:`InlineReads.finish`,
+which first checks again that the driver, the loads and the poll are
+idle). If it ended, the handle is released and the job ends here (``job.error``: ``None``, or NIXL's
 exception as ``_errors`` maps it, as in the driver); otherwise the driver
 *adopts* the running transfer (the handle goes through its queue, and from
 then on it owns it exactly as if it had posted it: stop, deadline and
@@ -47,9 +52,10 @@ linger rules included). A handle NIXL refuses to release is kept here and releas
 close, after the driver has stopped.
 
 Owned: the handles of transfers it posted until they are released or
-adopted. Nothing here awaits: cancellation cannot interrupt it (nor can
-KeyboardInterrupt: it is protected), and it never runs longer than one small
-copy plus ``inline_read_spin``.
+adopted (between ``start`` and ``finish``, the caller's). Nothing here
+awaits: cancellation cannot interrupt it (nor can KeyboardInterrupt: it is
+protected, and so is ``_run_job`` between the two), and neither runs longer
+than one small copy, or ``inline_read_spin``.
 """
 
 from __future__ import annotations
@@ -115,6 +121,7 @@ class InlineReads:
         self.adopted = 0  # of those, handed to the driver still running
         self.stuck: list[Any] = []  # handles NIXL refused to release (released at close)
 
+    @trio.lowlevel.enable_ki_protection
     def read(self, job: Job) -> bool:
         """Run ``job`` here if it may be, without a schedule point; return whether it was taken.
 
@@ -138,8 +145,9 @@ class InlineReads:
         ended here at once (``job.error`` set, its events set); or the
         running transfer's handle, which the caller must pass to
         :meth:`finish` -- after a schedule point, if it likes (see
-        ``NixlBackend._run_job``): ``other_calls`` stays held until then, so
-        the notification thread makes no NIXL call meanwhile.
+        ``NixlBackend._run_job``). ``other_calls`` is held only while this
+        runs (and again in :meth:`finish`): a notification poll may run in
+        between, on any thread.
 
         Protected from KeyboardInterrupt (it arrives at the caller's next
         checkpoint): raised between two NIXL calls here, it would leave a
@@ -147,32 +155,30 @@ class InlineReads:
         """
         if not self._eligible(job) or not self._other_calls.acquire(blocking=False):
             return NOT_TAKEN
-        handle = None
         try:
-            handle = self._post(job)
+            return self._post(job)
         finally:
-            if handle is None:
-                self._other_calls.release()
-        return handle
+            self._other_calls.release()
 
     @trio.lowlevel.enable_ki_protection
     def finish(self, job: Job, handle: Any) -> None:
         """Check the READ that :meth:`start` posted until it ends, here, or hand it on.
 
-        Here while the driver and the loads are still idle (a schedule point
-        since :meth:`start` may have given the driver work, or started a
-        load), for at most ``inline_read_spin``: the handle is released and
-        the job ends here. Otherwise the driver adopts the running transfer.
-        Releases ``other_calls``.
+        Here while the driver and the loads are still idle and the
+        notification thread is not in NIXL (a schedule point since
+        :meth:`start` may have given the driver work, started a load or a
+        poll), for at most ``inline_read_spin``: the handle is released and
+        the job ends here. Otherwise the driver adopts the running transfer
+        (see :meth:`TransferDriver.adopt` for a driver that has stopped).
         """
-        try:
-            if self._driver.idle and self._idle_loads():
+        if self._driver.idle and self._idle_loads() and self._other_calls.acquire(blocking=False):
+            try:
                 handle = self._check(job, handle)
-            if handle is not None:
-                self.adopted += 1
-                self._driver.adopt(job, handle)
-        finally:
-            self._other_calls.release()
+            finally:
+                self._other_calls.release()
+        if handle is not None:
+            self.adopted += 1
+            self._driver.adopt(job, handle)
 
     def _post(self, job: Job) -> Any:
         """Post the READ; return its handle if it runs on, ``None`` if it ended."""
