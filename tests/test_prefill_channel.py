@@ -30,6 +30,7 @@ from trio_pd._serve.prefill_channel import (
     REQUEST_LIMIT,
     Answer,
     Cancel,
+    ChannelAnswer,
     ChannelLost,
     Closing,
     PrefillChannelServer,
@@ -580,3 +581,117 @@ def test_a_scope_added_after_the_cancel_is_cancelled_at_once() -> None:
     scope = trio.CancelScope()
     scopes.add(scope)
     assert scope.cancel_called
+
+
+# ---- answers that come after their caller stopped waiting ----------------------
+
+
+@asynccontextmanager
+async def late_answerer(
+    script: Any,
+) -> AsyncIterator[tuple[Any, str, list[ChannelAnswer]]]:
+    """Channels to a fake prefill engine whose connection ``script(stream,
+    frames)`` drives, and the answers they call orphaned."""
+    orphans: list[ChannelAnswer] = []
+    async with trio.open_nursery() as nursery:
+        [listener] = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        port = listener.socket.getsockname()[1]
+
+        async def serve_one() -> None:
+            async with listener, await listener.accept() as stream:
+                await script(stream, _Frames(stream, 1 << 20))
+
+        nursery.start_soon(serve_one)
+        async with open_prefill_channels(orphans.append) as channels:
+            url = f"http://127.0.0.1:{port}"
+            channels.learn(url, {PORT_HEADER: str(port)})
+            await until(lambda: channels.connected(url))
+            yield channels, url, orphans
+        nursery.cancel_scope.cancel()
+
+
+def answer_frame(request_id: int, body: Any, status: int = 200) -> bytes:
+    return frame(Answer(request_id, status, []), json.dumps(body).encode())
+
+
+async def test_an_answer_that_crosses_its_cancel_is_orphaned() -> None:
+    """The engine answered before the cancel reached it: nobody waits for the
+    answer any more, so it goes to ``orphaned`` (a decode-first engine gives
+    its exposure back) -- and an answer to a request never sent does not."""
+    params = {"kv_transfer_params": {"remote_engine_id": "p0"}}
+
+    async def script(stream: trio.SocketStream, frames: _Frames) -> None:
+        got = await frames.next()
+        assert got is not None
+        sent = msgspec.msgpack.decode(got[0], type=Request)
+        got = await frames.next()  # (the caller stopped waiting)
+        assert got is not None
+        assert msgspec.msgpack.decode(got[0], type=Cancel).id == sent.id
+        await stream.send_all(answer_frame(sent.id, params) + answer_frame(sent.id + 7, {}))
+        await trio.sleep_forever()
+
+    async with late_answerer(script) as (channels, url, orphans):
+        with trio.fail_after(30):
+            with trio.move_on_after(0.2) as scope:
+                await channels.post(url, "/v1/completions", b"{}", {})
+            assert scope.cancelled_caught
+            await until(lambda: orphans)
+            [orphan] = orphans
+            assert (orphan.status_code, json.loads(orphan.content)) == (200, params)
+            assert (channels.orphans, channels.answered) == (1, 0)
+            await trio.sleep(0.05)  # (the made-up answer: dropped, not orphaned)
+            assert channels.orphans == 1
+
+
+async def test_an_answer_that_came_as_its_caller_was_cancelled_is_orphaned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The answer reached its waiter, but the caller's cancellation won: it
+    leaves without the answer (no cancel sent: the engine is done), which
+    goes to ``orphaned``."""
+    caller = trio.CancelScope()
+
+    def arrives_as_the_caller_is_cancelled(*args: Any) -> ChannelAnswer:
+        caller.cancel()  # (in the same step that hands the answer over)
+        return ChannelAnswer(*args)
+
+    async def script(stream: trio.SocketStream, frames: _Frames) -> None:
+        got = await frames.next()
+        assert got is not None
+        sent = msgspec.msgpack.decode(got[0], type=Request)
+        await stream.send_all(answer_frame(sent.id, {"ok": 1}))
+        assert await frames.next() is None  # (no cancel comes: the channel closes)
+
+    async with late_answerer(script) as (channels, url, orphans):
+        monkeypatch.setattr(prefill_channel, "ChannelAnswer", arrives_as_the_caller_is_cancelled)
+        with trio.fail_after(30):
+            with caller:
+                await channels.post(url, "/v1/completions", b"{}", {})
+            assert caller.cancelled_caught
+            [orphan] = orphans
+            assert json.loads(orphan.content) == {"ok": 1}
+            assert (channels.orphans, channels.answered) == (1, 1)  # (handed over, not taken)
+
+
+async def test_a_decode_first_engine_gives_back_what_an_orphaned_answer_exposed() -> None:
+    """Its channels hand orphans to ``give_back_answer``, which abandons the
+    exposure a 200 names at once (instead of when its lease runs out), and
+    ignores an error answer or a body that is not JSON."""
+    async with (
+        deployment() as (prefill, decode, prefill_url, _),
+        httpx2.AsyncClient(timeout=30) as client,
+    ):
+        assert decode.prefiller is not None
+        assert prefiller_channels(decode).orphaned == decode.give_back_answer
+        [producer] = prefill.connectors
+        with trio.fail_after(60):
+            body = {"prompt": "its client left", "kv_transfer_params": {"do_remote_decode": True}}
+            exposed = await client.post(f"{prefill_url}/v1/completions", json=body)
+            assert exposed.status_code == 200, exposed.text
+            for ignored in (ChannelAnswer(500, {}, exposed.content), ChannelAnswer(200, {}, b"{")):
+                decode.give_back_answer(ignored)
+            await trio.sleep(0.1)
+            assert producer.statistics().exposures_pending == 1
+            decode.give_back_answer(ChannelAnswer(200, {}, exposed.content))
+            await until(lambda: producer.statistics().exposures_abandoned == 1)
+            assert producer.statistics().exposures_pending == 0

@@ -293,6 +293,7 @@ async def _lifespan(engine: Engine, receive: Receive, send: Send, app: App) -> N
                         internal_key=engine.internal_key,
                         caller=f"decode-first engine {settings.engine_id}",
                         channels=settings.prefill_channel,
+                        orphaned=engine.give_back_answer,
                     )
                 )
             nursery = await stack.enter_async_context(trio.open_nursery())

@@ -60,6 +60,7 @@ from trio_pd._core._public_values import RemoteBlocks
 from trio_pd._curve_keys import CurveAuth
 from trio_pd._exception_groups import first_failure_wins
 from trio_pd._serve import defaults
+from trio_pd._serve.asgi import parse_json
 from trio_pd._serve.binding import SEND_TIMEOUT, check_send_timeout, is_wildcard
 from trio_pd._serve.errors import HTTPError, ParamsInUse
 from trio_pd._serve.keys import BearerKeys
@@ -74,7 +75,7 @@ from trio_pd._serve.openai import (
     parse_remote_blocks,
 )
 from trio_pd._serve.pool import BlockPool
-from trio_pd._serve.prefill_channel import PrefillChannelServer
+from trio_pd._serve.prefill_channel import ChannelAnswer, PrefillChannelServer
 from trio_pd._serve.prefilling import Prefiller
 from trio_pd._serve.routing import url_problem
 from trio_pd._serve.timing import PhaseTimes
@@ -529,6 +530,21 @@ class Engine:
         if remote in self._decoding:
             return
         self.nursery.start_soon(self._abandon, list(self.connectors), remote)
+
+    def give_back_answer(self, answer: ChannelAnswer) -> None:
+        """Give back (see :meth:`give_back`) the exposure that a prefill
+        answer names which no request of this engine will read: one that
+        came over a prefill channel after its request had stopped waiting
+        (its client left while the prefill ran). Without this the prefill
+        engine would hold those blocks until their lease ran out. Never raises.
+        """
+        if answer.status_code != 200:
+            return
+        try:
+            body = parse_json(answer.content)
+        except (ValueError, RecursionError):
+            return
+        self.give_back(body)
 
     async def _abandon(self, connectors: list[Connector], remote: RemoteBlocks) -> None:
         """Every rank abandons ``remote`` (best effort: a failure is logged)."""

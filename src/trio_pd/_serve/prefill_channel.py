@@ -574,6 +574,9 @@ class _Channel:
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     connection: _Connection | None = None
     waiting: dict[int, _Waiter] = attrs.field(factory=dict)
+    given_up: dict[int, None] = attrs.field(factory=dict)
+    """Requests whose callers stopped waiting once they were sent, oldest
+    first (at most :data:`MAX_IN_FLIGHT`): an answer to one is orphaned."""
 
     def lose(self) -> None:
         """Every request waiting on this channel gets no answer."""
@@ -586,15 +589,28 @@ class PrefillChannels:
     """A decode-first engine's (or the proxy's) channels to its prefill
     engines (see the module docstring); made by :func:`open_prefill_channels`.
 
+    ``orphaned`` is called (on the trio thread; it must not raise) with each
+    answer that came for a request whose caller had stopped waiting (it was
+    cancelled after its request was sent, and the engine answered before
+    its cancel arrived, or the answer came just as the caller left): a 200
+    prefill answer then names an exposure that nobody will read, which the
+    caller can give back rather than leave to its lease.
+
     Attributes:
-        answered: requests answered over a channel so far.
+        answered: requests answered over a channel so far (to their callers).
+        orphans: answers that came after their caller had stopped waiting.
+        orphaned: the callback above.
     """
 
-    def __init__(self, nursery: trio.Nursery) -> None:
+    def __init__(
+        self, nursery: trio.Nursery, orphaned: Callable[[ChannelAnswer], None] | None = None
+    ) -> None:
         self._nursery = nursery
+        self.orphaned = orphaned
         self._channels: dict[str, _Channel] = {}
         self._ids = itertools.count(1)
         self.answered = 0
+        self.orphans = 0
 
     def connected(self, engine: str) -> bool:
         """Whether ``engine``'s channel is connected now."""
@@ -630,7 +646,8 @@ class PrefillChannels:
         written whole, or the engine closed the channel before reading it
         (it did not run: send it over HTTP). ``written`` is awaited once the
         request is written whole. A caller that stops waiting (cancelled)
-        sends a cancel.
+        sends a cancel; an answer that comes anyway, or that had come as it
+        stopped, goes to ``orphaned``.
 
         Raises:
             ChannelLost: the connection broke before the answer came.
@@ -649,11 +666,19 @@ class PrefillChannels:
             if written is not None:
                 await written()
             await waiter.done.wait()
+        except BaseException:
+            if waiter.answer is not None:  # (it came, and its caller leaves without it)
+                self._orphan(waiter.answer)
+            raise
         finally:
             unanswered = channel.waiting.pop(request_id, None) is not None
             connection = channel.connection
             if sent and unanswered and not waiter.done.is_set() and connection is not None:
-                # (cancelled while the engine runs it: tell the engine)
+                # (cancelled while the engine runs it: tell the engine, and
+                # take an answer that still comes as an orphan)
+                channel.given_up[request_id] = None
+                if len(channel.given_up) > MAX_IN_FLIGHT:  # (cancels the engine obeyed)
+                    del channel.given_up[next(iter(channel.given_up))]
                 self._nursery.start_soon(connection.send, frame(Cancel(request_id)))
         if waiter.not_run:
             return None
@@ -704,13 +729,23 @@ class PrefillChannels:
             channel.lose()
             return False
         waiter = channel.waiting.pop(answer.id, None)
-        if waiter is None:
-            return True  # (its request was cancelled, or the engine made it up)
+        if waiter is None and answer.id not in channel.given_up:
+            return True  # (the engine made it up)
         headers = {name.lower(): value for name, value in answer.headers}
-        waiter.answer = ChannelAnswer(answer.status, headers, body)
+        answered = ChannelAnswer(answer.status, headers, body)
+        if waiter is None:  # (its caller stopped waiting: the cancel came too late)
+            del channel.given_up[answer.id]
+            self._orphan(answered)
+            return True
+        waiter.answer = answered
         waiter.done.set()
         self.answered += 1
         return True
+
+    def _orphan(self, answer: ChannelAnswer) -> None:
+        self.orphans += 1
+        if self.orphaned is not None:
+            self.orphaned(answer)
 
 
 def _detect_dead_peers(stream: trio.SocketStream) -> None:
@@ -726,9 +761,11 @@ def _detect_dead_peers(stream: trio.SocketStream) -> None:
 
 
 @asynccontextmanager
-async def open_prefill_channels() -> AsyncIterator[PrefillChannels]:
-    """A :class:`PrefillChannels` whose tasks run in a nursery of its own,
-    cancelled on exit (closing every connection)."""
+async def open_prefill_channels(
+    orphaned: Callable[[ChannelAnswer], None] | None = None,
+) -> AsyncIterator[PrefillChannels]:
+    """A :class:`PrefillChannels` (``orphaned``: see there) whose tasks run in
+    a nursery of its own, cancelled on exit (closing every connection)."""
     async with trio.open_nursery() as nursery:
-        yield PrefillChannels(nursery)
+        yield PrefillChannels(nursery, orphaned)
         nursery.cancel_scope.cancel()

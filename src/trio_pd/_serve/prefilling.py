@@ -277,10 +277,12 @@ async def open_prefiller(
     internal_key: str | None,
     caller: str,
     channels: bool = True,
+    orphaned: Callable[[ChannelAnswer], None] | None = None,
 ) -> AsyncIterator[Prefiller]:
     """A :class:`Prefiller` for the prefill engines at ``urls`` with an HTTP
     client of its own (a decode-first engine's), and -- with ``channels`` --
-    prefill channels to them (:mod:`.prefill_channel`), closed on exit.
+    prefill channels to them (:mod:`.prefill_channel`; ``orphaned`` gets
+    the answers that came after their caller stopped waiting), closed on exit.
 
     It sends ``internal_key`` (if any), bounds connecting
     (:data:`~.defaults.CONNECT_TIMEOUT`) and writing, and closes idle
@@ -293,7 +295,7 @@ async def open_prefiller(
     )
     async with (
         httpx2.AsyncClient(timeout=timeout, limits=limits) as client,
-        open_prefill_channels() as opened,
+        open_prefill_channels(orphaned) as opened,
     ):
         yield Prefiller(
             EngineSet(urls),
