@@ -1591,7 +1591,9 @@ FINDINGS = """## What we found
   (section 5) had given x0.63-0.70 with its four loops; alone, it gave
   x0.81, x0.85 and x0.87 three times in a row after the changes, the
   trio thread's CPU per pull 1.11-1.14 times raw NIXL's (1.23-1.33
-  before). What still separates them is that Python before posting,
+  before); in two full runs x0.835 and x0.769 (rounds from x0.66 to
+  x0.92: which loop the machine's other load falls on still moves a
+  round more than this did). What still separates them is that Python before posting,
   45-50 us more than raw NIXL's own. A confirmed pull gains from the cut
   but not from the overlap (its schedule point is its answer's wait,
   after the READ), and the issue's "trio-thread CPU per pull halved" is
