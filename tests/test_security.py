@@ -329,24 +329,26 @@ async def _checks(client: httpx2.AsyncClient, serving: dict[str, Any], openai: A
 
 def _openai_calls(openai: Any, proxy: str, key: str) -> dict[str, list[str]]:
     """OpenAI's own (synchronous) client, in a thread: the texts it got."""
-    client = openai.OpenAI(base_url=f"{proxy}/v1", api_key=key, max_retries=0, timeout=30)
     prompt, messages = "the openai client", [{"role": "user", "content": "hello"}]
     model = MODEL_NAME
     texts: dict[str, list[str]] = {}
-    done = client.completions.create(model=model, prompt=prompt, max_tokens=5, temperature=0)
-    texts["completion"] = [done.choices[0].text]
-    stream = client.completions.create(
-        model=model, prompt=prompt, max_tokens=5, temperature=0, stream=True
-    )
-    texts["streamed completion"] = ["".join(c.choices[0].text for c in stream if c.choices)]
-    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=5)
-    texts["chat"] = [chat.choices[0].message.content]
-    chunks = client.chat.completions.create(
-        model=model, messages=messages, max_tokens=5, stream=True
-    )
-    texts["streamed chat"] = [
-        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    ]
+    # (closed on the way out: its kept connection would otherwise be closed
+    # by the garbage collector, a ResourceWarning in whichever test it runs)
+    with openai.OpenAI(base_url=f"{proxy}/v1", api_key=key, max_retries=0, timeout=30) as client:
+        done = client.completions.create(model=model, prompt=prompt, max_tokens=5, temperature=0)
+        texts["completion"] = [done.choices[0].text]
+        stream = client.completions.create(
+            model=model, prompt=prompt, max_tokens=5, temperature=0, stream=True
+        )
+        texts["streamed completion"] = ["".join(c.choices[0].text for c in stream if c.choices)]
+        chat = client.chat.completions.create(model=model, messages=messages, max_tokens=5)
+        texts["chat"] = [chat.choices[0].message.content]
+        chunks = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=5, stream=True
+        )
+        texts["streamed chat"] = [
+            "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        ]
     return texts
 
 
