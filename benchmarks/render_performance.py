@@ -1566,11 +1566,14 @@ FINDINGS = """## What we found
 * **A tiny pull's Python, moved beside its READ and cut (issue 33).**
   Stamps (`time.monotonic`, wall) around an unconfirmed pull's steps, raw
   NIXL's loop interleaved with it (turns of 10, 4000 pulls each, medians):
-  raw NIXL's Python before `transfer()` (its two descriptor-index arrays)
-  took about 10 us, trio_pd's 85 us, and trio_pd's schedule point after the
-  READ 22 us; NIXL's own calls, the READ's wait included, took the same
-  time in both. Where Python runs matters, measured on raw NIXL's loop
-  itself (3000 READs each, interleaved): 60 us of busy work after
+  trio_pd's Python before it posts took 85 us, raw NIXL's about 10 us (its
+  two descriptor-index arrays: its 50-60 us up to `transfer()`'s return,
+  less NIXL's prepare and `transfer` calls), and trio_pd's schedule point
+  after the READ 22 us; from posting until the READ was released, both
+  took the same time. (Raw NIXL's loop computes its indices with the same
+  `KVLayout.descriptor_indices`, so it gained from the change below too.)
+  Where Python runs matters, measured on raw NIXL's loop itself (3000
+  READs each, interleaved): 60 us of busy work after
   `transfer()` returned cost the loop nothing per READ (120 us: +18 us),
   the same 60 us before posting +37 us (120 us: +134 us). So an
   unconfirmed inline read now passes its schedule point *while its READ

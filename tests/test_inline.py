@@ -20,6 +20,7 @@ from typing import Any
 
 import attrs
 import pytest
+import torch
 import trio
 import trio.testing
 
@@ -32,7 +33,13 @@ from trio_pd._transfer._nixl._driver import TransferDriver
 from trio_pd._transfer._nixl._inline import NOT_TAKEN, InlineReads, no_task_runnable
 from trio_pd._transfer._nixl._jobs import JobCancelled
 from trio_pd._transfer._nixl._notifications import NotificationPoller
-from trio_pd.testing import CapturedBackends, WorkerSpec, mismatched_blocks, open_prefill_worker
+from trio_pd.testing import (
+    CapturedBackends,
+    PrefillWorker,
+    WorkerSpec,
+    mismatched_blocks,
+    open_prefill_worker,
+)
 
 from .conftest import kv_cache, wait_until
 from .test_driver import CONFIG, Handle, ScriptedAgent, driver, job
@@ -470,6 +477,23 @@ SPEC = {"regions": 4, "blocks": 256, "block_shape": (1024,), "dtype": "float16"}
 QUIET = trio_pd.ConnectorConfig(idle_notification_poll_interval=600.0)
 
 
+@asynccontextmanager
+async def warm_decoder(
+    name: str,
+) -> AsyncIterator[tuple[PrefillWorker, list[torch.Tensor], trio_pd.Connector, NixlBackend]]:
+    """A prefill worker and a decoder of 16 blocks that has pulled from it once
+    (handshake done), with the decoder's backend."""
+    captured = CapturedBackends()
+    async with open_prefill_worker(WorkerSpec(f"prefill-{name}", **SPEC)) as worker:
+        local = kv_cache(regions=4, blocks=16, block_shape=(1024,))
+        async with trio_pd.open_connector(
+            f"decode-{name}", local, config=QUIET, backend=captured
+        ) as d:
+            [backend] = captured.backends
+            await d.pull("warm", [0], await worker.expose("warm", [0], seed=0))
+            yield worker, local, d, backend
+
+
 async def test_sequential_small_pulls_go_inline_and_each_is_correct() -> None:
     pulls = 40
     captured = CapturedBackends()
@@ -499,29 +523,22 @@ async def test_an_inline_pull_is_a_checkpoint_confirmed_or_not() -> None:
     """An inline read that ended at once skips its own schedule point when the
     pull's confirmation waits next (that wait is the pull's): the pull as a
     whole still lets other tasks run, and a cancelled one reads nothing."""
-    captured = CapturedBackends()
     with trio.fail_after(60):
-        async with open_prefill_worker(WorkerSpec("prefill-checkpoint", **SPEC)) as worker:
-            local = kv_cache(regions=4, blocks=16, block_shape=(1024,))
-            async with trio_pd.open_connector(
-                "decode-checkpoint", local, config=QUIET, backend=captured
-            ) as d:
-                [backend] = captured.backends
-                await d.pull("warm", [0], await worker.expose("warm", [0], seed=0))
-                before = backend.reads_inline
-                for i, confirm in enumerate((True, False, True, False), start=1):
-                    d._consumer.confirm_reads = confirm
-                    remote = await worker.expose(f"req-{i}", [i], seed=i)
-                    with trio.testing.assert_checkpoints():
-                        await d.pull(f"req-{i}", [i], remote)
-                    assert mismatched_blocks(local, [i], i) == []
-                assert backend.reads_inline - before == 4
-                remote = await worker.expose("cancelled", [9], seed=9)
-                with trio.CancelScope() as scope:
-                    scope.cancel()
-                    await d.pull("cancelled", [9], remote)
-                assert scope.cancelled_caught
-                assert backend.reads_inline - before == 4  # (nothing posted)
+        async with warm_decoder("checkpoint") as (worker, local, d, backend):
+            before = backend.reads_inline
+            for i, confirm in enumerate((True, False, True, False), start=1):
+                d._consumer.confirm_reads = confirm
+                remote = await worker.expose(f"req-{i}", [i], seed=i)
+                with trio.testing.assert_checkpoints():
+                    await d.pull(f"req-{i}", [i], remote)
+                assert mismatched_blocks(local, [i], i) == []
+            assert backend.reads_inline - before == 4
+            remote = await worker.expose("cancelled", [9], seed=9)
+            with trio.CancelScope() as scope:
+                scope.cancel()
+                await d.pull("cancelled", [9], remote)
+            assert scope.cancelled_caught
+            assert backend.reads_inline - before == 4  # (nothing posted)
 
 
 async def test_an_unconfirmed_inline_pull_lets_other_tasks_run_while_its_read_runs(
@@ -530,57 +547,50 @@ async def test_an_unconfirmed_inline_pull_lets_other_tasks_run_while_its_read_ru
     """Its schedule point (a pass of trio's scheduler: the other tasks' turn)
     comes between posting the READ and checking it, while the READ runs, not
     after the READ. (A confirmed pull's schedule point is its answer's wait.)"""
-    captured = CapturedBackends()
     with trio.fail_after(60):
-        async with open_prefill_worker(WorkerSpec("prefill-overlap", **SPEC)) as worker:
-            local = kv_cache(regions=4, blocks=16, block_shape=(1024,))
-            async with trio_pd.open_connector(
-                "decode-overlap", local, config=QUIET, backend=captured
-            ) as d:
-                [backend] = captured.backends
-                await d.pull("warm", [0], await worker.expose("warm", [0], seed=0))
-                d._consumer.confirm_reads = False
-                agent = backend.agent
-                posting = agent.transfer
-                posted = trio.Event()
+        async with warm_decoder("overlap") as (worker, local, d, backend):
+            d._consumer.confirm_reads = False
+            agent = backend.agent
+            posting = agent.transfer
+            posted = trio.Event()
 
-                def transfer(handle: object, *args: object) -> str:
-                    posting(handle, *args)
-                    posted.set()
-                    return "PROC"  # (even if it ended already: checked after the others ran)
+            def transfer(handle: object, *args: object) -> str:
+                posting(handle, *args)
+                posted.set()
+                return "PROC"  # (even if it ended already: checked after the others ran)
 
-                checking = agent.check_xfer_state
-                checks: list[object] = []
+            checking = agent.check_xfer_state
+            checks: list[object] = []
 
-                def check_xfer_state(handle: object) -> str:
-                    checks.append(handle)
-                    state: str = checking(handle)
-                    return state
+            def check_xfer_state(handle: object) -> str:
+                checks.append(handle)
+                state: str = checking(handle)
+                return state
 
-                monkeypatch.setattr(agent, "transfer", transfer)
-                monkeypatch.setattr(agent, "check_xfer_state", check_xfer_state)
-                # Each pass of trio's scheduler (its I/O check, between two
-                # batches of tasks): how many READs were posted inline, and
-                # how many checks they had had.
-                passes: list[tuple[int, int]] = []
+            monkeypatch.setattr(agent, "transfer", transfer)
+            monkeypatch.setattr(agent, "check_xfer_state", check_xfer_state)
+            # Each pass of trio's scheduler (its I/O check, between two
+            # batches of tasks): how many READs were posted inline, and
+            # how many checks they had had.
+            passes: list[tuple[int, int]] = []
 
-                class Passes(trio.abc.Instrument):
-                    def before_io_wait(self, timeout: float) -> None:
-                        passes.append((backend.reads_inline, len(checks)))
+            class Passes(trio.abc.Instrument):
+                def before_io_wait(self, timeout: float) -> None:
+                    passes.append((backend.reads_inline, len(checks)))
 
-                remote = await worker.expose("r1", [3, 4], seed=1)
-                before = backend.reads_inline
-                instrument = Passes()
-                trio.lowlevel.add_instrument(instrument)
-                try:
-                    await d.pull("r1", [3, 4], remote)
-                finally:
-                    trio.lowlevel.remove_instrument(instrument)
-                assert posted.is_set()
-                # A pass came with the READ posted and not yet checked; then it was.
-                assert (before + 1, 0) in passes
-                assert checks
-                assert mismatched_blocks(local, [3, 4], 1) == []
+            remote = await worker.expose("r1", [3, 4], seed=1)
+            before = backend.reads_inline
+            instrument = Passes()
+            trio.lowlevel.add_instrument(instrument)
+            try:
+                await d.pull("r1", [3, 4], remote)
+            finally:
+                trio.lowlevel.remove_instrument(instrument)
+            assert posted.is_set()
+            # A pass came with the READ posted and not yet checked; then it was.
+            assert (before + 1, 0) in passes
+            assert checks
+            assert mismatched_blocks(local, [3, 4], 1) == []
 
 
 async def test_with_inline_reads_off_every_pull_goes_to_the_driver() -> None:

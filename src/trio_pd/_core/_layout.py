@@ -220,7 +220,7 @@ class KVLayout:
         each numpy call has a fixed cost, several times this arithmetic on
         a core that has just run other code (a NIXL call, the scheduler).
         """
-        num_regions = len(self.base_addrs)
+        num_regions = self.num_regions
         if len(block_ids) * num_regions <= _FEW_INDICES:
             ids = block_ids.tolist() if isinstance(block_ids, np.ndarray) else block_ids
             step = self.num_blocks

@@ -44,8 +44,9 @@ What: ``make_prepped_xfer`` and ``transfer`` with the notification attached
 (``NixlBackend._run_job``) -- ``check_xfer_state`` until it ends or
 ``config._tuning.inline_read_spin`` passed (:meth:`InlineReads.finish`,
 which first checks again that the driver, the loads and the poll are
-idle). If it ended, the handle is released and the job ends here (``job.error``: ``None``, or NIXL's
-exception as ``_errors`` maps it, as in the driver); otherwise the driver
+idle). If it ended, the handle is released and the job ends here
+(``job.error``: ``None``, or NIXL's exception as ``_errors`` maps it, as in
+the driver); otherwise the driver
 *adopts* the running transfer (the handle goes through its queue, and from
 then on it owns it exactly as if it had posted it: stop, deadline and
 linger rules included). A handle NIXL refuses to release is kept here and released at
@@ -205,11 +206,7 @@ class InlineReads:
             self._release(handle)
             self._end(job, nixl_error("transfer", exc))
             return None
-        if state == "PROC":
-            return handle
-        self._release(handle)
-        self._end(job, None if state == "DONE" else BackendError(f"transfer state {state}"))
-        return None
+        return self._running_or_ended(job, handle, state)
 
     def _check(self, job: Job, handle: Any) -> Any:
         """``check_xfer_state`` until the READ ends or the spin passed; return
@@ -224,6 +221,11 @@ class InlineReads:
             self._release(handle)
             self._end(job, nixl_error("check_xfer_state", exc))
             return None
+        return self._running_or_ended(job, handle, state)
+
+    def _running_or_ended(self, job: Job, handle: Any, state: str) -> Any:
+        """``handle`` if its READ still runs (``state`` is ``"PROC"``); else
+        release it, end the job (an error unless ``"DONE"``) and return ``None``."""
         if state == "PROC":
             return handle
         self._release(handle)
