@@ -70,8 +70,7 @@ async def test_a_small_read_while_everything_is_idle_ends_on_the_trio_thread() -
             one = job([1, 2], "r1")
             assert reads.read(one)
             assert (one.ended, one.error) == (True, None)
-            assert one.finished.is_set()
-            assert one.settled.is_set()
+            assert not hasattr(one, "finished")  # (never handed to the driver: no events)
             [handle] = agent.posted
             assert handle.released
             assert handle.notification == one.notification
@@ -183,7 +182,7 @@ async def test_an_inline_read_that_fails_names_the_call_and_releases_its_handle(
             one = job([1])
             assert reads.read(one)
             assert one.ended
-            assert one.settled.is_set()
+            assert one.local_dlist is None
             assert isinstance(one.error, BackendError)
             if where == "ERR":
                 assert str(one.error) == "transfer state ERR"
@@ -256,7 +255,7 @@ async def test_a_read_checked_after_a_schedule_point_goes_to_the_driver_if_the_l
             handle = reads.start(one)
             assert handle is not NOT_TAKEN
             assert handle is not None
-            assert (reads.posted, one.finished.is_set()) == (1, False)
+            assert (reads.posted, one.ended) == (1, False)
             assert not lock.locked()  # (a poll may run meanwhile, on any thread)
             other = job([2], "r2")
             if then == "driver given work":
@@ -265,17 +264,19 @@ async def test_a_read_checked_after_a_schedule_point_goes_to_the_driver_if_the_l
                 loads_idle = False
             elif then == "poll started":
                 lock.acquire()
-            reads.finish(one, handle)
+            ended_here = reads.finish(one, handle)
             assert lock.locked() is (then == "poll started")
             if then == "poll started":
                 lock.release()
             if then == "idle":
+                assert ended_here
                 assert (one.ended, one.error, reads.adopted) == (True, None, 0)
             else:
+                assert not ended_here
                 assert reads.adopted == 1
                 await one.finished.wait()
                 assert one.error is None
-            await one.settled.wait()
+                await one.settled.wait()
             assert agent.posted[0].released
             if then == "driver given work":
                 await other.settled.wait()
@@ -356,7 +357,7 @@ async def test_a_poll_on_the_trio_thread_during_a_reads_schedule_point_does_not_
     with trio.fail_after(30):
         async with inline(agent, other_calls=lock) as (reads, transfers):  # type: ignore[arg-type]
             backend = types.SimpleNamespace(
-                _inline=reads, _driver=transfers, _observe=lambda job: None
+                _inline=reads, _driver=transfers, _observe=lambda job: None, job_observer=None
             )
 
             async def pull(i: int) -> None:
@@ -385,7 +386,7 @@ async def test_start_answers_not_taken_or_ended_at_once(monkeypatch: pytest.Monk
         async with inline(agent, other_calls=lock) as (reads, _):
             one = job([1], "r1")
             assert reads.start(one) is None  # (DONE when posted: ended here)
-            assert (one.ended, one.error, one.finished.is_set()) == (True, None, True)
+            assert (one.ended, one.error, one.local_dlist) == (True, None, None)
             assert agent.posted[0].released
             assert not lock.locked()
             with lock:

@@ -166,6 +166,8 @@ class Leases:
     def lost(self, remote: RemoteBlocks) -> str | None:
         """Why the producer no longer holds ``remote`` for us, if a hold on it
         heard so (``None``: not held, or not known to be lost)."""
+        if not self._holds:  # (most pulls: no hash of ``remote`` to compute)
+            return None
         hold = self._holds.get(remote)
         if hold is None or not hold.lost:
             return None
@@ -173,6 +175,8 @@ class Leases:
 
     def pulled(self, remote: RemoteBlocks) -> None:
         """A pull of ``remote`` succeeded: its hold (if any) is complete."""
+        if not self._holds:
+            return
         hold = self._holds.get(remote)
         if hold is not None and not hold.done:
             hold.done = True

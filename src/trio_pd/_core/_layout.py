@@ -266,16 +266,22 @@ _NO_BLOCKS: BlockIds = np.empty(0, dtype=np.int64)
 _NO_BLOCKS.flags.writeable = False
 
 
-def as_block_ids(values: Sequence[int] | npt.ArrayLike, num_blocks: int, what: str) -> BlockIds:
+def as_block_ids(
+    values: Sequence[int] | npt.ArrayLike, num_blocks: int, what: str, of: str | None = None
+) -> BlockIds:
     """Validate block ids and return them as an int64 array.
 
     Raises:
         ValueError: ``values`` is not a flat sequence of integers, has an id
             outside ``[0, num_blocks)``, or repeats an id. The message starts
-            with ``what`` (e.g. ``"local block ids of request 'r1'"``).
+            with ``what``, followed by ``of`` quoted if given (``what="local
+            block ids of request", of="r1"``: ``"local block ids of request
+            'r1'"``; put together only for the message, not for every call).
     """
     if _few_valid_ints(values, num_blocks):
         return np.array(values, dtype=np.int64)
+    if of is not None:
+        what = f"{what} {of!r}"
     arr: npt.NDArray[Any] = np.asarray(values)
     if arr.size == 0:
         return _NO_BLOCKS  # (one read-only array for every notify-only pull)
@@ -293,7 +299,9 @@ def as_block_ids(values: Sequence[int] | npt.ArrayLike, num_blocks: int, what: s
     return ids
 
 
-def few_block_ids(values: Sequence[int], num_blocks: int, what: str) -> Sequence[int] | BlockIds:
+def few_block_ids(
+    values: Sequence[int], num_blocks: int, what: str, of: str | None = None
+) -> Sequence[int] | BlockIds:
     """``as_block_ids``'s checks and errors, without making an array of a few ids.
 
     A short list or tuple of valid ids is returned as it is (a tuple, such
@@ -306,7 +314,7 @@ def few_block_ids(values: Sequence[int], num_blocks: int, what: str) -> Sequence
     """
     if _few_valid_ints(values, num_blocks):
         return values
-    return as_block_ids(values, num_blocks, what)
+    return as_block_ids(values, num_blocks, what, of)
 
 
 def _few_valid_ints(values: object, num_blocks: int) -> bool:

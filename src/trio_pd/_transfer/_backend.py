@@ -497,5 +497,9 @@ class _Lease:
         return remote
 
     async def __aexit__(self, *exc_info: object) -> None:
-        # (bounded and shielded inside: a retired agent's unload, within unload_timeout)
-        await self._remotes._end_lease(self._remote)  # noqa: ASYNC102
+        remote = self._remote
+        if remote.retired and remote.users == 1:
+            # (bounded and shielded inside: a retired agent's unload, within unload_timeout)
+            await self._remotes._end_lease(remote)  # noqa: ASYNC102
+        else:  # (every other lease: no await, so no second coroutine per pull)
+            remote.users -= 1

@@ -429,10 +429,9 @@ class NixlBackend:
         else:
             if schedule:
                 await trio.lowlevel.cancel_shielded_checkpoint()
-            if handle is not None:
-                self._inline.finish(job, handle)
-            if job.finished.is_set():  # (it ended here)
-                self._observe(job)
+            if handle is None or self._inline.finish(job, handle):  # (it ended here)
+                if self.job_observer is not None:
+                    self._observe(job)
                 return
         try:
             await job.finished.wait()

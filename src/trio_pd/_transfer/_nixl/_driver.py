@@ -138,6 +138,7 @@ class TransferDriver:
         it has stopped, the job ends with ``BackendClosing`` at once.
         """
         job.submitted_at = job.submitted_at or time.monotonic()  # (adopted: when posted)
+        job.finished, job.settled = trio.Event(), trio.Event()
         self._unsettled_jobs += 1
         self._inbox.put(job)
         if self._crash is not None or self._ended:  # (nobody else will answer it: do it here)

@@ -126,7 +126,7 @@ class InlineReads:
     def read(self, job: Job) -> bool:
         """Run ``job`` here if it may be, without a schedule point; return whether it was taken.
 
-        Taken means: it ended here (``job.error`` set, its events set), or
+        Taken means: it ended here (``job.ended`` and ``job.error`` set), or
         its transfer runs on and the driver adopted it (wait on
         ``job.finished`` as for any submitted job). Not taken: submit it.
         (:meth:`start` then :meth:`finish`, nothing between them.)
@@ -143,7 +143,7 @@ class InlineReads:
         """Post ``job``'s READ here if it may be.
 
         Returns :data:`NOT_TAKEN` (submit it instead); ``None`` when it
-        ended here at once (``job.error`` set, its events set); or the
+        ended here at once (``job.ended`` and ``job.error`` set); or the
         running transfer's handle, which the caller must pass to
         :meth:`finish` -- after a schedule point, if it likes (see
         ``NixlBackend._run_job``). ``other_calls`` is held only while this
@@ -162,24 +162,28 @@ class InlineReads:
             self._other_calls.release()
 
     @trio.lowlevel.enable_ki_protection
-    def finish(self, job: Job, handle: Any) -> None:
+    def finish(self, job: Job, handle: Any) -> bool:
         """Check the READ that :meth:`start` posted until it ends, here, or hand it on.
 
         Here while the driver and the loads are still idle and the
         notification thread is not in NIXL (a schedule point since
         :meth:`start` may have given the driver work, started a load or a
         poll), for at most ``inline_read_spin``: the handle is released and
-        the job ends here. Otherwise the driver adopts the running transfer
-        (see :meth:`TransferDriver.adopt` for a driver that has stopped).
+        the job ends here (returns ``True``: ``job.ended`` and ``job.error``
+        set). Otherwise the driver adopts the running transfer (returns
+        ``False``: wait on ``job.finished``; see :meth:`TransferDriver.adopt`
+        for a driver that has stopped).
         """
         if self._driver.idle and self._idle_loads() and self._other_calls.acquire(blocking=False):
             try:
                 handle = self._check(job, handle)
             finally:
                 self._other_calls.release()
-        if handle is not None:
-            self.adopted += 1
-            self._driver.adopt(job, handle)
+        if handle is None:
+            return True
+        self.adopted += 1
+        self._driver.adopt(job, handle)
+        return False
 
     def _post(self, job: Job) -> Any:
         """Post the READ; return its handle if it runs on, ``None`` if it ended."""
@@ -243,11 +247,10 @@ class InlineReads:
         )
 
     def _end(self, job: Job, error: BackendError | None) -> None:
+        """End ``job`` here (it was never handed to the driver: no events to set)."""
         job.ended, job.error = True, error
         job.finished_at = time.monotonic()
         job.local_dlist = job.remote_dlist = None  # (they keep the agent alive)
-        job.finished.set()
-        job.settled.set()
 
     def _release(self, handle: Any) -> None:
         release_or_keep(handle, self.stuck)

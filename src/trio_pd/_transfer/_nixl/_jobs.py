@@ -4,9 +4,10 @@ A :class:`Job` is built on the trio thread, handed to
 :meth:`~trio_pd._transfer._nixl._driver.TransferDriver.submit`, and then written by the
 driver thread only, except the two fields the trio side may set
 (``cancel_requested``, ``on_settled``). Its ``finished`` and ``settled``
-events are set on the trio thread by :func:`wake`, which the driver
-schedules through the trio token, so a task wakes only after the driver has
-written how the job ended.
+events are made when it is handed to the driver (a job that an inline read
+ends on the trio thread never needs them) and set on the trio thread by
+:func:`wake`, which the driver schedules through the trio token, so a task
+wakes only after the driver has written how the job ended.
 
 How it ended is one field, ``Job.error``: ``None`` when it ended well,
 otherwise the very exception its waiting task raises -- the
@@ -76,6 +77,9 @@ class Job:
             (``error`` is :func:`unstoppable`'s); ``settled`` is set once
             they really ended.
         on_settled: called on the trio thread right after ``settled`` is set.
+        finished, settled: set when the driver finished the job, and once its
+            transfers really ended; made by :meth:`TransferDriver.submit`
+            (there is no such attribute before).
     """
 
     local_dlist: Any
@@ -87,8 +91,8 @@ class Job:
     deadline: float
     chunk: int
     descriptor_bytes: int
-    finished: trio.Event = attrs.field(factory=trio.Event)
-    settled: trio.Event = attrs.field(factory=trio.Event)
+    finished: trio.Event = attrs.field(init=False)
+    settled: trio.Event = attrs.field(init=False)
     cancel_requested: bool = False
     ended: bool = False
     error: BaseException | None = None
