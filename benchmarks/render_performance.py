@@ -1602,6 +1602,41 @@ FINDINGS = """## What we found
   after the READ), and the issue's "trio-thread CPU per pull halved" is
   out of reach this way: most of that CPU is NIXL's calls and the check
   until done, which raw NIXL's loop spends too.
+* **A tiny pull's time comes in whole producer checks (issue 33).** Stamps
+  (`time.perf_counter_ns`, wall) at a pull's entry, its posting, `transfer()`'s
+  return, DONE and its return, raw NIXL's loop interleaved (turns of 200, 4000
+  pulls each), on a slower day of this VM (raw NIXL's loop about 300 us a
+  pull): the time from one pull to the next is not spread around a mean but
+  falls in modes about 175 us apart -- raw NIXL's loop mostly 250-350 us,
+  trio_pd's a quarter at 225-325 and the rest at 400-525 us. A READ ends at
+  one of the producer's checks (its notification thread's `get_new_notifs`
+  every `poll_interval`, 100 us, plus the check itself and the sleep's
+  lateness on this VM): a pull whose own work -- Python before posting, NIXL's
+  prepare and `transfer`, Python after DONE -- ends after the check it could
+  have made waits for the next. Measured on raw NIXL's loop itself (one run,
+  turns of 200 pulls), busy work before posting did not cost in proportion:
+  +20 us of it cost +38 us a pull, +40 +23, +60 +2, +80 -38, +100 +111, +120
+  +106. trio_pd's own work was about 90 us a pull more than raw NIXL's (before
+  posting 83-85 us against 28-30, after DONE 28-29 against 7), on that step.
+  Cut since, each measured by the same stamps: one remote rank's transfer
+  runs in the pull's own frame (no list of parts, no group to wait in, no
+  wrapper), the lease table is not looked up (hashing the parameters) while
+  nothing is held, the TP-size and token checks are skipped when they cannot
+  fail, a job's two events are made only when the driver takes it (an inline
+  read that ends on the trio thread never waits on them), leaving a lease
+  makes no second coroutine, and the block-id error messages are put
+  together only for an error. After: 67-71 us before posting, 20-21 after
+  DONE; the median time between pulls went from 434-465 to 320-333 us (raw
+  NIXL's 293-309 beside them), and benchmark 5 alone from x0.73 and x0.76
+  (that morning) to x0.89 and x0.92, the trio thread's CPU per pull from
+  410-419 us to 303-314 (raw NIXL's calls: 291-308); in the full run of
+  8ad7c98 (`nox -s bench`, 877 s), x0.931 with rounds from x0.893 to x1.152,
+  352 us of CPU per pull against raw NIXL's 323. So the ratio measures
+  whether trio_pd's Python fits in the producer's check cycle on the day's
+  machine, not trio_pd's CPU against raw NIXL's: a producer that answered
+  at once would leave that Python uncovered (about 1.8 times raw NIXL's own
+  work between READs here). Not kept: both sides' descriptor indices made
+  as one array (no change measurable).
 * **Sleeps that end on time.** The transfer driver and the producer's
   notification thread sleep `poll_interval` (100 us) between checks; with
   Linux's default 50 us timer slack each sleep took about 170 us. Both
