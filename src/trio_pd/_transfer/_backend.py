@@ -457,12 +457,16 @@ class RemoteAgents:
         """
         return _Lease(self, remote)
 
-    async def _end_lease(self, remote: RemoteAgent) -> None:
-        """A lease on ``remote`` ended: unload it if it was retired and was the last."""
+    def _end_lease(self, remote: RemoteAgent) -> bool:
+        """A lease on ``remote`` ended: whether to unload it now (it was
+        retired, and this was its last lease; see :meth:`_unload_shielded`)."""
         remote.users -= 1
-        if remote.retired and remote.users == 0:
-            with trio.move_on_after(self._unload_timeout, shield=True):
-                await self._unload(remote)
+        return remote.retired and remote.users == 0
+
+    async def _unload_shielded(self, remote: RemoteAgent) -> None:
+        """Unload ``remote`` (retired, held by nobody): shielded, within ``unload_timeout``."""
+        with trio.move_on_after(self._unload_timeout, shield=True):
+            await self._unload(remote)
 
     async def retire(self, remote: RemoteAgent) -> None:
         if remote.retired:
@@ -470,8 +474,7 @@ class RemoteAgents:
             return
         remote.retired = True
         if remote.users == 0:
-            with trio.move_on_after(self._unload_timeout, shield=True):
-                await self._unload(remote)
+            await self._unload_shielded(remote)
         else:
             await trio.lowlevel.checkpoint()
 
@@ -497,9 +500,8 @@ class _Lease:
         return remote
 
     async def __aexit__(self, *exc_info: object) -> None:
-        remote = self._remote
-        if remote.retired and remote.users == 1:
+        # (no await unless the agent is to be unloaded: a pull's lease ends
+        # without a second coroutine)
+        if self._remotes._end_lease(self._remote):
             # (bounded and shielded inside: a retired agent's unload, within unload_timeout)
-            await self._remotes._end_lease(remote)  # noqa: ASYNC102
-        else:  # (every other lease: no await, so no second coroutine per pull)
-            remote.users -= 1
+            await self._remotes._unload_shielded(self._remote)  # noqa: ASYNC102
