@@ -1629,9 +1629,12 @@ FINDINGS = """## What we found
   DONE; the median time between pulls went from 434-465 to 320-333 us (raw
   NIXL's 293-309 beside them), and benchmark 5 alone from x0.73 and x0.76
   (that morning) to x0.89 and x0.92, the trio thread's CPU per pull from
-  410-419 us to 303-314 (raw NIXL's calls: 291-308); in the full run of
-  8ad7c98 (`nox -s bench`, 877 s), x0.931 with rounds from x0.893 to x1.152,
-  352 us of CPU per pull against raw NIXL's 323. So the ratio measures
+  410-419 us to 303-314 (raw NIXL's calls: 291-308). In two full runs
+  (`nox -s bench`, 877 and 815 s), x0.931 with rounds from x0.893 to x1.152
+  (8ad7c98), then x0.877 with rounds from x0.875 to x0.935 (59a8d17, the same
+  data path; the run on this page), the trio thread's CPU per pull 352 and
+  346 us against raw NIXL's 323 and 320: at the goal, not clear of it. So
+  the ratio measures
   whether trio_pd's Python fits in the producer's check cycle on the day's
   machine, not trio_pd's CPU against raw NIXL's: a producer that answered
   at once would leave that Python uncovered (about 1.8 times raw NIXL's own
