@@ -121,7 +121,9 @@ def deadline_budget(config: ConnectorConfig | None = None) -> Budget:
     require(p, jobs.job_for, "time.monotonic() + config.transfer_timeout")
     require(p, driver.TransferDriver._check_stop, "now + self._config.close_timeout")
     require(
-        p, backend.RemoteAgents._end_lease, "trio.move_on_after(self._unload_timeout, shield=True)"
+        p,
+        backend.RemoteAgents._unload_shielded,
+        "trio.move_on_after(self._unload_timeout, shield=True)",
     )
     require(p, remotes.NixlRemotes.__init__, "RemoteAgents(self._unload, config.close_timeout)")
     return Budget(
