@@ -1634,9 +1634,8 @@ FINDINGS = """## What we found
   (8ad7c98), then x0.877 with rounds from x0.875 to x0.935 (59a8d17, the same
   data path; the run on this page), the trio thread's CPU per pull 352 and
   346 us against raw NIXL's 323 and 320: at the goal, not clear of it. So
-  the ratio measures
-  whether trio_pd's Python fits in the producer's check cycle on the day's
-  machine, not trio_pd's CPU against raw NIXL's: a producer that answered
+  the ratio measures whether trio_pd's Python fits in the producer's check
+  cycle on the day's machine, not trio_pd's CPU against raw NIXL's: a producer that answered
   at once would leave that Python uncovered (about 1.8 times raw NIXL's own
   work between READs here). Not kept: both sides' descriptor indices made
   as one array (no change measurable).
