@@ -226,6 +226,13 @@ async def test_engines_and_a_proxy_started_as_separate_commands_serve_what_one_e
             2,
             "--prefill-timeout must be",
         ),
+        (["engine", "--role", "prefill", "--admission-timeout", "0"], 2, "--admission-timeout"),
+        (
+            ["engine", "--role", "decode", "--admission-timeout", "31"],
+            2,
+            "must be at most the exposure's cap (30 s)",
+        ),
+        (["serve", "--admission-timeout", "inf"], 2, "--admission-timeout must be"),
         (
             ["serve", "--dispatch", "decode-first", "--hosts", "1"],
             2,
@@ -281,6 +288,26 @@ def test_bad_arguments_exit_2_and_an_address_that_is_not_ours_exits_1_in_one_lin
     line = one_line_error(capsys.readouterr().err)
     assert line.startswith(f"trio-pd {args[0]}: "), line
     assert words in line, line
+
+
+def test_serves_admission_timeout_is_each_engines() -> None:
+    """``serve --admission-timeout`` reaches every engine's command line, and
+    the engine's parser makes it the engine's setting."""
+    from trio_pd._cli import _parser
+    from trio_pd._cli.engine import settings_from_args
+    from trio_pd._cli.engine_processes import EngineProcess
+    from trio_pd._cli.serve import ServeOptions, _engine_command
+
+    args = _parser().parse_args(["serve", "--admission-timeout", "25"])
+    assert args.admission_timeout == 25.0
+    engine = EngineProcess("decode", 0, "/tmp/ready.json")
+    command = _engine_command(ServeOptions(admission_timeout=25.0), engine, None, {})
+    assert "--admission-timeout=25.0" in command
+    at = command.index("engine")
+    settings = settings_from_args(_parser().parse_args(command[at:]))
+    assert settings.admission_timeout == 25.0
+    engine_default = settings_from_args(_parser().parse_args(["engine", "--role", "prefill"]))
+    assert engine_default.admission_timeout == 10.0
 
 
 def test_no_proxy_dispatches_decode_first() -> None:

@@ -701,6 +701,7 @@ def test_the_defaults_table_is_the_defaults_module() -> None:
         assert float(rows[name]) == getattr(defaults, name), name
     # The rule the table states holds for the defaults, and the commands use them.
     defaults.check_lease(defaults.LEASE_INITIAL, defaults.CONNECT_TIMEOUT, defaults.HOLD_MARGIN)
+    defaults.check_admission(defaults.ADMISSION_TIMEOUT, defaults.ABORT_TIMEOUT)
     assert defaults.CONNECT_TIMEOUT + defaults.HOLD_MARGIN <= defaults.LEASE_INITIAL
     assert defaults.decode_attempts(5.0, 2.0, 1.0) == 2
     assert ProxyTimeouts().connect == defaults.CONNECT_TIMEOUT

@@ -36,7 +36,8 @@ async def wait_for(client: httpx2.AsyncClient, engine: str, name: str, value: fl
 
 
 async def test_overload_impossible_and_forged_requests_strand_nothing(tmp_path: Path) -> None:
-    async with open_deployment(tmp_path, "--num-blocks", str(POOL)) as serving:
+    options = ("--num-blocks", str(POOL), "--admission-timeout", "30")
+    async with open_deployment(tmp_path, *options) as serving:
         proxy, [prefill], [decode] = serving["proxy"], serving["prefill"], serving["decode"]
         with trio.fail_after(120):
             async with deployment_client(60) as client:
@@ -104,26 +105,28 @@ async def test_overload_impossible_and_forged_requests_strand_nothing(tmp_path: 
                 assert on_prefill["trio_pd_serve_requests_total{kind=prefill,outcome=ok}"] == 2
                 assert (await complete(client, proxy, prompt="ordinary", max_tokens=4))["usage"]
 
-                # 40 clients whose requests cannot all fit in the decode pool
-                # at once: they wait for blocks (admission), none is a 502,
-                # and nothing is stranded afterwards.
+                # 40 clients whose requests cannot all fit in either pool at
+                # once: they wait for blocks (admission), first come first
+                # served, each holding nothing it cannot use: every one is
+                # served (no 502, no 503), and nothing is stranded afterwards.
+                # (Waiting is bounded by --admission-timeout, 30 s here: the
+                # 40 take 3.5-6.5 s on 2 idle cores, under the suite's load
+                # about twice that. The default 10 s was too close: 28 of the
+                # 40 were served in one CI run, the rest 503.)
                 statuses: list[int] = []
 
                 async def one(i: int) -> None:
-                    # 800-900 tokens of prompt: two requests fill the decode pool
-                    body = {"prompt": f"client {i:02d} " * (80 + i % 5), "max_tokens": 20 + i}
+                    # 800-850 tokens of prompt and 4-8 to generate: two
+                    # requests fill either pool (51-53 blocks each)
+                    body = {"prompt": f"client {i:02d} " * (80 + i % 5), "max_tokens": 4 + i % 5}
                     response = await client.post(f"{proxy}/v1/completions", json=body)
                     statuses.append(response.status_code)
-                    if response.status_code == 503:
-                        assert response.headers["retry-after"] == "1"
-                    else:
-                        assert response.status_code == 200, response.text
+                    assert response.status_code == 200, response.text
 
                 async with trio.open_nursery() as nursery:
                     for i in range(40):
                         nursery.start_soon(one, i)
-                assert 502 not in statuses
-                assert statuses.count(200) >= 30, statuses
+                assert statuses == [200] * 40
                 with trio.fail_after(10):
                     await wait_for(client, prefill, "trio_pd_serve_kv_blocks_free", POOL)
                     await wait_for(client, decode, "trio_pd_serve_kv_blocks_free", POOL)

@@ -37,6 +37,7 @@ from trio_pd._cli.common import (
     EXIT_USAGE,
     UsageError,
     add_address_arguments,
+    add_admission_argument,
     add_dispatch_argument,
     add_internal_key_argument,
     add_lease_argument,
@@ -215,6 +216,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_send_timeout_argument(serve, serving.send_timeout)
     add_lease_argument(serve, serving.lease_initial)
+    add_admission_argument(serve, serving.admission_timeout)
     add_dispatch_argument(serve, serving.dispatch, decode_first=True)
     serve.add_argument(
         "--num-blocks",
@@ -347,6 +349,7 @@ def _serve(args: argparse.Namespace) -> int:
         grace=args.grace,
         send_timeout=args.send_timeout,
         lease_initial=args.lease_initial,
+        admission_timeout=args.admission_timeout,
         num_blocks=args.num_blocks,
         hosts=args.hosts,
         etcd_ttl=args.etcd_ttl,

@@ -277,6 +277,18 @@ def add_lease_argument(parser: argparse.ArgumentParser, default: float) -> None:
     )
 
 
+def add_admission_argument(parser: argparse.ArgumentParser, default: float) -> None:
+    parser.add_argument(
+        "--admission-timeout",
+        type=float,
+        default=default,
+        metavar="SECONDS",
+        help="how long a request waits for free KV blocks, first come first served, before "
+        "a 503 with Retry-After (at most the exposure's cap, 30 s: a decode request waiting "
+        "longer would find its prefill's exposure ended; default %(default)g)",
+    )
+
+
 def internal_key(key_file: str) -> str | None:
     """The deployment's internal key: ``key_file``'s content if given, else
     :data:`~trio_pd._serve.keys.INTERNAL_KEY_ENV`, else ``None``.

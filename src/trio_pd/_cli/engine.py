@@ -27,6 +27,7 @@ from trio_pd._cli.common import (
     EXIT_USAGE,
     UsageError,
     add_address_arguments,
+    add_admission_argument,
     add_etcd_arguments,
     add_internal_key_argument,
     add_lease_argument,
@@ -112,6 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_send_timeout_argument(parser, defaults.send_timeout)
     add_lease_argument(parser, defaults.lease_initial)
+    add_admission_argument(parser, defaults.admission_timeout)
     parser.add_argument(
         "--ready-file",
         default="",
@@ -216,6 +218,7 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         grace=args.grace,
         send_timeout=args.send_timeout,
         lease_initial=args.lease_initial,
+        admission_timeout=args.admission_timeout,
         prefill_urls=tuple(url.rstrip("/") for url in args.prefill_url),
         prefill_timeout=args.prefill_timeout,
         prefill_channel=not args.no_prefill_channel,

@@ -112,6 +112,7 @@ class ServeOptions:
     grace: float = defaults.GRACE
     send_timeout: float = SEND_TIMEOUT  # (the proxy's and every engine's)
     lease_initial: float = defaults.LEASE_INITIAL  # (every engine's; the proxy reads it)
+    admission_timeout: float = defaults.ADMISSION_TIMEOUT  # (every engine's)
     num_blocks: int = 1024
     start_timeout: float = 120.0
     hosts: int = 0  # (> 0: the engines on that many test hosts, found through etcd)
@@ -152,6 +153,7 @@ class ServeOptions:
             raise ValueError("--grace must be > 0")
         check_send_timeout(self.send_timeout)
         defaults.check_lease(self.lease_initial, defaults.CONNECT_TIMEOUT, defaults.HOLD_MARGIN)
+        defaults.check_admission(self.admission_timeout, defaults.ABORT_TIMEOUT)
         if self.num_blocks < 1:
             raise ValueError(f"--num-blocks must be at least 1 (got {self.num_blocks})")
         if not 0 <= self.port <= 65535:
@@ -640,6 +642,7 @@ def _engine_command(
         "--grace": options.grace,
         "--send-timeout": options.send_timeout,
         "--lease-initial": options.lease_initial,
+        "--admission-timeout": options.admission_timeout,
         "--ready-file": engine.ready_file,
         "--parent-pid": os.getpid(),  # (it drains if this command dies)
     }

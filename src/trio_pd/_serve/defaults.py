@@ -43,7 +43,7 @@ ABORT_TIMEOUT: Final = 30.0
 """The longest a prefill engine keeps an exposure, however often renewed."""
 
 ADMISSION_TIMEOUT: Final = 10.0
-"""How long a request waits for free KV blocks (then 503)."""
+"""How long a request waits for free KV blocks (then 503; ``--admission-timeout``)."""
 
 GRACE: Final = 10.0
 """How long requests in flight may finish after SIGTERM (``--grace``)."""
@@ -90,6 +90,23 @@ def check_lease(lease_initial: float, connect_timeout: float, hold_margin: float
         raise ValueError(
             f"the hold margin ({hold_margin:g} s) must be below the exposure's lease "
             f"({lease_initial:g} s): no decode request could ever start"
+        )
+
+
+def check_admission(admission_timeout: float, abort_timeout: float) -> None:
+    """Raises ValueError unless ``admission_timeout`` is a positive number of
+    seconds, at most ``abort_timeout``: a decode request holds its prefill's
+    exposure while it waits for blocks, and a wait past the exposure's cap
+    would end in ``exposure_ended`` rather than a pull."""
+    if not (admission_timeout > 0 and math.isfinite(admission_timeout)):
+        raise ValueError(
+            f"--admission-timeout must be a positive number of seconds (got {admission_timeout!r})"
+        )
+    if admission_timeout > abort_timeout:
+        raise ValueError(
+            f"--admission-timeout ({admission_timeout:g} s) must be at most the exposure's cap "
+            f"({abort_timeout:g} s): a decode request waiting longer would find its "
+            "prefill's exposure ended"
         )
 
 

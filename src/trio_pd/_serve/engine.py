@@ -134,6 +134,7 @@ class EngineSettings:
         check_send_timeout(self.send_timeout)
         if not (math.isfinite(self.lease_initial) and self.lease_initial > 0):
             raise ValueError("--lease-initial must be a positive number of seconds")
+        defaults.check_admission(self.admission_timeout, self.abort_timeout)
         if self.lease_initial > self.abort_timeout:
             raise ValueError(
                 f"--lease-initial must be at most the exposure's cap ({self.abort_timeout:g} s)"
