@@ -377,6 +377,7 @@ async def bench_loop_stall(quick: bool) -> Result:
     )
     stalls: dict[str, list[float]] = {mode: [] for mode in modes}
     stall_cpu: dict[str, list[float]] = {mode: [] for mode in modes}
+    stall_waiting: dict[str, list[float]] = {mode: [] for mode in modes}
     storms: dict[str, list[float]] = {mode: [] for mode in modes}
     floors: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
     async with (
@@ -385,12 +386,13 @@ async def bench_loop_stall(quick: bool) -> Result:
     ):
         for round_ in range(rounds + 1):
             for mode in modes if round_ else modes[:1]:
-                stall, cpu, storm, bare = await _handshake_storm(
+                stall, cpu, waiting, storm, bare = await _handshake_storm(
                     w, mode, round_, engines, regions, blocks, floor
                 )
                 if round_:  # round 0 is the warm-up
                     stalls[mode].append(stall)
                     stall_cpu[mode].append(cpu)
+                    stall_waiting[mode].append(waiting)
                     storms[mode].append(storm)
                     floors[mode].append(bare)
     out: Result = {
@@ -404,14 +406,20 @@ async def bench_loop_stall(quick: bool) -> Result:
         out["modes"][mode] = {
             "longest_stall_ms": ms(statistics.median(stalls[mode])),
             "trio_thread_cpu_in_it_ms": ms(statistics.median(stall_cpu[mode])),
+            "waiting_for_a_core_in_it_ms": ms(statistics.median(stall_waiting[mode])),
             "worst_round_ms": ms(max(stalls[mode])),
             "storm_s": round(statistics.median(storms[mode]), 3),
             "floor_ms": ms(statistics.median(f["floor"] for f in floors[mode])),
             "floor_batch_ms": ms(statistics.median(f["longest_batch"] for f in floors[mode])),
             "floor_late_ms": ms(statistics.median(f["longest_late"] for f in floors[mode])),
+            "floor_batch_waiting_ms": ms(
+                statistics.median(f["longest_batch_waiting"] for f in floors[mode])
+            ),
             "above_floor_ms": ms(statistics.median(above)),
             "rounds_ms": [ms(s) for s in stalls[mode]],
             "round_floors_ms": [ms(f["floor"]) for f in floors[mode]],
+            "rounds_cpu_ms": [ms(c) for c in stall_cpu[mode]],
+            "rounds_waiting_ms": [ms(w) for w in stall_waiting[mode]],
         }
     threads, loop = (out["modes"][m]["longest_stall_ms"] for m in modes[:2])
     out["stall_ratio_loop_vs_threads"] = round(loop / max(threads, 1e-3), 1)
@@ -426,11 +434,12 @@ async def _handshake_storm(
     regions: int,
     blocks: int,
     floor: StallFloor,
-) -> tuple[float, float, float, dict[str, float]]:
+) -> tuple[float, float, float, float, dict[str, float]]:
     """One cold decoder, ``engines`` first pulls at once.
 
-    Returns the longest stall, the trio thread's CPU time in it, the storm's
-    seconds, and what the bare loop (``floor``) measured over the same storm.
+    Returns the longest stall, the trio thread's CPU time in it and its wait
+    for a core in it (the kernel's run queue), the storm's seconds, and what
+    the bare loop (``floor``) measured over the same storm.
     """
     config = trio_pd.ConnectorConfig(handshake_timeout=60.0)
     backend = NixlOnEventLoop.create if mode.startswith("NIXL") else None
@@ -442,7 +451,7 @@ async def _handshake_storm(
     async with trio_pd.open_connector(f"dec-{tag}", local, config=config, backend=backend) as d:
         if mode.endswith("not frozen"):
             gc.unfreeze()
-        monitor = LoopStallMonitor()
+        monitor = LoopStallMonitor(run_queue=True)
         await floor.start()
         trio.lowlevel.add_instrument(monitor)
         started = trio.current_time()
@@ -452,13 +461,14 @@ async def _handshake_storm(
                     nursery.start_soon(d.pull, f"p{e}", [e], remote)
         finally:
             trio.lowlevel.remove_instrument(monitor)
+            monitor.close()
             gc.freeze()
         elapsed = trio.current_time() - started
         bare = await floor.stop()
         assert d.statistics().handshakes_succeeded == engines
         for e in range(engines):
             assert mismatched_blocks(local, [e], e) == []
-    return monitor.longest, monitor.longest_cpu, elapsed, bare
+    return monitor.longest, monitor.longest_cpu, monitor.longest_waiting, elapsed, bare
 
 
 # ---- 4. throughput ------------------------------------------------------------------

@@ -529,11 +529,13 @@ def _loop_stall_section(s: dict[str, Any], checks: list[list[str]]) -> list[str]
     """Section 3 (benchmark 3's results) and its goal row."""
     first = next(iter(s["modes"].values()))
     floor = "floor_ms" in first
+    waits = "waiting_for_a_core_in_it_ms" in first
     rows = [
         [
             k,
             v["longest_stall_ms"],
             v.get("trio_thread_cpu_in_it_ms", "-"),
+            *([v["waiting_for_a_core_in_it_ms"]] if waits else []),
             v["worst_round_ms"],
             v["storm_s"],
             *([v["floor_ms"], v["above_floor_ms"]] if floor else []),
@@ -565,6 +567,7 @@ def _loop_stall_section(s: dict[str, Any], checks: list[list[str]]) -> list[str]
                 "NIXL calls",
                 "longest stall ms (median)",
                 "trio thread CPU in it, ms",
+                *(["waiting for a core in it, ms"] if waits else []),
                 "worst round ms",
                 "storm s",
                 *(["bare loop's floor ms", "above the floor ms"] if floor else []),
@@ -573,7 +576,30 @@ def _loop_stall_section(s: dict[str, Any], checks: list[list[str]]) -> list[str]
         ),
         "",
     ]
-    if floor:
+    if floor and waits:
+        out += [
+            "Each round of the first row, in ms: the stall = the trio thread's CPU + its "
+            "wait for a core + the rest (the GIL, a lock), then the round's floor: "
+            + "; ".join(
+                f"{a} = {c} + {w} + {max(0.0, round(a - c - w, 3))} ({f})"
+                for a, c, w, f in zip(
+                    first["rounds_ms"],
+                    first["rounds_cpu_ms"],
+                    first["rounds_waiting_ms"],
+                    first["round_floors_ms"],
+                    strict=True,
+                )
+            )
+            + f". The bare loop's floor was its longest batch {first['floor_batch_ms']} ms "
+            f"(of which it waited for a core {first['floor_batch_waiting_ms']} ms) and its "
+            f"longest late wake-up {first['floor_late_ms']} ms (medians). (The wait for a "
+            "core is the kernel's run-queue time of the trio thread, from "
+            "`/proc/<pid>/task/<tid>/schedstat`, read at both ends of each batch: "
+            "`LoopStallMonitor(run_queue=True)`. The rest is what neither accounts for: "
+            "the thread slept, or the two counters' granularity; shown as 0 when negative.)",
+            "",
+        ]
+    elif floor:
         out += [
             "Each round of the first row, stall (floor) in ms: "
             + " ".join(
@@ -604,7 +630,21 @@ def _loop_stall_section(s: dict[str, Any], checks: list[list[str]]) -> list[str]
         "it was not running -- on 2 cores the producer process (8 engines "
         "answering), UCX's and ZeroMQ's threads and the handshake thread take "
         "turns with it (a shorter GIL switch interval, 0.5 ms instead of 5, did "
-        "not shorten the stalls).",
+        "not shorten the stalls)."
+        + (
+            f" The fourth column measures it: {first['waiting_for_a_core_in_it_ms']} ms of "
+            f"the {first['longest_stall_ms']} ms (medians) the trio thread was ready to "
+            "run and the kernel kept it waiting for a core, against "
+            f"{first['trio_thread_cpu_in_it_ms']} ms of its own work. So the stall is "
+            "mostly how the kernel shares two cores among the storm's threads and "
+            "processes (trio_pd's handshake thread, UCX's and ZeroMQ's, the producer's "
+            "8 engines, the bare loop), not the trio thread's code; the bare loop waits "
+            "for a core in its own longest batch too. With the NIXL calls on the trio "
+            "thread, the second row, it is the other way round: the thread's own CPU is "
+            "the stall."
+            if waits
+            else ""
+        ),
         "",
     ]
     stall = first["longest_stall_ms"]
@@ -803,7 +843,13 @@ def _bound_stall(r: dict[str, Any]) -> str:
     text = (
         f"{mode['trio_thread_cpu_in_it_ms']} ms of the {mode['longest_stall_ms']} ms counted "
         "as the trio thread's CPU time (in a virtual machine, time the host takes the core "
-        "is counted as the thread's too); the rest of the time the thread was not running."
+        "is counted as the thread's too); the rest of the time the thread was not running"
+        + (
+            f": {mode['waiting_for_a_core_in_it_ms']} ms of it the thread was ready to run "
+            "and waited for a core (the kernel's run queue)."
+            if "waiting_for_a_core_in_it_ms" in mode
+            else "."
+        )
     )
     if "floor_ms" in mode:
         text += (

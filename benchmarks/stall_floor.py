@@ -8,7 +8,9 @@ moments, a trio loop that does nothing but wake every :data:`INTERVAL` s is
 watched the same way:
 
 * ``longest_batch``: the longest batch of its loop (the same
-  :class:`~trio_pd.testing.LoopStallMonitor`), and the CPU its thread used in it;
+  :class:`~trio_pd.testing.LoopStallMonitor`), the CPU its thread used in it
+  and how long in it the thread waited for a core (``longest_batch_waiting``:
+  the kernel's run queue);
 * ``longest_late``: the longest time its sleeping task woke after its deadline
   (less the usual lateness of a wake-up, the median): the longest the machine
   kept that runnable loop off a core.
@@ -104,7 +106,7 @@ async def open_stall_floor() -> AsyncIterator[StallFloor]:
 async def _bare_loop() -> None:
     from trio_pd.testing import LoopStallMonitor
 
-    monitor = LoopStallMonitor()
+    monitor = LoopStallMonitor(run_queue=True)
     trio.lowlevel.add_instrument(monitor)
     late: list[float] = []
     measuring = False
@@ -133,6 +135,7 @@ async def _bare_loop() -> None:
                 result: dict[str, Any] = {
                     "longest_batch": monitor.longest,
                     "longest_batch_cpu": monitor.longest_cpu,
+                    "longest_batch_waiting": monitor.longest_waiting,
                     "longest_late": max(late, default=0.0) - usual,
                     "usual_late": usual,
                     "wake_ups": len(late),
