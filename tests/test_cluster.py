@@ -25,6 +25,7 @@ import trio
 
 from trio_pd.testing import TestHost, open_etcd, open_test_hosts
 
+from .http_clients import http_client
 from .test_commands import ENV, INTERNAL_KEY, SECRET, running
 from .test_openai import chat
 from .test_serve import complete, deployment_client, open_deployment, prompts, scrape, stream
@@ -227,7 +228,7 @@ async def test_a_cluster_on_etcd_rides_out_etcd_restarts_joins_partitions_and_cr
     with trio.fail_after(180):
         async with (
             cluster(tmp_path) as c,
-            httpx2.AsyncClient(timeout=30) as client,
+            http_client(30) as client,
             trio.open_nursery() as nursery,
         ):
             proxy, etcd, hosts = c["proxy"], c["etcd"], c["hosts"]

@@ -15,7 +15,6 @@ from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx2
 import pytest
 import trio
 
@@ -25,6 +24,7 @@ from trio_pd._serve.discovery import EngineAnnouncement, EngineSet
 from trio_pd._serve.engine import EngineSettings
 from trio_pd._serve.process import serve_engine
 
+from .http_clients import http_client
 from .test_serve import complete, stream
 
 pytestmark = pytest.mark.slow
@@ -101,9 +101,7 @@ async def test_engines_and_a_proxy_started_as_separate_commands_serve_what_one_e
                 ([*engine, "--role", "prefill"], p), ([*engine, "--role", "decode"], d), env=env
             ) as [(prefill_process, prefill), (decode_process, decode)],
             # (the engines answer only the deployment: the test calls one directly)
-            httpx2.AsyncClient(
-                timeout=30, headers={"authorization": f"Bearer {INTERNAL_KEY}"}
-            ) as client,
+            http_client(30, headers={"authorization": f"Bearer {INTERNAL_KEY}"}) as client,
         ):
             # A ready file appears only once its engine accepts requests.
             for url in (prefill["url"], decode["url"]):
@@ -425,7 +423,7 @@ async def test_ctrl_c_reaches_only_serve_which_drains_the_proxy_then_the_engines
     with trio.fail_after(90):
         async with (
             running((serve, tmp_path / "ready.json")) as [(process, ready)],
-            httpx2.AsyncClient(timeout=30) as client,
+            http_client(30) as client,
         ):
             proxy = ready["proxy"]
             assert proxy.startswith("http://127.0.0.1:")  # (advertised for the wildcard)
@@ -472,7 +470,7 @@ class RecordingMembership:
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        async with httpx2.AsyncClient(timeout=10) as client:
+        async with http_client(10) as client:
             health = (await client.get(f"{engine.url}/health")).status_code
             self.events.append(
                 f"registered {engine.role} ready_file={self.ready.exists()} {health}"
@@ -651,7 +649,7 @@ async def test_the_proxy_reaches_an_etcd_with_tls_and_authentication_or_says_why
             async with running(([*proxy, "--etcd-ca-file", etcd.ca_file], ready), env=env) as [
                 (process, ready_file)
             ]:
-                async with httpx2.AsyncClient(timeout=10) as client:
+                async with http_client(10) as client:
                     health = await client.get(f"{ready_file['url']}/health")
                 assert "status" in health.json()  # (it serves, watching etcd: no engines yet)
                 process.send_signal(signal.SIGTERM)

@@ -29,6 +29,7 @@ from trio_pd._serve.model import ModelConfig, TinyLlama, tokenize
 from trio_pd._serve.openai import FIRST_TOKEN_PARAM
 from trio_pd._serve.timing import parse as parse_server_timing
 
+from .http_clients import http_client
 from .test_proxy import closed_port_url, start_http, until
 
 INTERNAL = "the-internal-key-of-these-tests"
@@ -97,7 +98,7 @@ PROMPTS = ["a", "x" * 15, "y" * 16, "z" * 17, "tell me about trio nurseries " * 
 
 async def test_a_prefill_engine_answers_the_first_token_a_single_engine_would() -> None:
     prefill = engine("p0")
-    async with serving(build_app(prefill)) as [url], httpx2.AsyncClient(timeout=30) as client:
+    async with serving(build_app(prefill)) as [url], http_client(30) as client:
         with trio.fail_after(60):
             for prompt in PROMPTS:
                 body = {"prompt": prompt, "max_tokens": 1}
@@ -118,7 +119,7 @@ async def test_a_decode_first_engine_serves_what_one_engine_would() -> None:
     block boundaries: the same tokens as the prefill engine serving them whole."""
     async with (
         deployment() as (prefill, decode, prefill_url, decode_url),
-        httpx2.AsyncClient(timeout=30) as client,
+        http_client(30) as client,
     ):
         with trio.fail_after(120):
             for i, prompt in enumerate(PROMPTS):
@@ -150,7 +151,7 @@ async def test_a_decode_first_engine_serves_what_one_engine_would() -> None:
 async def test_the_first_token_is_streamed_before_the_pull() -> None:
     """The stream's headers (with its first token) leave once the blocks are
     held: their ``Server-Timing`` has the prefill and the hold, not yet the pull."""
-    async with deployment() as (_, _, _, decode_url), httpx2.AsyncClient(timeout=30) as client:
+    async with deployment() as (_, _, _, decode_url), http_client(30) as client:
         with trio.fail_after(60):
             body = {"prompt": "the first token comes from the prefill", "max_tokens": 4}
             _, events, timing = await stream(client, decode_url, "/v1/completions", body)
@@ -164,7 +165,7 @@ async def test_a_decode_first_engine_refuses_kv_transfer_params_from_clients() -
     400, and the exposure they name is not abandoned (its reader still reads it)."""
     async with (
         deployment() as (prefill, decode, prefill_url, decode_url),
-        httpx2.AsyncClient(timeout=30) as client,
+        http_client(30) as client,
     ):
         given_back: list[object] = []
         real_give_back = decode.give_back
@@ -196,7 +197,7 @@ async def test_a_prefill_engine_that_cannot_be_reached_is_a_502_naming_it() -> N
     prefill engine failed its last request (it cannot serve one then)."""
     dead = closed_port_url()
     decode = engine("d0", prefill_urls=(dead,))
-    async with serving(build_app(decode)) as [url], httpx2.AsyncClient(timeout=30) as client:
+    async with serving(build_app(decode)) as [url], http_client(30) as client:
         with trio.fail_after(30):
             before = await client.get(f"{url}/health")
             answer = await client.post(f"{url}/v1/completions", json={"prompt": "hi"})
@@ -229,7 +230,7 @@ async def test_keys_clients_present_theirs_the_engine_sends_the_internal_one() -
                     "internal_key": sent,
                 },
             )
-            async with serving(build_app(decode)) as [url], httpx2.AsyncClient(timeout=30) as c:
+            async with serving(build_app(decode)) as [url], http_client(30) as c:
                 with trio.fail_after(60):
                     body = {"prompt": "keys", "max_tokens": 2}
                     bare = await c.post(f"{url}/v1/completions", json=body)
@@ -278,7 +279,7 @@ async def test_a_bad_first_token_from_the_prefill_engine_is_a_502_and_its_blocks
 
     async with (
         deployment(sends=forging) as (prefill, decode, prefill_url, url),
-        httpx2.AsyncClient(timeout=30) as client,
+        http_client(30) as client,
     ):
         with trio.fail_after(30):
             body = {"prompt": "forged", "max_tokens": 3, "stream": True}
@@ -305,7 +306,7 @@ async def test_a_request_refused_for_its_shape_abandons_no_client_parameters(
     parameters are never its own, and a replay must not end another's exposure."""
     async with (
         deployment() as (prefill, decode, prefill_url, decode_url),
-        httpx2.AsyncClient(timeout=30) as client,
+        http_client(30) as client,
     ):
         given_back: list[object] = []
         decode.give_back = given_back.append  # type: ignore[method-assign]  # (a spy)
@@ -344,7 +345,7 @@ async def test_a_request_that_can_never_run_here_is_a_400_before_its_prefill(
     -- and not a stream that starts with the first token, then fails."""
     async with (
         deployment() as (prefill, _, _, decode_url),
-        httpx2.AsyncClient(timeout=30) as client,
+        http_client(30) as client,
     ):
         with trio.fail_after(60):
             # (600 + 600 tokens: 75 blocks, the pool has 64; each alone is fine)
@@ -368,7 +369,7 @@ async def test_a_prefill_engine_with_another_exposure_secret_is_a_deployment_fau
     prefill = engine("p0", keys={"exposure_secret": b"a" * 32})
     async with (
         deployment(prefill, keys={"exposure_secret": b"b" * 32}) as (_, decode, prefill_url, url),
-        httpx2.AsyncClient(timeout=30) as client,
+        http_client(30) as client,
     ):
         with trio.fail_after(30):
             body = {"prompt": "secret", "max_tokens": 3, "stream": streamed}
@@ -404,7 +405,7 @@ async def test_an_exposure_that_ended_before_the_pull_is_prefilled_again(streame
 
     async with (
         deployment(prefill, late_once) as (_, decode, prefill_url, url),
-        httpx2.AsyncClient(timeout=30) as client,
+        http_client(30) as client,
     ):
         with trio.fail_after(30):
             body = {"prompt": "a late answer", "max_tokens": 4}
@@ -433,7 +434,7 @@ async def test_one_token_is_the_prefills_and_nothing_is_pulled(streamed: bool) -
     decode engine admits nothing and pulls nothing."""
     async with (
         deployment(engine("p0", lease_initial=60.0)) as (prefill, decode, prefill_url, url),
-        httpx2.AsyncClient(timeout=30) as client,
+        http_client(30) as client,
     ):
         with trio.fail_after(30):
             body = {"prompt": "just one", "max_tokens": 1, "stream": streamed}

@@ -71,6 +71,7 @@ from trio_pd._serve.model import ModelConfig, TinyLlama
 from trio_pd._serve.pool import OutOfBlocks
 from trio_pd._serve.proxy import Proxy, ProxyTimeouts
 
+from .http_clients import http_client
 from .test_openai import call, lifespan
 from .test_proxy import BODY, closed_port_url, engines, proxy_for
 
@@ -311,7 +312,7 @@ async def test_a_real_proxy_answers_its_rows() -> None:
             refusing = closed_port_url()
             async with (
                 engines(2) as ([slow, _], urls),
-                httpx2.AsyncClient(timeout=10) as client,
+                http_client(10) as client,
             ):
                 slow.delay = 1.0
                 cases = [

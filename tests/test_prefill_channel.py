@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import httpx2
 import msgspec
 import pytest
 import trio
@@ -42,6 +41,7 @@ from trio_pd._serve.prefill_channel import (
     open_prefill_channels,
 )
 
+from .http_clients import http_client
 from .test_decode_first import INTERNAL, PROMPTS, deployment, engine, serving, stream
 from .test_proxy import closed_port_url, proxy_for, until
 
@@ -57,7 +57,7 @@ async def test_after_the_first_answer_prefills_go_over_the_channel() -> None:
     every later one over the channel; the tokens are one engine's."""
     async with (
         deployment() as (prefill, decode, prefill_url, decode_url),
-        httpx2.AsyncClient(timeout=30) as client,
+        http_client(30) as client,
     ):
         with trio.fail_after(60):
             channels = prefiller_channels(decode)
@@ -86,7 +86,7 @@ async def test_the_proxy_sends_its_prefills_over_the_channel_too(dispatch: str) 
     async with (
         serving(build_app(prefill), build_app(decode)) as [prefill_url, decode_url],
         proxy_for([prefill_url], [decode_url], dispatch=dispatch) as (proxy, proxy_url),
-        httpx2.AsyncClient(timeout=30) as client,
+        http_client(30) as client,
     ):
         with trio.fail_after(60):
             channels = proxy._prefiller.channels
@@ -110,7 +110,7 @@ async def test_an_engine_without_the_channel_is_asked_over_http() -> None:
     prefill = engine("p0", prefill_channel=False)
     async with (
         deployment(prefill) as (_, decode, prefill_url, decode_url),
-        httpx2.AsyncClient(timeout=30) as client,
+        http_client(30) as client,
     ):
         with trio.fail_after(60):
             for prompt in PROMPTS[:3]:
@@ -177,7 +177,7 @@ def raw_frame(head: bytes, body: bytes = b"") -> bytes:
 async def test_its_http_prefill_answers_name_the_channel() -> None:
     async with (
         prefill_engine() as (prefill, url, _),
-        httpx2.AsyncClient(timeout=30) as client,
+        http_client(30) as client,
     ):
         with trio.fail_after(30):
             headers = {"authorization": f"Bearer {INTERNAL}"}
@@ -679,7 +679,7 @@ async def test_a_decode_first_engine_gives_back_what_an_orphaned_answer_exposed(
     ignores an error answer or a body that is not JSON."""
     async with (
         deployment() as (prefill, decode, prefill_url, _),
-        httpx2.AsyncClient(timeout=30) as client,
+        http_client(30) as client,
     ):
         assert decode.prefiller is not None
         assert prefiller_channels(decode).orphaned == decode.give_back_answer

@@ -37,6 +37,7 @@ from trio_pd._serve.proxy import Proxy, ProxyTimeouts, open_client
 from trio_pd._serve.timing import PhaseTimes, parse
 from trio_pd.testing import free_port_range
 
+from .http_clients import http_client
 from .test_serve import metrics
 
 KV = {"remote_engine_id": "p", "remote_block_ids": [1], "do_remote_prefill": True}
@@ -195,7 +196,7 @@ async def test_requests_go_to_the_engine_with_fewest_in_flight() -> None:
         ):
             slow.gate = trio.Event()  # (the slow engine answers when the test says so)
             url = f"{proxy}/v1/completions"
-            async with httpx2.AsyncClient(timeout=10) as client, trio.open_nursery() as nursery:
+            async with http_client(10) as client, trio.open_nursery() as nursery:
 
                 async def proxy_in_flight() -> float:
                     page = metrics((await client.get(f"{proxy}/metrics")).text)
@@ -231,7 +232,7 @@ async def test_a_request_id_is_passed_on_returned_and_minted_when_missing() -> N
                 proxy,
             ),
         ):
-            async with httpx2.AsyncClient(timeout=10) as client:
+            async with http_client(10) as client:
                 url = f"{proxy}/v1/completions"
                 response = await client.post(url, json=BODY, headers={"X-Request-Id": "abc-123"})
                 assert response.headers["x-request-id"] == "abc-123"
@@ -256,7 +257,7 @@ async def test_a_clients_own_kv_transfer_params_never_reach_an_engine() -> None:
         async with (
             engines(2) as ([prefill, decode], urls),
             proxy_for(urls[:1], urls[1:], dispatch="concurrent") as (_, proxy),
-            httpx2.AsyncClient(timeout=10) as client,
+            http_client(10) as client,
         ):
             for route, body in (
                 ("completions", {**BODY, "kv_transfer_params": replayed}),
@@ -307,7 +308,7 @@ async def test_the_answer_says_where_the_time_went_engines_phases_relayed() -> N
         async with (
             engines(2) as ([prefill, decode], urls),
             proxy_for(urls[:1], urls[1:], dispatch="concurrent") as (_, proxy),
-            httpx2.AsyncClient(timeout=10) as client,
+            http_client(10) as client,
         ):
             prefill.server_timing = "forward;dur=2.5, expose;dur=0.5"
             decode.server_timing = "pull;dur=1.25, something odd"
@@ -331,7 +332,7 @@ async def test_an_engine_that_refuses_is_passed_over_and_counted() -> None:
         async with (
             engines(2) as ([prefill, decode], urls),
             proxy_for([refusing, urls[0]], [refusing, urls[1]]) as (_, proxy),
-            httpx2.AsyncClient(timeout=10) as client,
+            http_client(10) as client,
         ):
             for _ in range(4):
                 response = await client.post(f"{proxy}/v1/completions", json=BODY)
@@ -357,7 +358,7 @@ async def test_a_slow_engine_is_a_504_naming_the_phase_and_is_not_retried() -> N
         async with (
             engines(3) as ([slow, other, decode], urls),
             proxy_for(urls[:2], urls[2:], timeouts) as (_, proxy),
-            httpx2.AsyncClient(timeout=10) as client,
+            http_client(10) as client,
         ):
             slow.delay = other.delay = 1.0
             response = await client.post(f"{proxy}/v1/completions", json=BODY)
@@ -385,7 +386,7 @@ async def test_each_phase_has_its_own_deadline_not_the_gap_between_chunks() -> N
         async with (
             engines(2) as ([prefill, decode], urls),
             proxy_for(urls[:1], urls[1:], timeouts) as (_, proxy),
-            httpx2.AsyncClient(timeout=10) as client,
+            http_client(10) as client,
         ):
             prefill.delay = decode.delay = 0.6
             response = await client.post(f"{proxy}/v1/completions", json=BODY)
@@ -397,7 +398,7 @@ async def test_503s_are_503s_a_prefill_503_is_tried_elsewhere_a_decode_503_is_no
         async with (
             engines(4) as ([draining, prefill, full, decode], urls),
             proxy_for(urls[:2], urls[2:]) as (_, proxy),
-            httpx2.AsyncClient(timeout=10) as client,
+            http_client(10) as client,
         ):
             draining.status = 503
             full.status = 503
@@ -420,7 +421,7 @@ async def test_health_and_engine_sets_that_change() -> None:
         async with (
             engines(2) as (_, urls),
             proxy_for([], []) as (router, proxy),
-            httpx2.AsyncClient(timeout=10) as client,
+            http_client(10) as client,
         ):
             health = await client.get(f"{proxy}/health")
             assert health.status_code == 503
@@ -446,7 +447,7 @@ async def test_the_proxy_follows_engines_registered_on_etcd_and_outlives_etcd() 
             open_etcd() as etcd,
             engines(3) as ([prefill, decode, late], urls),
             proxy_for([], []) as (router, proxy),
-            httpx2.AsyncClient(timeout=10) as client,
+            http_client(10) as client,
         ):
 
             def member(role: str, url: str) -> Member:
@@ -529,7 +530,7 @@ async def test_an_exposure_ended_answer_is_prefilled_again_once_then_decoded() -
         async with (
             engines(2) as ([prefill, decode], urls),
             proxy_for(urls[:1], urls[1:], dispatch="concurrent") as (router, proxy),
-            httpx2.AsyncClient(timeout=10) as client,
+            http_client(10) as client,
         ):
             decode.answers = [ENDED]
             response = await client.post(f"{proxy}/v1/completions", json=BODY)
@@ -544,7 +545,7 @@ async def test_a_decode_engine_that_keeps_answering_exposure_ended_gets_one_repr
         async with (
             engines(3) as ([prefill, decode, other], urls),
             proxy_for(urls[:1], urls[1:], dispatch="concurrent") as (router, proxy),
-            httpx2.AsyncClient(timeout=10) as client,
+            http_client(10) as client,
         ):
             decode.status = other.status = 409
             decode.answers = other.answers = [ENDED] * 10
@@ -579,7 +580,7 @@ async def test_no_decode_starts_after_the_exposures_lease_could_have_run_out() -
         async with (
             engines(2) as ([prefill, decode], urls),
             proxy_for(urls[:1], [partitioned, urls[1]], timeouts) as (router, proxy),
-            httpx2.AsyncClient(timeout=10) as client,
+            http_client(10) as client,
         ):
             prefill.kv = {**KV, "remote_lease_initial": 2.0}  # (the hold margin: 1 s)
             started = trio.current_time()
@@ -605,7 +606,7 @@ async def test_a_lease_too_short_for_any_decode_is_one_reprefill_then_an_answer(
         async with (
             engines(1) as ([prefill], urls),
             proxy_for(urls, [one, two], timeouts) as (router, proxy),
-            httpx2.AsyncClient(timeout=10) as client,
+            http_client(10) as client,
         ):
             prefill.kv = {**KV, "remote_lease_initial": 1.6}
             response = await client.post(f"{proxy}/v1/completions", json=BODY)
@@ -620,7 +621,7 @@ async def test_a_lease_too_short_for_any_decode_is_one_reprefill_then_an_answer(
         async with (
             engines(1) as ([prefill], urls),
             proxy_for(urls, [one], timeouts) as (router, proxy),
-            httpx2.AsyncClient(timeout=10) as client,
+            http_client(10) as client,
         ):
             prefill.kv = {**KV, "remote_lease_initial": 1.6}
             response = await client.post(f"{proxy}/v1/completions", json=BODY)
@@ -636,7 +637,7 @@ async def test_a_prefill_answers_lease_that_is_not_a_duration_is_the_default(lea
         async with (
             engines(2) as ([prefill, _], urls),
             proxy_for(urls[:1], urls[1:], dispatch="concurrent") as (_, proxy),
-            httpx2.AsyncClient(timeout=10) as client,
+            http_client(10) as client,
         ):
             prefill.kv = {**KV, "remote_lease_initial": lease}
             response = await client.post(f"{proxy}/v1/completions", json=BODY)
@@ -652,7 +653,7 @@ async def test_a_clients_own_kv_transfer_params_change_no_check() -> None:
         async with (
             engines(2) as ([prefill, decode], urls),
             proxy_for(urls[:1], urls[1:], dispatch="concurrent") as (_, proxy),
-            httpx2.AsyncClient(timeout=10) as client,
+            http_client(10) as client,
         ):
             for own in (
                 {"do_remote_decode": True},
@@ -722,7 +723,7 @@ async def test_health_says_failing_when_every_engine_of_a_role_failed_its_last_r
         async with (
             engines(2) as ([prefill, decode], urls),
             proxy_for(urls[:1], [refusing], dispatch=dispatch) as (router, proxy),
-            httpx2.AsyncClient(timeout=10) as client,
+            http_client(10) as client,
         ):
             assert (await client.get(f"{proxy}/health")).status_code == 200  # (untried)
             response = await client.post(f"{proxy}/v1/completions", json=BODY)
@@ -756,7 +757,7 @@ async def test_an_exposure_secret_mismatch_is_a_deployment_fault_and_health_degr
         async with (
             engines(2) as ([_, decode], urls),
             proxy_for(urls[:1], urls[1:], dispatch="concurrent") as (router, proxy),
-            httpx2.AsyncClient(timeout=10) as client,
+            http_client(10) as client,
         ):
             decode.status, decode.param = 400, "kv_transfer_params.remote_token"
             response = await client.post(f"{proxy}/v1/completions", json=BODY)
@@ -785,7 +786,7 @@ async def test_a_role_with_no_live_engine_is_a_503_naming_it_not_a_502_to_a_dead
         async with (
             engines(2) as ([prefill, _], urls),
             proxy_for([], []) as (router, proxy),
-            httpx2.AsyncClient(timeout=10) as client,
+            http_client(10) as client,
         ):
             router.follow(Registered((urls[0],), (urls[1],)))
             assert (await client.post(f"{proxy}/v1/completions", json=BODY)).status_code == 200
@@ -815,7 +816,7 @@ async def test_a_request_tries_at_most_max_attempts_engines_and_remembers_refusa
         async with (
             engines(2) as ([_prefill, decode], urls),
             proxy_for([*refusing, urls[0]], urls[1:]) as (router, proxy),
-            httpx2.AsyncClient(timeout=10) as client,
+            http_client(10) as client,
         ):
             refused = 0.0
             statuses = []
@@ -846,7 +847,7 @@ async def test_black_holed_decode_candidates_cost_one_connect_timeout_not_one_pe
         async with (
             engines(2) as ([_prefill, decode], urls),
             proxy_for(urls[:1], [urls[1], a, b, c], timeouts) as (router, proxy),
-            httpx2.AsyncClient(timeout=10) as client,
+            http_client(10) as client,
         ):
             started = trio.current_time()
             statuses = [
@@ -884,7 +885,7 @@ async def test_v1_models_through_the_proxy_with_the_openai_client() -> None:
             assert [m.id for m in models] == ["tiny"]
             assert tiny.id == "tiny"
             assert tiny.model_extra == {"max_model_len": 2048}
-            async with httpx2.AsyncClient(timeout=10) as client:
+            async with http_client(10) as client:
                 missing = await client.get(f"{proxy}/v1/models/other")
                 assert missing.status_code == 404
                 assert missing.json()["error"]["code"] == "model_not_found"
@@ -894,7 +895,7 @@ async def test_v1_models_through_the_proxy_with_the_openai_client() -> None:
         # No engine that answers: a JSON 503, not a 404.
         async with (
             proxy_for([closed_port_url()], [closed_port_url()]) as (_, proxy),
-            httpx2.AsyncClient(timeout=10) as client,
+            http_client(10) as client,
         ):
             response = await client.get(f"{proxy}/v1/models")
             assert response.status_code == 503
@@ -928,7 +929,7 @@ async def test_clients_that_trickle_their_bodies_are_cut_off_and_capped_per_addr
         async with (
             engines(2) as ([prefill, _], urls),
             proxy_for(urls[:1], urls[1:], body_timeout=0.5, max_client_requests=4) as (_, proxy),
-            httpx2.AsyncClient(timeout=10) as client,
+            http_client(10) as client,
         ):
             answers: list[bytes] = []
             started = trio.current_time()
@@ -993,7 +994,7 @@ async def test_concurrent_dispatch_sends_the_decode_request_while_the_prefill_ru
         async with (
             engines(2) as ([prefill, decode], urls),
             proxy_for(urls[:1], urls[1:], dispatch="concurrent") as (router, proxy),
-            httpx2.AsyncClient(timeout=10) as client,
+            http_client(10) as client,
             trio.open_nursery() as nursery,
         ):
             prefill.gate = gate
@@ -1040,7 +1041,7 @@ async def test_a_prefill_that_fails_ends_the_concurrent_decode_request_at_once(
                 _,
                 proxy,
             ),
-            httpx2.AsyncClient(timeout=10) as client,
+            http_client(10) as client,
         ):
             prefill.status, prefill.delay = status, delay
             headers = {"x-request-id": "failed-prefill-1"}
@@ -1071,7 +1072,7 @@ async def test_a_decode_engine_that_refuses_while_the_prefill_runs_is_passed_ove
                 router,
                 proxy,
             ),
-            httpx2.AsyncClient(timeout=10) as client,
+            http_client(10) as client,
             trio.open_nursery() as nursery,
         ):
             prefill.gate = gate
@@ -1102,7 +1103,7 @@ async def test_a_client_cannot_send_the_second_line_itself() -> None:
         async with (
             engines(2) as ([prefill, decode], urls),
             proxy_for(urls[:1], urls[1:], dispatch="concurrent") as (_, proxy),
-            httpx2.AsyncClient(timeout=10) as client,
+            http_client(10) as client,
         ):
             header = {"x-trio-pd-params-within": "0.001"}
             for content in (two_lines, two_lines.encode().replace(b"\n", b"\r\n")):
@@ -1135,7 +1136,7 @@ async def test_a_body_with_a_number_json_has_not_is_a_400_before_any_engine(
         async with (
             engines(2) as ([prefill, decode], urls),
             proxy_for(urls[:1], urls[1:], dispatch=dispatch) as (router, proxy),
-            httpx2.AsyncClient(timeout=10) as client,
+            http_client(10) as client,
         ):
             response = await client.post(f"{proxy}/v1/completions", content=content)
             assert response.status_code == 400, response.text
@@ -1159,7 +1160,7 @@ async def test_a_body_under_the_limit_stays_under_it_on_its_way_to_the_decode_en
         async with (
             engines(2) as ([_, decode], urls),
             proxy_for(urls[:1], urls[1:], dispatch="concurrent") as (_, proxy),
-            httpx2.AsyncClient(timeout=10) as client,
+            http_client(10) as client,
         ):
             response = await client.post(f"{proxy}/v1/completions", content=content)
             assert response.status_code == 200, response.text
@@ -1206,6 +1207,18 @@ async def test_clients_close_idle_connections_before_the_engines_do() -> None:
     ):
         for pool in (client._transport._pool, p._client._transport._pool):  # type: ignore[attr-defined]
             assert pool._keepalive_expiry == defaults.CLIENT_KEEP_ALIVE
+
+
+def test_the_tests_clients_let_go_of_idle_connections_first_too() -> None:
+    """The tests' own clients of real servers are made by ``http_client``, which
+    keeps idle connections less long than the servers: a test that waits out a
+    5 s lease and then sends a request would otherwise race the server's close."""
+    from pathlib import Path
+
+    made = re.compile(r"httpx2\.AsyncClient\((?!transport=)")  # (mocked transports aside)
+    tests = Path(__file__).parent
+    makers = {path.name for path in tests.glob("*.py") if made.search(path.read_text())}
+    assert makers == {"http_clients.py"}
 
 
 async def test_the_parameters_are_read_once_the_body_ended() -> None:

@@ -22,6 +22,7 @@ from trio_pd._serve.keys import BearerKeys
 from trio_pd._serve.openai import MODEL_NAME
 
 from .conftest import kv_cache
+from .http_clients import http_client
 from .test_proxy import BODY, engines, proxy_for
 from .test_serve import metrics
 
@@ -87,7 +88,7 @@ async def test_the_proxy_asks_clients_for_a_key_and_shows_engines_the_internal_o
                 api_keys=BearerKeys([CLIENT_KEY], audience="client"),
                 internal_key=INTERNAL_KEY,
             ) as (_, url),
-            httpx2.AsyncClient(timeout=10) as client,
+            http_client(10) as client,
         ):
             for headers in ({}, {"Authorization": f"Bearer {INTERNAL_KEY}"}):
                 answer = await client.post(f"{url}/v1/completions", json=BODY, headers=headers)
@@ -254,7 +255,7 @@ async def test_a_deployment_serves_only_key_holders_and_its_side_channels_only_i
                 assert process.poll() is None, log.read_text()
                 await trio.sleep(0.05)
             serving = json.loads(ready.read_text())
-            async with httpx2.AsyncClient(timeout=30) as client:
+            async with http_client(30) as client:
                 internal_key = await _checks(client, serving, openai)
         process.send_signal(signal.SIGTERM)
         with trio.fail_after(60):
@@ -364,7 +365,7 @@ async def test_an_engine_that_refuses_the_proxys_key_is_a_502_not_the_clients_40
         async with (
             engines(2) as ([prefill, _], [p_url, d_url]),
             proxy_for([p_url], [d_url], internal_key=INTERNAL_KEY) as (_, url),
-            httpx2.AsyncClient(timeout=10) as client,
+            http_client(10) as client,
         ):
             prefill.status = 401
             answer = await client.post(f"{url}/v1/completions", json=BODY)
@@ -422,7 +423,7 @@ async def test_a_forged_registration_in_etcd_gets_no_request_and_no_key() -> Non
             proxy_url = await nursery.start(
                 functools.partial(serve_proxy, options, None, stop.wait, membership=membership)
             )
-            async with httpx2.AsyncClient(timeout=10) as http:
+            async with http_client(10) as http:
                 answer = await http.post(f"{proxy_url}/v1/completions", json=BODY)
             assert answer.status_code >= 500  # (no engine of the deployment)
             stop.set()
@@ -451,7 +452,7 @@ async def test_a_cluster_from_the_internal_key_has_curve_and_a_foreign_connector
                     ([*engine, "--role", "prefill"], p), ([*engine, "--role", "decode"], d), env=env
                 ) as [(_, prefill), _],
                 running((["proxy", "--port", "0", "--etcd", etcd.url], x), env=env) as [(_, proxy)],
-                httpx2.AsyncClient(timeout=30) as client,
+                http_client(30) as client,
             ):
                 answer = await complete(client, proxy["url"], prompt="hello", max_tokens=4)
                 assert len(answer["choices"][0]["token_ids"]) == 4

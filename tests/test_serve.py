@@ -22,8 +22,9 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from trio_pd._serve.defaults import CLIENT_KEEP_ALIVE
 from trio_pd._serve.timing import parse as parse_server_timing
+
+from .http_clients import http_client
 
 pytestmark = pytest.mark.slow
 
@@ -40,15 +41,8 @@ def deployment_client(timeout: float) -> httpx2.AsyncClient:
     """A client for a deployment's proxy *and* its engines (it shows the internal
     key, which the engines require on /v1/* and the proxy ignores without client keys).
 
-    It keeps an idle connection for ``CLIENT_KEEP_ALIVE``, less than the servers'
-    ``SERVER_KEEP_ALIVE``, as the proxy's own clients do: with httpx's default
-    (5 s, the servers' too), a request sent after an idle spell of about 5 s
-    could go out on a connection the server was closing, and fail with "Server
-    disconnected without sending a response" (a clean-clone run of
-    test_serve_partial_failure did, session 17)."""
-    auth = {"Authorization": f"Bearer {INTERNAL_KEY}"}
-    limits = httpx2.Limits(keepalive_expiry=CLIENT_KEEP_ALIVE)
-    return httpx2.AsyncClient(timeout=timeout, headers=auth, limits=limits)
+    Its idle connections expire before the servers close them (``http_client``)."""
+    return http_client(timeout, headers={"Authorization": f"Bearer {INTERNAL_KEY}"})
 
 
 @asynccontextmanager

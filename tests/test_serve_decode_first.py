@@ -24,6 +24,7 @@ import httpx2
 import pytest
 import trio
 
+from .http_clients import http_client
 from .test_decode_first import PROMPTS, auth, chat, stream
 from .test_serve import INTERNAL_KEY, metrics
 
@@ -62,7 +63,7 @@ async def test_serve_decode_first_answers_what_one_engine_would_and_drains_in_or
             assert ready["dispatch"] == "decode-first"
             assert ready["clients"] == [decode]
             assert ready["proxy"] is None
-            async with httpx2.AsyncClient(timeout=60) as client:
+            async with http_client(60) as client:
                 await keys_are_asked_for(client, prefill, decode)
                 await answers_are_one_engines(client, prefill, decode)
                 await sigterm_drains_the_decode_engine_then_the_prefill_engine(
