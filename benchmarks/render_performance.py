@@ -138,8 +138,8 @@ def render(results: dict[str, Any]) -> str:
         "numbers (p99, the longest stall) move most between runs on this 2-core "
         "machine: read them as ranges.",
         "",
-        "To reproduce: `nox -s bench` (9 to 11 minutes and 3 GB of memory, as root "
-        "for benchmark 8; "
+        "To reproduce: `nox -s bench` (12 to 15 minutes on this 2-core machine, and 3 GB "
+        "of memory, as root for benchmark 8; "
         "rewrites this page and `docs/performance.json`).",
         "",
         "## Machine",
@@ -1678,13 +1678,39 @@ FINDINGS = """## What we found
   410-419 us to 303-314 (raw NIXL's calls: 291-308). In two full runs
   (`nox -s bench`, 877 and 815 s), x0.931 with rounds from x0.893 to x1.152
   (8ad7c98), then x0.877 with rounds from x0.875 to x0.935 (59a8d17, the same
-  data path; the run on this page), the trio thread's CPU per pull 352 and
-  346 us against raw NIXL's 323 and 320: at the goal, not clear of it. So
+  data path), the trio thread's CPU per pull 352 and 346 us against raw
+  NIXL's 323 and 320, and the next day x0.891 with rounds from x0.848 to
+  x1.051 (2a06bb5, the same data path; the run on this page): at the goal,
+  not clear of it. So
   the ratio measures whether trio_pd's Python fits in the producer's check
   cycle on the day's machine, not trio_pd's CPU against raw NIXL's: a producer that answered
   at once would leave that Python uncovered (about 1.8 times raw NIXL's own
   work between READs here). Not kept: both sides' descriptor indices made
   as one array (no change measurable).
+* **A handshake storm's loop stall is the kernel's run queue (issue 33).**
+  Benchmark 3's monitor now reads the trio thread's scheduler statistics
+  (`/proc/<pid>/task/<tid>/schedstat`) at both ends of every batch
+  (`LoopStallMonitor(run_queue=True)`), so each longest batch splits into
+  the thread's own CPU, its wait for a core and what is left (the GIL, a
+  lock). In the run on this page (rounds in section 3), the median stall was
+  3.436 ms: 0.934 ms of the trio thread's CPU and 3.09 ms ready to run but
+  waiting for a core; in the row with the NIXL calls on the trio thread,
+  11.6 ms of 14.5 were its own CPU. Timing every task step the same way
+  (outside the benchmark) put the long steps in a metadata fetch's socket
+  set-up or a pull's step: 1.5-5 ms of wall each, 0.3-0.7 ms of CPU, the
+  rest in the run queue. In one storm (about 70 ms) the trio thread ran
+  25-32 ms and waited as long; trio's worker thread that loads the agents
+  ran 18-22 ms, ZeroMQ's I/O thread 4-5, the transfer driver 4-7, with the
+  producer's 8 engines on the same 2 cores. The GIL is not it: the rest is
+  about 0. Tried and not kept: the loading thread at nice 19 (one
+  interleaved run of 14 rounds each: median stall 3.96 -> 3.10 ms, but the
+  bare loop's floor fell with it, 3.07 -> 1.87 ms, and above the floor
+  stayed 0.99 -> 0.93 ms; a thread of trio's cache stays niced for whatever
+  runs on it next, and a busy loop could starve the loads), and a GIL switch
+  interval of 0.5 ms (longer stalls). So what is left of this goal is the
+  share-out of two cores among the storm's threads and processes: on a
+  machine with a core to spare for the loads the same code stalls for its
+  own CPU, under 1 ms here.
 * **Sleeps that end on time.** The transfer driver and the producer's
   notification thread sleep `poll_interval` (100 us) between checks; with
   Linux's default 50 us timer slack each sleep took about 170 us. Both

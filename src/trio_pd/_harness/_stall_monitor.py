@@ -43,7 +43,7 @@ class LoopStallMonitor(trio.abc.Instrument):
     ends of every batch (one ``pread`` each, a few microseconds: for
     measurements, not for a monitor left on in serving); the file is opened
     on the first batch, in the thread that runs the loop, and closed by
-    :meth:`close` (or when the monitor is collected). Where the kernel has
+    ``close()`` (or when the monitor is collected). Where the kernel has
     no such file (not Linux, or schedstats compiled out) it falls back to
     ``time.thread_time`` and ``longest_waiting`` stays 0.0.
     """
