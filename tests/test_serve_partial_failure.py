@@ -110,9 +110,9 @@ async def test_overload_impossible_and_forged_requests_strand_nothing(tmp_path: 
                 # served, each holding nothing it cannot use: every one is
                 # served (no 502, no 503), and nothing is stranded afterwards.
                 # (Waiting is bounded by --admission-timeout, 30 s here: the
-                # 40 take 3.5-6.5 s on 2 idle cores, under the suite's load
-                # about twice that. The default 10 s was too close: 28 of the
-                # 40 were served in one CI run, the rest 503.)
+                # 40 take about 3.5 s on 2 idle cores, under the suite's load
+                # about twice that. With the default 10 s and 20-59 tokens
+                # each, 28 of the 40 were served in one CI run, the rest 503.)
                 statuses: list[int] = []
 
                 async def one(i: int) -> None:
