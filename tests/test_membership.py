@@ -416,6 +416,26 @@ async def test_a_forged_or_overwritten_registration_is_never_routed_to_and_is_pu
     assert sum("does not verify" in w or "not signed" in w for w in warnings) == 2 * 3
 
 
+async def test_a_value_left_out_unverified_sets_the_views_changed_event(
+    etcd: EtcdServer,
+) -> None:
+    """A forged value changes no member but does change ``statistics().unverified``:
+    ``changed`` fires for it, so waiting on the event for the count cannot hang
+    (it did, when the forged value's event came after the waiter had read the count)."""
+    forged = member("decode", 0).to_json(b"not the deployment's key")
+    with trio.fail_after(30):
+        async with (
+            watch_members(etcd.url, config=FAST, signing_key=KEY) as view,
+            EtcdClient(etcd.url, FAST) as client,
+        ):
+            changed = view.changed
+            assert view.statistics().unverified == 0
+            await client.put(member("decode", 0).key(PREFIX), forged)
+            await changed.wait()
+            assert view.statistics().unverified == 1
+            assert view.members() == ()
+
+
 async def until_value(client: EtcdClient, key: bytes, value: bytes | None) -> None:
     """Until ``key`` holds ``value`` (``None``: absent)."""
     while True:

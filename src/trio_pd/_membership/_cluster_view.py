@@ -65,7 +65,8 @@ class ClusterView:
 
     @property
     def changed(self) -> trio.Event:
-        """An event set at the next change of the members or of ``healthy``.
+        """An event set at the next change of the members, of ``healthy``, or of
+        ``statistics().unverified`` (a value left out because it is not signed).
 
         A new event replaces it then: read the state, then
         ``await view.changed.wait()``, and read it again.
@@ -95,9 +96,10 @@ class ClusterView:
         revision, kvs = await self._client.range_prefix(self._prefix)
         self._revision = revision
         self._reloads += 1
+        unverified = self._table.unverified
         changed = self._table.load(kvs)
         self._log_problems()
-        if changed:
+        if changed or self._table.unverified != unverified:
             self._notify()
 
     def _watching(self) -> None:
@@ -208,9 +210,10 @@ class ClusterView:
                     watching()
                 if message.events:
                     self._revision = max(e.kv.mod_revision for e in message.events)
+                    unverified = self._table.unverified
                     changed = self._table.apply(message.events)
                     self._log_problems()
-                    if changed:
+                    if changed or self._table.unverified != unverified:
                         self._notify()
 
 
