@@ -103,7 +103,7 @@ def free_port() -> int:
 
 
 GONE_PORT = 4000
-"""On the fabric, a port nobody listens on (its own start at 30000)."""
+"""On the fabric, a port nobody listens on (its own start at 61000)."""
 
 
 async def test_an_exposure_nobody_holds_expires_after_the_initial_lease(

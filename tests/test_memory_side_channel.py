@@ -319,3 +319,18 @@ def test_every_test_on_the_mock_clock_opens_its_connectors_on_the_fabric() -> No
                 ):
                     offenders.append(f"{path.name}:{call.lineno} ({node.name})")
     assert not offenders, offenders
+
+
+def test_the_fabrics_own_ports_are_clear_of_every_free_port_range() -> None:
+    """Tests bind ranks at a base from ``free_port_range`` on a fabric where
+    listeners bound with port 0 took the fabric's own ports: the two sets never
+    meet. (The fabric's ports once began at 30000, inside the draw: a decode
+    engine drew 30000, which its prefill engine held.)"""
+    from trio_pd._serve.ports import LOWEST, _ephemeral_low
+    from trio_pd.testing._memory_side_channel import FIRST_PORT, Addresses
+
+    highest_drawn = _ephemeral_low() - 1  # (free_port_range's ranges end below it)
+    assert LOWEST <= highest_drawn < FIRST_PORT
+    addresses = Addresses()
+    first = addresses.bind("127.0.0.1", 0, object(), "p#1", 1 << 20)  # type: ignore[arg-type]
+    assert first.port == FIRST_PORT

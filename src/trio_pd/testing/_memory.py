@@ -155,7 +155,8 @@ class MemoryFabric:
         """A side-channel factory (``open_connector(..., side_channel=fabric.side_channel)``):
         a new in-memory side channel on this fabric, for the connector whose
         agent is ``agent_name``. Listeners bound with ``port=0`` get ports of
-        the fabric's own (from 30000); an address in use raises
+        the fabric's own (from 61000, clear of
+        :func:`~trio_pd.testing.free_port_range`'s); an address in use raises
         :class:`OSError`, as a real bind does. No CURVE: a ``config.auth``
         raises :class:`ValueError`.
         """

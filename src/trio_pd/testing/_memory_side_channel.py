@@ -63,8 +63,15 @@ logger = logging.getLogger("trio_pd")
 RECONNECT_INTERVAL = 0.1
 """How often a refused connection is tried again (ZeroMQ's ``RECONNECT_IVL``)."""
 
-FIRST_PORT = 30000
-"""The first port a listener bound with ``port=0`` gets (each fabric counts its own)."""
+FIRST_PORT = 61000
+"""The first port a listener bound with ``port=0`` gets (each fabric counts its own).
+
+Above Linux's default ephemeral range (32768-60999), and so above every base
+:func:`~trio_pd.testing.free_port_range` draws (from 20000 up to that range):
+a test may bind ranks at such a base on a fabric where other listeners took
+ports of their own, and the two never meet. (At 30000 they could: a decode
+engine's base drawn as 30000 found the port of the prefill engine bound
+before it taken.)"""
 
 _WILDCARDS = ("0.0.0.0", "::")
 
