@@ -43,7 +43,7 @@ STREAM_WITH_USAGE = {"stream": True, "stream_options": {"include_usage": True}}
 
 async def test_serve_hosts_serves_across_hosts_what_one_engine_serves(tmp_path: Path) -> None:
     """``trio-pd serve --hosts 2``: prefill on one test host, decode on the other;
-    greedy output through the proxy equals the decode engine's own, for 50
+    greedy output through the proxy equals the decode engine's own, for 16
     prompts, completions and chat, streaming and not."""
     with trio.fail_after(240):
         async with (
@@ -53,7 +53,9 @@ async def test_serve_hosts_serves_across_hosts_what_one_engine_serves(tmp_path: 
             proxy, [prefill], [decode] = serving["proxy"], serving["prefill"], serving["decode"]
             assert prefill.startswith("http://198.18.0.2:")  # (engine k on host k mod 2)
             assert decode.startswith("http://198.18.1.2:")
-            cases = prompts()
+            # (test_serve checks all 50 prompts on one host; across hosts, the
+            # edge cases -- one byte, block boundaries, non-ASCII -- and 8 more)
+            cases = prompts()[:16]
             mismatches: list[str] = []
             clients = trio.CapacityLimiter(8)
 
