@@ -69,9 +69,9 @@ FIRST_PORT = 61000
 Above Linux's default ephemeral range (32768-60999), and so above every base
 :func:`~trio_pd.testing.free_port_range` draws (from 20000 up to that range):
 a test may bind ranks at such a base on a fabric where other listeners took
-ports of their own, and the two never meet. (At 30000 they could: a decode
-engine's base drawn as 30000 found the port of the prefill engine bound
-before it taken.)"""
+ports of their own, and the two never meet. (From 30000 they could: a
+decode engine drew the base 30000, a port the prefill engine bound before
+it already held.)"""
 
 _WILDCARDS = ("0.0.0.0", "::")
 
