@@ -520,6 +520,27 @@ async def test_sequential_small_pulls_go_inline_and_each_is_correct() -> None:
                     assert await worker.wait_released(request_id) is trio_pd.Released.READ
 
 
+async def test_the_first_read_from_a_new_agent_is_the_drivers_the_next_go_inline() -> None:
+    """The first READ from a newly loaded agent finishes UCX's connection
+    set-up, several times a small READ's CPU: the driver's thread posts it,
+    never the trio thread (a storm of first pulls kept the loop from polling
+    for that long). The next small READ from it goes inline as before."""
+    captured = CapturedBackends()
+    with trio.fail_after(60):
+        async with open_prefill_worker(WorkerSpec("prefill-first", **SPEC)) as worker:
+            local = kv_cache(regions=4, blocks=16, block_shape=(1024,))
+            async with trio_pd.open_connector(
+                "decode-first", local, config=QUIET, backend=captured
+            ) as d:
+                [backend] = captured.backends
+                await d.pull("first", [0], await worker.expose("first", [0], seed=0))
+                assert (backend.reads_inline, backend.transfers_posted) == (0, 1)
+                await d.pull("second", [1], await worker.expose("second", [1], seed=1))
+                assert (backend.reads_inline, backend.transfers_posted) == (1, 2)
+                for ids, seed in (([0], 0), ([1], 1)):
+                    assert mismatched_blocks(local, ids, seed) == []
+
+
 async def test_an_inline_pull_is_a_checkpoint_confirmed_or_not() -> None:
     """An inline read that ended at once skips its own schedule point when the
     pull's confirmation waits next (that wait is the pull's): the pull as a

@@ -203,6 +203,7 @@ async def nixl_backend(
     layout = layout_of_tensors(kv_cache(regions=1, blocks=8, block_shape=(64,)))
     backend = trio_pd.NixlBackend(agent, Releasable(), Releasable(), layout, config)
     remote = RemoteAgent("p", "i1", "producer", layout, layout, Releasable(), Releasable())
+    remote.posted = True  # (read from before: its READs may go inline)
     try:
         yield backend, remote
     finally:

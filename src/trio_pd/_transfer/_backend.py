@@ -142,6 +142,10 @@ class RemoteAgent:
             local descriptor list of that view).
         users: leases held right now.
         retired: replaced or lost; the backend unloads it once ``users`` is 0.
+        posted: a transfer from it was posted (NIXL: the first one to a newly
+            loaded agent finishes UCX's connection set-up, several times a
+            small READ's CPU, so it is posted by the driver's thread, never
+            inline on the trio thread).
     """
 
     engine_id: str
@@ -153,6 +157,7 @@ class RemoteAgent:
     local_handle: Any = None
     users: int = 0
     retired: bool = False
+    posted: bool = False
 
 
 @attrs.frozen

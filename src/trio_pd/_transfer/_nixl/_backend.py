@@ -369,8 +369,9 @@ class NixlBackend:
             trio.Cancelled: the calling task was cancelled.
         """
         job = self._job(remote, local_indices, remote_indices, notification)
+        inline, remote.posted = remote.posted, True
         try:
-            await self._run_job(job, schedule)
+            await self._run_job(job, schedule, inline=inline)
         finally:
             if job.still_running:  # give the agent up, but keep it loaded until then
                 self._hold_until_settled(remote, job, unsettled)
@@ -407,7 +408,7 @@ class NixlBackend:
         return job_for(remote, local_indices, remote_indices, notification, self._config)
 
     @trio.lowlevel.enable_ki_protection
-    async def _run_job(self, job: Job, schedule: bool = True) -> None:
+    async def _run_job(self, job: Job, schedule: bool = True, *, inline: bool = True) -> None:
         """Run ``job`` inline (see ``_inline``) or submit it, and wait until it
         finished, even when cancelled.
 
@@ -418,12 +419,14 @@ class NixlBackend:
         point comes while its READ runs, between posting it and checking
         it (the other tasks' turn costs the pull nothing then: it would
         wait for the READ anyway), or after it if it ended at once; none
-        if ``schedule`` is false (see :meth:`read`). Protected from
+        if ``schedule`` is false (see :meth:`read`). ``inline=False``: the
+        driver posts it (the first READ from a remote: see
+        :attr:`RemoteAgent.posted`). Protected from
         KeyboardInterrupt: between posting and checking, it would leave a
         running transfer's handle neither released nor adopted.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        handle = self._inline.start(job)
+        handle = self._inline.start(job) if inline else NOT_TAKEN
         if handle is NOT_TAKEN:
             self._driver.submit(job)
         else:

@@ -13,6 +13,9 @@ thread with no checkpoint between the check and the NIXL calls):
 * the job is one transfer (``size <= chunk``) of at most
   ``config.inline_read_bytes``: on one host ``transfer()`` *is* the copy, so
   its time on the trio thread is bounded by that size;
+* the READ is not the first from its remote agent (the backend submits
+  that one: it finishes UCX's connection set-up, several times a small
+  READ's CPU; see ``RemoteAgent.posted``);
 * the driver is idle (:attr:`TransferDriver.idle`): every job it was given
   has settled, so its thread makes no NIXL call (it waits on its queue) and
   gets no job until the trio thread submits one -- which it cannot do while
