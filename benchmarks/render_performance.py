@@ -1680,7 +1680,7 @@ FINDINGS = """## What we found
   (8ad7c98), then x0.877 with rounds from x0.875 to x0.935 (59a8d17, the same
   data path), the trio thread's CPU per pull 352 and 346 us against raw
   NIXL's 323 and 320, and the next day x0.891 with rounds from x0.848 to
-  x1.051 (2a06bb5, the same data path; the run on this page): at the goal,
+  x1.051 (2a06bb5, the same data path; the page's run until e4a9dd9): at the goal,
   not clear of it. So
   the ratio measures whether trio_pd's Python fits in the producer's check
   cycle on the day's machine, not trio_pd's CPU against raw NIXL's: a producer that answered
@@ -1692,7 +1692,7 @@ FINDINGS = """## What we found
   (`/proc/<pid>/task/<tid>/schedstat`) at both ends of every batch
   (`LoopStallMonitor(run_queue=True)`), so each longest batch splits into
   the thread's own CPU, its wait for a core and what is left (the GIL, a
-  lock). In the run on this page (rounds in section 3), the median stall was
+  lock). In the page's run of 2a06bb5, the median stall was
   3.436 ms: 0.934 ms of the trio thread's CPU and 3.09 ms ready to run but
   waiting for a core; in the row with the NIXL calls on the trio thread,
   11.6 ms of 14.5 were its own CPU. Timing every task step the same way
@@ -1711,6 +1711,45 @@ FINDINGS = """## What we found
   share-out of two cores among the storm's threads and processes: on a
   machine with a core to spare for the loads the same code stalls for its
   own CPU, under 1 ms here.
+* **A storm's longest batches, step by step (issue 33).** Every task step
+  of the trio thread timed over storms of benchmark 3 (its CPU clock, and
+  the frame where the step suspended): the batches with the most CPU
+  (1.3-2.3 ms) hold 7-10 steps of 0.03-0.5 ms each, not one long step --
+  the turn of one metadata fetch's socket set-up (0.4-0.5 ms, the largest
+  single step), fetch workers woken together by their replies (0.1-0.25 ms
+  each: taking the reply and ending their monitor's watch), the monitors'
+  events, and the storm's 8 pulls entering together (0.06-0.28 ms each:
+  the benchmark starts them in one batch, as requests that arrive together
+  would be). ZeroMQ's own calls are about a fifth of the trio thread's CPU
+  in a storm (about 30 ms): making sockets 1.8 ms, receiving 1.5, monitors
+  1.2, connecting 1.0, sending 0.7, closing 0.6. The largest pull step had
+  been the first READ from a newly loaded agent: its `transfer()` finished
+  UCX's connection set-up on the trio thread, 0.24-0.64 ms of CPU against
+  about 0.05 ms for a later small READ's. That READ now goes to the
+  driver's thread (`RemoteAgent.posted`; the next ones go inline as
+  before). In one process, 20 rounds of each taking turns: the longest
+  batch's CPU 0.97 -> 0.65 ms (medians), the stall 3.74 -> 3.34 ms; above
+  the floor 1.01 -> 1.71 ms, because the floors' medians in the same
+  rounds were 2.44 and 1.93 ms (the bare loop runs in a process of its
+  own, the same for both: 20 maxima do not pin a difference of tenths of a
+  millisecond). Tried and not kept: the loading thread as `SCHED_BATCH` (a
+  woken batch thread does not preempt the one running; 15 rounds each:
+  stall 3.19 -> 4.15 ms, the storm 60 -> 63 ms), and a thread of its own
+  for the loads, `SCHED_BATCH` or not (which of two variants ran first in a
+  round moved the result by more than the variant did: 1.6 ms above the
+  floor when first, 0.3 ms when second), and a short time slice for the
+  trio thread (`sched_setattr`, 0.1 ms instead of the kernel's 1.4; 20
+  rounds each: stall 3.70 -> 3.47 ms, above the floor 1.33 -> 1.44 ms).
+  The run on this page is the first full run with the change (e4a9dd9,
+  the next day): stall 4.416 ms, floor 2.403, +1.224 ms above it, against
+  3.436, 2.03 and +0.563 in the run of 2a06bb5; the same day's machine put
+  the sequential tiny pulls without confirmation at x0.914 (x0.891 then)
+  and one large pull at x0.918 of raw NIXL (x1.092 then): the days moved
+  these rows more than the change could. So within 0.5 ms of the floor
+  needs no batch of the storm above about 0.5 ms of CPU, and what fills
+  them now is many small steps woken by the same burst of replies; pacing
+  them one per scheduler pass, as the socket set-ups are, would cap the
+  batches but not shorten the storm.
 * **Sleeps that end on time.** The transfer driver and the producer's
   notification thread sleep `poll_interval` (100 us) between checks; with
   Linux's default 50 us timer slack each sleep took about 170 us. Both
