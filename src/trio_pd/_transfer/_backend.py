@@ -142,10 +142,10 @@ class RemoteAgent:
             local descriptor list of that view).
         users: leases held right now.
         retired: replaced or lost; the backend unloads it once ``users`` is 0.
-        posted: a transfer from it was posted (NIXL: the first one to a newly
-            loaded agent finishes UCX's connection set-up, several times a
-            small READ's CPU, so it is posted by the driver's thread, never
-            inline on the trio thread).
+        posted: a READ from it was handed to the backend (NIXL: the first
+            READ from a newly loaded agent finishes UCX's connection set-up,
+            several times a small READ's CPU, so the driver's thread posts
+            it, never an inline read on the trio thread).
     """
 
     engine_id: str
