@@ -1745,11 +1745,22 @@ FINDINGS = """## What we found
   3.436, 2.03 and +0.563 in the run of 2a06bb5; the same day's machine put
   the sequential tiny pulls without confirmation at x0.914 (x0.891 then)
   and one large pull at x0.918 of raw NIXL (x1.092 then): the days moved
-  these rows more than the change could. So within 0.5 ms of the floor
-  needs no batch of the storm above about 0.5 ms of CPU, and what fills
-  them now is many small steps woken by the same burst of replies; pacing
-  them one per scheduler pass, as the socket set-ups are, would cap the
-  batches but not shorten the storm.
+  these rows more than the change could. Timing only the steps of over
+  0.3 ms of CPU (10 storms) then found three kinds, 0.37-0.42 ms each: a
+  fetch's socket set-up, a fetch's close and the reply's decoding after
+  it, and a pull's step that made its confirmation channel and went on to
+  send and post. The set-ups take turns, one per scheduler pass
+  (`SocketSetups`), but what a task did right after its turn shared the
+  next turn's pass. A turn now ends with a schedule point of its own
+  before the next task's turn begins: in one process, 24 rounds of each
+  taking turns, the longest batch's CPU 0.77 -> 0.63 ms (medians), the
+  stall 3.30 -> 3.25 ms, the storm 59.8 -> 60.1 ms (one pass more per
+  turn); above the floor 0.77 -> 1.50 ms, the floors again apart (2.59
+  and 2.12 ms). So the stall of a storm is now mostly the wait for a core
+  (2.6-2.7 ms of it in those rounds, against 0.6-0.8 ms of the trio
+  thread's CPU), and within 0.5 ms of the floor would need a batch's CPU
+  under about 0.3 ms: less than one socket's set-up takes on this VM
+  (`zmq_socket`, its monitor and `connect`, 0.4 ms).
 * **Sleeps that end on time.** The transfer driver and the producer's
   notification thread sleep `poll_interval` (100 us) between checks; with
   Linux's default 50 us timer slack each sleep took about 170 us. Both
