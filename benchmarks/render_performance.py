@@ -1740,12 +1740,14 @@ FINDINGS = """## What we found
   floor when first, 0.3 ms when second), and a short time slice for the
   trio thread (`sched_setattr`, 0.1 ms instead of the kernel's 1.4; 20
   rounds each: stall 3.70 -> 3.47 ms, above the floor 1.33 -> 1.44 ms).
-  The run on this page is the first full run with the change (e4a9dd9,
-  the next day): stall 4.416 ms, floor 2.403, +1.224 ms above it, against
-  3.436, 2.03 and +0.563 in the run of 2a06bb5; the same day's machine put
-  the sequential tiny pulls without confirmation at x0.914 (x0.891 then)
-  and one large pull at x0.918 of raw NIXL (x1.092 then): the days moved
-  these rows more than the change could. Timing only the steps of over
+  The first full run with the change (e4a9dd9, the next day) had a stall
+  of 4.416 ms, floor 2.403, +1.224 ms above it, against 3.436, 2.03 and
+  +0.563 in the run of 2a06bb5; that run put the sequential tiny pulls
+  without confirmation at x0.914 (x0.891 then) and one large pull at
+  x0.918 of raw NIXL (x1.092 then). The run on this page (32c729b, with
+  the turns below, 2 hours later): 2.547 ms, floor 2.482 ms, 0.074 ms
+  under it (the goal met), the tiny pulls x0.911, the large pull x0.955.
+  Runs hours apart moved these rows more than either change could. Timing only the steps of over
   0.3 ms of CPU (10 storms) then found three kinds, 0.37-0.42 ms each: a
   fetch's socket set-up, a fetch's close and the reply's decoding after
   it, and a pull's step that made its confirmation channel and went on to
@@ -1760,7 +1762,21 @@ FINDINGS = """## What we found
   (2.6-2.7 ms of it in those rounds, against 0.6-0.8 ms of the trio
   thread's CPU), and within 0.5 ms of the floor would need a batch's CPU
   under about 0.3 ms: less than one socket's set-up takes on this VM
-  (`zmq_socket`, its monitor and `connect`, 0.4 ms).
+  (`zmq_socket`, its monitor and `connect`, 0.4 ms). Not kept either: a
+  fetch's set-up split into two turns (the socket and its monitor, then
+  `connect`; 24 rounds each: the longest batch's CPU 0.74 and 0.75 ms).
+* **An inline read's check is not where its CPU goes (issue 33).** An
+  inline read checks its READ (`check_xfer_state`) in a loop until it ends,
+  as raw NIXL's loop does. Sleeping 20 us between checks instead (timer
+  slack 1 ns on the trio thread; benchmark 5 alone, two runs each way,
+  taking turns): the trio thread's CPU per unconfirmed pull 319 -> 302 and
+  322 -> 301 us, the ratio to raw NIXL's loop x0.945 -> x0.703 and x0.898
+  -> x0.795. So the loop costs little CPU on this VM (a sleep's wake-up
+  costs about what the checks it replaces did), and every microsecond of
+  sleep past the READ's end is latency. Not kept. The trio thread's CPU
+  per unconfirmed pull is now 1.02-1.05 times raw NIXL's own calls (293
+  against 279 us in the run on this page): halving it would mean halving
+  NIXL's.
 * **Sleeps that end on time.** The transfer driver and the producer's
   notification thread sleep `poll_interval` (100 us) between checks; with
   Linux's default 50 us timer slack each sleep took about 170 us. Both
