@@ -1745,7 +1745,7 @@ FINDINGS = """## What we found
   +0.563 in the run of 2a06bb5; that run put the sequential tiny pulls
   without confirmation at x0.914 (x0.891 then) and one large pull at
   x0.918 of raw NIXL (x1.092 then). The run on this page (32c729b, with
-  the turns below, 2 hours later): 2.547 ms, floor 2.482 ms, 0.074 ms
+  the turns below, an hour later): 2.547 ms, floor 2.482 ms, 0.074 ms
   under it (the goal met), the tiny pulls x0.911, the large pull x0.955.
   Runs hours apart moved these rows more than either change could. Timing only the steps of over
   0.3 ms of CPU (10 storms) then found three kinds, 0.37-0.42 ms each: a
