@@ -480,10 +480,11 @@ QUIET = trio_pd.ConnectorConfig(idle_notification_poll_interval=600.0)
 
 @asynccontextmanager
 async def warm_decoder(
-    name: str,
+    name: str, *, warm: bool = True
 ) -> AsyncIterator[tuple[PrefillWorker, list[torch.Tensor], trio_pd.Connector, NixlBackend]]:
     """A prefill worker and a decoder of 16 blocks that has pulled from it once
-    (handshake done), with the decoder's backend."""
+    (handshake done; block 0, seed 0), with the decoder's backend.
+    ``warm=False``: nothing pulled yet."""
     captured = CapturedBackends()
     async with open_prefill_worker(WorkerSpec(f"prefill-{name}", **SPEC)) as worker:
         local = kv_cache(regions=4, blocks=16, block_shape=(1024,))
@@ -491,7 +492,8 @@ async def warm_decoder(
             f"decode-{name}", local, config=QUIET, backend=captured
         ) as d:
             [backend] = captured.backends
-            await d.pull("warm", [0], await worker.expose("warm", [0], seed=0))
+            if warm:
+                await d.pull("warm", [0], await worker.expose("warm", [0], seed=0))
             yield worker, local, d, backend
 
 
@@ -525,20 +527,14 @@ async def test_the_first_read_from_a_new_agent_is_the_drivers_the_next_go_inline
     set-up, several times a small READ's CPU: the driver's thread posts it,
     never the trio thread (a storm of first pulls kept the loop from polling
     for that long). The next small READ from it goes inline as before."""
-    captured = CapturedBackends()
     with trio.fail_after(60):
-        async with open_prefill_worker(WorkerSpec("prefill-first", **SPEC)) as worker:
-            local = kv_cache(regions=4, blocks=16, block_shape=(1024,))
-            async with trio_pd.open_connector(
-                "decode-first", local, config=QUIET, backend=captured
-            ) as d:
-                [backend] = captured.backends
-                await d.pull("first", [0], await worker.expose("first", [0], seed=0))
-                assert (backend.reads_inline, backend.transfers_posted) == (0, 1)
-                await d.pull("second", [1], await worker.expose("second", [1], seed=1))
-                assert (backend.reads_inline, backend.transfers_posted) == (1, 2)
-                for ids, seed in (([0], 0), ([1], 1)):
-                    assert mismatched_blocks(local, ids, seed) == []
+        async with warm_decoder("first", warm=False) as (worker, local, d, backend):
+            await d.pull("first", [0], await worker.expose("first", [0], seed=0))
+            assert (backend.reads_inline, backend.transfers_posted) == (0, 1)
+            await d.pull("second", [1], await worker.expose("second", [1], seed=1))
+            assert (backend.reads_inline, backend.transfers_posted) == (1, 2)
+            for ids, seed in (([0], 0), ([1], 1)):
+                assert mismatched_blocks(local, ids, seed) == []
 
 
 async def test_an_inline_pull_is_a_checkpoint_confirmed_or_not() -> None:
